@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project environment in .venv at the repository root and install Loom into it
+# with its dev tools. Safe to run again: it only installs what is missing or changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+# torch, CPU build. Where pip's configured wheel folder holds the CPU wheel of 2.13.0 (this project's
+# machines) it is taken from there; elsewhere set LOOM_TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==2.13.0" ${LOOM_TORCH_INDEX:+--index-url "$LOOM_TORCH_INDEX"}
+fi
+stamp=.venv/.loom-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! .venv/bin/python -c "import loom" 2>/dev/null; then
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  touch "$stamp"
+fi

@@ -1,0 +1,1 @@
+"""Loom learner service. Advantages, losses, train steps and policy versions."""

@@ -1,0 +1,110 @@
+"""``loom`` command line. Each command lives in its own module and is imported only when used.
+
+loom up [--smoke]            the whole stack on this machine (embedded broker unless configured)
+loom status                  health of every service and queue depths
+loom api SERVICE             one service's HTTP API (uvicorn)
+loom worker SERVICE          one service's Celery worker on its own queue
+loom engine                  the torch engine behind a vLLM-compatible HTTP server
+loom demo                    a short RL run on the built-in tiny model
+loom train-tiny              reproduce the built-in tiny model
+loom bench NAME              run a benchmark from bench/
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from loom.settings import SERVICE_PACKAGES, SERVICES
+
+# command -> (module:function taking argv, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("loom.stack:up_main", "start the whole stack on this machine"),
+    "status": ("loom.stack:status_main", "health of every service and queue depths"),
+    "api": ("loom.cli:api_main", "run one service's HTTP API"),
+    "worker": ("loom.cli:worker_main", "run one service's Celery worker"),
+    "engine": ("rollout_svc.engines.server:main", "torch engine behind a vLLM-compatible server"),
+    "demo": ("loom.demo:main", "a short RL run on the built-in tiny model"),
+    "train-tiny": ("loom.tiny.train:main", "reproduce the built-in tiny model"),
+    "bench": ("loom.cli:bench_main", "run a benchmark from bench/"),
+}
+
+
+def _resolve(target: str):  # type: ignore[no-untyped-def]
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def api_main(argv: Sequence[str]) -> int:
+    from loom.settings import get_settings
+
+    p = argparse.ArgumentParser(prog="loom api", description="run one service's HTTP API")
+    p.add_argument("service", choices=SERVICES)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    args = p.parse_args(argv)
+    settings = get_settings()
+    import uvicorn
+
+    from loom.runtime import configure_process
+
+    configure_process(settings)
+    uvicorn.run(
+        f"{SERVICE_PACKAGES[args.service]}.api:app",
+        host=args.host or settings.host,
+        port=args.port or settings.service_port(args.service),
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    from loom.queue import worker_argv
+    from loom.runtime import configure_process
+    from loom.settings import get_settings
+
+    p = argparse.ArgumentParser(prog="loom worker", description="run one service's Celery worker")
+    p.add_argument("service", choices=SERVICES)
+    p.add_argument("-c", "--concurrency", type=int, default=None)
+    args, extra = p.parse_known_args(argv)
+    settings = get_settings()
+    configure_process(settings)
+    tasks = importlib.import_module(f"{SERVICE_PACKAGES[args.service]}.tasks")
+    tasks.celery_app.worker_main(worker_argv(args.service, settings, args.concurrency) + list(extra))
+    return 0
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    import runpy
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="loom bench", description="run a benchmark from bench/")
+    p.add_argument("name", help="e.g. broker, tiny, rewards")
+    args, extra = p.parse_known_args(argv)
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{args.name}.py"
+    if not path.exists():
+        print(f"no benchmark {args.name!r} at {path}", file=sys.stderr)
+        return 2
+    sys.argv = [str(path), *extra]
+    runpy.run_path(str(path), run_name="__main__")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"loom: unknown command {command!r}\n{__doc__}", file=sys.stderr)
+        return 2
+    result = _resolve(COMMANDS[command][0])(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""The queue fabric: one Celery app factory used by every service.
+
+Reliability choices (DESIGN.md "Queues and reliability"):
+- one durable queue per service, routed by task-name prefix (``reward.*`` -> ``reward``);
+- JSON only: pickle is refused when publishing and when consuming;
+- late acknowledgement + reject-on-worker-lost + prefetch 1: a message is acknowledged only after
+  its task finished, so a killed worker's message is redelivered;
+- persistent messages and publisher confirms on RabbitMQ;
+- soft and hard time limits per task;
+- results keyed by an idempotency key (the task id): a redelivered task whose key already has a
+  successful result returns that result instead of running again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, Task
+from kombu import Exchange, Queue
+
+from loom.settings import SERVICES, Settings, get_settings
+
+log = logging.getLogger("loom.queue")
+
+QUEUES: tuple[str, ...] = SERVICES  # gateway, rollout, reward, reflect, learner
+
+EMBEDDED_SCHEME = "loomsql"
+EMBEDDED_TRANSPORT = "loom.embedded_broker:Transport"
+
+
+def _register_embedded_transport() -> None:
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES.setdefault(EMBEDDED_SCHEME, EMBEDDED_TRANSPORT)
+
+
+def broker_url(settings: Settings) -> str:
+    if settings.broker_url == "embedded":
+        path = Path(settings.data_dir).resolve() / "broker.sqlite"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"{EMBEDDED_SCHEME}:///{path}"
+    return settings.broker_url
+
+
+def result_backend_url(settings: Settings) -> str:
+    if settings.result_backend == "embedded":
+        path = Path(settings.data_dir).resolve() / "results.sqlite"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"db+sqlite:///{path}"
+    return settings.result_backend
+
+
+def is_amqp(url: str) -> bool:
+    return url.split(":", 1)[0] in ("amqp", "amqps", "pyamqp")
+
+
+class LoomTask(Task):
+    """Base task: late ack, requeue on a lost worker, idempotent by task id."""
+
+    acks_late = True
+    reject_on_worker_lost = True
+    typing = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        task_id = self.request.id
+        if task_id and not self.request.is_eager:
+            meta = self.backend.get_task_meta(task_id)
+            if meta.get("status") == "SUCCESS":
+                log.info("task %s[%s] already has a result; returning it", self.name, task_id)
+                return meta.get("result")
+        return super().__call__(*args, **kwargs)
+
+
+def make_celery(service: str, settings: Settings | None = None) -> Celery:
+    """The Celery app of ``service`` (one of QUEUES). Every service builds its app here."""
+    if service not in QUEUES:
+        raise ValueError(f"unknown service {service!r}; expected one of {QUEUES}")
+    settings = settings or get_settings()
+    _register_embedded_transport()
+    broker = broker_url(settings)
+    app = Celery(f"loom.{service}", broker=broker, backend=result_backend_url(settings), task_cls=LoomTask)
+
+    transport_options: dict[str, Any] = {}
+    if is_amqp(broker):
+        transport_options["confirm_publish"] = True
+    else:
+        transport_options["visibility_timeout"] = settings.embedded_visibility_timeout
+
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        task_default_delivery_mode="persistent",
+        task_default_queue=service,
+        task_queues=[
+            Queue(q, Exchange(q, type="direct", durable=True), routing_key=q, durable=True) for q in QUEUES
+        ],
+        task_routes={f"{q}.*": {"queue": q, "routing_key": q, "exchange": q} for q in QUEUES},
+        task_create_missing_queues=False,
+        task_soft_time_limit=settings.task_soft_time_limit,
+        task_time_limit=settings.task_time_limit,
+        task_track_started=True,
+        result_extended=True,
+        result_expires=7 * 24 * 3600,
+        broker_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_max_tasks_per_child=settings.worker_max_tasks_per_child,
+        worker_max_memory_per_child=settings.worker_max_memory_per_child_kb,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        enable_utc=True,
+    )
+    _register_common_tasks(app, service)
+    return app
+
+
+def _register_common_tasks(app: Celery, service: str) -> None:
+    @app.task(name=f"{service}.ping", bind=True)
+    def ping(self: Task, delay: float = 0.0) -> dict[str, Any]:
+        """Liveness round trip through this service's queue (``delay`` <= 60 s simulates work)."""
+        if delay:
+            time.sleep(min(float(delay), 60.0))
+        return {
+            "service": service,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "task_id": self.request.id,
+            "redelivered": bool((self.request.delivery_info or {}).get("redelivered")),
+        }
+
+
+def send(app: Celery, name: str, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
+    """Publish task ``name``; ``key`` is its idempotency key (becomes the task id and result key)."""
+    return app.send_task(name, args=args, kwargs=kwargs, task_id=key)
+
+
+def queue_depths(app: Celery, queues: tuple[str, ...] = QUEUES) -> dict[str, int | None]:
+    """Messages waiting in each queue (None where the broker would not say)."""
+    depths: dict[str, int | None] = {}
+    with app.connection_for_read() as conn:
+        conn.ensure_connection(max_retries=1, timeout=2)
+        channel = conn.default_channel
+        for q in queues:
+            try:
+                ok = channel.queue_declare(queue=q, passive=True)
+                depths[q] = int(ok.message_count)
+            except Exception:  # a missing queue closes amqp channels; reopen
+                depths[q] = None
+                channel = conn.channel()
+    return depths
+
+
+def check_broker(app: Celery, timeout: float = 2.0) -> tuple[bool, str]:
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout)
+        return True, "ok"
+    except Exception as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def worker_argv(service: str, settings: Settings, concurrency: int | None = None) -> list[str]:
+    return [
+        "worker",
+        "-Q",
+        service,
+        "-n",
+        f"{service}-{os.getpid()}@{socket.gethostname()}",
+        "-c",
+        str(concurrency or settings.worker_concurrency),
+        "--pool",
+        "prefork",
+        "-l",
+        "INFO",
+        "--without-gossip",
+        "--without-mingle",
+    ]

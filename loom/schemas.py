@@ -1,0 +1,252 @@
+"""Wire contracts: the only types that cross a process boundary (HTTP bodies and queue messages).
+
+Rules that keep them growable:
+- every new field has a default, so old producers stay valid (growth is additive);
+- requests forbid unknown fields, so a misspelled parameter is a 422 naming it, not a silent default;
+- token ids are the truth, text is derived; every per-token list is aligned to ``completion_ids``.
+``SCHEMA_VERSION`` is exposed on ``/version`` and in the OpenAPI document of every service.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = "1.0"
+
+Mode = Literal["plain", "streaming", "tree", "spawn"]
+SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid"]
+Estimator = Literal["grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "rea", "apr"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+TaskKind = Literal["math", "choice", "countdown", "arithmetic"]
+
+
+class Contract(BaseModel):
+    """Base of every wire type: unknown fields are an error (422 with the field path)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation
+
+
+class SamplingParams(Contract):
+    n: int = Field(default=1, ge=1, le=1024)
+    max_tokens: int = Field(default=256, ge=1, le=131072)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    logprobs: int = Field(default=0, ge=0, le=20, description="top-k log-probs per token (0 = sampled only)")
+
+
+class Segment(Contract):
+    """A typed span of a trajectory's completion, in completion-token offsets [start, end)."""
+
+    kind: SegmentKind
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    index: int = Field(default=0, description="e.g. the sentence number t of a stream segment")
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Segment:
+        if self.end < self.start:
+            raise ValueError("segment end must be >= start")
+        return self
+
+
+class Trajectory(Contract):
+    id: str = Field(min_length=1, max_length=200)
+    group_id: str = Field(min_length=1, max_length=200)
+    prompt_ids: list[int] = Field(default_factory=list)
+    completion_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] | None = Field(
+        default=None, description="behaviour log-prob of each completion token"
+    )
+    logprobs_kind: Literal["raw", "processed"] = "raw"
+    loss_mask: list[int] | None = Field(default=None, description="1 = trained; None = all tokens trained")
+    segments: list[Segment] = Field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+    stop_reason: str | int | None = None
+    policy_version: int = Field(default=0, ge=0)
+    engine: str = ""
+    timing: dict[str, float] = Field(default_factory=dict)
+    parent_id: str | None = Field(default=None, description="tree parent / spawning call / revised original")
+    text: str | None = Field(default=None, description="decoded completion, for convenience only")
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Trajectory:
+        n = len(self.completion_ids)
+        if self.logprobs is not None and len(self.logprobs) != n:
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries for {n} completion tokens")
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != n:
+                raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {n} completion tokens")
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError("loss_mask entries must be 0 or 1")
+        for seg in self.segments:
+            if seg.end > n:
+                raise ValueError(f"segment {seg.kind}[{seg.start}:{seg.end}] exceeds {n} completion tokens")
+        return self
+
+
+class TreeNode(Contract):
+    id: str
+    parent: str | None = None
+    trajectory_id: str
+    start: int = Field(ge=0, description="completion-token offset where this node's tokens begin")
+    end: int = Field(ge=0)
+
+
+class ThreadLink(Contract):
+    """A spawn/join edge: ``child`` was spawned by ``parent`` (APR)."""
+
+    parent: str
+    child: str
+    message: str = ""
+
+
+class PoolStats(Contract):
+    """Adaptive sampling (Reinforce-Ada): statistics of every response sampled for the prompt."""
+
+    n_sampled: int = Field(ge=0)
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    n_positive: int = Field(default=0, ge=0)
+    rounds: int = Field(default=1, ge=0)
+
+
+class Group(Contract):
+    """One prompt's samples: Loom's unit of scheduling, scoring and advantage computation."""
+
+    id: str = Field(min_length=1, max_length=200)
+    mode: Mode = "plain"
+    prompt: str | None = None
+    label: str | None = Field(default=None, description="gold answer / dataset label")
+    task: TaskKind | None = None
+    trajectories: list[Trajectory] = Field(default_factory=list)
+    tree: list[TreeNode] | None = None
+    threads: list[ThreadLink] | None = None
+    pool: PoolStats | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _members(self) -> Group:
+        for t in self.trajectories:
+            if t.group_id != self.id:
+                raise ValueError(f"trajectory {t.id} has group_id {t.group_id}, expected {self.id}")
+        return self
+
+
+class RolloutRequest(Contract):
+    group_id: str | None = None
+    mode: Mode = "plain"
+    prompt: str | None = Field(default=None, max_length=1_000_000)
+    prompt_ids: list[int] | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    label: str | None = None
+    task: TaskKind | None = None
+    mode_params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RolloutRequest:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_ids")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# Rewards
+
+
+class RewardComponent(Contract):
+    name: str = Field(min_length=1, max_length=64)
+    weight: float = 1.0
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardSpec(Contract):
+    components: list[RewardComponent] = Field(
+        default_factory=lambda: [RewardComponent(name="accuracy")], min_length=1, max_length=32
+    )
+    timeout_s: int = Field(default=5, ge=1, le=300, description="hard per-item verification deadline")
+
+
+class TrajectoryReward(Contract):
+    trajectory_id: str
+    total: float
+    components: dict[str, float] = Field(default_factory=dict)
+    status: RewardStatus = "ok"
+    detail: str | None = None
+
+
+class RewardResult(Contract):
+    group_id: str
+    rewards: list[TrajectoryReward]
+
+
+class RewardRequest(Contract):
+    groups: list[Group] = Field(min_length=1, max_length=4096)
+    spec: RewardSpec = Field(default_factory=RewardSpec)
+
+
+# --------------------------------------------------------------------------------------------------
+# Learning
+
+
+class LossSpec(Contract):
+    eps_low: float = Field(default=0.2, ge=0.0)
+    eps_high: float = Field(default=0.28, ge=0.0)
+    kl_coef: float = Field(default=0.0, ge=0.0)
+    entropy_coef: float = 0.0
+    aggregation: Aggregation = "token_mean"
+    hrpo_lambda: float = Field(default=0.05, ge=0.0)
+    lr: float = Field(default=1e-4, gt=0.0)
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+
+
+class TrainBatch(Contract):
+    step: int = Field(ge=0)
+    groups: list[Group] = Field(min_length=1)
+    rewards: list[RewardResult] = Field(min_length=1)
+    estimator: Estimator = "grpo"
+    estimator_params: dict[str, Any] = Field(default_factory=dict)
+    loss: LossSpec = Field(default_factory=LossSpec)
+
+
+class StepResult(Contract):
+    step: int
+    policy_version: int
+    metrics: dict[str, float] = Field(default_factory=dict)
+    n_tokens: int = 0
+
+
+class PolicyVersion(Contract):
+    version: int = Field(ge=0)
+    path: str
+    kind: Literal["full", "lora"] = "full"
+    created_at: float = 0.0
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# Service plumbing
+
+
+class ErrorBody(Contract):
+    error: str
+    detail: Any = None
+
+
+class VersionInfo(Contract):
+    service: str
+    version: str
+    schema_version: str = SCHEMA_VERSION

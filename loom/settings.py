@@ -1,0 +1,94 @@
+"""Typed settings for every Loom process, read from the environment (prefix ``LOOM_``).
+
+One class for all services keeps names identical across the API, compose files and docs; a service
+reads only the fields it needs. ``LOOM_BROKER_URL=embedded`` (the default) selects the embedded
+broker and result backend that need no server (see README, "Embedded broker").
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SERVICES: tuple[str, ...] = ("gateway", "rollout", "reward", "reflect", "learner")
+
+# Package name of each service; `uvicorn <package>.api:app` starts its API.
+SERVICE_PACKAGES: dict[str, str] = {
+    "gateway": "gateway",
+    "rollout": "rollout_svc",
+    "reward": "reward_svc",
+    "reflect": "reflect_svc",
+    "learner": "learner",
+}
+
+DEFAULT_PORTS: dict[str, int] = {
+    "gateway": 8400,
+    "rollout": 8401,
+    "reward": 8402,
+    "reflect": 8403,
+    "learner": 8404,
+    "engine": 8410,
+}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOOM_", extra="ignore")
+
+    # --- where things live
+    data_dir: Path = Field(default=Path(".loom"), description="state: embedded broker, results, runs")
+    policy_store: Path | None = Field(default=None, description="policy versions; default data_dir/policy")
+
+    # --- queue fabric
+    broker_url: str = Field(default="embedded", description="'embedded' or amqp://user:pass@host:5672//")
+    result_backend: str = Field(default="embedded", description="'embedded' or redis://host:6379/0")
+    task_soft_time_limit: float = 600.0
+    task_time_limit: float = 660.0
+    embedded_visibility_timeout: float = Field(
+        default=30.0, description="seconds an unacknowledged embedded message stays invisible without a lease"
+    )
+
+    # --- HTTP
+    host: str = "127.0.0.1"
+    gateway_port: int = DEFAULT_PORTS["gateway"]
+    rollout_port: int = DEFAULT_PORTS["rollout"]
+    reward_port: int = DEFAULT_PORTS["reward"]
+    reflect_port: int = DEFAULT_PORTS["reflect"]
+    learner_port: int = DEFAULT_PORTS["learner"]
+    engine_port: int = DEFAULT_PORTS["engine"]
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, description="larger request bodies get 413")
+    api_keys: str = Field(default="", description="comma-separated 'name:sha256hex' pairs for the gateway")
+
+    # --- compute
+    torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")
+    worker_concurrency: int = Field(default=1, ge=1)
+    worker_max_tasks_per_child: int = 200
+    worker_max_memory_per_child_kb: int = 2_000_000
+
+    # --- engines
+    engine: Literal["torch", "vllm"] = "torch"
+    engine_url: str = Field(default="", description="OpenAI-compatible server; empty = in-process torch")
+    model: str = Field(default="tiny", description="'tiny' (the built-in checkpoint) or a model path")
+    device: str = "cpu"
+
+    def service_port(self, service: str) -> int:
+        return int(getattr(self, f"{service}_port"))
+
+    def service_url(self, service: str) -> str:
+        return f"http://{self.host}:{self.service_port(service)}"
+
+    @property
+    def policy_store_path(self) -> Path:
+        return self.policy_store or self.data_dir / "policy"
+
+    @property
+    def embedded(self) -> bool:
+        return self.broker_url == "embedded"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

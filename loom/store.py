@@ -1,0 +1,92 @@
+"""Policy store: versioned policy checkpoints (full safetensors or LoRA adapters) on a shared path.
+
+Layout: ``<root>/v<version>/`` holds the checkpoint and ``<root>/v<version>/policy.json`` its
+PolicyVersion record; ``<root>/LATEST`` names the newest complete version. A version becomes visible
+only after its directory is complete (written under a temporary name, then renamed), so a reader
+never loads a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from loom.schemas import PolicyVersion
+
+
+class PolicyStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_of(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def versions(self) -> list[int]:
+        out = []
+        for p in self.root.glob("v*"):
+            if p.is_dir() and p.name[1:].isdigit() and (p / "policy.json").exists():
+                out.append(int(p.name[1:]))
+        return sorted(out)
+
+    def latest(self) -> PolicyVersion | None:
+        marker = self.root / "LATEST"
+        if marker.exists():
+            v = int(marker.read_text().strip())
+            return self.get(v)
+        vs = self.versions()
+        return self.get(vs[-1]) if vs else None
+
+    def get(self, version: int) -> PolicyVersion | None:
+        meta = self.path_of(version) / "policy.json"
+        if not meta.exists():
+            return None
+        return PolicyVersion.model_validate_json(meta.read_text())
+
+    def publish(
+        self,
+        version: int,
+        write: Callable[[Path], None],
+        *,
+        kind: Literal["full", "lora"] = "full",
+        meta: dict[str, Any] | None = None,
+    ) -> PolicyVersion:
+        """Write version ``version`` with ``write(tmp_dir)`` and make it visible atomically."""
+        final = self.path_of(version)
+        if final.exists():
+            raise FileExistsError(f"policy version {version} already exists at {final}")
+        tmp = self.root / f".tmp-v{version}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        record = PolicyVersion(
+            version=version,
+            path=str(final),
+            kind=kind,
+            created_at=time.time(),
+            meta=meta or {},
+        )
+        (tmp / "policy.json").write_text(record.model_dump_json(indent=2))
+        os.replace(tmp, final)
+        latest_tmp = self.root / f".LATEST-{os.getpid()}"
+        latest_tmp.write_text(str(version))
+        os.replace(latest_tmp, self.root / "LATEST")
+        return record
+
+    def prune(self, keep: int = 3) -> list[int]:
+        """Delete all but the newest ``keep`` versions; returns the deleted ones."""
+        vs = self.versions()
+        gone = vs[:-keep] if keep > 0 else vs
+        for v in gone:
+            shutil.rmtree(self.path_of(v), ignore_errors=True)
+        return gone
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())

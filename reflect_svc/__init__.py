@@ -1,0 +1,1 @@
+"""Loom reflect service. Reflection truncation of overthinking and revised samples (REA-RL)."""

@@ -1,0 +1,1 @@
+"""Loom reward service. Rewards: accuracy, format, length, reflection, efficiency; isolated verification."""

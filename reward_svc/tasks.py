@@ -1,0 +1,7 @@
+"""Celery tasks of the reward service (queue ``reward``): thin shells over the core modules."""
+
+from __future__ import annotations
+
+from loom.queue import make_celery
+
+celery_app = make_celery("reward")

@@ -1,0 +1,1 @@
+"""Loom rollout service. Generation: engines (vLLM server, torch) and rollout modes."""

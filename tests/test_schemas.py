@@ -1,0 +1,48 @@
+import pytest
+from pydantic import ValidationError
+
+from loom.schemas import Group, RolloutRequest, Segment, Trajectory
+
+
+def traj(**kw):
+    base = dict(id="t0", group_id="g0", prompt_ids=[1, 2], completion_ids=[3, 4, 5])
+    base.update(kw)
+    return Trajectory(**base)
+
+
+def test_per_token_lists_must_align_with_completion():
+    traj(logprobs=[-0.1, -0.2, -0.3], loss_mask=[1, 0, 1])
+    with pytest.raises(ValidationError, match="logprobs has 2 entries"):
+        traj(logprobs=[-0.1, -0.2])
+    with pytest.raises(ValidationError, match="loss_mask"):
+        traj(loss_mask=[1, 1])
+    with pytest.raises(ValidationError, match="0 or 1"):
+        traj(loss_mask=[1, 2, 1])
+
+
+def test_segments_must_lie_inside_the_completion():
+    traj(segments=[Segment(kind="stream", start=0, end=3)])
+    with pytest.raises(ValidationError, match="exceeds 3"):
+        traj(segments=[Segment(kind="deep", start=1, end=4)])
+    with pytest.raises(ValidationError):
+        Segment(kind="deep", start=3, end=1)
+
+
+def test_group_members_share_its_id():
+    Group(id="g0", trajectories=[traj()])
+    with pytest.raises(ValidationError, match="group_id"):
+        Group(id="g1", trajectories=[traj()])
+
+
+def test_unknown_fields_are_refused_with_their_name():
+    with pytest.raises(ValidationError) as err:
+        RolloutRequest(prompt="2+2=", temprature=0.5)  # type: ignore[call-arg]
+    assert err.value.errors()[0]["loc"] == ("temprature",)
+
+
+def test_rollout_request_needs_exactly_one_prompt():
+    RolloutRequest(prompt_ids=[1, 2, 3])
+    with pytest.raises(ValidationError, match="exactly one"):
+        RolloutRequest()
+    with pytest.raises(ValidationError, match="exactly one"):
+        RolloutRequest(prompt="x", prompt_ids=[1])

@@ -1,0 +1,29 @@
+from loom.store import PolicyStore
+
+
+def test_publish_is_atomic_and_latest_follows(tmp_path):
+    store = PolicyStore(tmp_path)
+    assert store.latest() is None
+    store.publish(1, lambda d: (d / "model.safetensors").write_bytes(b"x"))
+    store.publish(2, lambda d: (d / "model.safetensors").write_bytes(b"y"))
+    latest = store.latest()
+    assert latest is not None and latest.version == 2
+    assert (store.path_of(2) / "model.safetensors").read_bytes() == b"y"
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert store.prune(keep=1) == [1]
+    assert store.versions() == [2]
+
+
+def test_failed_write_leaves_no_visible_version(tmp_path):
+    store = PolicyStore(tmp_path)
+
+    def boom(d):
+        (d / "partial").write_text("half")
+        raise RuntimeError("disk full")
+
+    try:
+        store.publish(1, boom)
+    except RuntimeError:
+        pass
+    assert store.versions() == []
+    assert store.latest() is None
