@@ -51,8 +51,36 @@ def result_backend_url(settings: Settings) -> str:
     if settings.result_backend == "embedded":
         path = Path(settings.data_dir).resolve() / "results.sqlite"
         path.parent.mkdir(parents=True, exist_ok=True)
+        _enable_wal(path)
         return f"db+sqlite:///{path}"
     return settings.result_backend
+
+
+def queue_name(service: str, settings: Settings) -> str:
+    """The broker name of ``service``'s queue (and exchange): ``LOOM_QUEUE_NAMESPACE`` + service."""
+    return f"{settings.queue_namespace}{service}"
+
+
+def _refuse_pickle() -> None:
+    """Unregister pickle from kombu so nothing in a Loom process can publish it (consume: accept_content)."""
+    from kombu.serialization import registry
+
+    try:
+        registry.unregister("pickle")
+    except Exception:  # already unregistered
+        pass
+
+
+def _enable_wal(path: Path) -> None:
+    """Put the SQLite result store in WAL mode (a persistent property of the file): readers never
+    block the writer and a commit costs one fsync instead of a rollback journal's several."""
+    import sqlite3
+
+    conn = sqlite3.connect(path, timeout=30)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+    finally:
+        conn.close()
 
 
 def is_amqp(url: str) -> bool:
@@ -82,7 +110,9 @@ def make_celery(service: str, settings: Settings | None = None) -> Celery:
         raise ValueError(f"unknown service {service!r}; expected one of {QUEUES}")
     settings = settings or get_settings()
     _register_embedded_transport()
+    _refuse_pickle()
     broker = broker_url(settings)
+    names = {q: queue_name(q, settings) for q in QUEUES}
     app = Celery(f"loom.{service}", broker=broker, backend=result_backend_url(settings), task_cls=LoomTask)
 
     transport_options: dict[str, Any] = {}
@@ -102,11 +132,14 @@ def make_celery(service: str, settings: Settings | None = None) -> Celery:
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
         task_default_delivery_mode="persistent",
-        task_default_queue=service,
+        task_default_queue=names[service],
+        task_default_exchange=names[service],
+        task_default_routing_key=names[service],
         task_queues=[
-            Queue(q, Exchange(q, type="direct", durable=True), routing_key=q, durable=True) for q in QUEUES
+            Queue(n, Exchange(n, type="direct", durable=True), routing_key=n, durable=True)
+            for n in names.values()
         ],
-        task_routes={f"{q}.*": {"queue": q, "routing_key": q, "exchange": q} for q in QUEUES},
+        task_routes={f"{q}.*": {"queue": n, "routing_key": n, "exchange": n} for q, n in names.items()},
         task_create_missing_queues=False,
         task_soft_time_limit=settings.task_soft_time_limit,
         task_time_limit=settings.task_time_limit,
@@ -122,6 +155,7 @@ def make_celery(service: str, settings: Settings | None = None) -> Celery:
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
         enable_utc=True,
+        loom_queue_names=names,
     )
     _register_common_tasks(app, service)
     return app
@@ -148,14 +182,15 @@ def send(app: Celery, name: str, *args: Any, key: str | None = None, **kwargs: A
 
 
 def queue_depths(app: Celery, queues: tuple[str, ...] = QUEUES) -> dict[str, int | None]:
-    """Messages waiting in each queue (None where the broker would not say)."""
+    """Messages waiting in each queue, by service name (None where the broker would not say)."""
+    names: dict[str, str] = app.conf.get("loom_queue_names") or {}
     depths: dict[str, int | None] = {}
     with app.connection_for_read() as conn:
         conn.ensure_connection(max_retries=1, timeout=2)
         channel = conn.default_channel
         for q in queues:
             try:
-                ok = channel.queue_declare(queue=q, passive=True)
+                ok = channel.queue_declare(queue=names.get(q, q), passive=True)
                 depths[q] = int(ok.message_count)
             except Exception:  # a missing queue closes amqp channels; reopen
                 depths[q] = None
@@ -176,7 +211,7 @@ def worker_argv(service: str, settings: Settings, concurrency: int | None = None
     return [
         "worker",
         "-Q",
-        service,
+        queue_name(service, settings),
         "-n",
         f"{service}-{os.getpid()}@{socket.gethostname()}",
         "-c",

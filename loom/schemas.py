@@ -227,6 +227,7 @@ class StepResult(Contract):
     policy_version: int
     metrics: dict[str, float] = Field(default_factory=dict)
     n_tokens: int = 0
+    policy: PolicyVersion | None = Field(default=None, description="the version now current (to announce)")
 
 
 class PolicyVersion(Contract):

@@ -61,18 +61,25 @@ class BodySizeLimit:
                     return
         received = 0
         started = False
+        rejected = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, rejected
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
+                    # Answer 413 now: FastAPI turns any error while reading a body into its own 400.
+                    if not started and not rejected:
+                        rejected = True
+                        await self._reject(send)
                     raise BodyTooLarge()
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
+            if rejected:
+                return  # the 413 is out; drop the app's answer to the aborted read
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
@@ -80,7 +87,7 @@ class BodySizeLimit:
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
-            if not started:
+            if not started and not rejected:
                 await self._reject(send)
 
     async def _reject(self, send: Send) -> None:

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     result_backend: str = Field(default="embedded", description="'embedded' or redis://host:6379/0")
     task_soft_time_limit: float = 600.0
     task_time_limit: float = 660.0
+    queue_namespace: str = Field(
+        default="", description="prefix of every queue/exchange name, so deployments can share a broker"
+    )
     embedded_visibility_timeout: float = Field(
         default=30.0, description="seconds an unacknowledged embedded message stays invisible without a lease"
     )
@@ -61,6 +64,12 @@ class Settings(BaseSettings):
     engine_port: int = DEFAULT_PORTS["engine"]
     max_body_bytes: int = Field(default=16 * 1024 * 1024, description="larger request bodies get 413")
     api_keys: str = Field(default="", description="comma-separated 'name:sha256hex' pairs for the gateway")
+    gateway_rate: float = Field(default=20.0, gt=0.0, description="requests/s per API key (token bucket)")
+    gateway_burst: int = Field(default=40, ge=1, description="token bucket size per API key")
+    gateway_max_queue_depth: int = Field(
+        default=1000, ge=0, description="submissions get 429 while a pipeline queue holds more messages"
+    )
+    gateway_run_loop: bool = Field(default=True, description="drive RL runs in this gateway process")
 
     # --- compute
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")
@@ -73,6 +82,12 @@ class Settings(BaseSettings):
     engine_url: str = Field(default="", description="OpenAI-compatible server; empty = in-process torch")
     model: str = Field(default="tiny", description="'tiny' (the built-in checkpoint) or a model path")
     device: str = "cpu"
+    engine_timeout_s: float = Field(default=120.0, gt=0, description="per engine HTTP request")
+    engine_retries: int = Field(default=3, ge=0, description="engine retries on connection errors / 5xx")
+    engine_prefix_cache_entries: int = Field(default=32, ge=0, description="torch engine prefix-KV entries")
+    engine_logprobs_mode: Literal["raw", "processed"] = "raw"
+    rollout_reading_wpm: float = Field(default=150.0, gt=0, description="streaming: words per minute")
+    rollout_segment_cap: int = Field(default=512, ge=1, description="streaming: max tokens per thought")
 
     def service_port(self, service: str) -> int:
         return int(getattr(self, f"{service}_port"))

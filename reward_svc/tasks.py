@@ -1,7 +1,72 @@
-"""Celery tasks of the reward service (queue ``reward``): thin shells over the core modules."""
+"""Celery tasks of the reward service (queue ``reward``): thin shells over the core modules.
+
+``reward.score_group`` scores one group with the same core as the HTTP API. Its verifier pool lives
+in the prefork child that runs the task (one per child, started on first use), so a hostile answer
+costs its per-item deadline there too. Publish it with ``submit_group``: the task id is derived from
+the group id and the spec, so a redelivered or re-sent group returns the stored result (LoomTask).
+"""
 
 from __future__ import annotations
 
-from loom.queue import make_celery
+import hashlib
+import json
+import threading
+from typing import Any
+
+from celery import Celery
+from celery.result import AsyncResult
+
+from loom.queue import make_celery, send
+from loom.schemas import Group, RewardSpec
 
 celery_app = make_celery("reward")
+
+_lock = threading.Lock()
+_pool: Any = None
+
+
+def _verifier() -> Any:
+    global _pool
+    with _lock:
+        if _pool is None:
+            from reward_svc.config import get_reward_settings
+            from reward_svc.pool import VerifierPool
+
+            s = get_reward_settings()
+            _pool = VerifierPool(
+                s.workers,
+                max_items=s.max_items_per_worker,
+                max_rss_growth_mb=s.max_rss_growth_mb,
+                mem_limit_mb=s.mem_limit_mb,
+            )
+        return _pool
+
+
+@celery_app.task(name="reward.score_group")
+def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Score one group: ``Group`` and ``RewardSpec`` as JSON in, ``RewardResult`` as JSON out."""
+    from reward_svc.core import check_spec, score_group
+
+    g = Group.model_validate(group)
+    s = RewardSpec.model_validate(spec or {})
+    check_spec(s)
+    return score_group(g, s, _verifier().check_many).model_dump(mode="json")
+
+
+def task_key(group: Group, spec: RewardSpec) -> str:
+    digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[
+        :16
+    ]
+    return f"reward:{group.id}:{digest}"
+
+
+def submit_group(group: Group, spec: RewardSpec | None = None, app: Celery | None = None) -> AsyncResult:
+    """Publish ``reward.score_group`` keyed by group id (and spec): idempotent by group."""
+    spec = spec or RewardSpec()
+    return send(
+        app or celery_app,
+        "reward.score_group",
+        group.model_dump(mode="json"),
+        spec.model_dump(mode="json"),
+        key=task_key(group, spec),
+    )

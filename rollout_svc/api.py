@@ -1,8 +1,25 @@
-"""HTTP API of the rollout service: validates, calls the core, returns schemas."""
+"""HTTP API of the rollout service: validates, calls the core, returns schemas.
+
+``POST /v1/rollouts`` runs one RolloutRequest on this process's engine and returns the Group (meant
+for small synchronous requests; bulk work goes through the ``rollout.generate_group`` task).
+``POST /v1/policy`` loads a policy version from the policy store into this process's engine.
+Mode and engine limits are 422 naming the limit; an unreachable engine is 503.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from loom.schemas import Contract, Group, PolicyVersion, RolloutRequest
 from loom.service import add_ping_route, broker_check, create_app
+from loom.store import PolicyStore
+from rollout_svc.engines import get_engine, get_tokenizer
+from rollout_svc.engines.base import EngineError, EngineRequestError, UnsupportedCapability
+from rollout_svc.modes import ModeError
+from rollout_svc.rollout import generate_group
 from rollout_svc.tasks import celery_app
 
 app = create_app(
@@ -11,3 +28,55 @@ app = create_app(
     description="Generation: engines (vLLM server, torch) and rollout modes.",
 )
 add_ping_route(app, celery_app, ("rollout",))
+
+
+class PolicyRequest(Contract):
+    version: int | None = Field(
+        default=None, ge=0, description="a version in the policy store; None = latest"
+    )
+    path: str | None = Field(default=None, description="load this checkpoint instead of a store version")
+    kind: Literal["full", "lora"] = "full"
+
+
+def _engine_error(exc: Exception) -> JSONResponse:
+    if isinstance(exc, ModeError | UnsupportedCapability | EngineRequestError):
+        return JSONResponse(
+            status_code=422, content={"error": getattr(exc, "kind", "mode_error"), "detail": str(exc)}
+        )
+    kind = getattr(exc, "kind", "engine_error")
+    return JSONResponse(status_code=503, content={"error": kind, "detail": f"{type(exc).__name__}: {exc}"})
+
+
+@app.post("/v1/rollouts", response_model=Group, tags=["rollout"])
+async def rollouts(body: RolloutRequest) -> Group | JSONResponse:
+    settings = app.state.settings
+    try:
+        engine = get_engine(settings)
+        return await generate_group(body, engine, lambda: get_tokenizer(settings), settings)
+    except (ModeError, EngineError) as exc:
+        return _engine_error(exc)
+    except OSError as exc:  # model files missing / unreadable
+        return JSONResponse(status_code=503, content={"error": "engine_unavailable", "detail": str(exc)})
+
+
+@app.post("/v1/policy", tags=["rollout"])
+async def load_policy(body: PolicyRequest) -> JSONResponse:
+    settings = app.state.settings
+    if body.path is not None:
+        policy = PolicyVersion(version=body.version or 0, path=body.path, kind=body.kind)
+    else:
+        store = PolicyStore(settings.policy_store_path)
+        found = store.latest() if body.version is None else store.get(body.version)
+        if found is None:
+            return JSONResponse(
+                status_code=404, content={"error": "not_found", "detail": f"no policy version {body.version}"}
+            )
+        policy = found
+    try:
+        engine = get_engine(settings)
+        await engine.load_policy(policy)
+    except EngineError as exc:
+        return _engine_error(exc)
+    except OSError as exc:
+        return JSONResponse(status_code=422, content={"error": "load_failed", "detail": str(exc)})
+    return JSONResponse({"policy_version": engine.policy_version, "engine": engine.name})

@@ -1,0 +1,67 @@
+"""Engines: one token-in/token-out interface (``base.Engine``), two implementations.
+
+``make_engine(settings)`` builds the configured one: ``vllm`` (a client of ``LOOM_ENGINE_URL``,
+a vLLM server or ``loom engine``) or ``torch`` (in-process). ``get_engine()`` keeps ONE engine per
+process, so a rollout replica keeps its prefix cache (and its server affinity) across tasks.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from loom.settings import Settings, get_settings
+from rollout_svc.engines.base import Engine
+
+_engine: Engine | None = None
+_lock = threading.Lock()
+
+
+def make_engine(settings: Settings) -> Engine:
+    if settings.engine == "vllm" or settings.engine_url:
+        if not settings.engine_url:
+            raise ValueError("LOOM_ENGINE=vllm needs LOOM_ENGINE_URL")
+        from rollout_svc.engines.vllm import VLLMEngine
+
+        return VLLMEngine(
+            settings.engine_url, timeout=settings.engine_timeout_s, retries=settings.engine_retries
+        )
+    from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+
+    return TorchEngine(
+        resolve_model_path(settings.model),
+        device=settings.device,
+        cache_entries=settings.engine_prefix_cache_entries,
+        logprobs_mode=settings.engine_logprobs_mode,
+    )
+
+
+def get_engine(settings: Settings | None = None) -> Engine:
+    global _engine
+    with _lock:
+        if _engine is None:
+            _engine = make_engine(settings or get_settings())
+        return _engine
+
+
+def set_engine(engine: Engine | None) -> None:
+    """Install (or drop) the process engine; used by tests and benchmarks."""
+    global _engine
+    with _lock:
+        _engine = engine
+
+
+_tokenizer: object | None = None
+
+
+def get_tokenizer(settings: Settings | None = None) -> object:
+    """The tokenizer of the served model: the torch engine's own, else loaded from ``LOOM_MODEL``."""
+    global _tokenizer
+    engine_tok = getattr(_engine, "tokenizer", None)
+    if engine_tok is not None:
+        return engine_tok
+    with _lock:
+        if _tokenizer is None:
+            from rollout_svc.engines.torch_engine import load_tokenizer, resolve_model_path
+
+            _tokenizer = load_tokenizer(resolve_model_path((settings or get_settings()).model))
+        return _tokenizer

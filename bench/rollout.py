@@ -1,0 +1,333 @@
+"""Rollout benchmarks, measured side by side in one run (issue 5).
+
+1. Orchestration overhead: the same plain groups (same prompts, same seeds, so the same tokens) run
+   (a) by direct calls to an in-process torch engine and (b) through the queue: published as
+   ``rollout.generate_group`` tasks to one rollout worker running the same engine. Target <= 5 %.
+2. Streaming prefill: the same streaming rollouts (built-in tiny model, its stream format) on a
+   torch engine with prefix-KV reuse and on one without (naive re-prefill every round); tokens the
+   model computed / final sequence length. Target <= 1.15x with reuse.
+3. Replica scaling: throughput of 1, 2, 4, 8 rollout workers, each with its own ``loom engine
+   --simulate-ms-per-token`` server (SIMULATION: fixed per-token latency, random tokens), on
+   RabbitMQ (+ Redis results) when reachable, else the embedded broker. Target >= 0.85x linear at 8.
+
+Usage: ``loom bench rollout [--quick] [--only overhead,prefill,scaling]``. Model: LOOM_MODEL (tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from loom.runtime import configure_process  # noqa: E402
+from loom.schemas import RolloutRequest, SamplingParams  # noqa: E402
+from loom.settings import Settings, get_settings  # noqa: E402
+
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+REDIS = "redis://127.0.0.1:6379/4"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def reachable(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+class Procs:
+    """Child processes of this benchmark, each in its own session; all killed on exit."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        with open(log, "wb") as f:
+            p = subprocess.Popen(
+                argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+
+
+def queue_env(data_dir: Path, rabbit: bool, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOM_")}
+    env.update(LOOM_DATA_DIR=str(data_dir), LOOM_TORCH_THREADS="1", PYTHONUNBUFFERED="1")
+    if rabbit:
+        env.update(
+            LOOM_BROKER_URL=RABBITMQ,
+            LOOM_RESULT_BACKEND=REDIS,
+            LOOM_QUEUE_NAMESPACE=f"loombench-{uuid.uuid4().hex[:8]}-",
+        )
+    else:
+        env.update(LOOM_BROKER_URL="embedded", LOOM_RESULT_BACKEND="embedded")
+    env.update(extra)
+    return env
+
+
+def start_workers(procs: Procs, env: dict[str, str], n: int, tmp: Path) -> None:
+    logs = []
+    for i in range(n):
+        log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "loom.cli",
+            "worker",
+            "rollout",
+            "-c",
+            "1",
+            "-n",
+            f"bench{i}-{log.stem}@%h",
+        ]
+        procs.start(argv, env, log)
+        logs.append(log)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if all(" ready." in log.read_text(errors="replace") for log in logs):
+            return
+        time.sleep(0.2)
+    raise RuntimeError("rollout workers did not start")
+
+
+def celery_for(env: dict[str, str]) -> Any:
+    from loom.queue import make_celery
+
+    values = {k[len("LOOM_") :].lower(): v for k, v in env.items() if k.startswith("LOOM_")}
+    return make_celery("rollout", Settings(**values))
+
+
+def run_through_queue(app: Any, requests: list[RolloutRequest]) -> float:
+    from loom.queue import send
+
+    t0 = time.perf_counter()
+    results = [
+        send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id) for r in requests
+    ]
+    for r in results:
+        r.get(timeout=600, interval=0.01)
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def plain_requests(tokenizer: Any, n_groups: int, max_tokens: int) -> list[RolloutRequest]:
+    from loom.tiny import make_problems, plain_prompt
+
+    problems = make_problems("arith", n_groups, seed=5)
+    return [
+        RolloutRequest(
+            group_id=f"bench-{uuid.uuid4().hex[:8]}",
+            prompt_ids=tokenizer.encode(plain_prompt(p), add_special_tokens=False),
+            sampling=SamplingParams(n=4, max_tokens=max_tokens, seed=i, temperature=1.0),
+        )
+        for i, p in enumerate(problems)
+    ]
+
+
+def bench_overhead(quick: bool, tmp: Path) -> dict[str, float]:
+    from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+    from rollout_svc.rollout import generate_group
+
+    settings = get_settings()
+    path = resolve_model_path(settings.model)
+    engine = TorchEngine(path, cache_entries=settings.engine_prefix_cache_entries)
+    n_groups, max_tokens = (6, 64) if quick else (16, 128)
+    reqs = plain_requests(engine.tokenizer, n_groups + 1, max_tokens)
+    warm, reqs = reqs[0], reqs[1:]
+
+    async def direct() -> float:
+        await generate_group(warm, engine, lambda: engine.tokenizer, settings)
+        t0 = time.perf_counter()
+        for r in reqs:
+            await generate_group(r, engine, lambda: engine.tokenizer, settings)
+        return time.perf_counter() - t0
+
+    t_direct = asyncio.run(direct())
+    procs = Procs()
+    try:
+        env = queue_env(tmp / "q1", False, LOOM_ENGINE="torch", LOOM_MODEL=str(path))
+        start_workers(procs, env, 1, tmp)
+        app = celery_for(env)
+        run_through_queue(app, [warm.model_copy(update={"group_id": f"warm-{uuid.uuid4().hex[:6]}"})])
+        queued = [r.model_copy(update={"group_id": f"{r.group_id}-q"}) for r in reqs]
+        t_queue = run_through_queue(app, queued)
+        app.close()
+    finally:
+        procs.close()
+    return {"groups": n_groups, "direct_s": t_direct, "queue_s": t_queue, "overhead": t_queue / t_direct - 1}
+
+
+def bench_prefill(quick: bool) -> dict[str, float]:
+    from loom.tiny import STREAM_HEADER, make_problems
+    from loom.tiny.traces import stream_sentences
+    from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+    from rollout_svc.rollout import generate_group
+
+    settings = get_settings()
+    path = resolve_model_path(settings.model)
+    reuse = TorchEngine(path, cache_entries=32)
+    naive = TorchEngine(path, cache_entries=0, model=reuse.model, tokenizer=reuse.tokenizer)
+    problems = make_problems("arith", 4 if quick else 12, seed=11)
+    out: dict[str, float] = {}
+    for name, engine in (("reuse", reuse), ("naive", naive)):
+        length = 0
+        for i, p in enumerate(problems):
+            req = RolloutRequest(
+                mode="streaming",
+                prompt=STREAM_HEADER,
+                sampling=SamplingParams(n=2, max_tokens=96, seed=i, temperature=1.0),
+                mode_params={"sentences": stream_sentences(p), "segment_cap": 32, "answer_max_tokens": 16},
+            )
+            group = asyncio.run(generate_group(req, engine, lambda e=engine: e.tokenizer, settings))
+            length += sum(len(t.prompt_ids) + len(t.completion_ids) for t in group.trajectories)
+        computed = engine.stats.prefill_tokens + engine.stats.decode_tokens
+        out[f"{name}_computed"] = computed
+        out[f"{name}_ratio"] = computed / length
+        out[f"{name}_prefill_ratio"] = engine.stats.prefill_tokens / length
+        out["final_tokens"] = length
+    return out
+
+
+def bench_scaling(quick: bool, tmp: Path) -> dict[int, float]:
+    rabbit = reachable(5672) and reachable(6379)
+    ms, max_tokens, per_worker = 10.0, 100, 4 if quick else 8  # 1 s of simulated generation per group
+    out: dict[int, float] = {}
+    for k in (1, 2, 4, 8):
+        procs = Procs()
+        try:
+            urls = []
+            for _ in range(k):
+                port = free_port()
+                argv = [sys.executable, "-m", "loom.cli", "engine", "--port", str(port)]
+                argv += ["--simulate-ms-per-token", str(ms)]
+                procs.start(argv, queue_env(tmp, False), tmp / f"sim-{port}.log")
+                urls.append(f"http://127.0.0.1:{port}")
+            base = queue_env(tmp / f"s{k}", rabbit, LOOM_ENGINE="vllm")
+            logs = []
+            for i, url in enumerate(urls):
+                log = tmp / f"scale-{k}-{i}.log"
+                env = {**base, "LOOM_ENGINE_URL": url}
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "loom.cli",
+                    "worker",
+                    "rollout",
+                    "-c",
+                    "1",
+                    "-n",
+                    f"s{k}-{i}@%h",
+                ]
+                procs.start(argv, env, log)
+                logs.append(log)
+            deadline = time.monotonic() + 300
+            while not all(" ready." in x.read_text(errors="replace") for x in logs):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("scaling workers did not start")
+                time.sleep(0.2)
+            app = celery_for(base)
+            reqs = [
+                RolloutRequest(
+                    group_id=f"scale-{uuid.uuid4().hex[:8]}",
+                    prompt_ids=[1, 2, 3, 4],
+                    sampling=SamplingParams(n=4, max_tokens=max_tokens, seed=i),
+                )
+                for i in range(k * (per_worker + 1))
+            ]
+            run_through_queue(app, reqs[:k])  # warm every worker's engine client
+            elapsed = run_through_queue(app, reqs[k:])
+            out[k] = k * per_worker / elapsed
+            app.close()
+            print(f"  scaling: {k} workers: {out[k]:.2f} groups/s ({'rabbitmq' if rabbit else 'embedded'})")
+        finally:
+            procs.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="overhead,prefill,scaling")
+    args = p.parse_args(argv)
+    configure_process()
+    only = set(args.only.split(","))
+    rows: list[tuple[str, str, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="loom-bench-rollout-") as d:
+        tmp = Path(d)
+        if "overhead" in only:
+            o = bench_overhead(args.quick, tmp)
+            rows.append(
+                (
+                    "orchestration overhead (plain)",
+                    f"direct {o['direct_s']:.2f}s | queue {o['queue_s']:.2f}s ({o['groups']} groups)",
+                    f"{100 * o['overhead']:+.1f} %",
+                    "<= 5 %",
+                )
+            )
+        if "prefill" in only:
+            r = bench_prefill(args.quick)
+            rows.append(
+                (
+                    "streaming computed tokens / final length",
+                    f"reuse {r['reuse_ratio']:.3f}x | naive {r['naive_ratio']:.2f}x"
+                    f" ({int(r['final_tokens'])} tok)",
+                    f"{r['reuse_ratio']:.3f}x",
+                    "<= 1.15x",
+                )
+            )
+            rows.append(
+                (
+                    "streaming prompt prefill / final length",
+                    f"reuse {r['reuse_prefill_ratio']:.3f}x | naive {r['naive_prefill_ratio']:.2f}x",
+                    f"{r['reuse_prefill_ratio']:.3f}x",
+                    "-",
+                )
+            )
+        if "scaling" in only:
+            s = bench_scaling(args.quick, tmp)
+            eff = {k: s[k] / (k * s[1]) for k in s}
+            detail = " | ".join(f"{k}w {s[k]:.2f}/s ({eff[k]:.2f})" for k in sorted(s))
+            rows.append(
+                ("replica scaling (SIMULATED engine)", detail, f"{eff[8]:.2f}x linear at 8", ">= 0.85x")
+            )
+    print()
+    print(f"{'benchmark':<42} {'measured side by side':<70} {'result':<22} target")
+    for name, detail, result, target in rows:
+        print(f"{name:<42} {detail:<70} {result:<22} {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

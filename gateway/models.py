@@ -1,0 +1,143 @@
+"""The gateway's public request/response contracts (jobs and runs). Stage payloads are loom.schemas."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from loom.schemas import (
+    Contract,
+    Estimator,
+    Group,
+    LossSpec,
+    Mode,
+    RewardResult,
+    RewardSpec,
+    SamplingParams,
+    TaskKind,
+)
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+RunStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class AdaptiveParams(Contract):
+    """Reinforce-Ada (ALGORITHMS.md 4); ``n`` is the update group size kept per prompt."""
+
+    n: int = Field(default=4, ge=1, le=256)
+    samples_per_round: int = Field(default=8, ge=1, le=256, description="M")
+    max_rounds: int = Field(default=4, ge=1, le=32, description="R")
+    threshold: float = 0.7
+    exit: Literal["positive", "balanced"] = "balanced"
+    fill: Literal["first", "random"] = "first"
+
+
+class TaskItem(Contract):
+    prompt: str = Field(min_length=1, max_length=100_000)
+    label: str | None = None
+    task: TaskKind | None = None
+
+
+class JobRequest(Contract):
+    job_key: str = Field(min_length=1, max_length=200, description="client idempotency key")
+    prompts: list[str] | None = Field(default=None, max_length=4096)
+    tasks: list[TaskItem] | None = Field(default=None, max_length=4096)
+    mode: Mode = "plain"
+    mode_params: dict[str, Any] = Field(default_factory=dict)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    adaptive: AdaptiveParams | None = None
+    policy_version: int | None = Field(default=None, ge=0)
+    reflect: bool = Field(default=False, description="add reflection revisions (reflect_svc)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JobRequest:
+        if (self.prompts is None) == (self.tasks is None):
+            raise ValueError("give exactly one of prompts or tasks")
+        if not (self.prompts or self.tasks):
+            raise ValueError("no prompts")
+        return self
+
+    def items(self) -> list[TaskItem]:
+        if self.tasks is not None:
+            return list(self.tasks)
+        return [TaskItem(prompt=p) for p in self.prompts or []]
+
+
+class ScoredGroup(Contract):
+    index: int
+    group: Group | None = Field(default=None, description="None: dropped by adaptive sampling")
+    rewards: RewardResult | None = None
+
+
+class JobView(Contract):
+    id: str
+    job_key: str
+    status: JobStatus
+    n_prompts: int
+    n_done: int
+    error: str | None = None
+    counters: dict[str, float] = Field(default_factory=dict)
+    groups: list[ScoredGroup] = Field(default_factory=list)
+
+
+class DatasetSpec(Contract):
+    """``builtin`` synthetic tasks (loom.tiny.tasks) or uploaded ``jsonl`` / ``items`` of {prompt, answer}."""
+
+    builtin: Literal["arith", "countdown"] | None = None
+    size: int = Field(default=256, ge=1, le=100_000)
+    seed: int = 0
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    jsonl: str | None = Field(default=None, description="uploaded JSONL text, one {prompt, answer} a line")
+    task: TaskKind | None = Field(default=None, description="task kind of uploaded items")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if (self.builtin is None) == (self.jsonl is None):
+            raise ValueError("give exactly one of builtin or jsonl")
+        return self
+
+
+class Schedule(Contract):
+    steps: int = Field(default=10, ge=1, le=1_000_000)
+    batch_size: int = Field(default=8, ge=1, le=4096, description="prompts per step (B_0)")
+    staleness: int = Field(default=1, ge=0, le=8, description="max policy versions behind; 0 = synchronous")
+    adaptive_batch: bool = Field(default=False, description="AttnRL eq. 10")
+    target_groups: int | None = Field(default=None, ge=1, description="B': wanted groups with signal")
+    batch_lambda: float = Field(default=0.9, ge=0.0, le=1.0)
+    min_batch: int = Field(default=1, ge=1)
+    max_batch: int = Field(default=256, ge=1)
+    seed: int = 0
+
+
+class RunRequest(Contract):
+    run_key: str | None = Field(default=None, max_length=200, description="client idempotency key")
+    dataset: DatasetSpec
+    mode: Mode = "plain"
+    mode_params: dict[str, Any] = Field(default_factory=dict)
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(n=4))
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    adaptive: AdaptiveParams | None = None
+    estimator: Estimator = "grpo"
+    estimator_params: dict[str, Any] = Field(default_factory=dict)
+    loss: LossSpec = Field(default_factory=LossSpec)
+    schedule: Schedule = Field(default_factory=Schedule)
+    reflect: bool = False
+    initial_policy_version: int = Field(default=0, ge=0)
+
+
+class RunView(Contract):
+    id: str
+    status: RunStatus
+    completed_steps: int
+    total_steps: int
+    policy_version: int
+    batch_size: int
+    error: str | None = None
+    last_metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class Created(Contract):
+    id: str
+    created: bool = Field(description="false when the idempotency key named an existing job/run")

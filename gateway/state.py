@@ -1,0 +1,212 @@
+"""Durable gateway state in SQLite (``<data_dir>/gateway.sqlite``): jobs, their scored groups, runs,
+their step plans and completed steps. Every state change is one transaction, so a killed gateway
+leaves either the old or the new state, never half of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  id TEXT PRIMARY KEY, owner TEXT NOT NULL, job_key TEXT NOT NULL, status TEXT NOT NULL,
+  request TEXT NOT NULL, n_prompts INTEGER NOT NULL, error TEXT, counters TEXT NOT NULL DEFAULT '{}',
+  created_at REAL NOT NULL, updated_at REAL NOT NULL, UNIQUE(owner, job_key));
+CREATE TABLE IF NOT EXISTS job_groups (
+  job_id TEXT NOT NULL, idx INTEGER NOT NULL, seq INTEGER NOT NULL, payload TEXT NOT NULL,
+  PRIMARY KEY (job_id, idx));
+CREATE TABLE IF NOT EXISTS runs (
+  id TEXT PRIMARY KEY, owner TEXT NOT NULL, run_key TEXT, status TEXT NOT NULL, config TEXT NOT NULL,
+  completed_steps INTEGER NOT NULL DEFAULT 0, total_steps INTEGER NOT NULL,
+  policy_version INTEGER NOT NULL, batch_size INTEGER NOT NULL, error TEXT,
+  created_at REAL NOT NULL, updated_at REAL NOT NULL, UNIQUE(owner, run_key));
+CREATE TABLE IF NOT EXISTS run_plans (
+  run_id TEXT NOT NULL, step INTEGER NOT NULL, batch_size INTEGER NOT NULL, gen_version INTEGER NOT NULL,
+  PRIMARY KEY (run_id, step));
+CREATE TABLE IF NOT EXISTS run_steps (
+  run_id TEXT NOT NULL, step INTEGER NOT NULL, metrics TEXT NOT NULL, PRIMARY KEY (run_id, step));
+"""
+
+
+class GatewayState:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._db().executescript(SCHEMA)
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    # ------------------------------------------------------------------------------------------ jobs
+    def create_job(
+        self, owner: str, job_key: str, request: dict[str, Any], n_prompts: int
+    ) -> tuple[str, bool]:
+        """(job id, created); an existing (owner, job_key) returns its id and False."""
+        body = json.dumps(request, sort_keys=True)
+        with self.tx() as db:
+            row = db.execute(
+                "SELECT id, request FROM jobs WHERE owner=? AND job_key=?", (owner, job_key)
+            ).fetchone()
+            if row is not None:
+                if row["request"] != body:
+                    raise KeyError(row["id"])
+                return str(row["id"]), False
+            job_id = "job-" + uuid.uuid4().hex[:16]
+            now = time.time()
+            db.execute(
+                "INSERT INTO jobs (id, owner, job_key, status, request, n_prompts, created_at, updated_at)"
+                " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?)",
+                (job_id, owner, job_key, body, n_prompts, now, now),
+            )
+            return job_id, True
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        row = self._db().execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return dict(row) if row else None
+
+    def jobs_with_status(self, *statuses: str) -> list[str]:
+        marks = ",".join("?" * len(statuses))
+        rows = self._db().execute(f"SELECT id FROM jobs WHERE status IN ({marks})", statuses).fetchall()  # noqa: S608
+        return [str(r["id"]) for r in rows]
+
+    def set_job(self, job_id: str, **fields: Any) -> None:
+        fields["updated_at"] = time.time()
+        if "counters" in fields:
+            fields["counters"] = json.dumps(fields["counters"])
+        cols = ", ".join(f"{k}=?" for k in fields)
+        with self.tx() as db:
+            db.execute(f"UPDATE jobs SET {cols} WHERE id=?", (*fields.values(), job_id))  # noqa: S608
+
+    def add_job_group(self, job_id: str, idx: int, payload: dict[str, Any]) -> None:
+        with self.tx() as db:
+            seq = db.execute("SELECT COUNT(*) FROM job_groups WHERE job_id=?", (job_id,)).fetchone()[0]
+            db.execute(
+                "INSERT OR IGNORE INTO job_groups (job_id, idx, seq, payload) VALUES (?, ?, ?, ?)",
+                (job_id, idx, seq, json.dumps(payload)),
+            )
+
+    def job_groups(self, job_id: str, after_seq: int = -1) -> list[tuple[int, dict[str, Any]]]:
+        rows = (
+            self._db()
+            .execute(
+                "SELECT seq, payload FROM job_groups WHERE job_id=? AND seq>? ORDER BY seq",
+                (job_id, after_seq),
+            )
+            .fetchall()
+        )
+        return [(int(r["seq"]), json.loads(r["payload"])) for r in rows]
+
+    def job_done_indices(self, job_id: str) -> set[int]:
+        rows = self._db().execute("SELECT idx FROM job_groups WHERE job_id=?", (job_id,)).fetchall()
+        return {int(r["idx"]) for r in rows}
+
+    # ------------------------------------------------------------------------------------------ runs
+    def create_run(
+        self, owner: str, run_key: str | None, config: dict[str, Any], total: int, version: int, batch: int
+    ) -> tuple[str, bool]:
+        body = json.dumps(config, sort_keys=True)
+        with self.tx() as db:
+            if run_key is not None:
+                row = db.execute(
+                    "SELECT id, config FROM runs WHERE owner=? AND run_key=?", (owner, run_key)
+                ).fetchone()
+                if row is not None:
+                    if row["config"] != body:
+                        raise KeyError(row["id"])
+                    return str(row["id"]), False
+            run_id = "run-" + uuid.uuid4().hex[:16]
+            now = time.time()
+            db.execute(
+                "INSERT INTO runs (id, owner, run_key, status, config, total_steps, policy_version,"
+                " batch_size, created_at, updated_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+                (run_id, owner, run_key, body, total, version, batch, now, now),
+            )
+            return run_id, True
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        row = self._db().execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
+        return dict(row) if row else None
+
+    def runs_with_status(self, *statuses: str) -> list[str]:
+        marks = ",".join("?" * len(statuses))
+        rows = (
+            self._db()
+            .execute(
+                f"SELECT id FROM runs WHERE status IN ({marks}) ORDER BY created_at",
+                statuses,  # noqa: S608
+            )
+            .fetchall()
+        )
+        return [str(r["id"]) for r in rows]
+
+    def set_run(self, run_id: str, **fields: Any) -> None:
+        fields["updated_at"] = time.time()
+        cols = ", ".join(f"{k}=?" for k in fields)
+        with self.tx() as db:
+            db.execute(f"UPDATE runs SET {cols} WHERE id=?", (*fields.values(), run_id))  # noqa: S608
+
+    def plan(self, run_id: str, step: int, batch_size: int, gen_version: int) -> tuple[int, int]:
+        """The (batch size, generation policy version) of ``step``: the first plan recorded wins, so a
+        resumed gateway regenerates exactly the same prompts with the same task keys."""
+        with self.tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO run_plans (run_id, step, batch_size, gen_version) VALUES (?, ?, ?, ?)",
+                (run_id, step, batch_size, gen_version),
+            )
+            row = db.execute(
+                "SELECT batch_size, gen_version FROM run_plans WHERE run_id=? AND step=?", (run_id, step)
+            ).fetchone()
+            return int(row["batch_size"]), int(row["gen_version"])
+
+    def complete_step(
+        self, run_id: str, step: int, metrics: dict[str, Any], policy_version: int, batch_size: int
+    ) -> bool:
+        """Record step ``step`` and advance the run, atomically; False if it was already recorded."""
+        with self.tx() as db:
+            row = db.execute("SELECT completed_steps FROM runs WHERE id=?", (run_id,)).fetchone()
+            if row is None or int(row["completed_steps"]) != step:
+                return False
+            db.execute(
+                "INSERT INTO run_steps (run_id, step, metrics) VALUES (?, ?, ?)",
+                (run_id, step, json.dumps(metrics)),
+            )
+            db.execute(
+                "UPDATE runs SET completed_steps=?, policy_version=?, batch_size=?, updated_at=? WHERE id=?",
+                (step + 1, policy_version, batch_size, time.time(), run_id),
+            )
+            return True
+
+    def run_steps(self, run_id: str, after: int = -1) -> list[dict[str, Any]]:
+        rows = (
+            self._db()
+            .execute("SELECT metrics FROM run_steps WHERE run_id=? AND step>? ORDER BY step", (run_id, after))
+            .fetchall()
+        )
+        return [json.loads(r["metrics"]) for r in rows]

@@ -1,0 +1,206 @@
+"""Policy losses (ALGORITHMS.md 5.2). Pure torch on padded [B, T] completion tensors.
+
+Every function returns a LOSS (to minimise) = minus the objective of the paper. Masks are 0/1 float
+tensors of trained tokens (observation tokens are 0 in every mask, so they enter no sum).
+``denom`` arguments let a caller that splits a batch into micro-batches normalise by the WHOLE
+batch's counts, so accumulated gradients equal the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from loom.schemas import Aggregation
+
+
+def clipped_surrogate(
+    logp: Tensor, old_logp: Tensor, adv: Tensor, eps_low: float = 0.2, eps_high: float = 0.28
+) -> tuple[Tensor, Tensor]:
+    """C(r, A) = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp - old_logp)
+    (PPO; clip-higher from DAPO). Returns (C per token, 1.0 where the clipped branch is active)."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    return surrogate, (clipped < unclipped).to(logp.dtype)
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 estimator of KL(pi || pi_ref) per token (Schulman): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: Aggregation,
+    *,
+    seq_weight: Tensor | None = None,
+    n_tokens: float | None = None,
+    n_seqs: float | None = None,
+) -> Tensor:
+    """Reduce per-token values [B, T] to a scalar.
+
+    - ``token_mean``: sum over all trained tokens / number of trained tokens in the batch (DAPO,
+      Reinforce-Ada);
+    - ``seq_mean_token_mean``: mean over sequences of each sequence's token mean (GRPO paper);
+    - ``seq_mean_token_sum``: mean over sequences of each sequence's token sum.
+    ``seq_weight`` [B] multiplies each sequence's contribution (APR: 1 / calls in the forest).
+    """
+    v = values * mask
+    if seq_weight is not None:
+        v = v * seq_weight[:, None]
+    if mode == "token_mean":
+        denom = n_tokens if n_tokens is not None else float(mask.sum().item())
+        return v.sum() / max(denom, 1.0)
+    per_seq = v.sum(dim=1)
+    if mode == "seq_mean_token_mean":
+        per_seq = per_seq / mask.sum(dim=1).clamp(min=1.0)
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(f"unknown aggregation {mode!r}")
+    denom = n_seqs if n_seqs is not None else float(values.shape[0])
+    return per_seq.sum() / max(denom, 1.0)
+
+
+@dataclass
+class LossParts:
+    loss: Tensor
+    clip_frac: Tensor  # fraction of trained tokens where a clipped branch is active
+    kl: Tensor  # mean k3 KL over trained tokens (0 when no reference)
+    entropy: Tensor  # mean entropy over trained tokens (0 when not computed)
+
+
+def _mean(x: Tensor | None, mask: Tensor) -> Tensor:
+    if x is None:
+        return torch.zeros((), device=mask.device)
+    return (x.detach() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    aggregation: Aggregation = "token_mean",
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    seq_weight: Tensor | None = None,
+    n_tokens: float | None = None,
+    n_seqs: float | None = None,
+) -> LossParts:
+    """-(agg[C(r, A)] - kl_coef agg[k3] + entropy_coef agg[H]) with one aggregation for every term."""
+    surrogate, clipped = clipped_surrogate(logp, old_logp, adv, eps_low, eps_high)
+    per_token = surrogate
+    kl = None
+    if ref_logp is not None and kl_coef != 0.0:
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token - kl_coef * kl
+    if entropy is not None and entropy_coef != 0.0:
+        per_token = per_token + entropy_coef * entropy
+    objective = aggregate(
+        per_token, mask, aggregation, seq_weight=seq_weight, n_tokens=n_tokens, n_seqs=n_seqs
+    )
+    return LossParts(-objective, _mean(clipped, mask), _mean(kl, mask), _mean(entropy, mask))
+
+
+def hrpo_token_weights(mask: Tensor, stream_mask: Tensor, lam: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token weights of the three HRPO terms (AdaSR eq. 10, the time-grouped form):
+    w_s = lambda/|t_s| on streaming tokens, w_d = lambda/(|o| - |t_s|) on deep tokens, w_g = 1/|o|
+    on every trained token; an empty phase has weight 0 everywhere (it contributes nothing)."""
+    stream = stream_mask * mask
+    deep = mask - stream
+    n_s = stream.sum(dim=1, keepdim=True)
+    n_d = deep.sum(dim=1, keepdim=True)
+    n_o = mask.sum(dim=1, keepdim=True)
+    w_s = torch.where(n_s > 0, lam / n_s.clamp(min=1.0), torch.zeros_like(n_s)) * stream
+    w_d = torch.where(n_d > 0, lam / n_d.clamp(min=1.0), torch.zeros_like(n_d)) * deep
+    w_g = torch.where(n_o > 0, 1.0 / n_o.clamp(min=1.0), torch.zeros_like(n_o)) * mask
+    return w_s, w_d, w_g
+
+
+def hrpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv_stream: Tensor,
+    adv_deep: Tensor,
+    adv_global: Tensor,
+    mask: Tensor,
+    stream_mask: Tensor,
+    *,
+    lam: float = 0.05,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    seq_weight: Tensor | None = None,
+    n_seqs: float | None = None,
+) -> LossParts:
+    """-J_HRPO (AdaSR eq. 5, computed in the time-grouped form of eq. 10): per trajectory
+
+        lambda/|t_s| sum_{t<=t_s} C(r_t, A^s) + lambda/(|o|-|t_s|) sum_{t>t_s} C(r_t, A^d)
+        + 1/|o| sum_t (C(r_t, A^g) - kl_coef KL_t + entropy_coef H_t),
+
+    averaged over trajectories (1/G per group, 1/B over the batch). One forward: all three terms share
+    the same ratio r_t; at r = 1 the per-token gradient weights are appendix B eq. 17.
+    """
+    w_s, w_d, w_g = hrpo_token_weights(mask, stream_mask, lam)
+    c_s, clip_s = clipped_surrogate(logp, old_logp, adv_stream, eps_low, eps_high)
+    c_d, clip_d = clipped_surrogate(logp, old_logp, adv_deep, eps_low, eps_high)
+    c_g, clip_g = clipped_surrogate(logp, old_logp, adv_global, eps_low, eps_high)
+    global_tok = c_g
+    kl = None
+    if ref_logp is not None and kl_coef != 0.0:
+        kl = k3_kl(logp, ref_logp)
+        global_tok = global_tok - kl_coef * kl
+    if entropy is not None and entropy_coef != 0.0:
+        global_tok = global_tok + entropy_coef * entropy
+    per_seq = (w_s * c_s + w_d * c_d + w_g * global_tok).sum(dim=1)
+    if seq_weight is not None:
+        per_seq = per_seq * seq_weight
+    denom = n_seqs if n_seqs is not None else float(logp.shape[0])
+    objective = per_seq.sum() / max(denom, 1.0)
+    stream = stream_mask * mask
+    clipped = torch.maximum(clip_g, torch.where(stream > 0, clip_s, clip_d))
+    return LossParts(-objective, _mean(clipped, mask), _mean(kl, mask), _mean(entropy, mask))
+
+
+def hrpo_terms(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv_stream: Tensor,
+    adv_deep: Tensor,
+    adv_global: Tensor,
+    mask: Tensor,
+    stream_mask: Tensor,
+    *,
+    lam: float = 0.05,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The three terms of -J_HRPO written separately as in eq. 5 (streaming-local, deep-local, global),
+    each a batch mean over trajectories; an empty phase's term is 0 for that trajectory. Used to check
+    that the fused :func:`hrpo_loss` equals their sum (and so does its gradient)."""
+    b = logp.shape[0]
+    terms = []
+    stream = stream_mask * mask
+    deep = mask - stream
+    for adv, phase, coef in ((adv_stream, stream, lam), (adv_deep, deep, lam), (adv_global, mask, 1.0)):
+        c, _ = clipped_surrogate(logp, old_logp, adv, eps_low, eps_high)
+        total = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        for i in range(b):
+            n = phase[i].sum()
+            if n.item() > 0:
+                total = total + coef * (c[i] * phase[i]).sum() / n
+        terms.append(-total / b)
+    return terms[0], terms[1], terms[2]

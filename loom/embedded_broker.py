@@ -1,0 +1,331 @@
+"""The embedded broker: a kombu virtual transport over one SQLite file (no server to install).
+
+URL: ``loomsql:///<absolute path>/broker.sqlite`` (``LOOM_BROKER_URL=embedded`` selects it).
+
+Delivery is AT LEAST ONCE, like RabbitMQ with late acknowledgement:
+
+- ``_get`` does not delete a message; it *leases* it: ``visible_at = now + visibility_timeout`` and
+  ``owner = <this channel>``. Other consumers only see rows whose ``visible_at <= now``.
+- ack deletes the row; reject(requeue=True) and a graceful close (``restore_unacked``) make it visible
+  again at once (it keeps its place: rows are taken in ``id`` order).
+- the consuming process renews the leases of every message it holds whenever it polls (the Celery
+  worker polls continuously, also while its prefetch window is full), so a long task is not
+  redelivered while its worker lives;
+- a SIGKILLed worker renews nothing: after ``visibility_timeout`` its messages become visible again
+  and another worker gets them with ``delivery_info["redelivered"] = True``.
+
+Every process opens its own connection; SQLite in WAL mode with a busy timeout serialises writers
+across processes, and each claim is one ``UPDATE ... RETURNING`` statement, so two consumers never
+lease the same message. Exchanges and bindings are stored in the file too, so a process that never
+declared a queue still routes to it (as a real broker would). Messages are rows on disk: they
+survive a restart of every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from queue import Empty
+from typing import Any
+
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+
+DEFAULT_VISIBILITY_TIMEOUT = 30.0
+DEFAULT_POLLING_INTERVAL = 0.05
+BUSY_TIMEOUT_MS = 30_000
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS messages (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue       TEXT NOT NULL,
+    payload     TEXT NOT NULL,
+    visible_at  REAL NOT NULL DEFAULT 0,
+    owner       TEXT,
+    deliveries  INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS messages_ready ON messages (queue, visible_at, id);
+CREATE INDEX IF NOT EXISTS messages_owner ON messages (owner);
+CREATE TABLE IF NOT EXISTS queues (name TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS bindings (
+    exchange     TEXT NOT NULL,
+    type         TEXT NOT NULL,
+    routing_key  TEXT NOT NULL,
+    queue        TEXT NOT NULL,
+    PRIMARY KEY (exchange, routing_key, queue)
+);
+"""
+
+
+def database_path(client: Any) -> str:
+    """The SQLite file of a kombu connection ``loomsql:///abs/path`` (kombu puts the path in vhost)."""
+    vhost = client.virtual_host or ""
+    if not vhost or vhost == "/":
+        raise ValueError("embedded broker URL needs a file: loomsql:///absolute/path/broker.sqlite")
+    return vhost if vhost.startswith("/") else "/" + vhost
+
+
+class Database:
+    """One SQLite connection per process and file, shared by the process's channels under a lock.
+
+    Acks may come from another thread than the consuming one (Celery's prefork result handler), so
+    every statement runs under ``lock``. After ``fork`` a child opens its own connection.
+    """
+
+    _instances: dict[tuple[int, str], Database] = {}
+    _instances_lock = threading.Lock()
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock = threading.RLock()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.conn = sqlite3.connect(
+            path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+        self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        self.conn.execute("PRAGMA journal_mode = WAL")
+        self.conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across process crashes
+        with self.lock:
+            self.conn.executescript(SCHEMA)
+
+    @classmethod
+    def get(cls, path: str) -> Database:
+        key = (os.getpid(), path)
+        with cls._instances_lock:
+            db = cls._instances.get(key)
+            if db is None:
+                db = cls._instances[key] = cls(path)
+            return db
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self.lock:
+            return self.conn.execute(sql, params).fetchall()
+
+
+class QoS(virtual.QoS):
+    """Acks and rejects act on the leased rows; a graceful close releases the leases."""
+
+    def ack(self, delivery_tag: str) -> None:
+        self.channel._ack(delivery_tag)
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if requeue:
+            self.channel._release(delivery_tag)
+        else:
+            self.channel._ack(delivery_tag)
+        super().ack(delivery_tag)
+
+    def restore_unacked(self) -> list[Any]:
+        self._flush()
+        errors: list[Any] = []
+        for tag, message in list(self._delivered.items()):
+            try:
+                self.channel._release(tag)
+            except Exception as exc:  # keep releasing the others; the lease expires anyway
+                errors.append((exc, message))
+        self._delivered.clear()
+        return errors
+
+    def restore_unacked_once(self, stderr: Any = None) -> None:
+        if getattr(self.channel, "_pid", None) != os.getpid():
+            return  # a forked child must not release its parent's leases
+        super().restore_unacked_once(stderr)
+
+
+class Channel(virtual.Channel):
+    QoS = QoS
+    from_transport_options = (  # type: ignore[assignment]
+        *virtual.Channel.from_transport_options,
+        "visibility_timeout",
+        "polling_interval",
+    )
+    visibility_timeout: float = DEFAULT_VISIBILITY_TIMEOUT
+    polling_interval: float = DEFAULT_POLLING_INTERVAL
+
+    def __init__(self, connection: Any, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self.visibility_timeout = float(self.visibility_timeout)
+        self._pid = os.getpid()
+        self._owner = uuid.uuid4().hex
+        self._no_ack_queues: set[str] = set()
+        self._renewed_at = 0.0
+        self.db = Database.get(database_path(self.connection.client))
+
+    # --- queues and routing ------------------------------------------------------------------
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        self.db.execute("INSERT OR IGNORE INTO queues (name) VALUES (?)", (queue,))
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return bool(self.db.execute("SELECT 1 FROM queues WHERE name = ?", (queue,)))
+
+    def queue_bind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        exchange = exchange or "amq.direct"
+        super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)
+        etype = self.state.exchanges.get(exchange, {}).get("type", "direct")
+        self.db.execute(
+            "INSERT OR IGNORE INTO bindings (exchange, type, routing_key, queue) VALUES (?, ?, ?, ?)",
+            (exchange, etype, routing_key, queue),
+        )
+
+    def queue_delete(
+        self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
+    ) -> None:
+        if if_empty and self._size(queue):
+            return
+        super().queue_delete(queue, if_unused=if_unused, if_empty=if_empty, **kwargs)
+        self.db.execute("DELETE FROM bindings WHERE queue = ?", (queue,))
+        self.db.execute("DELETE FROM messages WHERE queue = ?", (queue,))
+        self.db.execute("DELETE FROM queues WHERE name = ?", (queue,))
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        if exchange and exchange not in self.state.exchanges:
+            self._load_bindings(exchange)
+        return super()._lookup(exchange, routing_key, default)
+
+    def _load_bindings(self, exchange: str) -> None:
+        """Learn the bindings another process declared, so this one routes like a broker would."""
+        rows = self.db.execute(
+            "SELECT type, routing_key, queue FROM bindings WHERE exchange = ?", (exchange,)
+        )
+        if not rows:
+            return
+        self.exchange_declare(exchange, type=rows[0][0], durable=True)
+        for _, routing_key, queue in rows:
+            virtual.Channel.queue_bind(self, queue, exchange, routing_key)
+
+    # fanout (broadcast, e.g. Celery remote control): the bound queues are read from the file
+    supports_fanout = True
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
+        pass  # queue_bind already stored the binding
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
+        rows = self.db.execute("SELECT DISTINCT queue FROM bindings WHERE exchange = ?", (exchange,))
+        for (queue,) in rows:
+            self._put(queue, message)
+
+    # --- messages ------------------------------------------------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        self.db.execute("INSERT INTO messages (queue, payload) VALUES (?, ?)", (queue, json.dumps(message)))
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        self._renew_leases()
+        now = time.time()
+        if queue in self._no_ack_queues:
+            rows = self.db.execute(
+                "DELETE FROM messages WHERE id = (SELECT id FROM messages WHERE queue = ? AND visible_at <= ?"
+                " ORDER BY id LIMIT 1) RETURNING id, payload, deliveries",
+                (queue, now),
+            )
+        else:
+            rows = self.db.execute(
+                "UPDATE messages SET visible_at = ?, owner = ?, deliveries = deliveries + 1"
+                " WHERE id = (SELECT id FROM messages WHERE queue = ? AND visible_at <= ?"
+                " ORDER BY id LIMIT 1) RETURNING id, payload, deliveries",
+                (now + self.visibility_timeout, self._owner, queue, now),
+            )
+        if not rows:
+            raise Empty()
+        row_id, payload, deliveries = rows[0]
+        message: dict[str, Any] = json.loads(bytes_to_str(payload))
+        props = message.setdefault("properties", {})
+        props["delivery_tag"] = f"{self._owner}:{row_id}"
+        delivery_info = props.setdefault("delivery_info", {})
+        if deliveries > 1 or message.pop("redelivered", False):
+            delivery_info["redelivered"] = True
+        return message
+
+    def _row_id(self, delivery_tag: str) -> int:
+        return int(str(delivery_tag).rsplit(":", 1)[1])
+
+    def _ack(self, delivery_tag: str) -> None:
+        self.db.execute("DELETE FROM messages WHERE id = ?", (self._row_id(delivery_tag),))
+
+    def _release(self, delivery_tag: str) -> None:
+        """Make a held message visible again now (only if this channel still holds its lease)."""
+        self.db.execute(
+            "UPDATE messages SET visible_at = 0, owner = NULL WHERE id = ? AND owner = ?",
+            (self._row_id(delivery_tag), self._owner),
+        )
+
+    def _renew_leases(self, force: bool = False) -> None:
+        """Extend the lease of every message this channel holds (throttled to a few times per timeout)."""
+        now = time.time()
+        if not force and now - self._renewed_at < self.visibility_timeout / 4:
+            return
+        self._renewed_at = now
+        if self._qos is not None and self._qos._delivered:
+            self.db.execute(
+                "UPDATE messages SET visible_at = ? WHERE owner = ?",
+                (now + self.visibility_timeout, self._owner),
+            )
+
+    def _size(self, queue: str) -> int:
+        rows = self.db.execute(
+            "SELECT COUNT(*) FROM messages WHERE queue = ? AND visible_at <= ?", (queue, time.time())
+        )
+        return int(rows[0][0])
+
+    def _purge(self, queue: str) -> int:
+        rows = self.db.execute(
+            "DELETE FROM messages WHERE queue = ? AND visible_at <= ? RETURNING id", (queue, time.time())
+        )
+        return len(rows)
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.db.execute("DELETE FROM messages WHERE queue = ?", (queue,))
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+            try:
+                return super().basic_get(queue, no_ack=no_ack, **kwargs)
+            finally:
+                self._no_ack_queues.discard(queue)
+        return super().basic_get(queue, no_ack=no_ack, **kwargs)
+
+    def drain_events(self, timeout: float | None = None, callback: Any = None) -> Any:
+        # Called on every poll, also while the prefetch window is full: keep our leases alive.
+        self._renew_leases()
+        return super().drain_events(timeout=timeout, callback=callback)
+
+
+class Transport(virtual.Transport):
+    Channel = Channel
+    polling_interval = DEFAULT_POLLING_INTERVAL
+    default_port = 0  # type: ignore[assignment]
+    driver_type = "sql"
+    driver_name = "sqlite"
+    connection_errors = (sqlite3.OperationalError, ConnectionError)  # type: ignore[assignment]
+    channel_errors = virtual.Transport.channel_errors
+
+    implements = virtual.Transport.implements.extend(exchange_type=frozenset(["direct", "topic", "fanout"]))
+
+    def driver_version(self) -> str:
+        return sqlite3.sqlite_version
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> Any:  # type: ignore[override]
+        # Return to the caller at least every second: Celery's synchronous loop checks for shutdown
+        # between calls, so a SIGTERM'd worker exits promptly.
+        return super().drain_events(connection, timeout=None if timeout is None else min(timeout, 1.0))
+
+    def establish_connection(self) -> Any:
+        Database.get(database_path(self.client))  # fail fast on a bad path
+        return super().establish_connection()

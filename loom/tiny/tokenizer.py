@@ -1,0 +1,60 @@
+"""The tiny model's tokenizer: a byte-level BPE trained deterministically on the synthetic corpus.
+
+Digits are pre-split one by one (column arithmetic stays digit-aligned), every marker of
+loom.formats is one added token, and the special tokens are ``<|bos|>`` ``<|eos|>`` ``<|pad|>``
+(``<EOS>`` is the streaming sentence-end marker, not the end of sequence). Nothing is added
+automatically when encoding: ``tokenizer(text)`` gives exactly the tokens of ``text``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, Markers, SpawnSyntax
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+VOCAB_SIZE = 512
+
+
+def marker_tokens(markers: Markers = DEFAULT_MARKERS, syntax: SpawnSyntax = DEFAULT_SPAWN) -> list[str]:
+    return [*markers.special_tokens(), *syntax.tokens]
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Train on ``corpus`` (a fixed, ordered list gives the same vocabulary every time)."""
+    markers = marker_tokens()
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # markers become added tokens afterwards: keep them out of the learned merges
+    tok.train_from_iterator((_strip(text, markers) for text in corpus), trainer=trainer)
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=1024,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _strip(text: str, markers: list[str]) -> str:
+    for m in markers:
+        text = text.replace(m, " ")
+    return text

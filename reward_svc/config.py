@@ -1,0 +1,26 @@
+"""Reward-service settings (env prefix ``LOOM_REWARD_``): verifier pool and request limits."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RewardSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOOM_REWARD_", extra="ignore")
+
+    workers: int = Field(default=2, ge=1, description="verification worker processes per API/Celery process")
+    max_items_per_worker: int = Field(default=300, ge=1, description="recycle a worker after this many items")
+    max_rss_growth_mb: int = Field(
+        default=512, ge=16, description="recycle a worker whose RSS grew this much"
+    )
+    mem_limit_mb: int = Field(default=2048, ge=0, description="address-space headroom per worker (0 = none)")
+    max_items: int = Field(default=4096, ge=1, description="trajectories per request; more is a 413")
+    max_chars: int = Field(default=200_000, ge=1, description="characters per text field; more is a 422")
+
+
+@lru_cache(maxsize=1)
+def get_reward_settings() -> RewardSettings:
+    return RewardSettings()

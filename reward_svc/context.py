@@ -1,0 +1,42 @@
+"""What a reward component sees: the whole group, one view per trajectory, and the accuracy verdicts.
+
+Every component has the same signature, ``fn(ctx, params) -> list[float]`` (one value per
+trajectory, in group order), so group-relative components (Kimi length, efficiency's group tau) and
+per-trajectory ones are called alike. ``params`` is validated by the component's own params model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from loom.formats import DEFAULT_MARKERS, Markers
+from loom.schemas import Group
+from reward_svc.trace import TraceView
+
+
+class Params(BaseModel):
+    """Base of every component's parameters: unknown keys are an error (422 with the path)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+@dataclass
+class GroupContext:
+    group: Group
+    views: list[TraceView]
+    correct: list[float] | None = None  # accuracy per trajectory, 0/1; None when not computed
+    markers: Markers = DEFAULT_MARKERS
+    state: Any = None  # service-held running statistics (reflection quantile)
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def accuracy(self) -> list[float]:
+        if self.correct is None:
+            raise ValueError("this component needs the accuracy verdicts")
+        return self.correct
+
+
+ComponentFn = Callable[[GroupContext, dict[str, Any]], list[float]]

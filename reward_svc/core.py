@@ -1,0 +1,135 @@
+"""Scoring a group: plan accuracy, verify math items (in the pool), compose components.
+
+Pure: no HTTP, no Celery. The API awaits the pool, the Celery task blocks on it; both call
+``plan_group`` then ``finish_group``. ``check_request`` enforces the request limits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from loom.schemas import Group, RewardResult, RewardSpec, TrajectoryReward
+from reward_svc.accuracy import AccuracyParams, plan
+from reward_svc.context import GroupContext
+from reward_svc.mathverify import MathItem, Verdict
+from reward_svc.registry import NEEDS_ACCURACY, PARAMS, REGISTRY
+from reward_svc.trace import view_of
+
+VerifyFn = Callable[[Sequence[MathItem], int], list[Verdict]]
+
+
+class RequestError(ValueError):
+    """Bad input found after schema validation: ``status`` 422 (field path in ``loc``) or 413."""
+
+    def __init__(self, status: int, loc: list[str | int], msg: str) -> None:
+        super().__init__(msg)
+        self.status = status
+        self.loc = loc
+        self.msg = msg
+
+    def body(self) -> dict[str, Any]:
+        error = "payload_too_large" if self.status == 413 else "validation_error"
+        return {"error": error, "detail": [{"loc": self.loc, "msg": self.msg, "type": error}]}
+
+
+def check_spec(spec: RewardSpec, loc: Sequence[str | int] = ("body", "spec")) -> None:
+    for i, comp in enumerate(spec.components):
+        where = [*loc, "components", i]
+        if comp.name not in REGISTRY:
+            raise RequestError(
+                422, [*where, "name"], f"unknown component {comp.name!r}; known: {sorted(REGISTRY)}"
+            )
+        if not math.isfinite(comp.weight):
+            raise RequestError(422, [*where, "weight"], "weight must be finite")
+        try:
+            PARAMS[comp.name].model_validate(comp.params)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise RequestError(422, [*where, "params", *err["loc"]], err["msg"]) from None
+    names = [c.name for c in spec.components]
+    if len(set(names)) != len(names):
+        raise RequestError(422, [*loc, "components"], "each component may appear once")
+
+
+def check_request(groups: Sequence[Group], max_items: int, max_chars: int) -> None:
+    n = sum(len(g.trajectories) for g in groups)
+    if n > max_items:
+        raise RequestError(
+            413, ["body", "groups"], f"{n} trajectories exceed the limit of {max_items} per request"
+        )
+    for gi, g in enumerate(groups):
+        for name in ("prompt", "label"):
+            value = getattr(g, name)
+            if value is not None and len(value) > max_chars:
+                raise RequestError(422, ["body", "groups", gi, name], f"longer than {max_chars} characters")
+        for ti, t in enumerate(g.trajectories):
+            if t.text is not None and len(t.text) > max_chars:
+                raise RequestError(
+                    422,
+                    ["body", "groups", gi, "trajectories", ti, "text"],
+                    f"longer than {max_chars} characters",
+                )
+
+
+@dataclass
+class Plan:
+    group: Group
+    spec: RewardSpec
+    verdicts: list[Verdict | None]
+    math: list[tuple[int, MathItem]] = field(default_factory=list)
+    needs_accuracy: bool = False
+
+
+def plan_group(group: Group, spec: RewardSpec) -> Plan:
+    needs = any(c.name in NEEDS_ACCURACY for c in spec.components)
+    p = Plan(group, spec, [None] * len(group.trajectories), needs_accuracy=needs)
+    if not needs:
+        return p
+    acc = next((c for c in spec.components if c.name == "accuracy"), None)
+    params = AccuracyParams.model_validate(acc.params if acc else {})
+    for i, traj in enumerate(group.trajectories):
+        decided = plan(group, traj, params)
+        if isinstance(decided, MathItem):
+            p.math.append((i, decided))
+        else:
+            p.verdicts[i] = decided
+    return p
+
+
+def finish_group(p: Plan, math_verdicts: Sequence[Verdict], state: Any = None) -> RewardResult:
+    for (i, _), v in zip(p.math, math_verdicts, strict=True):
+        p.verdicts[i] = v
+    trajs = p.group.trajectories
+    ctx = GroupContext(group=p.group, views=[view_of(t) for t in trajs], state=state)
+    if p.needs_accuracy:
+        ctx.correct = [float(v is not None and v.status == "ok" and v.correct) for v in p.verdicts]
+    values = {c.name: REGISTRY[c.name](ctx, c.params) for c in p.spec.components}
+    rewards = []
+    for i, t in enumerate(trajs):
+        comps = {name: _finite(vals[i]) for name, vals in values.items()}
+        total = _finite(sum(c.weight * comps[c.name] for c in p.spec.components))
+        verdict = p.verdicts[i]
+        if verdict is not None:
+            status, detail = verdict.status, verdict.detail
+        else:
+            status, detail = ("invalid", "trajectory has no text") if t.text is None else ("ok", None)
+        rewards.append(
+            TrajectoryReward(trajectory_id=t.id, total=total, components=comps, status=status, detail=detail)  # type: ignore[arg-type]
+        )
+    return RewardResult(group_id=p.group.id, rewards=rewards)
+
+
+def _finite(x: float) -> float:
+    return float(x) if math.isfinite(x) else 0.0
+
+
+def score_group(group: Group, spec: RewardSpec, verify: VerifyFn, state: Any = None) -> RewardResult:
+    """Plan, verify (blocking), compose. ``verify`` is ``VerifierPool.check_many``."""
+    p = plan_group(group, spec)
+    verdicts = verify([item for _, item in p.math], spec.timeout_s) if p.math else []
+    return finish_group(p, verdicts, state)

@@ -1,0 +1,92 @@
+"""Reflection reward, REA-RL eq. 3 (ALGORITHMS.md 1.5):
+
+R = min(0, D / D_q − 1),  D = reflections / thinking tokens,
+
+reflections counted case-insensitively from a keyword list, a run of keywords each within 59
+characters of the previous one counting once; D_q is a fixed value (default 1/225.09, the authors'
+code) or the q-quantile of the densities the service has seen (a running estimate).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import deque
+from typing import Any, Literal
+
+from pydantic import Field
+
+from loom.formats import REFLECTION_KEYWORDS
+from reward_svc.context import GroupContext, Params
+from reward_svc.trace import approx_tokens, thinking_text
+
+DEFAULT_DQ = 1 / 225.09
+
+
+class ReflectionParams(Params):
+    keywords: list[str] = Field(
+        default_factory=lambda: list(REFLECTION_KEYWORDS), min_length=1, max_length=64
+    )
+    cluster_chars: int = Field(default=59, ge=0, le=10_000)
+    d_q: Literal["fixed", "running"] = "fixed"
+    fixed_value: float = Field(default=DEFAULT_DQ, gt=0.0)
+    q: float = Field(default=0.2, gt=0.0, lt=1.0)
+    min_seen: int = Field(
+        default=32, ge=1, description="running estimate used only after this many densities"
+    )
+    stat_key: str = Field(default="default", max_length=64)
+
+
+def count_reflections(text: str, keywords: list[str], cluster_chars: int = 59) -> int:
+    """Keyword occurrences (whole words, any case); an occurrence starting within ``cluster_chars``
+    characters of the previous one's start belongs to the same reflection."""
+    words = [re.escape(k) for k in keywords if k.strip()]
+    if not words:
+        return 0
+    pattern = re.compile(r"\b(?:" + "|".join(words) + r")\b", re.IGNORECASE)
+    count, prev = 0, None
+    for m in pattern.finditer(text):
+        if prev is None or m.start() - prev > cluster_chars:
+            count += 1
+        prev = m.start()
+    return count
+
+
+def reflection_reward(density: float, d_q: float) -> float:
+    """REA-RL eq. 3."""
+    return min(0.0, density / d_q - 1.0)
+
+
+class DensityStats:
+    """Running densities per key (bounded window), for the D_q quantile. Thread-safe."""
+
+    def __init__(self, window: int = 20_000) -> None:
+        self._seen: dict[str, deque[float]] = {}
+        self._window = window
+        self._lock = threading.Lock()
+
+    def add(self, key: str, values: list[float]) -> None:
+        with self._lock:
+            self._seen.setdefault(key, deque(maxlen=self._window)).extend(values)
+
+    def quantile(self, key: str, q: float, min_seen: int) -> float | None:
+        with self._lock:
+            values = sorted(self._seen.get(key, ()))
+        if len(values) < min_seen:
+            return None
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def reflection(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
+    p = ReflectionParams.model_validate(params)
+    densities = []
+    for v in ctx.views:
+        thinking = thinking_text(v.text, ctx.markers)
+        n_tokens = v.n_tokens if thinking == v.text else approx_tokens(thinking)
+        n = count_reflections(thinking, p.keywords, p.cluster_chars)
+        densities.append(n / n_tokens if n_tokens else 0.0)
+    d_q = p.fixed_value
+    if p.d_q == "running" and isinstance(ctx.state, DensityStats):
+        ctx.state.add(p.stat_key, densities)
+        d_q = ctx.state.quantile(p.stat_key, p.q, p.min_seen) or p.fixed_value
+    return [reflection_reward(d, d_q) for d in densities]

@@ -1,0 +1,115 @@
+"""The engine interface: token-in/token-out generation that every rollout mode is written against.
+
+An engine continues a token prompt with ``SamplingParams`` (n, seed, temperature/top-p/top-k, stop
+strings, stop token ids, top-k log-probs) and returns, per sample, the token ids, the log-prob of each
+sampled token, optional top-k log-probs and why it stopped. Engines differ in capabilities: only the
+torch engine takes group position ids / block attention masks (StreamingThinker layout) or returns
+attention scores; a mode that needs one calls ``require`` and gets a typed ``UnsupportedCapability``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loom.schemas import PolicyVersion, SamplingParams
+
+Capability = Literal["group_positions", "attention_scores", "prefix_cache", "lora"]
+
+
+class EngineError(RuntimeError):
+    """Base of every engine failure; ``kind`` is a stable machine-readable name."""
+
+    kind = "engine_error"
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached or answered 5xx after every retry."""
+
+    kind = "engine_unavailable"
+
+
+class EngineTimeout(EngineError):
+    kind = "engine_timeout"
+
+
+class EngineRequestError(EngineError):
+    """The engine refused the request (4xx): a bug or a limit of the engine, not worth retrying."""
+
+    kind = "engine_request_error"
+
+
+class UnsupportedCapability(EngineError):
+    """A mode asked for something this engine cannot do (e.g. group positions on vLLM)."""
+
+    kind = "unsupported_capability"
+
+    def __init__(self, engine: str, capability: str, hint: str = "") -> None:
+        self.engine = engine
+        self.capability = capability
+        msg = f"engine {engine!r} does not support {capability!r}"
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+@dataclass
+class Completion:
+    """One sample: ``token_ids`` (stop token included), aligned ``logprobs``, why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"] = "stop"
+    stop_reason: str | int | None = None  # the stop string / stop token id; None for EOS or length
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class Layout:
+    """Optional group layout of the prompt (torch engine only).
+
+    ``groups[i]`` is the group of prompt token i; generated tokens get ``gen_group``. Positions are
+    numbered from 0 within each group; a token sees earlier tokens whose group is <= its own
+    (source = 0 sees only source, target = 1 sees both): StreamingThinker's block visibility.
+    """
+
+    groups: list[int]
+    gen_group: int = 1
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0  # prompt tokens actually computed (not served from a prefix cache)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    decode_tokens: int = 0
+    requests: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    name: str = "engine"
+    capabilities: frozenset[str] = frozenset()
+    logprobs_kind: Literal["raw", "processed"] = "raw"
+
+    def __init__(self) -> None:
+        self.policy_version = 0
+        self.stats = EngineStats()
+
+    def require(self, capability: Capability, hint: str = "") -> None:
+        if capability not in self.capabilities:
+            raise UnsupportedCapability(self.name, capability, hint)
+
+    @abstractmethod
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
+    ) -> list[Completion]:
+        """``params.n`` continuations of ``prompt_ids`` (never an empty prompt)."""
+
+    @abstractmethod
+    async def load_policy(self, policy: PolicyVersion) -> None:
+        """Load ``policy`` (full checkpoint or LoRA adapter) and drop every cached prefix."""
+
+    @abstractmethod
+    async def reset_cache(self) -> None: ...
+
+    async def close(self) -> None:
+        return None

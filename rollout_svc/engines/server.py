@@ -1,0 +1,257 @@
+"""``loom engine``: the torch engine behind the same HTTP protocol as a vLLM 0.11.0 server.
+
+Routes (vLLM's names and shapes, so the ``vllm`` engine client is exercised against it):
+``POST /v1/completions`` (token-id prompts, ``return_token_ids``, ``stop_token_ids``, log-probs),
+``GET /v1/models``, ``GET /health``, ``POST /v1/load_lora_adapter``, ``POST /collective_rpc``
+(method ``loom_reload_weights``), ``POST /reset_prefix_cache``; plus ``GET /loom/stats`` (prefill
+accounting). ``--simulate-ms-per-token`` serves the SIMULATED engine instead (replica-scaling bench
+only). Bind it to a private network: like vLLM's dev routes, the control routes have no auth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from loom.schemas import PolicyVersion, SamplingParams
+from rollout_svc.engines.base import Completion, Engine, EngineError
+from rollout_svc.engines.vllm import RELOAD_METHOD
+
+log = logging.getLogger("loom.engine.server")
+
+
+def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+    # vLLM's ErrorResponse shape
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": None, "code": status}},
+    )
+
+
+def _params(body: dict[str, Any]) -> SamplingParams:
+    stop = body.get("stop") or []
+    return SamplingParams(
+        n=int(body.get("n") or 1),
+        max_tokens=int(body.get("max_tokens") or 16),
+        temperature=float(body["temperature"]) if body.get("temperature") is not None else 1.0,
+        top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
+        top_k=int(body["top_k"]) if body.get("top_k") not in (None, 0) else -1,
+        seed=body.get("seed"),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        stop_token_ids=list(body.get("stop_token_ids") or []),
+        logprobs=int(body.get("logprobs") or 0),
+    )
+
+
+def _choice(index: int, c: Completion, prompt_ids: list[int], body: dict[str, Any], tokenizer: Any) -> dict:
+    text = ""
+    if tokenizer is not None:
+        text = tokenizer.decode(c.token_ids, skip_special_tokens=body.get("skip_special_tokens", True))
+        if isinstance(c.stop_reason, str) and not body.get("include_stop_str_in_output"):
+            text = text[: text.find(c.stop_reason)] if c.stop_reason in text else text
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+
+    def tok(t: int) -> str:
+        if as_ids or tokenizer is None:
+            return f"token_id:{t}"
+        return str(tokenizer.convert_ids_to_tokens(t))
+
+    logprobs = None
+    if body.get("logprobs") is not None:
+        logprobs = {
+            "text_offset": list(range(len(c.token_ids))),
+            "token_logprobs": c.logprobs,
+            "tokens": [tok(t) for t in c.token_ids],
+            "top_logprobs": [{tok(k): v for k, v in d.items()} for d in c.top_logprobs]
+            if c.top_logprobs is not None
+            else None,
+        }
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = c.token_ids
+        choice["prompt_token_ids"] = prompt_ids
+    return choice
+
+
+def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) -> FastAPI:
+    app = FastAPI(title="Loom engine (vLLM-compatible)")
+    app.state.engine = engine
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "loom",
+            "root": model_name,
+            "loom_engine": engine.name,
+            "loom_policy_version": engine.policy_version,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/loom/stats")
+    async def stats() -> dict[str, Any]:
+        return {"engine": engine.name, "policy_version": engine.policy_version, **asdict(engine.stats)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body is not JSON")
+        if body.get("stream"):
+            return _error(400, "stream=true is not supported by loom engine")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and tokenizer is not None:
+            prompt = tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            return _error(400, "prompt must be one non-empty list of token ids")
+        try:
+            params = _params(body)
+        except (ValidationError, ValueError, TypeError) as exc:
+            return _error(400, f"invalid sampling parameters: {exc}")
+        before = engine.stats.cached_tokens
+        try:
+            outs = await engine.generate(prompt, params)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        except EngineError as exc:
+            return _error(400, str(exc))
+        cached = engine.stats.cached_tokens - before
+        n_out = sum(len(c.token_ids) for c in outs)
+        return JSONResponse(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model") or model_name,
+                "choices": [_choice(i, c, prompt, body, tokenizer) for i, c in enumerate(outs)],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": n_out,
+                    "total_tokens": len(prompt) + n_out,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                },
+            }
+        )
+
+    async def _load(policy: PolicyVersion) -> JSONResponse | None:
+        try:
+            await engine.load_policy(policy)
+        except (EngineError, OSError, ValueError) as exc:
+            return _error(400, f"could not load {policy.path}: {exc}")
+        return None
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> Any:
+        body = await request.json()
+        if not body.get("lora_name") or not body.get("lora_path"):
+            return _error(400, "lora_name and lora_path are required")
+        policy = _policy_at(body["lora_path"], "lora", engine.policy_version + 1)
+        err = await _load(policy)
+        return err or JSONResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> Any:
+        body = await request.json()
+        if body.get("method") != RELOAD_METHOD:
+            return _error(400, f"loom engine supports only method {RELOAD_METHOD!r}")
+        args = body.get("args") or []
+        if len(args) != 1 or not isinstance(args[0], str):
+            return _error(400, f"{RELOAD_METHOD} takes one argument: the checkpoint path")
+        err = await _load(_policy_at(args[0], "full", engine.policy_version + 1))
+        return err or JSONResponse({"results": [engine.policy_version]})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        await engine.reset_cache()
+        return JSONResponse({})
+
+    return app
+
+
+def _policy_at(path: str, kind: str, default_version: int) -> PolicyVersion:
+    """The policy-store record next to a checkpoint, else a record with the next version number."""
+    meta = Path(path) / "policy.json"
+    if meta.exists():
+        return PolicyVersion.model_validate_json(meta.read_text())
+    return PolicyVersion(version=default_version, path=path, kind=kind)  # type: ignore[arg-type]
+
+
+def build_app(
+    model: str | None = None, device: str | None = None, simulate_ms_per_token: float | None = None
+) -> FastAPI:
+    from loom.runtime import configure_process
+    from loom.settings import get_settings
+
+    settings = get_settings()
+    configure_process(settings)
+    if simulate_ms_per_token is not None:
+        from rollout_svc.engines.simulated import SimulatedEngine
+
+        log.warning(
+            "SIMULATION MODE: %.1f ms per token, random tokens (benchmarks only)", simulate_ms_per_token
+        )
+        return create_engine_app(SimulatedEngine(simulate_ms_per_token), "loom-simulated")
+    from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+
+    path = resolve_model_path(model or settings.model)
+    engine = TorchEngine(
+        path,
+        device=device or settings.device,
+        cache_entries=settings.engine_prefix_cache_entries,
+        logprobs_mode=settings.engine_logprobs_mode,
+    )
+    return create_engine_app(engine, model or settings.model, engine.tokenizer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from loom.settings import get_settings
+
+    settings = get_settings()
+    p = argparse.ArgumentParser(
+        prog="loom engine", description="torch engine behind a vLLM-compatible server"
+    )
+    p.add_argument("--host", default=settings.host)
+    p.add_argument("--port", type=int, default=settings.engine_port)
+    p.add_argument("--model", default=None, help="'tiny' or a Hugging Face model directory (LOOM_MODEL)")
+    p.add_argument("--device", default=None)
+    p.add_argument(
+        "--simulate-ms-per-token",
+        type=float,
+        default=None,
+        help="SIMULATION: no model, random tokens at this latency (replica-scaling benchmark only)",
+    )
+    args = p.parse_args(list(argv) if argv is not None else None)
+    import uvicorn
+
+    app = build_app(args.model, args.device, args.simulate_ms_per_token)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""Shared fixtures: an isolated Loom deployment on each broker, and Loom worker processes.
+
+``broker_env`` (function scope, parametrized ``[embedded, rabbitmq]``)
+    A fresh, isolated deployment for one test, as a :class:`BrokerEnv`:
+
+    - ``embedded``: ``LOOM_BROKER_URL=embedded`` with a tmp ``LOOM_DATA_DIR`` (broker.sqlite and
+      results.sqlite live there);
+    - ``rabbitmq``: ``amqp://guest:guest@127.0.0.1:5672//`` with a namespace unique to this pytest
+      session and test (``LOOM_QUEUE_NAMESPACE=loomtest-<session>-<n>-``), results in Redis DB 3.
+      Other people run tests on the same RabbitMQ at the same time: never use un-namespaced queues.
+      The namespaced queues and exchanges are deleted at teardown.
+      Skipped (with the reason) only when 127.0.0.1:5672 does not accept connections.
+
+    ``broker_env.env`` holds the ``LOOM_*`` variables (visibility timeout 3 s, so an embedded
+    redelivery after ``kill -9`` takes seconds); ``broker_env.settings`` the matching ``Settings``;
+    ``broker_env.app(service)`` a Celery app for the test process (closed at teardown);
+    ``broker_env.process_env()`` a full environment for a subprocess;
+    ``broker_env.apply(monkeypatch)`` puts the variables into ``os.environ`` of the test process and
+    clears the ``get_settings`` cache (for in-process FastAPI apps built from the environment).
+    Add fields with ``broker_env.extra_env`` *before* starting processes (e.g. ports).
+
+``loom_worker`` (function scope) -> ``start(service, broker_env, concurrency=1, args=(), wait=True)``
+    Starts ``loom worker <service>`` in its own session (``start_new_session``) with that env, waits
+    until Celery logs ``ready.`` (fails with the log otherwise; ``wait=False`` returns at once, then
+    call ``worker.wait_ready()``, to start several in parallel), and returns a :class:`Worker`
+    (``node``: its Celery node name,
+    ``pid``, ``log_path``, ``log()``, ``children()`` = prefork child pids, ``kill(sig)`` of the main
+    process, ``kill_group()``, ``stop(grace)`` = SIGTERM then SIGKILL). Every worker is killed at
+    teardown (SIGKILL of its process group and of any remaining descendant): no orphans.
+
+``free_port()``: a free TCP port on 127.0.0.1 (bind to port 0).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+REDIS_RESULTS_URL = "redis://127.0.0.1:6379/3"
+TEST_VISIBILITY_TIMEOUT = 3.0
+SESSION_ID = uuid.uuid4().hex[:8]
+_namespace_counter = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _reachable(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class BrokerEnv:
+    kind: str  # "embedded" | "rabbitmq"
+    tmp: Path
+    env: dict[str, str]
+    extra_env: dict[str, str] = field(default_factory=dict)
+    _apps: list[Any] = field(default_factory=list)
+
+    @property
+    def namespace(self) -> str:
+        return self.env.get("LOOM_QUEUE_NAMESPACE", "")
+
+    @property
+    def settings(self) -> Any:
+        from loom.settings import Settings
+
+        values = {k[len("LOOM_") :].lower(): v for k, v in {**self.env, **self.extra_env}.items()}
+        return Settings(**values)
+
+    def app(self, service: str) -> Any:
+        from loom.queue import make_celery
+
+        app = make_celery(service, self.settings)
+        self._apps.append(app)
+        return app
+
+    def process_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOOM_")}
+        env.update(self.env)
+        env.update(self.extra_env)
+        env.setdefault("LOOM_TORCH_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def apply(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from loom.settings import get_settings
+
+        for k in [k for k in os.environ if k.startswith("LOOM_")]:
+            monkeypatch.delenv(k)
+        for k, v in {**self.env, **self.extra_env}.items():
+            monkeypatch.setenv(k, v)
+        get_settings.cache_clear()
+
+    def close(self) -> None:
+        if self.kind == "rabbitmq" and self.namespace:
+            _delete_namespace(self.namespace)
+        for app in self._apps:
+            app.close()
+
+
+def _delete_namespace(namespace: str) -> None:
+    """Remove this test's queues and exchanges from the shared RabbitMQ."""
+    from kombu import Connection
+
+    from loom.settings import SERVICES
+
+    try:
+        with Connection(RABBITMQ_URL, connect_timeout=2) as conn:
+            for service in SERVICES:
+                name = f"{namespace}{service}"
+                for delete in ("queue_delete", "exchange_delete"):
+                    channel = conn.channel()
+                    try:
+                        getattr(channel, delete)(name)
+                    except Exception:  # missing entity closes the channel; nothing to delete
+                        pass
+                    finally:
+                        try:
+                            channel.close()
+                        except Exception:
+                            pass
+    except Exception:
+        pass
+
+
+@pytest.fixture(params=["embedded", "rabbitmq"])
+def broker_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BrokerEnv]:
+    kind = request.param
+    data_dir = tmp_path / "loom-data"
+    env = {
+        "LOOM_DATA_DIR": str(data_dir),
+        "LOOM_EMBEDDED_VISIBILITY_TIMEOUT": str(TEST_VISIBILITY_TIMEOUT),
+        "LOOM_TORCH_THREADS": "1",
+    }
+    if kind == "embedded":
+        env.update(LOOM_BROKER_URL="embedded", LOOM_RESULT_BACKEND="embedded")
+    else:
+        if not _reachable("127.0.0.1", 5672):
+            pytest.skip("RabbitMQ is not reachable at 127.0.0.1:5672")
+        namespace = f"loomtest-{SESSION_ID}-{next(_namespace_counter)}-"
+        env.update(
+            LOOM_BROKER_URL=RABBITMQ_URL,
+            LOOM_RESULT_BACKEND=REDIS_RESULTS_URL,
+            LOOM_QUEUE_NAMESPACE=namespace,
+        )
+    benv = BrokerEnv(kind=kind, tmp=tmp_path, env=env)
+    try:
+        yield benv
+    finally:
+        benv.close()
+
+
+@dataclass
+class Worker:
+    service: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    node: str = ""  # Celery node name before "@", as in the result's "hostname"
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if " ready." in self.log():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"worker {self.node} did not become ready:\n{self.log()[-4000:]}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        try:
+            return [c.pid for c in psutil.Process(self.pid).children(recursive=False)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill_group(self) -> None:
+        """SIGKILL the worker, its process group and any descendant that left the group."""
+        try:
+            descendants = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for child in descendants:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_group()
+
+
+def start_worker(
+    benv: BrokerEnv,
+    service: str,
+    *,
+    concurrency: int = 1,
+    args: tuple[str, ...] = (),
+    name: str | None = None,
+    ready_timeout: float = 60.0,
+    wait: bool = True,
+) -> Worker:
+    """Start ``loom worker <service>`` with ``benv``'s environment and wait until it is ready."""
+    name = name or f"{service}-{uuid.uuid4().hex[:6]}"
+    log_path = benv.tmp / f"worker-{name}.log"
+    argv = [sys.executable, "-m", "loom.cli", "worker", service, "-c", str(concurrency), *args]
+    argv += ["-n", f"{name}@%h"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=benv.process_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    worker = Worker(service=service, proc=proc, log_path=log_path, node=name)
+    if wait:
+        worker.wait_ready(ready_timeout)
+    return worker
+
+
+@pytest.fixture
+def loom_worker() -> Iterator[Callable[..., Worker]]:
+    workers: list[Worker] = []
+
+    def start(service: str, env: BrokerEnv, **kwargs: Any) -> Worker:
+        worker = start_worker(env, service, **kwargs)
+        workers.append(worker)
+        return worker
+
+    try:
+        yield start
+    finally:
+        for worker in workers:  # the test is over: no warm shutdown to wait for
+            worker.kill_group()

@@ -1,0 +1,145 @@
+"""The public API's guards: hashed keys, 401 vs 403, rate limits, backpressure, job idempotency,
+no route to the internal services. In-process app on a real embedded broker in tmp_path."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, RUNS_KEY, auth  # noqa: E402
+
+from gateway.api import build_app  # noqa: E402
+from gateway.keys import KeyRing, hash_key, main, parse_keys  # noqa: E402
+from loom.queue import make_celery  # noqa: E402
+from loom.settings import Settings  # noqa: E402
+
+
+def make_client(tmp_path: Path, **overrides: object) -> TestClient:
+    values: dict[str, object] = dict(
+        data_dir=tmp_path,
+        broker_url="embedded",
+        result_backend="embedded",
+        api_keys=API_KEYS,
+        gateway_run_loop=False,
+    )
+    values.update(overrides)
+    settings = Settings(**values)  # type: ignore[arg-type]
+    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings)))
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    with make_client(tmp_path) as c:
+        yield c
+
+
+JOB = {"job_key": "batch-1", "prompts": ["Compute 2+2."], "sampling": {"n": 2}}
+
+
+def test_keys_are_stored_as_hashes_and_checked_in_constant_time() -> None:
+    ring = KeyRing.from_spec(API_KEYS)
+    assert JOBS_KEY not in API_KEYS and hash_key(JOBS_KEY) in API_KEYS
+    found = ring.verify(JOBS_KEY)
+    assert found is not None and found.name == "trainer" and found.scopes == {"jobs"}
+    assert ring.verify(hash_key(JOBS_KEY)) is None  # the stored hash is not a key
+    assert ring.verify("loom_wrong") is None
+    with pytest.raises(ValueError):
+        parse_keys("bad:1234")
+
+
+def test_keys_cli_prints_a_key_once_and_its_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["new", "alice"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    key = out[0].split(": ", 1)[1]
+    entry = out[1].removeprefix("LOOM_API_KEYS=")
+    assert KeyRing.from_spec(entry).verify(key) is not None and key not in entry
+
+
+def test_probes_are_open_everything_else_needs_a_key(client: TestClient) -> None:
+    assert client.get("/healthz").status_code == 200
+    for path in ("/metrics", "/version", "/openapi.json", "/v1/jobs/x", "/v1/runs/x", "/nowhere"):
+        r = client.get(path)
+        assert r.status_code == 401, path
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+    assert client.post("/v1/jobs", json=JOB).status_code == 401
+    assert client.post("/v1/jobs", json=JOB, headers=auth("loom_wrong")).status_code == 401
+    assert client.get("/version", headers={"X-API-Key": JOBS_KEY}).status_code == 200
+
+
+def test_a_valid_key_without_the_scope_is_forbidden(client: TestClient) -> None:
+    assert client.get("/metrics", headers=auth(JOBS_KEY)).status_code == 403
+    assert client.get("/v1/runs/run-x", headers=auth(JOBS_KEY)).status_code == 403
+    assert client.post("/v1/jobs", json=JOB, headers=auth(RUNS_KEY)).status_code == 201  # jobs+runs
+    r = client.get("/metrics", headers=auth(ADMIN_KEY))
+    assert r.status_code == 200 and "loom_http_requests_total" in r.text
+
+
+def test_internal_services_are_not_reachable_through_the_gateway(client: TestClient) -> None:
+    for method, path in [
+        ("POST", "/v1/rewards"),
+        ("POST", "/v1/generate"),
+        ("POST", "/v1/train_step"),
+        ("POST", "/v1/policy/load"),
+        ("GET", "/rollout/healthz"),
+        ("GET", "/v1/proxy/reward/healthz"),
+    ]:
+        assert client.request(method, path, headers=auth(ADMIN_KEY), json={}).status_code == 404, path
+    paths = {getattr(r, "path", "") for r in client.app.routes}  # type: ignore[attr-defined]
+    assert not any("{path" in p for p in paths)  # no catch-all route
+
+
+def test_job_submission_is_idempotent_by_job_key(client: TestClient) -> None:
+    first = client.post("/v1/jobs", json=JOB, headers=auth(JOBS_KEY))
+    again = client.post("/v1/jobs", json=JOB, headers=auth(JOBS_KEY))
+    assert first.status_code == 201 and again.status_code == 200
+    assert first.json()["id"] == again.json()["id"] and again.json()["created"] is False
+    changed = client.post("/v1/jobs", json={**JOB, "prompts": ["other"]}, headers=auth(JOBS_KEY))
+    assert changed.status_code == 409
+    other_owner = client.post("/v1/jobs", json=JOB, headers=auth(RUNS_KEY))  # keys are per API key
+    assert other_owner.json()["id"] != first.json()["id"]
+    view = client.get(f"/v1/jobs/{first.json()['id']}", headers=auth(JOBS_KEY)).json()
+    assert view["status"] == "queued" and view["n_prompts"] == 1
+    assert client.get(f"/v1/jobs/{first.json()['id']}", headers=auth(RUNS_KEY)).status_code == 404
+
+
+def test_bad_job_body_is_422_with_field_path(client: TestClient) -> None:
+    r = client.post(
+        "/v1/jobs", json={"job_key": "k", "prompts": ["p"], "sampling": {"n": 0}}, headers=auth(JOBS_KEY)
+    )
+    assert r.status_code == 422
+    assert ["body", "sampling", "n"] in [e["loc"] for e in r.json()["detail"]]
+
+
+def test_rate_limit_is_429_with_retry_after_per_key(tmp_path: Path) -> None:
+    with make_client(tmp_path, gateway_rate=0.5, gateway_burst=3) as c:
+        codes = [c.get("/version", headers=auth(JOBS_KEY)).status_code for _ in range(4)]
+        assert codes == [200, 200, 200, 429]
+        r = c.get("/version", headers=auth(JOBS_KEY))
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert c.get("/version", headers=auth(RUNS_KEY)).status_code == 200  # another key's bucket
+
+
+def test_deep_queues_are_429_with_retry_after(tmp_path: Path) -> None:
+    with make_client(tmp_path, gateway_max_queue_depth=0) as c:
+        assert c.post("/v1/jobs", json=JOB, headers=auth(JOBS_KEY)).status_code == 201
+        settings = c.app.state.settings  # type: ignore[attr-defined]
+        make_celery("gateway", settings).send_task("rollout.ping")  # no worker: it waits in the queue
+        import time
+
+        time.sleep(1.1)  # the depth is cached for 1 s
+        r = c.post("/v1/jobs", json={**JOB, "job_key": "batch-2"}, headers=auth(JOBS_KEY))
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["detail"]["queue_depth"] >= 1
+        depths = c.get("/v1/queues", headers=auth(ADMIN_KEY)).json()
+        assert any(k.endswith("rollout") and v >= 1 for k, v in depths.items())
+
+
+def test_run_with_bad_dataset_is_422(client: TestClient) -> None:
+    body = {"dataset": {"jsonl": '{"question": "x"}\n'}}
+    r = client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))
+    assert r.status_code == 422 and r.json()["error"] == "invalid_dataset"

@@ -1,0 +1,139 @@
+"""The isolated verification pool: deadlines, kill-and-replace, recycling, guards, hostile corpus."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import reward_svc  # noqa: F401  (sets SYMPY_GROUND_TYPES before sympy loads)
+from reward_svc.corpus import hostile, realistic_mix
+from reward_svc.mathverify import Checker, MathItem
+from reward_svc.pool import VerifierPool
+from reward_svc.trace import answer_region
+
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE = 2
+
+
+def item(gold: str, response: str) -> MathItem:
+    kind, region = answer_region(response)
+    return MathItem(gold, kind, region)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with VerifierPool(2, max_items=1000) as p:
+        yield p
+
+
+def test_realistic_mix_scores_right_and_wrong(pool):
+    mix = realistic_mix(40, seed=1)
+    verdicts = pool.check_many([item(g, r) for g, r, _ in mix], 5)
+    assert [v.status for v in verdicts] == ["ok"] * len(mix)
+    assert [v.correct for v in verdicts] == [ok for _, _, ok in mix]
+
+
+def test_hostile_corpus_costs_at_most_its_deadline_and_spares_the_batch(pool):
+    normal = realistic_mix(10, seed=2)
+    corpus = hostile()
+    items = [item("42", r) for _, r in corpus] + [item(g, r) for g, r, _ in normal]
+    timeouts_before = pool.stats.timeouts
+    verdicts = pool.check_many(items, DEADLINE)
+    by_name = dict(zip([n for n, _ in corpus], verdicts, strict=False))
+    for name, v in by_name.items():
+        assert v.seconds <= DEADLINE + 1, (name, v)
+        if name == "100k characters then 42":
+            assert v.status == "ok" and v.correct
+        else:
+            assert not v.correct, (name, v)
+    for name in ("tower of exponents", "huge factorial", "huge power", "deep frac nesting"):
+        assert by_name[name].status in ("timeout", "parse_error"), (name, by_name[name])
+    assert by_name["100k of 1+"].status in ("timeout", "parse_error", "ok")
+    rest = verdicts[len(corpus) :]
+    assert [v.status for v in rest] == ["ok"] * len(normal)
+    assert [v.correct for v in rest] == [ok for _, _, ok in normal]
+    assert pool.stats.timeouts >= timeouts_before  # parent kills happen only when the alarms fail
+
+
+def test_parent_kill_replaces_only_the_stuck_worker():
+    with VerifierPool(2, max_items=1000) as p:
+        # warm both workers, then note their pids
+        assert all(v.correct for v in p.check_many([item("1", "\\boxed{1}")] * 4, DEADLINE))
+        before = set(p.worker_pids())
+        assert len(before) == 2
+        # 1 s deadline with math-verify's own alarm also at 1 s: the parent's poll expires first or
+        # together; either way the item is a timeout and the batch continues
+        stuck = p.submit(item("42", "\\boxed{(10^9)!}"), 1)
+        normal = [p.submit(item("7", "\\boxed{7}"), DEADLINE) for _ in range(6)]
+        assert stuck.result().status == "timeout"
+        assert all(f.result().correct for f in normal)
+        after = set(p.worker_pids())
+        assert len(before & after) >= 1  # the healthy worker was not touched
+
+
+def test_hard_deadline_kills_a_worker_that_ignores_its_alarm():
+    """A worker stuck where signal.alarm cannot reach (SIGALRM ignored) is killed from outside."""
+    with VerifierPool(1, max_items=1000) as p:
+        assert p.check_many([item("2", "\\boxed{2}")], DEADLINE)[0].correct
+        (pid,) = p.worker_pids()
+        os.kill(pid, subprocess.signal.SIGSTOP)  # frozen: its alarm cannot fire, it cannot answer
+        v = p.check_many([item("3", "\\boxed{3}")], 1)[0]
+        assert v.status == "timeout" and v.seconds <= 2
+        assert p.stats.timeouts == 1
+        assert p.check_many([item("3", "\\boxed{3}")], DEADLINE)[0].correct  # a fresh worker
+        assert pid not in p.worker_pids()
+
+
+def test_workers_recycle_after_n_items():
+    with VerifierPool(1, max_items=3) as p:
+        verdicts = p.check_many([item("5", "\\boxed{5}")] * 7, DEADLINE)
+        assert all(v.correct for v in verdicts)
+        assert p.stats.recycles == 2 and p.stats.forks == 3
+
+
+def test_model_text_is_never_evaluated_as_python(tmp_path, pool):
+    marker = tmp_path / "pwned"
+    payloads = [
+        f"\\boxed{{__import__('os').system('touch {marker}')}}",
+        f"The answer is __import__('os').system('touch {marker}')",
+        f"$__import__('os').system('touch {marker}')$",
+    ]
+    verdicts = pool.check_many([item("42", t) for t in payloads], DEADLINE)
+    assert not marker.exists()
+    assert not any(v.correct for v in verdicts)
+
+
+def test_guards_refuse_parse_expr_and_sympy_uses_python_ground_types():
+    code = (
+        "import reward_svc\n"
+        "from reward_svc.mathverify import install_guards, RefusedEval\n"
+        "install_guards()\n"
+        "import math_verify.parser as p\n"
+        "from math_verify import parse, ExprExtractionConfig\n"
+        "try:\n    p.parse_expr_cached('1+1')\nexcept RefusedEval:\n    print('refused')\n"
+        "print(parse('so 1+1', [ExprExtractionConfig()]))\n"
+        "from sympy.external.gmpy import GROUND_TYPES\nprint(GROUND_TYPES)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SYMPY_GROUND_TYPES"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    ).stdout.split()
+    assert out[0] == "refused"
+    assert "2" not in out[1]  # the plain-expression path could not evaluate "1+1"
+    assert out[-1] == "python"
+
+
+def test_gold_is_parsed_once_per_worker():
+    checker = Checker()
+    for answer in ("\\boxed{1/2}", "\\boxed{0.5}", "\\boxed{0.4}"):
+        checker.check(item("\\frac{1}{2}", answer), 3)
+    assert checker.gold_hits == 2
+
+
+def test_statuses_for_missing_and_unparseable_answers(pool):
+    verdicts = pool.check_many(
+        [item("42", "no digits here at all"), item("42", "\\boxed{}"), item("", "\\boxed{1}")], DEADLINE
+    )
+    assert [v.status for v in verdicts] == ["no_answer", "parse_error", "invalid"]

@@ -1,0 +1,127 @@
+"""POST /v1/rollouts and /v1/policy (in-process FastAPI app on the torch engine), and policy versions
+published through the vllm client's control plane to `loom engine`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from loom.schemas import Group, SamplingParams
+from loom.settings import Settings
+from loom.store import PolicyStore
+from rollout_svc.engines import set_engine
+from rollout_svc.engines.torch_engine import TorchEngine, load_model, teacher_forced_logprobs
+from tests.rollout.conftest import build_model_dir
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> PolicyStore:
+    """A policy store whose version 1 is a different random model (seed 1)."""
+    s = PolicyStore(tmp_path / "policy")
+    s.publish(1, lambda d: build_model_dir(d, seed=1))
+    return s
+
+
+@pytest.fixture
+def client(
+    torch_engine: Any, store: PolicyStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[TestClient, TorchEngine]]:
+    monkeypatch.setenv("LOOM_DATA_DIR", str(tmp_path / "data"))
+    from loom.settings import get_settings
+
+    get_settings.cache_clear()
+    from rollout_svc.api import app
+
+    engine = TorchEngine(torch_engine.model_path, model=torch_engine.model, tokenizer=torch_engine.tokenizer)
+    set_engine(engine)
+    saved = app.state.settings
+    app.state.settings = Settings(data_dir=tmp_path / "data", policy_store=store.root)
+    try:
+        with TestClient(app) as c:
+            yield c, engine
+    finally:
+        app.state.settings = saved
+        set_engine(None)
+        get_settings.cache_clear()
+
+
+def test_rollouts_route_returns_a_group(client: Any) -> None:
+    c, engine = client
+    body = {"group_id": "api-1", "prompt": "2+2?", "sampling": {"n": 2, "max_tokens": 6, "seed": 1}}
+    r = c.post("/v1/rollouts", json=body)
+    assert r.status_code == 200, r.text
+    group = Group.model_validate(r.json())
+    assert group.id == "api-1" and len(group.trajectories) == 2
+    assert all(
+        t.engine == "torch" and len(t.completion_ids) == len(t.logprobs or []) for t in group.trajectories
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": "x", "mode": "spawn"}, "not served"),
+        ({"prompt": "x", "mode": "streaming", "mode_params": {"layout": "interleaved"}}, "sentences"),
+        ({"prompt": "x", "sampling": {"n": 0}}, "n"),
+        ({"prompt": "x", "prompt_ids": [1]}, "exactly one"),
+    ],
+)
+def test_bad_requests_are_422_naming_the_limit(client: Any, body: dict, needle: str) -> None:
+    c, _ = client
+    r = c.post("/v1/rollouts", json=body)
+    assert r.status_code == 422
+    assert needle in r.text
+
+
+def test_group_positions_on_vllm_is_422_naming_the_capability(client: Any, vllm_engine: Any) -> None:
+    c, _ = client
+    set_engine(vllm_engine)
+    body = {
+        "prompt": "[stream]",
+        "mode": "streaming",
+        "mode_params": {"sentences": ["a b."], "layout": "group_positions"},
+    }
+    r = c.post("/v1/rollouts", json=body)
+    assert r.status_code == 422
+    assert r.json()["error"] == "unsupported_capability" and "group_positions" in r.json()["detail"]
+
+
+def test_policy_route_loads_a_store_version_and_trajectories_carry_it(
+    client: Any, store: PolicyStore
+) -> None:
+    c, engine = client
+    r = c.post("/v1/policy", json={"version": 1})
+    assert r.status_code == 200 and r.json()["policy_version"] == 1
+    g = Group.model_validate(
+        c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 6}}).json()
+    )
+    (t,) = g.trajectories
+    assert t.policy_version == 1
+    new_model = load_model(store.path_of(1))
+    ref = teacher_forced_logprobs(new_model, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
+    assert t.logprobs == pytest.approx(ref, abs=1e-4)
+    assert c.post("/v1/policy", json={"version": 7}).status_code == 404
+
+
+def test_vllm_client_publishes_a_policy_to_loom_engine(
+    vllm_engine: Any, store: PolicyStore, model_dir: Path, arun: Any, tokenizer: Any, reference_model: Any
+) -> None:
+    ids = tokenizer.encode("policy", add_special_tokens=False)
+    policy = store.get(1)
+    assert policy is not None
+    try:
+        arun(vllm_engine.load_policy(policy))
+        assert vllm_engine.policy_version == 1
+        (c,) = arun(vllm_engine.generate(ids, SamplingParams(max_tokens=6, seed=0)))
+        ref = teacher_forced_logprobs(load_model(store.path_of(1)), ids + c.token_ids, len(ids))
+        assert c.logprobs == pytest.approx(ref, abs=1e-4)
+    finally:  # put the session's model back for the other tests
+        base = policy.model_copy(update={"version": 0, "path": str(model_dir)})
+        arun(vllm_engine.load_policy(base))
+    (c,) = arun(vllm_engine.generate(ids, SamplingParams(max_tokens=6, seed=0)))
+    ref = teacher_forced_logprobs(reference_model, ids + c.token_ids, len(ids))
+    assert c.logprobs == pytest.approx(ref, abs=1e-4)

@@ -1,0 +1,141 @@
+"""plain and streaming modes on both engines: token exactness of the trajectories, loss masks,
+typed segments, caps, latency accounting, and clear errors where an engine lacks a capability."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from loom.formats import DEFAULT_MARKERS as M
+from loom.schemas import RolloutRequest, SamplingParams
+from loom.settings import Settings
+from rollout_svc.engines.base import Layout, UnsupportedCapability
+from rollout_svc.engines.torch_engine import teacher_forced_logprobs
+from rollout_svc.modes import ModeError
+from rollout_svc.rollout import generate_group
+
+ATOL = 1e-4
+SENTENCES = ["the first number is 12.", "the second number is 30.", "find their sum."]
+
+
+def run_group(arun: Any, engine: Any, tokenizer: Any, request: RolloutRequest) -> Any:
+    return arun(generate_group(request, engine, lambda: tokenizer, Settings()))
+
+
+def streaming_request(layout: str = "interleaved", **mode_params: Any) -> RolloutRequest:
+    return RolloutRequest(
+        group_id="g-stream",
+        mode="streaming",
+        prompt="[stream]",
+        sampling=SamplingParams(n=2, max_tokens=12, seed=9, temperature=1.0),
+        mode_params={"sentences": SENTENCES, "layout": layout, "segment_cap": 6, "answer_max_tokens": 6}
+        | mode_params,
+    )
+
+
+def assert_exact(traj: Any, model: Any, layout: Layout | None = None) -> None:
+    """Every trained token's log-prob equals the teacher-forced pass over the same layout."""
+    ids = traj.prompt_ids + traj.completion_ids
+    ref = teacher_forced_logprobs(model, ids, len(traj.prompt_ids), layout)
+    mask = traj.loss_mask or [1] * len(traj.completion_ids)
+    trained = [i for i, m in enumerate(mask) if m]
+    assert trained
+    assert [traj.logprobs[i] for i in trained] == pytest.approx([ref[i] for i in trained], abs=ATOL)
+
+
+def test_plain_group_is_token_exact(engine: Any, arun: Any, tokenizer: Any, reference_model: Any) -> None:
+    req = RolloutRequest(
+        group_id="g1", prompt="what is 2+2?", sampling=SamplingParams(n=3, max_tokens=10, seed=1)
+    )
+    group = run_group(arun, engine, tokenizer, req)
+    assert group.id == "g1" and group.mode == "plain" and len(group.trajectories) == 3
+    for i, t in enumerate(group.trajectories):
+        assert t.id == f"g1/{i}" and t.engine == engine.name and t.policy_version == engine.policy_version
+        assert t.prompt_ids == tokenizer.encode("what is 2+2?", add_special_tokens=False)
+        assert_exact(t, reference_model)
+
+
+def test_streaming_interleaved_is_token_exact_with_masked_observations(
+    engine: Any, arun: Any, tokenizer: Any, reference_model: Any
+) -> None:
+    group = run_group(arun, engine, tokenizer, streaming_request())
+    assert group.mode == "streaming" and len(group.trajectories) == 2
+    for t in group.trajectories:
+        assert_exact(t, reference_model)
+        kinds = [s.kind for s in t.segments]
+        assert kinds[:2] == ["observation", "stream"]
+        obs = [s for s in t.segments if s.kind == "observation" and not s.meta.get("connector")]
+        for s, sentence in zip(obs, SENTENCES, strict=False):
+            expected = tokenizer.encode(f" {sentence}{M.sentence_end}", add_special_tokens=False)
+            assert t.completion_ids[s.start : s.end] == expected
+            assert set(t.loss_mask[s.start : s.end]) == {0}
+        for s in t.segments:
+            if s.kind == "stream":
+                body = t.loss_mask[s.start : s.end]
+                assert s.end - s.start <= 6 + 1  # segment cap plus a forced <EOT>
+                assert t.completion_ids[s.end - 1] == tokenizer.convert_tokens_to_ids(M.thought_end) or (
+                    t.meta.get("ended_early") == "stream"
+                )
+                assert body[:-1] == [1] * (len(body) - 1)
+                assert body[-1] == (0 if s.meta["forced_end"] else 1)
+        if "ended_early" not in t.meta:
+            assert [s.index for s in obs] == [0, 1, 2]
+            assert kinds[-3:] == ["observation", "deep", "answer"]
+
+
+def test_streaming_group_position_layout_is_token_exact(
+    torch_engine: Any, arun: Any, tokenizer: Any, reference_model: Any
+) -> None:
+    group = run_group(arun, torch_engine, tokenizer, streaming_request("group_positions"))
+    for t in group.trajectories:
+        groups = t.meta["completion_groups"]
+        full = Layout(groups=[0] * len(t.prompt_ids) + groups, gen_group=1)
+        assert_exact(t, reference_model, full)
+        for s in t.segments:  # sources are group 0, model tokens group 1
+            assert set(groups[s.start : s.end]) <= ({0} if s.kind == "observation" else {1})
+
+
+def test_group_positions_on_the_vllm_engine_is_a_clear_error(
+    vllm_engine: Any, arun: Any, tokenizer: Any
+) -> None:
+    with pytest.raises(UnsupportedCapability, match="group_positions"):
+        run_group(arun, vllm_engine, tokenizer, streaming_request("group_positions"))
+
+
+def test_streaming_latency_is_accounted_at_the_reading_speed(
+    torch_engine: Any, arun: Any, tokenizer: Any
+) -> None:
+    group = run_group(arun, torch_engine, tokenizer, streaming_request(reading_wpm=60.0))
+    words = sum(len(s.split()) for s in SENTENCES)
+    for t in group.trajectories:
+        assert t.timing["reading_s"] == pytest.approx(60.0 * words / 60.0)
+        if "ended_early" not in t.meta:
+            assert t.timing["latency_s"] >= 0.0
+            last_stream = [s for s in t.segments if s.kind == "stream"][-1]
+            deep = next(s for s in t.segments if s.kind == "deep")
+            # tokens decoded after the last sentence arrived, up to and including the first answer token
+            forced = int(last_stream.meta["forced_end"]) + int(deep.meta["forced_end"])
+            assert (
+                t.meta["latency_tokens"]
+                == (last_stream.end - last_stream.start) + (deep.end - deep.start) + 1 - forced
+            )
+
+
+@pytest.mark.parametrize(
+    ("mode", "mode_params", "needle"),
+    [
+        ("tree", {}, "not served"),
+        ("streaming", {}, "sentences"),
+        ("streaming", {"sentences": SENTENCES, "layout": "diagonal"}, "layout"),
+        ("streaming", {"sentences": SENTENCES, "segment_cap": 0}, "segment_cap"),
+        ("streaming", {"sentences": SENTENCES, "typo": 1}, "typo"),
+        ("plain", {"sentences": SENTENCES}, "plain takes no mode_params"),
+    ],
+)
+def test_bad_mode_requests_name_the_problem(
+    torch_engine: Any, arun: Any, tokenizer: Any, mode: str, mode_params: dict, needle: str
+) -> None:
+    req = RolloutRequest(mode=mode, prompt="x", mode_params=mode_params)  # type: ignore[arg-type]
+    with pytest.raises(ModeError, match=needle):
+        run_group(arun, torch_engine, tokenizer, req)

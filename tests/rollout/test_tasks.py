@@ -1,0 +1,91 @@
+"""rollout.generate_group through the real queue fabric (embedded broker and RabbitMQ).
+
+The kill test drives a worker whose engine is `loom engine --simulate-ms-per-token` (the labelled
+SIMULATION mode: a fixed, known generation time, so the kill reliably lands mid-group); what it
+tests is the queue and the task, not the model. The exactness test runs the real torch engine
+inside the worker.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.queue import send
+from loom.schemas import Group, RolloutRequest, SamplingParams
+from rollout_svc.engines.torch_engine import teacher_forced_logprobs
+from tests.rollout.conftest import start_engine_server, stop_process
+
+
+@pytest.fixture(scope="module")
+def sim_server() -> Iterator[str]:
+    proc, url = start_engine_server(["--simulate-ms-per-token", "20"])
+    try:
+        yield url
+    finally:
+        stop_process(proc)
+
+
+def wait_state(result: Any, state: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result.state == state:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"task never reached {state} (last {result.state})")
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_killed_worker_mid_group_is_regenerated_and_recorded_once(
+    broker_env: Any, loom_worker: Any, sim_server: str
+) -> None:
+    broker_env.extra_env.update(LOOM_ENGINE="vllm", LOOM_ENGINE_URL=sim_server)
+    app = broker_env.app("rollout")
+    first = loom_worker("rollout", broker_env)
+    req = RolloutRequest(
+        group_id="g-kill", prompt_ids=[1, 2, 3], sampling=SamplingParams(n=2, max_tokens=150)
+    )
+    result = send(app, "rollout.generate_group", req.model_dump(mode="json"), key=req.group_id)
+    wait_state(result, "STARTED")
+    killed = {first.pid, *first.children()}
+    first.kill_group()
+    loom_worker("rollout", broker_env)
+    group = Group.model_validate(result.get(timeout=60))
+    assert group.id == gid and [t.id for t in group.trajectories] == [f"{gid}/0", f"{gid}/1"]
+    assert group.meta["worker_pid"] not in killed
+    assert all(len(t.completion_ids) == 150 for t in group.trajectories)
+    # a second publication of the same group returns the recorded result instead of generating again
+    again = send(app, "rollout.generate_group", req.model_dump(mode="json"), key=req.group_id)
+    assert Group.model_validate(again.get(timeout=30)).meta["generated_at"] == group.meta["generated_at"]
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
+def test_worker_streaming_group_is_token_exact(
+    broker_env: Any, loom_worker: Any, model_dir: Path, reference_model: Any
+) -> None:
+    broker_env.extra_env.update(LOOM_ENGINE="torch", LOOM_MODEL=str(model_dir))
+    app = broker_env.app("rollout")
+    loom_worker("rollout", broker_env)
+    req = RolloutRequest(
+        group_id=f"g-stream-{uuid.uuid4().hex[:8]}",
+        mode="streaming",
+        prompt="[stream]",
+        sampling=SamplingParams(n=2, max_tokens=8, seed=3),
+        mode_params={"sentences": ["one two.", "three four."], "segment_cap": 5, "answer_max_tokens": 4},
+    )
+    group = Group.model_validate(
+        send(app, "rollout.generate_group", req.model_dump(mode="json")).get(timeout=90)
+    )
+    assert group.mode == "streaming" and len(group.trajectories) == 2
+    for t in group.trajectories:
+        assert t.engine == "torch" and t.loss_mask is not None
+        ref = teacher_forced_logprobs(reference_model, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
+        trained = [i for i, m in enumerate(t.loss_mask) if m]
+        assert [t.logprobs[i] for i in trained] == pytest.approx([ref[i] for i in trained], abs=1e-4)

@@ -1,0 +1,153 @@
+"""docker-compose.yml is checked statically (Docker does not run here): every Loom container runs a real
+``loom`` entrypoint and sets only real settings; only the gateway is published; GPUs where needed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from loom.cli import COMMANDS
+from loom.settings import SERVICE_PACKAGES, SERVICES, Settings
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+ENV_EXAMPLE = REPO / "deploy" / "loom.env.example"
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+INFRA = {"rabbitmq", "redis", "vllm", "flower"}
+GPU_SERVICES = {"vllm", "learner"}
+INTERPOLATION = re.compile(r"\$\{([A-Z0-9_]+)(?::?-[^}]*)?\}")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def loom_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: svc for name, svc in compose["services"].items() if name not in INFRA}
+
+
+def _gpu_reserved(svc: dict[str, Any]) -> bool:
+    devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return any("gpu" in d.get("capabilities", []) for d in devices)
+
+
+def _env(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def test_compose_has_the_whole_stack(compose: dict[str, Any], loom_services: dict[str, Any]) -> None:
+    assert INFRA <= set(compose["services"])
+    assert {"gateway", "rollout", "reward", "reflect", "learner"} <= set(loom_services)
+
+
+def test_every_loom_command_is_a_real_entrypoint(loom_services: dict[str, Any]) -> None:
+    roles: dict[str, set[str]] = {svc: set() for svc in SERVICES}
+    for name, svc in loom_services.items():
+        cmd = svc["command"]
+        assert isinstance(cmd, list) and cmd[0] == "loom", (name, cmd)
+        assert cmd[1] in COMMANDS, (name, cmd)
+        assert cmd[1] in ("api", "worker"), f"{name}: services run `loom api` or `loom worker`, not {cmd[1]}"
+        assert cmd[2] in SERVICES, (name, cmd)
+        roles[cmd[2]].add(cmd[1])
+        assert svc["image"].startswith("loom:") and svc["build"]["dockerfile"] == "deploy/Dockerfile", name
+    assert all(r == {"api", "worker"} for r in roles.values()), (
+        f"each service needs an API and a worker: {roles}"
+    )
+
+
+def test_every_loom_variable_is_a_setting(loom_services: dict[str, Any]) -> None:
+    fields = {f"LOOM_{name.upper()}" for name in Settings.model_fields}
+    for name, svc in loom_services.items():
+        env = _env(svc)
+        assert env, f"{name} sets no environment"
+        for var in env:
+            assert var.startswith("LOOM_"), f"{name}: {var} (Loom containers take LOOM_* variables only)"
+            assert var in fields, f"{name}: {var} is not a field of loom.settings.Settings"
+        assert env.get("LOOM_BROKER_URL", "").startswith("amqp://"), name
+
+
+def test_env_example_variables_are_used_by_compose() -> None:
+    used = set(INTERPOLATION.findall(COMPOSE.read_text()))
+    used |= set(INTERPOLATION.findall((REPO / "deploy" / "compose.flower.yml").read_text()))
+    example = [
+        line.split("=", 1)[0]
+        for line in ENV_EXAMPLE.read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert example, "the example env file is empty"
+    for var in example:
+        assert var.startswith("LOOM_"), var
+        assert var in used, f"{var} in loom.env.example is not used by the compose files"
+    assert used <= set(example), f"compose variables missing from the example: {sorted(used - set(example))}"
+
+
+def test_only_the_gateway_publishes_a_port(compose: dict[str, Any], loom_services: dict[str, Any]) -> None:
+    published = {name for name, svc in compose["services"].items() if svc.get("ports")}
+    assert published == {"gateway"}, published
+    assert loom_services["gateway"]["command"][:3] == ["loom", "api", "gateway"]
+
+
+def test_rollout_scales(loom_services: dict[str, Any]) -> None:
+    rollout = loom_services["rollout"]
+    assert "container_name" not in rollout
+    assert rollout["command"][:3] == ["loom", "worker", "rollout"]
+    assert not rollout.get("ports")
+
+
+def test_gpu_reservations(compose: dict[str, Any]) -> None:
+    for name in GPU_SERVICES:
+        assert _gpu_reserved(compose["services"][name]), name
+    for name in ("gateway", "reward", "reflect", "rollout", "flower", "redis", "rabbitmq"):
+        assert not _gpu_reserved(compose["services"][name]), name
+
+
+def test_vllm_serves_runtime_loras(compose: dict[str, Any]) -> None:
+    vllm = compose["services"]["vllm"]
+    assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+", vllm["image"]), "pin a vLLM version"
+    assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "--enable-lora" in vllm["command"]
+    assert vllm["command"][0].startswith("${LOOM_MODEL"), "the model comes from the environment"
+
+
+def test_healthchecks_and_dependency_conditions(
+    compose: dict[str, Any], loom_services: dict[str, Any]
+) -> None:
+    services = compose["services"]
+    for name, svc in services.items():
+        assert svc.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+    assert "rabbitmq-diagnostics" in services["rabbitmq"]["healthcheck"]["test"]
+    assert "redis-cli" in services["redis"]["healthcheck"]["test"]
+    for name, svc in loom_services.items():
+        test = " ".join(svc["healthcheck"]["test"])
+        role, service = svc["command"][1], svc["command"][2]
+        if role == "api":
+            port = Settings().service_port(service)
+            assert f"curl -fsS http://localhost:{port}/readyz" in test, (name, test)
+        else:  # the worker answers a ping addressed to the node name its command sets
+            node = svc["command"][svc["command"].index("-n") + 1].split("@")[0]
+            assert f"{SERVICE_PACKAGES[service]}.tasks:celery_app inspect ping -d {node}@" in test, (
+                name,
+                test,
+            )
+        depends = svc.get("depends_on", {})
+        for dep in ("rabbitmq", "redis"):
+            assert depends.get(dep, {}).get("condition") == "service_healthy", (name, dep)
+    for name in ("rollout", "reflect"):
+        assert services[name]["depends_on"]["vllm"]["condition"] == "service_healthy"
+
+
+def test_dockerfile_builds_cpu_and_cuda_variants() -> None:
+    text = DOCKERFILE.read_text()
+    assert "ARG VARIANT" in text and "whl/cpu" in text and "whl/cu" in text
+    for pkg in ("loom", *SERVICE_PACKAGES.values()):
+        assert f"COPY {pkg} ./{pkg}" in text, pkg
+    assert "curl" in text, "API healthchecks use curl"
