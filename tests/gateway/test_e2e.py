@@ -175,7 +175,7 @@ def test_job_with_adaptive_sampling_streams_scored_groups(stack: Callable[[], Ga
     gw.start()
     body = {
         "job_key": "adaptive-1",
-        "tasks": [{"prompt": "q1", "label": "1"}, {"prompt": "impossible q", "label": "1"}, {"prompt": "q7"}],
+        "tasks": [{"prompt": "q6", "label": "1"}, {"prompt": "impossible q", "label": "1"}, {"prompt": "q3"}],
         "sampling": {"n": 4, "max_tokens": 8},
         "adaptive": {"n": 4, "samples_per_round": 4, "max_rounds": 3, "exit": "balanced"},
     }
@@ -198,10 +198,11 @@ def test_job_with_adaptive_sampling_streams_scored_groups(stack: Callable[[], Ga
     view = gw.get(f"/v1/jobs/{job_id}", JOBS_KEY).json()
     by_index = {g["index"]: g for g in view["groups"]}
     assert by_index[1]["group"] is None  # never a positive: dropped
-    assert view["counters"]["adaptive_dropped"] == 1
-    # M=4 per round: kept prompts paid for the rounds they used, the dropped one for all R=3 rounds
+    dropped = sum(1 for g in view["groups"] if g["group"] is None)  # q3 (p=0.35) may rarely be too
+    assert view["counters"]["adaptive_dropped"] == dropped
+    # M=4 per round: kept prompts paid for the rounds they used, dropped ones for all R=3 rounds
     rounds = [g["group"]["pool"]["rounds"] for g in view["groups"] if g["group"]]
-    assert view["counters"]["adaptive_samples"] == 4 * sum(rounds) + 4 * 3
+    assert view["counters"]["adaptive_samples"] == 4 * sum(rounds) + 4 * 3 * dropped
     for g in view["groups"]:
         if g["group"] is None:
             continue

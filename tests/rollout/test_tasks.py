@@ -48,9 +48,8 @@ def test_killed_worker_mid_group_is_regenerated_and_recorded_once(
     broker_env.extra_env.update(LOOM_ENGINE="vllm", LOOM_ENGINE_URL=sim_server)
     app = broker_env.app("rollout")
     first = loom_worker("rollout", broker_env)
-    req = RolloutRequest(
-        group_id="g-kill", prompt_ids=[1, 2, 3], sampling=SamplingParams(n=2, max_tokens=150)
-    )
+    gid = f"g-kill-{uuid.uuid4().hex[:8]}"  # results outlive the test in a shared Redis: unique ids
+    req = RolloutRequest(group_id=gid, prompt_ids=[1, 2, 3], sampling=SamplingParams(n=2, max_tokens=150))
     result = send(app, "rollout.generate_group", req.model_dump(mode="json"), key=req.group_id)
     wait_state(result, "STARTED")
     killed = {first.pid, *first.children()}
