@@ -139,3 +139,25 @@ def test_bad_mode_requests_name_the_problem(
     req = RolloutRequest(mode=mode, prompt="x", mode_params=mode_params)  # type: ignore[arg-type]
     with pytest.raises(ModeError, match=needle):
         run_group(arun, torch_engine, tokenizer, req)
+
+
+def test_streaming_on_the_shipped_tiny_checkpoint_is_token_exact(arun: Any) -> None:
+    """The built-in tiny model in its own stream format (loom/tiny): exact log-probs, typed segments."""
+    from loom.tiny import CHECKPOINT_DIR, STREAM_HEADER, make_problems
+    from loom.tiny.traces import stream_sentences
+    from rollout_svc.engines.torch_engine import TorchEngine
+
+    if not (CHECKPOINT_DIR / "config.json").exists():
+        pytest.skip(f"the tiny checkpoint is not built at {CHECKPOINT_DIR} (run `loom train-tiny`)")
+    engine = TorchEngine(CHECKPOINT_DIR)
+    (problem,) = make_problems("arith", 1, seed=3)
+    req = RolloutRequest(
+        mode="streaming",
+        prompt=STREAM_HEADER,
+        sampling=SamplingParams(n=2, max_tokens=64, seed=0, temperature=1.0),
+        mode_params={"sentences": stream_sentences(problem), "segment_cap": 32, "answer_max_tokens": 16},
+    )
+    group = run_group(arun, engine, engine.tokenizer, req)
+    for t in group.trajectories:
+        assert_exact(t, engine.model)
+        assert t.segments[0].kind == "observation" and t.segments[1].kind == "stream"

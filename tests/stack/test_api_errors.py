@@ -7,6 +7,7 @@ from each app's OpenAPI document, so routes added later are covered without edit
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 from collections.abc import Iterator
 from typing import Any
@@ -15,17 +16,28 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from loom.settings import SERVICE_PACKAGES, SERVICES
+from loom.settings import SERVICE_PACKAGES, SERVICES, Settings
 
 SCALAR_TYPES = {"integer", "number", "string", "boolean", "array"}
 WRONG_VALUE = {"not": ["what", "the", "field", "expects"]}  # an object fits no scalar or list field
 
 
+ADMIN_KEY = "loom_test-api-errors-admin"
+
+
 @pytest.fixture(scope="module", params=SERVICES)
-def client(request: pytest.FixtureRequest) -> Iterator[TestClient]:
-    app: FastAPI = importlib.import_module(f"{SERVICE_PACKAGES[request.param]}.api").app
+def client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    module = importlib.import_module(f"{SERVICE_PACKAGES[request.param]}.api")
+    app: FastAPI = module.app
+    headers = {}
+    if request.param == "gateway":
+        # Every gateway route needs a key: build the same app with one, so requests reach validation.
+        key = f"tester:{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}:jobs+runs+admin"
+        settings = Settings(api_keys=key, data_dir=tmp_path_factory.mktemp("gateway"), gateway_run_loop=False)
+        app = module.build_app(settings)
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     # No `with`: the lifespan (run loops, broker connections) is not started.
-    yield TestClient(app, raise_server_exceptions=False)
+    yield TestClient(app, raise_server_exceptions=False, headers=headers)
 
 
 def _json_body_routes(app: FastAPI) -> list[tuple[str, str, dict[str, Any]]]:
