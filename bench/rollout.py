@@ -127,16 +127,17 @@ def celery_for(env: dict[str, str]) -> Any:
     return make_celery("rollout", Settings(**values))
 
 
-def run_through_queue(app: Any, requests: list[RolloutRequest]) -> float:
+def run_through_queue(app: Any, requests: list[RolloutRequest]) -> tuple[float, int]:
+    """Seconds to get every group back, and the completion tokens they hold."""
     from loom.queue import send
 
     t0 = time.perf_counter()
     results = [
         send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id) for r in requests
     ]
-    for r in results:
-        r.get(timeout=600, interval=0.01)
-    return time.perf_counter() - t0
+    groups = [r.get(timeout=600, interval=0.05) for r in results]
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(len(t["completion_ids"]) for g in groups for t in g["trajectories"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,36 +158,48 @@ def plain_requests(tokenizer: Any, n_groups: int, max_tokens: int) -> list[Rollo
 
 
 def bench_overhead(quick: bool, tmp: Path) -> dict[str, float]:
+    """Direct and queued runs alternate (A/B per round) so machine noise hits both alike."""
     from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
     from rollout_svc.rollout import generate_group
 
     settings = get_settings()
     path = resolve_model_path(settings.model)
     engine = TorchEngine(path, cache_entries=settings.engine_prefix_cache_entries)
-    n_groups, max_tokens = (6, 64) if quick else (16, 128)
-    reqs = plain_requests(engine.tokenizer, n_groups + 1, max_tokens)
+    rounds, per_round, max_tokens = (2, 3, 64) if quick else (4, 4, 128)
+    reqs = plain_requests(engine.tokenizer, per_round + 1, max_tokens)
     warm, reqs = reqs[0], reqs[1:]
 
-    async def direct() -> float:
-        await generate_group(warm, engine, lambda: engine.tokenizer, settings)
+    async def direct() -> tuple[float, int]:
         t0 = time.perf_counter()
-        for r in reqs:
-            await generate_group(r, engine, lambda: engine.tokenizer, settings)
-        return time.perf_counter() - t0
+        groups = [await generate_group(r, engine, lambda: engine.tokenizer, settings) for r in reqs]
+        return time.perf_counter() - t0, sum(len(t.completion_ids) for g in groups for t in g.trajectories)
 
-    t_direct = asyncio.run(direct())
     procs = Procs()
+    t_direct = t_queue = 0.0
+    tok_direct = tok_queue = 0
     try:
         env = queue_env(tmp / "q1", False, LOOM_ENGINE="torch", LOOM_MODEL=str(path))
         start_workers(procs, env, 1, tmp)
         app = celery_for(env)
+        asyncio.run(generate_group(warm, engine, lambda: engine.tokenizer, settings))
         run_through_queue(app, [warm.model_copy(update={"group_id": f"warm-{uuid.uuid4().hex[:6]}"})])
-        queued = [r.model_copy(update={"group_id": f"{r.group_id}-q"}) for r in reqs]
-        t_queue = run_through_queue(app, queued)
+        for _ in range(rounds):
+            dt, nt = asyncio.run(direct())
+            t_direct, tok_direct = t_direct + dt, tok_direct + nt
+            queued = [r.model_copy(update={"group_id": f"q-{uuid.uuid4().hex[:8]}"}) for r in reqs]
+            dt, nt = run_through_queue(app, queued)
+            t_queue, tok_queue = t_queue + dt, tok_queue + nt
         app.close()
     finally:
         procs.close()
-    return {"groups": n_groups, "direct_s": t_direct, "queue_s": t_queue, "overhead": t_queue / t_direct - 1}
+    return {
+        "groups": rounds * per_round,
+        "direct_s": t_direct,
+        "queue_s": t_queue,
+        "overhead": t_queue / t_direct - 1,
+        "same_tokens": float(tok_direct == tok_queue),
+        "tokens": tok_direct,
+    }
 
 
 def bench_prefill(quick: bool) -> dict[str, float]:
@@ -267,7 +280,7 @@ def bench_scaling(quick: bool, tmp: Path) -> dict[int, float]:
                 for i in range(k * (per_worker + 1))
             ]
             run_through_queue(app, reqs[:k])  # warm every worker's engine client
-            elapsed = run_through_queue(app, reqs[k:])
+            elapsed, _ = run_through_queue(app, reqs[k:])
             out[k] = k * per_worker / elapsed
             app.close()
             print(f"  scaling: {k} workers: {out[k]:.2f} groups/s ({'rabbitmq' if rabbit else 'embedded'})")
@@ -291,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 (
                     "orchestration overhead (plain)",
-                    f"direct {o['direct_s']:.2f}s | queue {o['queue_s']:.2f}s ({o['groups']} groups)",
+                    f"direct {o['direct_s']:.2f}s | queue {o['queue_s']:.2f}s ({o['groups']} groups,"
+                    f" {int(o['tokens'])} tok, same tokens: {bool(o['same_tokens'])})",
                     f"{100 * o['overhead']:+.1f} %",
                     "<= 5 %",
                 )

@@ -56,7 +56,8 @@ def fci_from_step_attention(alpha: Tensor, delta: int) -> Tensor:
 def zero_rules(scores: Sequence[float], zero_from: int | None) -> list[float]:
     """The prompt step, the first response step and the steps from ``zero_from`` on score 0."""
     return [
-        0.0 if s <= 1 or (zero_from is not None and s >= zero_from) else float(v) for s, v in enumerate(scores)
+        0.0 if s <= 1 or (zero_from is not None and s >= zero_from) else float(v)
+        for s, v in enumerate(scores)
     ]
 
 

@@ -239,6 +239,72 @@ class PolicyVersion(Contract):
 
 
 # --------------------------------------------------------------------------------------------------
+# Reflection truncation (reflect_svc, ALGORITHMS.md 3)
+
+ReflectDetector = Literal["gold", "model", "heuristic", "fixed"]
+ReflectStrength = Literal["weak", "normal", "strong"]
+# truncated: a revision was generated; the others say why a trajectory was left as it is.
+ReflectStatus = Literal[
+    "truncated",
+    "no_think",  # no thinking part (or an empty one)
+    "no_detection",  # the detector found no chunk with the answer
+    "nothing_to_remove",  # the cut (after the half limit) removes no thinking token
+    "malformed_output",  # the reflection model's labels were unusable (wrong count, garbage)
+    "model_error",  # the reflection model could not be reached / answered an error
+    "verifier_error",  # the reward service could not check the chunks
+    "no_tokens",  # the trajectory carries no completion token ids
+]
+
+
+class ReflectParams(Contract):
+    detector: ReflectDetector = "gold"
+    strength: ReflectStrength = Field(default="normal", description="model detector: weak/normal/strong")
+    keyword_k: int = Field(default=1, ge=1, description="heuristic: cut before the k-th reflection")
+    keywords: list[str] = Field(
+        default_factory=lambda: ["wait", "alternatively", "check", "but"], min_length=1, max_length=64
+    )
+    keyword_gap_chars: int = Field(default=59, ge=0, description="keywords this close count once")
+    fixed_keep: float = Field(default=0.7, gt=0.0, le=1.0, description="fixed: fraction of thinking kept")
+    min_chunk_tokens: int = Field(default=32, ge=1)
+    max_chunk_tokens: int = Field(default=128, ge=1)
+    max_removed_fraction: float = Field(default=0.5, ge=0.0, le=0.5, description="of the thinking tokens")
+    forced_ending: str = Field(default="\n</think>\n\n**Final Answer:**\n\n", max_length=1000)
+    max_tokens: int = Field(default=256, ge=1, le=131072, description="budget of the policy's completion")
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    seed: int | None = None
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="scores originals and revisions")
+    keep_discarded: bool = Field(default=False, description="return discarded revisions too (for analysis)")
+
+
+class ReflectRequest(Contract):
+    group: Group
+    params: ReflectParams = Field(default_factory=ReflectParams)
+
+
+class RevisionInfo(Contract):
+    """What reflection did to one original trajectory."""
+
+    trajectory_id: str
+    status: ReflectStatus
+    detail: str | None = None
+    revision_id: str | None = None
+    kept: bool = False
+    discard_reason: Literal["original_correct_revision_wrong", "both_wrong"] | None = None
+    think_tokens: int = 0
+    removed_tokens: int = 0  # thinking tokens removed by the cut
+    cut: int | None = Field(default=None, description="completion-token offset where the prefix ends")
+    chunk: int | None = Field(default=None, description="index of the last kept chunk")
+    n_chunks: int = 0
+    original_correct: bool | None = None
+    revision_correct: bool | None = None
+
+
+class ReflectResult(Contract):
+    group: Group  # the input group with the kept revisions placed after their originals
+    revisions: list[RevisionInfo] = Field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------
 # Service plumbing
 
 

@@ -36,9 +36,9 @@ MIX: dict[str, tuple[str, ...]] = {
 @dataclass
 class TrainConfig:
     seed: int = 0
-    steps: int = 400
+    steps: int = 700
     batch_size: int = 32
-    lr: float = 3e-3
+    lr: float = 2e-3
     warmup: int = 50
     weight_decay: float = 0.01
     train_problems: int = 3000  # per kind

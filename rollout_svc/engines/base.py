@@ -113,3 +113,13 @@ class Engine(ABC):
 
     async def close(self) -> None:
         return None
+
+    async def score_attention(
+        self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
+    ) -> list[float]:
+        """FCI score of each step span of ``token_ids`` (``loom.fci``); needs ``attention_scores``."""
+        raise UnsupportedCapability(
+            self.name,
+            "attention_scores",
+            "point mode_params.attention_url at a learner or `loom engine` serving /v1/score/attention",
+        )

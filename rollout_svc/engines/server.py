@@ -4,8 +4,9 @@ Routes (vLLM's names and shapes, so the ``vllm`` engine client is exercised agai
 ``POST /v1/completions`` (token-id prompts, ``return_token_ids``, ``stop_token_ids``, log-probs),
 ``GET /v1/models``, ``GET /health``, ``POST /v1/load_lora_adapter``, ``POST /collective_rpc``
 (method ``loom_reload_weights``), ``POST /reset_prefix_cache``; plus ``GET /loom/stats`` (prefill
-accounting). ``--simulate-ms-per-token`` serves the SIMULATED engine instead (replica-scaling bench
-only). Bind it to a private network: like vLLM's dev routes, the control routes have no auth.
+accounting) and ``POST /v1/score/attention`` (FCI scores; the learner's route and body).
+``--simulate-ms-per-token`` serves the SIMULATED engine instead (replica-scaling bench only).
+Bind it to a private network: like vLLM's dev routes, the control routes have no auth.
 """
 
 from __future__ import annotations
@@ -189,6 +190,25 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
     async def reset_prefix_cache() -> JSONResponse:
         await engine.reset_cache()
         return JSONResponse({})
+
+    @app.post("/v1/score/attention")
+    async def score_attention(request: Request) -> JSONResponse:
+        """FCI scores (loom.fci), same body and answer as the learner's route of the same name."""
+        try:
+            body = await request.json()
+            token_ids = [int(t) for t in body["token_ids"]]
+            steps = [(int(a), int(b)) for a, b in body["steps"]]
+            delta = int(body.get("delta") or 4)
+            zero_from = None if body.get("zero_from") is None else int(body["zero_from"])
+        except (ValueError, KeyError, TypeError) as exc:
+            return _error(400, f"expected token_ids, steps [[start, end], ...], delta, zero_from: {exc}")
+        if delta < 1 or not steps or any(not 0 <= a < b <= len(token_ids) for a, b in steps):
+            return _error(400, "every step must be a non-empty span inside token_ids and delta >= 1")
+        try:
+            scores = await engine.score_attention(token_ids, steps, delta, zero_from)
+        except EngineError as exc:
+            return _error(400, str(exc))
+        return JSONResponse({"scores": scores, "policy_version": engine.policy_version})
 
     return app
 

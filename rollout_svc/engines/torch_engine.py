@@ -112,7 +112,7 @@ def _common(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 
 class TorchEngine(Engine):
     name = "torch"
-    capabilities = frozenset({"group_positions", "prefix_cache"})
+    capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores"})
 
     def __init__(
         self,
@@ -153,6 +153,20 @@ class TorchEngine(Engine):
     async def reset_cache(self) -> None:
         with self._lock:
             self._entries.clear()
+
+    async def score_attention(
+        self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
+    ) -> list[float]:
+        return await asyncio.to_thread(self.score_attention_sync, token_ids, steps, delta, zero_from)
+
+    def score_attention_sync(
+        self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
+    ) -> list[float]:
+        """FCI scores (AttnRL eq. 5-6) by loom.fci's streaming pass, serialised with generation."""
+        from loom.fci import fci_scores
+
+        with self._lock:
+            return fci_scores(self.model, token_ids, steps, delta=delta, zero_from=zero_from)
 
     def load_policy_sync(self, policy: PolicyVersion) -> None:
         if policy.kind == "lora":

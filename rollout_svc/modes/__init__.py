@@ -10,6 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 
+# Modes served through ``run(request, prompt_ids, group_id, engine, tokenizer) -> Group`` (imported
+# lazily by name so a worker loads only what it serves): tree (TreeRL / AttnRL), spawn (APR).
+RUN_MODES = {"tree": "rollout_svc.modes.tree", "spawn": "rollout_svc.modes.spawn"}
+
+
 class ModeError(ValueError):
     """The request asks a mode for something it cannot do; the message names the limit."""
 

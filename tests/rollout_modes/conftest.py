@@ -1,0 +1,41 @@
+"""Fixtures of the tree/spawn mode tests: Loom's tiny checkpoint in the real torch engine, and a small
+random-weight Llama (grouped-query attention) for the FCI scorer. Nothing is mocked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.runtime import configure_process
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> Any:
+    configure_process()
+    from loom.tiny import CHECKPOINT_DIR
+    from rollout_svc.engines.torch_engine import TorchEngine
+
+    return TorchEngine(CHECKPOINT_DIR, cache_entries=64)
+
+
+@pytest.fixture(scope="session")
+def random_llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    configure_process()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    path = Path(tmp_path_factory.mktemp("llama")) / "m"
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return LlamaForCausalLM.from_pretrained(str(path), attn_implementation="sdpa").eval()
