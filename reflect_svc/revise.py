@@ -1,0 +1,362 @@
+"""Revised samples (REA-RL §4.2, eq. 2; ALGORITHMS.md 3): detect, cut, complete, score, keep or discard.
+
+For every trajectory of a group: chunk its thinking part, let the detector pick the cut, move the cut
+so that at most ``max_removed_fraction`` (1/2) of the thinking tokens go, then ask the policy (the
+rollout service) to complete ``prefix + forced ending`` with a short budget. Originals and revisions
+are scored together (the reward service); a revision is discarded when the original was correct and
+the revision is not, and when both are wrong. Kept revisions join the group right after their
+original, with ``parent_id`` = the original's id, a ``revision`` segment and ``meta``.
+
+Pure: everything outside (verifier, reflection model, rollout, reward) is a ``Services`` object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from loom.formats import DEFAULT_MARKERS, Markers
+from loom.schemas import (
+    Group,
+    ReflectParams,
+    ReflectResult,
+    RevisionInfo,
+    RewardResult,
+    RewardSpec,
+    RolloutRequest,
+    SamplingParams,
+    Segment,
+    Trajectory,
+    TrajectoryReward,
+)
+from reflect_svc.chunking import Thinking, chunk_thinking
+from reflect_svc.detectors import (
+    Detection,
+    detect_fixed,
+    detect_gold,
+    detect_heuristic,
+    detect_model,
+    model_prompt,
+)
+
+
+class ServiceError(RuntimeError):
+    """A service the core relies on failed; ``status`` is the ReflectStatus it maps to."""
+
+    def __init__(self, status: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+
+
+class ModelLabels(Protocol):
+    text: str
+    tokens: list[str] | None
+    tops: list[dict[str, float] | None] | None
+
+
+class Services(Protocol):
+    def match(self, group: Group, texts: list[str]) -> list[bool]:
+        """Does each text state the group's gold answer? (reward service; ServiceError if down)"""
+        ...
+
+    def label(self, prompt: str, n_chunks: int) -> ModelLabels:
+        """The reflection model's answer to ``prompt`` (ServiceError ``model_error`` if down)."""
+        ...
+
+    def complete(self, requests: list[RolloutRequest]) -> list[Group]:
+        """One generated group per request, in order (rollout service)."""
+        ...
+
+    def score(self, group: Group, spec: RewardSpec) -> RewardResult: ...
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: Any, **kwargs: Any) -> str: ...
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+
+# --------------------------------------------------------------------------------------- pure steps
+
+
+def limit_cut(thinking: Thinking, cut: int, max_removed_fraction: float = 0.5) -> int:
+    """Never remove more than ``max_removed_fraction`` of the thinking tokens (REA-RL B.1): a cut
+    before that point moves to the first chunk end at or after it."""
+    keep_until = thinking.start + math.ceil(thinking.n_tokens * (1.0 - max_removed_fraction))
+    if cut >= keep_until:
+        return min(cut, thinking.end)
+    for c in thinking.chunks:
+        if c.end >= keep_until:
+            return c.end
+    return thinking.end
+
+
+def keep_revision(original_correct: bool, revision_correct: bool) -> tuple[bool, str | None]:
+    """REA-RL §4.2: discard when the revision turns a correct answer wrong, and when both are wrong."""
+    if not revision_correct:
+        return False, "original_correct_revision_wrong" if original_correct else "both_wrong"
+    return True, None
+
+
+def is_correct(reward: TrajectoryReward) -> bool:
+    if "accuracy" in reward.components:
+        return reward.components["accuracy"] >= 0.5
+    return reward.total > 0.0
+
+
+def build_revision(
+    original: Trajectory,
+    cut: int,
+    forced_ids: list[int],
+    generated: Trajectory,
+    text: str | None,
+    meta: dict[str, Any],
+) -> Trajectory:
+    """prefix (original tokens up to ``cut``) + forced ending + the policy's completion.
+
+    The forced-ending tokens were not sampled by the policy: loss mask 0 and log-prob 0.0 there.
+    """
+    gen_ids = list(generated.completion_ids)
+    ids = list(original.completion_ids[:cut]) + list(forced_ids) + gen_ids
+    logprobs = None
+    if original.logprobs is not None and generated.logprobs is not None:
+        logprobs = list(original.logprobs[:cut]) + [0.0] * len(forced_ids) + list(generated.logprobs)
+    prefix_mask = list(original.loss_mask[:cut]) if original.loss_mask is not None else [1] * cut
+    loss_mask = prefix_mask + [0] * len(forced_ids) + [1] * len(gen_ids)
+    segments = [s for s in original.segments if s.end <= cut]
+    segments.append(
+        Segment(
+            kind="revision",
+            start=cut,
+            end=len(ids),
+            meta={"of": original.id, "forced_end": cut + len(forced_ids), **meta},
+        )
+    )
+    return Trajectory(
+        id=f"{original.id}.rev",
+        group_id=original.group_id,
+        prompt_ids=list(original.prompt_ids),
+        completion_ids=ids,
+        logprobs=logprobs,
+        logprobs_kind=generated.logprobs_kind,
+        loss_mask=loss_mask,
+        segments=segments,
+        finish_reason=generated.finish_reason,
+        stop_reason=generated.stop_reason,
+        policy_version=generated.policy_version,
+        engine=generated.engine,
+        timing=dict(generated.timing),
+        parent_id=original.id,
+        text=text,
+        meta={"revision_of": original.id, **meta},
+    )
+
+
+def _request_id(group_id: str, k: int) -> str:
+    gid = f"{group_id}.rev{k}"
+    if len(gid) <= 200:
+        return gid
+    return f"rev{k}-" + hashlib.sha256(group_id.encode()).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------------------- the core
+
+
+@dataclass
+class _Plan:
+    index: int
+    traj: Trajectory
+    thinking: Thinking
+    cut: int
+    detection: Detection
+
+
+def revise_group(
+    group: Group,
+    params: ReflectParams,
+    services: Services,
+    tokenizer: Tokenizer,
+    markers: Markers = DEFAULT_MARKERS,
+) -> ReflectResult:
+    """Detect, cut, complete and score every trajectory of ``group``; see the module docstring."""
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    infos: dict[int, RevisionInfo] = {}
+    thinkings: dict[int, Thinking] = {}
+    for i, t in enumerate(group.trajectories):
+        if not t.completion_ids:
+            infos[i] = RevisionInfo(trajectory_id=t.id, status="no_tokens")
+            continue
+        th = chunk_thinking(
+            t.completion_ids,
+            decode,
+            min_tokens=params.min_chunk_tokens,
+            max_tokens=params.max_chunk_tokens,
+            think_open=markers.think_open,
+            think_close=markers.think_close,
+        )
+        if th.n_tokens == 0 or not th.chunks:
+            infos[i] = RevisionInfo(trajectory_id=t.id, status="no_think")
+            continue
+        thinkings[i] = th
+
+    detections = _detect(group, params, services, thinkings, decode)
+    plans: list[_Plan] = []
+    for i, th in thinkings.items():
+        t, det = group.trajectories[i], detections[i]
+        info = RevisionInfo(
+            trajectory_id=t.id, status="truncated", think_tokens=th.n_tokens, n_chunks=len(th.chunks)
+        )
+        infos[i] = info
+        if det.cut is None:
+            info.status, info.detail = det.status, det.detail  # type: ignore[assignment]
+            continue
+        cut = limit_cut(th, det.cut, params.max_removed_fraction)
+        info.cut = cut
+        info.chunk = det.chunk if cut == det.cut else _chunk_ending_at(th, cut)
+        if cut >= th.end:
+            info.status, info.detail = "nothing_to_remove", "the cut keeps every thinking token"
+            continue
+        info.removed_tokens = th.end - cut
+        plans.append(_Plan(i, t, th, cut, det))
+
+    revisions: dict[int, Trajectory] = {}
+    if plans:
+        forced = list(tokenizer.encode(params.forced_ending, add_special_tokens=False))
+        requests = [
+            RolloutRequest(
+                group_id=_request_id(group.id, k),
+                prompt_ids=list(p.traj.prompt_ids) + list(p.traj.completion_ids[: p.cut]) + forced,
+                sampling=SamplingParams(
+                    n=1,
+                    max_tokens=params.max_tokens,
+                    temperature=params.temperature,
+                    seed=None if params.seed is None else params.seed + k,
+                ),
+                label=group.label,
+                task=group.task,
+            )
+            for k, p in enumerate(plans)
+        ]
+        generated = services.complete(requests)
+        for p, g in zip(plans, generated, strict=True):
+            meta = {
+                "detector": params.detector,
+                "removed_tokens": p.thinking.end - p.cut,
+                "think_tokens": p.thinking.n_tokens,
+                "chunk": infos[p.index].chunk,
+            }
+            draft = build_revision(p.traj, p.cut, forced, g.trajectories[0], None, meta)
+            draft.text = tokenizer.decode(draft.completion_ids, skip_special_tokens=True)
+            revisions[p.index] = draft
+            infos[p.index].revision_id = draft.id
+
+    out = _score_and_assemble(group, params, services, tokenizer, infos, revisions)
+    return out
+
+
+def _chunk_ending_at(th: Thinking, cut: int) -> int | None:
+    for k, c in enumerate(th.chunks):
+        if c.end == cut:
+            return k
+    return None
+
+
+def _detect(
+    group: Group,
+    params: ReflectParams,
+    services: Services,
+    thinkings: dict[int, Thinking],
+    decode: Callable[[list[int]], str],
+) -> dict[int, Detection]:
+    out: dict[int, Detection] = {}
+    if params.detector == "gold":
+        texts = [c.text for th in thinkings.values() for c in th.chunks]
+        try:
+            verdicts = services.match(group, texts) if texts else []
+        except ServiceError as exc:
+            return {i: Detection(cut=None, status=exc.status, detail=str(exc)) for i in thinkings}
+        k = 0
+        for i, th in thinkings.items():
+            out[i] = detect_gold(th, verdicts[k : k + len(th.chunks)])
+            k += len(th.chunks)
+        return out
+    for i, th in thinkings.items():
+        if params.detector == "heuristic":
+            out[i] = detect_heuristic(th, params.keyword_k, params.keywords, params.keyword_gap_chars)
+        elif params.detector == "fixed":
+            out[i] = detect_fixed(th, params.fixed_keep)
+        else:
+            t = group.trajectories[i]
+            question = group.prompt or decode(list(t.prompt_ids))
+            try:
+                labels = services.label(model_prompt(question, th.chunks), len(th.chunks))
+            except ServiceError as exc:
+                out[i] = Detection(cut=None, status=exc.status, detail=str(exc))
+                continue
+            out[i] = detect_model(th, labels.text, params.strength, labels.tokens, labels.tops)
+    return out
+
+
+def _score_and_assemble(
+    group: Group,
+    params: ReflectParams,
+    services: Services,
+    tokenizer: Tokenizer,
+    infos: dict[int, RevisionInfo],
+    revisions: dict[int, Trajectory],
+) -> ReflectResult:
+    originals = list(group.trajectories)
+    if revisions:
+        scored = [
+            t if t.text is not None else t.model_copy(update={"text": tokenizer.decode(t.completion_ids, skip_special_tokens=True)})
+            for t in originals
+        ]
+        batch = group.model_copy(update={"trajectories": scored + list(revisions.values())})
+        result = services.score(batch, params.reward)
+        by_id = {r.trajectory_id: r for r in result.rewards}
+        for i, rev in revisions.items():
+            info = infos[i]
+            info.original_correct = is_correct(by_id[originals[i].id])
+            info.revision_correct = is_correct(by_id[rev.id])
+            info.kept, info.discard_reason = keep_revision(info.original_correct, info.revision_correct)  # type: ignore[assignment]
+    trajectories: list[Trajectory] = []
+    for i, t in enumerate(originals):
+        trajectories.append(t)
+        rev = revisions.get(i)
+        if rev is not None and (infos[i].kept or params.keep_discarded):
+            if not infos[i].kept:
+                rev.meta["discarded"] = infos[i].discard_reason
+            trajectories.append(rev)
+    ordered = [infos[i] for i in range(len(originals))]
+    meta = dict(group.meta)
+    meta["reflect"] = {
+        "detector": params.detector,
+        "revisions": {infos[i].revision_id: t.id for i, t in enumerate(originals) if infos[i].kept},
+        "statuses": [info.status for info in ordered],
+        "removed_tokens": sum(info.removed_tokens for info in ordered if info.kept),
+    }
+    out_group = group.model_copy(update={"trajectories": trajectories, "meta": meta})
+    return ReflectResult(group=Group.model_validate(out_group.model_dump()), revisions=ordered)
+
+
+def revision_pairs(group: Group) -> list[tuple[str, str]]:
+    """(original id, revision id) for every revision in ``group``."""
+    return [(t.parent_id, t.id) for t in group.trajectories if t.parent_id and "revision_of" in t.meta]
+
+
+__all__: Sequence[str] = (
+    "Services",
+    "ServiceError",
+    "build_revision",
+    "is_correct",
+    "keep_revision",
+    "limit_cut",
+    "revise_group",
+    "revision_pairs",
+)
