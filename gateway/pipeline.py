@@ -169,10 +169,10 @@ def rollout_request(
     sampling = base.sampling.model_copy(update={"n": n})
     if sampling.seed is not None:  # a new round must not repeat the previous round's samples
         sampling = sampling.model_copy(update={"seed": sampling.seed + 1000 * round_})
-    params = dict(base.mode_params)
+    update: dict[str, Any] = {"group_id": group_id, "sampling": sampling}
     if policy_version is not None:
-        params["policy_version"] = policy_version
-    return base.model_copy(update={"group_id": group_id, "sampling": sampling, "mode_params": params})
+        update["policy_version"] = policy_version
+    return base.model_copy(update=update)
 
 
 def collect(

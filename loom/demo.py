@@ -63,7 +63,6 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
             "n": args.group_size,
             "max_tokens": args.max_tokens,
             "temperature": args.temperature,
-            "seed": args.seed,
         },
         "reward": {"components": REWARDS[args.mode]},
         "estimator": args.estimator,
@@ -88,7 +87,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.plot(steps, [r.get("reward_mean", 0.0) for r in rows], label="mean reward", marker=".")
     ax.plot(steps, [r.get("accuracy", 0.0) for r in rows], label="accuracy", marker=".", alpha=0.7)
     if len(rows) >= 5:
-        smooth = [fmean(r.get("reward_mean", 0.0) for r in rows[max(0, i - 4) : i + 1]) for i in range(len(rows))]
+        rewards = [r.get("reward_mean", 0.0) for r in rows]
+        smooth = [fmean(rewards[max(0, i - 4) : i + 1]) for i in range(len(rows))]
         ax.plot(steps, smooth, label="reward (5-step mean)", linewidth=2)
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
@@ -107,7 +107,8 @@ def follow(client: Any, run_id: str, args: argparse.Namespace, out: Path) -> tup
     rows: list[dict[str, Any]] = []
     deadline = time.monotonic() + args.time_limit
     status = "running"
-    with open(out / "metrics.jsonl", "w") as sink, tqdm(total=args.steps, unit="step", file=sys.stdout) as bar:
+    sink = open(out / "metrics.jsonl", "w")  # noqa: SIM115 - closed below
+    with sink, tqdm(total=args.steps, unit="step", file=sys.stdout) as bar:
         while True:
             for row in client.run_metrics(run_id, after=rows[-1]["step"] if rows else -1):
                 rows.append(row)

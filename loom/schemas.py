@@ -155,6 +155,12 @@ class RolloutRequest(Contract):
     label: str | None = None
     task: TaskKind | None = None
     mode_params: dict[str, Any] = Field(default_factory=dict)
+    policy_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="generate with this policy version or a newer one; an engine holding an older "
+        "version loads it from the policy store first (how every replica catches up)",
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:

@@ -1,8 +1,21 @@
-"""HTTP API of the reflect service: validates, calls the core, returns schemas."""
+"""HTTP API of the reflect service: validates, calls the core, returns schemas.
+
+``POST /v1/reflect``: ``ReflectRequest`` (a group and ``ReflectParams``) -> ``ReflectResult`` (the group
+with its kept revisions, and what happened to every trajectory). A failed rollout or reward call is a
+503 with a typed error; a failed detector is a per-trajectory status, never an error.
+"""
 
 from __future__ import annotations
 
+import asyncio
+
+from fastapi.responses import JSONResponse
+
+from loom.schemas import ReflectRequest, ReflectResult
 from loom.service import add_ping_route, broker_check, create_app
+from reflect_svc.backends import make_services, policy_tokenizer
+from reflect_svc.config import get_reflect_settings
+from reflect_svc.revise import ServiceError, revise_group
 from reflect_svc.tasks import celery_app
 
 app = create_app(
@@ -11,3 +24,24 @@ app = create_app(
     description="Reflection truncation of overthinking and revised samples (REA-RL).",
 )
 add_ping_route(app, celery_app, ("reflect",))
+
+
+def _revise(body: ReflectRequest) -> ReflectResult:
+    cfg = get_reflect_settings()
+    services = make_services(cfg, celery_app, app.state.settings)
+    try:
+        return revise_group(body.group, body.params, services, policy_tokenizer(cfg, app.state.settings))
+    finally:
+        services.close()
+
+
+@app.post("/v1/reflect", tags=["reflect"], response_model=ReflectResult)
+async def reflect(body: ReflectRequest) -> ReflectResult | JSONResponse:
+    try:
+        return await asyncio.to_thread(_revise, body)
+    except ServiceError as exc:
+        return JSONResponse(status_code=503, content={"error": exc.status, "detail": str(exc)})
+    except Exception as exc:  # rollout / reward unreachable or failing: typed, no stack trace
+        return JSONResponse(
+            status_code=503, content={"error": "upstream_error", "detail": f"{type(exc).__name__}: {exc}"}
+        )

@@ -64,9 +64,7 @@ def reflection_starts(text: str, keywords: Sequence[str], gap_chars: int = 59) -
     return starts
 
 
-def detect_heuristic(
-    thinking: Thinking, k: int, keywords: Sequence[str], gap_chars: int = 59
-) -> Detection:
+def detect_heuristic(thinking: Thinking, k: int, keywords: Sequence[str], gap_chars: int = 59) -> Detection:
     """Cut before the chunk that holds the k-th reflection (1-based)."""
     chunks = thinking.chunks
     text = "".join(c.text for c in chunks)
@@ -231,7 +229,9 @@ def detect_model(
     results = [i for i, p in enumerate(probs) if p >= 0.5]
     if strength == "weak":
         if len(results) < 2:
-            return Detection(cut=None, status="no_detection", detail="fewer than two Result chunks", probs=probs)
+            return Detection(
+                cut=None, status="no_detection", detail="fewer than two Result chunks", probs=probs
+            )
         return _at_chunk(thinking, results[1], probs)
     if strength == "strong":
         likely = [i for i, p in enumerate(probs) if p >= 0.25]

@@ -42,7 +42,10 @@ def parse_completion(body: Any) -> ModelOutput:
         if isinstance(content, list) and content:
             tokens = [str(c.get("token", "")) for c in content]
             tops: list[dict[str, float] | None] = [
-                {str(t.get("token", "")): float(t.get("logprob", float("-inf"))) for t in c.get("top_logprobs") or []}
+                {
+                    str(t.get("token", "")): float(t.get("logprob", float("-inf")))
+                    for t in c.get("top_logprobs") or []
+                }
                 or None
                 for c in content
             ]

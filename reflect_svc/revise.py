@@ -314,7 +314,9 @@ def _score_and_assemble(
     originals = list(group.trajectories)
     if revisions:
         scored = [
-            t if t.text is not None else t.model_copy(update={"text": tokenizer.decode(t.completion_ids, skip_special_tokens=True)})
+            t
+            if t.text is not None
+            else t.model_copy(update={"text": tokenizer.decode(t.completion_ids, skip_special_tokens=True)})
             for t in originals
         ]
         batch = group.model_copy(update={"trajectories": scored + list(revisions.values())})
@@ -338,8 +340,8 @@ def _score_and_assemble(
     meta["reflect"] = {
         "detector": params.detector,
         "revisions": {infos[i].revision_id: t.id for i, t in enumerate(originals) if infos[i].kept},
-        "statuses": [info.status for info in ordered],
         "removed_tokens": sum(info.removed_tokens for info in ordered if info.kept),
+        "info": [info.model_dump(mode="json", exclude_defaults=True) for info in ordered],
     }
     out_group = group.model_copy(update={"trajectories": trajectories, "meta": meta})
     return ReflectResult(group=Group.model_validate(out_group.model_dump()), revisions=ordered)
@@ -347,7 +349,9 @@ def _score_and_assemble(
 
 def revision_pairs(group: Group) -> list[tuple[str, str]]:
     """(original id, revision id) for every revision in ``group``."""
-    return [(t.parent_id, t.id) for t in group.trajectories if t.parent_id and "revision_of" in t.meta]
+    return [
+        (t.parent_id, t.id) for t in group.trajectories if t.parent_id is not None and "revision_of" in t.meta
+    ]
 
 
 __all__: Sequence[str] = (

@@ -17,6 +17,7 @@ from loom.schemas import Group, RewardRequest, RewardResult, RewardSpec
 from loom.service import add_ping_route, broker_check, create_app
 from reward_svc.config import get_reward_settings
 from reward_svc.core import RequestError, check_request, check_spec, finish_group, plan_group
+from reward_svc.match import MatchRequest, MatchResponse, finish_matches, plan_matches
 from reward_svc.pool import VerifierPool
 from reward_svc.protocols import (
     OpenRLHFRequest,
@@ -96,6 +97,15 @@ async def rewards(body: RewardRequest) -> RewardResponse:
     check_spec(body.spec)
     check_request(body.groups, _settings.max_items, _settings.max_chars)
     return RewardResponse(results=await score_groups(body.groups, body.spec))
+
+
+@app.post("/v1/rewards/match", tags=["rewards"], response_model=MatchResponse)
+async def match(body: MatchRequest) -> MatchResponse:
+    """Does each text state the gold answer? (reflect_svc's ``gold`` detector; same verifier pool.)"""
+    _check_texts(body.texts, "texts")
+    decided, math = plan_matches(body)
+    verdicts = await get_pool().acheck_many([m for _, m in math], body.timeout_s) if math else []
+    return finish_matches(decided, math, verdicts)
 
 
 @app.get("/v1/rewards/components", tags=["rewards"])

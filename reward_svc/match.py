@@ -90,7 +90,9 @@ def plan_matches(req: MatchRequest) -> tuple[list[Verdict | None], list[tuple[in
     return decided, math
 
 
-def finish_matches(decided: list[Verdict | None], math: list[tuple[int, MathItem]], verdicts: list[Verdict]) -> MatchResponse:
+def finish_matches(
+    decided: list[Verdict | None], math: list[tuple[int, MathItem]], verdicts: list[Verdict]
+) -> MatchResponse:
     for (i, _), v in zip(math, verdicts, strict=True):
         decided[i] = v
     return MatchResponse(

@@ -53,6 +53,17 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
     return score_group(g, s, _verifier().check_many).model_dump(mode="json")
 
 
+@celery_app.task(name="reward.match_texts")
+def match_texts_task(request: dict[str, Any]) -> dict[str, Any]:
+    """Does each text state the gold answer? ``MatchRequest`` JSON in, ``MatchResponse`` JSON out."""
+    from reward_svc.match import MatchRequest, finish_matches, plan_matches
+
+    req = MatchRequest.model_validate(request)
+    decided, math = plan_matches(req)
+    verdicts = _verifier().check_many([m for _, m in math], req.timeout_s) if math else []
+    return finish_matches(decided, math, verdicts).model_dump(mode="json")
+
+
 def task_key(group: Group, spec: RewardSpec) -> str:
     digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[
         :16

@@ -12,6 +12,7 @@ from typing import Any
 
 from loom.schemas import Group, RolloutRequest
 from loom.settings import Settings
+from loom.store import PolicyStore
 from rollout_svc.engines.base import Engine
 from rollout_svc.modes import ModeError
 from rollout_svc.modes.plain import plain
@@ -33,11 +34,45 @@ async def generate_group(
         prompt_ids = list(tokenizer().encode(request.prompt or "", add_special_tokens=False))
     if not prompt_ids:
         raise ModeError("the prompt is empty after tokenization")
+    await catch_up(engine, request.policy_version, settings)
     if request.mode == "plain":
         if request.mode_params:
             raise ModeError(f"plain takes no mode_params, got {sorted(request.mode_params)}")
-        return await plain(request, prompt_ids, group_id, engine)
-    cfg = StreamingConfig.from_request(
-        request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
-    )
-    return await streaming(request, prompt_ids, group_id, engine, tokenizer(), cfg)
+        group = await plain(request, prompt_ids, group_id, engine)
+    else:
+        cfg = StreamingConfig.from_request(
+            request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
+        )
+        group = await streaming(request, prompt_ids, group_id, engine, tokenizer(), cfg)
+    return with_text(group, tokenizer)
+
+
+async def catch_up(engine: Engine, wanted: int | None, settings: Settings) -> None:
+    """Load policy version ``wanted`` (or the newest stored one above it) when the engine is older.
+
+    Every replica pulls the version a request asks for, so no broadcast has to reach all of them.
+    """
+    if wanted is None or engine.policy_version >= wanted:
+        return
+    store = PolicyStore(settings.policy_store_path)
+    policy = store.get(wanted)
+    if policy is None:
+        latest = store.latest()
+        if latest is None or latest.version < wanted:
+            raise ModeError(f"policy version {wanted} is not in the policy store at {store.root}")
+        policy = latest
+    await engine.load_policy(policy)
+
+
+def with_text(group: Group, tokenizer: Callable[[], Any]) -> Group:
+    """Fill each trajectory's derived ``text`` (token ids stay the truth). Special tokens such as
+    the streaming markers are kept, since format rewards read them; pad/EOS are dropped."""
+    missing = [t for t in group.trajectories if t.text is None]
+    if not missing:
+        return group
+    tok = tokenizer()
+    specials = (getattr(tok, "eos_token_id", None), getattr(tok, "pad_token_id", None))
+    drop = {i for i in specials if i is not None}
+    for t in missing:
+        t.text = tok.decode([i for i in t.completion_ids if i not in drop], skip_special_tokens=False)
+    return group

@@ -14,7 +14,7 @@ message. Limits: ``max_children`` per block, ``max_depth`` (a child at the limit
 failure), ``child_max_tokens`` per child call, ``max_total_tokens`` over the rollout's calls.
 
 A malformed spawn block (no opening marker, a line that is not a child line, no children, duplicate
-child indices, an empty message, too many children, a spawn too deep, an unclosed block at the end)
+child indices, an empty message, too many children, a spawn too deep, an unclosed block at EOS)
 ends the rollout with a format failure: the offending call gets ``finish_reason="abort"`` and
 ``meta["status"] = "format_error"``, the rollout's calls stop after their current step, and
 ``Group.meta["rollouts"][r]["status"]`` says ``format_error`` with the reason. Never an exception.
@@ -266,7 +266,9 @@ async def spawn(
             spawned = c.finish_reason == "stop" and c.stop_reason in (close_id, syntax.spawn_close)
             if not spawned:
                 after_join = text.rsplit(syntax.join_close, 1)[-1]
-                if syntax.spawn_open in after_join:
+                if (
+                    c.finish_reason == "stop" and syntax.spawn_open in after_join
+                ):  # a cut by length is no format error
                     ro.fail("unclosed spawn block")
                     finish, status = "abort", "format_error"
                 break

@@ -84,14 +84,18 @@ def test_node_advantages_from_the_group(tiny_engine):
     adv = treerl(group.tree, leaves)
     assert set(adv) == {n.id for n in group.tree}
     root_of = next(n for n in group.tree if n.parent is None and n.trajectory_id == group.trajectories[0].id)
-    under = [t for t in group.trajectories if t.id == root_of.trajectory_id or t.parent_id == root_of.trajectory_id]
+    under = [
+        t for t in group.trajectories if t.id == root_of.trajectory_id or t.parent_id == root_of.trajectory_id
+    ]
     v_root = sum(leaves.values()) / len(leaves)
     v = sum(leaves[t.id] for t in under) / len(under)
     assert adv[root_of.id] == pytest.approx(2 * (v - v_root) / len(under) ** 0.5)
 
 
 def test_reward_callback_drives_expansion_and_filtering(tiny_engine):
-    all_right = _grow(tiny_engine, _request(strategy="random", initial=6, continuations=1), lambda ts: [1.0] * len(ts))
+    all_right = _grow(
+        tiny_engine, _request(strategy="random", initial=6, continuations=1), lambda ts: [1.0] * len(ts)
+    )
     assert all_right.meta["accuracy"] == 1.0 and all_right.meta["expanded"] == 2  # round(exp(-1) * 6)
     assert len(all_right.meta["branch_points"]) == 2
     filtered = _grow(
