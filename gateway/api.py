@@ -185,7 +185,7 @@ def build_app(
         """Start an RL run; idempotent by ``run_key`` when given."""
         await asyncio.to_thread(backpressure.check)
         try:
-            await asyncio.to_thread(load_dataset, body.dataset)
+            await asyncio.to_thread(load_dataset, body.dataset, body.mode)
         except DatasetError as exc:
             raise HTTPException(422, {"error": "invalid_dataset", "detail": str(exc)}) from None
         try:

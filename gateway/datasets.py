@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 from gateway.models import DatasetSpec, TaskItem
 
@@ -14,13 +15,36 @@ class DatasetError(ValueError):
     pass
 
 
-def load_dataset(spec: DatasetSpec) -> list[TaskItem]:
+def builtin_item(problem: Any, mode: str) -> TaskItem:
+    """One synthetic problem as a run item: the tiny model's prompt for ``mode`` and an exact label
+    (arithmetic: the value; Countdown: the numbers and target as JSON, as reward_svc expects)."""
+    from loom import tiny
+    from loom.tiny.traces import stream_sentences
+
+    kind = BUILTIN_TASK_KIND[problem.kind]
+    if problem.kind == "countdown":
+        label = json.dumps({"numbers": list(problem.numbers), "target": problem.target})
+    else:
+        label = problem.gold
+    mode_params: dict[str, Any] = {}
+    if mode == "streaming":
+        # the streaming mode reveals " <sentence><EOS>" itself, exactly as tiny.stream_prompt writes it
+        prompt = tiny.STREAM_HEADER
+        mode_params["sentences"] = stream_sentences(problem)
+    elif mode == "spawn":
+        prompt = tiny.spawn_prompt(problem)
+    else:
+        prompt = tiny.plain_prompt(problem)
+    return TaskItem(prompt=prompt, label=label, task=kind, mode_params=mode_params)  # type: ignore[arg-type]
+
+
+def load_dataset(spec: DatasetSpec, mode: str = "plain") -> list[TaskItem]:
+    """The run's items. Built-in tasks come formatted for ``mode`` in the tiny model's prompt format."""
     if spec.builtin is not None:
         from loom.tiny.tasks import make_problems
 
         problems = make_problems(spec.builtin, spec.size, spec.seed, split="train", **spec.knobs)
-        kind = BUILTIN_TASK_KIND[spec.builtin]
-        return [TaskItem(prompt=p.text, label=p.gold, task=kind) for p in problems]  # type: ignore[arg-type]
+        return [builtin_item(p, mode) for p in problems]
     items: list[TaskItem] = []
     for lineno, line in enumerate((spec.jsonl or "").splitlines(), 1):
         if not line.strip():

@@ -37,6 +37,9 @@ class TaskItem(Contract):
     prompt: str = Field(min_length=1, max_length=100_000)
     label: str | None = None
     task: TaskKind | None = None
+    mode_params: dict[str, Any] = Field(
+        default_factory=dict, description="per-item mode parameters (e.g. streaming sentences)"
+    )
 
 
 class JobRequest(Contract):

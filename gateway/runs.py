@@ -64,7 +64,7 @@ def to_request(item: TaskItem, req: RunRequest | Any) -> RolloutRequest:
         label=item.label,
         task=item.task,
         sampling=req.sampling,
-        mode_params=dict(req.mode_params),
+        mode_params={**req.mode_params, **item.mode_params},
     )
 
 
@@ -85,7 +85,7 @@ class RunLoop:
         if row is None:
             raise KeyError(run_id)
         self.req = RunRequest.model_validate(json.loads(row["config"]))
-        self.dataset = load_dataset(self.req.dataset)
+        self.dataset = load_dataset(self.req.dataset, self.req.mode)
         self.adaptive = adaptive_config(self.req)
         self.jsonl = data_dir / "runs" / run_id / "metrics.jsonl"
 

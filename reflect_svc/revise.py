@@ -52,9 +52,14 @@ class ServiceError(RuntimeError):
 
 
 class ModelLabels(Protocol):
-    text: str
-    tokens: list[str] | None
-    tops: list[dict[str, float] | None] | None
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def tokens(self) -> list[str] | None: ...
+
+    @property
+    def tops(self) -> list[dict[str, float] | None] | None: ...
 
 
 class Services(Protocol):
@@ -330,11 +335,11 @@ def _score_and_assemble(
     trajectories: list[Trajectory] = []
     for i, t in enumerate(originals):
         trajectories.append(t)
-        rev = revisions.get(i)
-        if rev is not None and (infos[i].kept or params.keep_discarded):
+        revision = revisions.get(i)
+        if revision is not None and (infos[i].kept or params.keep_discarded):
             if not infos[i].kept:
-                rev.meta["discarded"] = infos[i].discard_reason
-            trajectories.append(rev)
+                revision.meta["discarded"] = infos[i].discard_reason
+            trajectories.append(revision)
     ordered = [infos[i] for i in range(len(originals))]
     meta = dict(group.meta)
     meta["reflect"] = {
