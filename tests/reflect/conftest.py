@@ -1,0 +1,55 @@
+"""Fixtures of the reflect tests: the tiny tokenizer and the real services served over HTTP in
+threads (uvicorn): the rollout API (torch engine, tiny model), the reward API (isolated verifier pool)
+and ``loom engine`` (the tiny model behind the vLLM protocol). Every server is stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reflect_helpers import serve  # noqa: E402
+
+from loom.runtime import configure_process  # noqa: E402
+
+configure_process()
+
+
+@pytest.fixture(scope="session")
+def tok() -> Any:
+    from loom.tiny import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def reward_url() -> Iterator[str]:
+    from reward_svc.api import app
+
+    with serve(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def rollout_url() -> Iterator[str]:
+    from rollout_svc.api import app
+
+    with serve(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def engine_url() -> Iterator[str]:
+    """``loom engine``'s app serving the tiny model (vLLM's OpenAI-compatible completions)."""
+    from loom.tiny import CHECKPOINT_DIR
+    from rollout_svc.engines.server import create_engine_app
+    from rollout_svc.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(CHECKPOINT_DIR)
+    with serve(create_engine_app(engine, "tiny", engine.tokenizer)) as url:
+        yield url
