@@ -92,12 +92,14 @@ def main() -> None:
     e, s = out["eager"], out["streaming"]
     diff = max(abs(x - y) for x, y in zip(e["scores"], s["scores"], strict=True))
     print(
-        f"model: random Llama, {a.layers} layers x {a.heads} heads; sequence {a.tokens} tokens, {e['steps']} steps"
+        f"model: random Llama, {a.layers} layers x {a.heads} heads; "
+        f"sequence {a.tokens} tokens, {e['steps']} steps"
     )
     print(f"eager (output_attentions=True): peak RSS +{e['peak_delta_mib']:.1f} MiB, {e['seconds']:.2f} s")
     print(f"streaming loom.fci:             peak RSS +{s['peak_delta_mib']:.1f} MiB, {s['seconds']:.2f} s")
     print(
-        f"memory ratio eager/streaming: {e['peak_delta_mib'] / max(s['peak_delta_mib'], 1e-9):.1f}x (target >= 10x)"
+        f"memory ratio eager/streaming: {e['peak_delta_mib'] / max(s['peak_delta_mib'], 1e-9):.1f}x "
+        "(target >= 10x)"
     )
     print(f"max |score difference|: {diff:.2e} (tolerance 1e-5); max score {max(e['scores']):.4f}")
 

@@ -5,7 +5,9 @@ For each prompt (Loom's tiny model, reflect-format arithmetic: its steps are bla
 each branching strategy: run tree mode (M' = 6, N = 2, T = 2), then plain sampling of as many
 responses as the tree has leaves, from the same prompt, on the same engine. "Computed" = prompt tokens
 actually prefilled (not served from the cache) + decoded tokens (``engine.stats``). The cache is reset
-before each run. Target: tree / independent <= 0.6.
+before each run. Target: tree / independent <= 0.6. A tree saves at most what its branches share:
+with mean branch position f (fraction of the response) the ratio is about (1 + N T (1 - f)) / (1 + N T)
+per expanded response, and 1 for a response without a branch point.
 
 Usage: ``python bench/tree.py [--prompts 4] [--delta 2] [--min-distance 8]``.
 """
@@ -34,6 +36,7 @@ def main() -> None:
     p.add_argument("--delta", type=int, default=2, help="FCI delta (the tiny model's traces have few steps)")
     p.add_argument("--min-distance", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--continuations", type=int, default=2, help="T")
     a = p.parse_args()
     configure_process()
     from loom.tiny import CHECKPOINT_DIR, make_problems, reflect_prompt
@@ -44,7 +47,8 @@ def main() -> None:
     tok = engine.tokenizer
     problems = make_problems("arith", a.prompts, seed=7)
     print(
-        f"tiny model, {a.prompts} reflect-format arithmetic prompts, M'=6 N=2 T=2, max_tokens={a.max_tokens}"
+        f"tiny model, {a.prompts} reflect-format arithmetic prompts, "
+        f"M'=6 N=2 T={a.continuations}, max_tokens={a.max_tokens}"
     )
     for strategy in ("attention", "entropy", "random"):
         tree_c = indep_c = leaves = gen = indep_gen = 0
@@ -53,7 +57,12 @@ def main() -> None:
                 mode="tree",
                 prompt=reflect_prompt(prob),
                 sampling=SamplingParams(max_tokens=a.max_tokens, seed=100 + k),
-                mode_params={"strategy": strategy, "delta": a.delta, "min_distance": a.min_distance},
+                mode_params={
+                    "strategy": strategy,
+                    "delta": a.delta,
+                    "min_distance": a.min_distance,
+                    "continuations": a.continuations,
+                },
             )
             ids = tok.encode(req.prompt, add_special_tokens=False)
             asyncio.run(engine.reset_cache())

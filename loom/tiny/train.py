@@ -36,7 +36,7 @@ MIX: dict[str, tuple[str, ...]] = {
 @dataclass
 class TrainConfig:
     seed: int = 0
-    steps: int = 700
+    steps: int = 1200
     batch_size: int = 32
     lr: float = 2e-3
     warmup: int = 50

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 # Modes served through ``run(request, prompt_ids, group_id, engine, tokenizer) -> Group`` (imported
 # lazily by name so a worker loads only what it serves): tree (TreeRL / AttnRL), spawn (APR).
 RUN_MODES = {"tree": "rollout_svc.modes.tree", "spawn": "rollout_svc.modes.spawn"}
