@@ -51,7 +51,7 @@ def _worker(method: str, tokens: int, layers: int, heads: int, step: int) -> dic
     def score(n: int) -> list[float]:
         spans = [(a, b) for a, b in steps if b <= n]
         if method == "streaming":
-            return fci_scores(model, ids[:n], spans, delta=4, block=256)
+            return fci_scores(model, ids[:n], spans, delta=4, block=128)
         return fci_scores_eager(model, ids[:n], spans, delta=4)
 
     score(8 * step)  # warm-up: first-call code pages and allocator pools are not the method's memory

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import importlib
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -14,11 +15,11 @@ from loom.schemas import Group, RolloutRequest
 from loom.settings import Settings
 from loom.store import PolicyStore
 from rollout_svc.engines.base import Engine
-from rollout_svc.modes import ModeError
+from rollout_svc.modes import RUN_MODES, ModeError
 from rollout_svc.modes.plain import plain
 from rollout_svc.modes.streaming import StreamingConfig, streaming
 
-MODES = ("plain", "streaming")
+MODES = ("plain", "streaming", *RUN_MODES)
 
 
 async def generate_group(
@@ -39,6 +40,9 @@ async def generate_group(
         if request.mode_params:
             raise ModeError(f"plain takes no mode_params, got {sorted(request.mode_params)}")
         group = await plain(request, prompt_ids, group_id, engine)
+    elif request.mode in RUN_MODES:
+        module = importlib.import_module(RUN_MODES[request.mode])
+        group = await module.run(request, prompt_ids, group_id, engine, tokenizer())
     else:
         cfg = StreamingConfig.from_request(
             request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
