@@ -41,9 +41,11 @@ def builtin_item(problem: Any, mode: str) -> TaskItem:
 def load_dataset(spec: DatasetSpec, mode: str = "plain") -> list[TaskItem]:
     """The run's items. Built-in tasks come formatted for ``mode`` in the tiny model's prompt format."""
     if spec.builtin is not None:
-        from loom.tiny.tasks import make_problems
+        from loom.tiny.tasks import TINY_KNOBS, make_problems
 
-        problems = make_problems(spec.builtin, spec.size, spec.seed, split="train", **spec.knobs)
+        # Without knobs, the distribution the built-in tiny model was trained on.
+        knobs = spec.knobs or TINY_KNOBS[spec.builtin]
+        problems = make_problems(spec.builtin, spec.size, spec.seed, split="train", **knobs)
         return [builtin_item(p, mode) for p in problems]
     items: list[TaskItem] = []
     for lineno, line in enumerate((spec.jsonl or "").splitlines(), 1):
