@@ -64,7 +64,7 @@ def test_rollouts_route_returns_a_group(client: Any) -> None:
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
-        ({"prompt": "x", "mode": "spawn"}, "not served"),
+        ({"prompt": "x", "mode": "plain", "mode_params": {"layout": "x"}}, "no mode_params"),
         ({"prompt": "x", "mode": "streaming", "mode_params": {"layout": "interleaved"}}, "sentences"),
         ({"prompt": "x", "sampling": {"n": 0}}, "n"),
         ({"prompt": "x", "prompt_ids": [1]}, "exactly one"),

@@ -125,7 +125,7 @@ def test_streaming_latency_is_accounted_at_the_reading_speed(
 @pytest.mark.parametrize(
     ("mode", "mode_params", "needle"),
     [
-        ("tree", {}, "not served"),
+        ("plain", {"layout": "interleaved"}, "no mode_params"),
         ("streaming", {}, "sentences"),
         ("streaming", {"sentences": SENTENCES, "layout": "diagonal"}, "layout"),
         ("streaming", {"sentences": SENTENCES, "segment_cap": 0}, "segment_cap"),
