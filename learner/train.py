@@ -188,8 +188,9 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], spec.max_grad_norm
         )
+        lr = warmup_lr(spec.lr, spec.warmup_steps, self.version)
         for group in self.optimizer.param_groups:
-            group["lr"] = spec.lr
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
@@ -198,7 +199,7 @@ class Learner:
         metrics.update(
             {
                 "grad_norm": float(grad_norm),
-                "lr": spec.lr,
+                "lr": lr,
                 "train_seconds": elapsed,
                 "tokens_per_s": stats["seq_tokens"] / elapsed if elapsed > 0 else 0.0,
                 "trained_tokens_per_s": n_tokens / elapsed if elapsed > 0 else 0.0,
@@ -327,3 +328,10 @@ def _pad(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:
         if xs:
             out[r, : len(xs)] = torch.tensor(list(xs), dtype=torch.float32)
     return out.to(device)
+
+
+def warmup_lr(lr: float, warmup_steps: int, steps_done: int) -> float:
+    """Linear warmup: the k-th optimizer step (k = steps_done + 1) uses lr * min(1, k / warmup_steps)."""
+    if warmup_steps <= 0:
+        return lr
+    return lr * min(1.0, (steps_done + 1) / warmup_steps)

@@ -39,10 +39,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="plain")
     p.add_argument("--estimator", choices=ESTIMATORS, default="grpo")
     p.add_argument("--task", choices=("arith", "countdown"), default="arith")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per step")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=20, help="linear lr warmup steps")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--staleness", type=int, default=1, help="0 = synchronous; 1 = one-step off-policy")
@@ -66,7 +67,7 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
         },
         "reward": {"components": REWARDS[args.mode]},
         "estimator": args.estimator,
-        "loss": {"lr": args.lr},
+        "loss": {"lr": args.lr, "warmup_steps": args.warmup},
         "schedule": {
             "steps": args.steps,
             "batch_size": args.batch_size,

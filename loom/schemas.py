@@ -216,6 +216,12 @@ class LossSpec(Contract):
     aggregation: Aggregation = "token_mean"
     hrpo_lambda: float = Field(default=0.05, ge=0.0)
     lr: float = Field(default=1e-4, gt=0.0)
+    warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        description="linear lr warmup over the first optimizer steps; Adam's first steps move every "
+        "weight by about lr whatever the gradient's size, which a small policy does not survive",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0.0)
 
 

@@ -132,3 +132,10 @@ def test_invalid_batch_is_a_value_error(model_dir, tmp_path, batch_parts):
         learner.train_step(
             TrainBatch(step=0, groups=groups, rewards=rewards[1:] + rewards[:1], estimator="treerl")
         )
+
+
+def test_warmup_scales_the_first_steps_linearly_then_holds():
+    from learner.train import warmup_lr
+
+    assert warmup_lr(1e-4, 0, 0) == 1e-4
+    assert [round(warmup_lr(1e-4, 4, k), 12) for k in range(6)] == [2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4]
