@@ -44,7 +44,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--warmup", type=int, default=20, help="linear lr warmup steps")
-    p.add_argument("--temperature", type=float, default=1.0)
+    # 1.3: the tiny model is so peaked that at 1.0 its sampled accuracy already equals its greedy one
+    # (0.66 vs 0.75 measured on arithmetic); at 1.3 sampling leaves the policy room to improve.
+    p.add_argument("--temperature", type=float, default=1.3)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--staleness", type=int, default=1, help="0 = synchronous; 1 = one-step off-policy")
     p.add_argument("--seed", type=int, default=0)
