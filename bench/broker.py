@@ -75,7 +75,12 @@ def app_for(name: str, d: Path, namespace: str) -> Any:
         options = {}
     if settings.broker_url.startswith("filesystem"):
         (d / "fs").mkdir(exist_ok=True)
-        options.update(data_folder_in=str(d / "fs"), data_folder_out=str(d / "fs"), store_processed=False)
+        options.update(
+            data_folder_in=str(d / "fs"),
+            data_folder_out=str(d / "fs"),
+            control_folder=str(d / "control"),  # kombu defaults it to ./control
+            store_processed=False,
+        )
     app.conf.broker_transport_options = options
     return app
 
