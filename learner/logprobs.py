@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loom.layout import group_positions, group_visibility
 from loom.schemas import Trajectory
 
 GROUP_LAYOUT = "group_positions"
@@ -63,16 +64,6 @@ def layout_of(t: Trajectory) -> SeqLayout:
     return SeqLayout(ids, len(t.prompt_ids), groups)
 
 
-def group_positions(groups: Sequence[int]) -> list[int]:
-    """Position of each token within its own group, counted from 0."""
-    seen: dict[int, int] = {}
-    out = []
-    for g in groups:
-        out.append(seen.get(g, 0))
-        seen[g] = out[-1] + 1
-    return out
-
-
 def micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """Indices grouped so that len(batch) * max length <= token_budget (one over-long row alone)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -102,11 +93,9 @@ def _model_inputs(layouts: Sequence[SeqLayout], device: Any) -> dict[str, Tensor
     out = {"input_ids": ids.to(device), "position_ids": pos.to(device)}
     if any(x.groups is not None for x in layouts):
         allowed = torch.zeros((b, 1, width, width), dtype=torch.bool)
-        causal = torch.tril(torch.ones((width, width), dtype=torch.bool))
         for r, x in enumerate(layouts):
             n = len(x.input_ids)
-            g = torch.tensor(x.groups if x.groups is not None else [0] * n)
-            allowed[r, 0, :n, :n] = causal[:n, :n] & (g[None, :] <= g[:, None])
+            allowed[r, 0, :n, :n] = group_visibility(x.groups if x.groups is not None else [0] * n)
             allowed[r, 0, n:, 0] = True  # padding rows attend somewhere (never read)
         out["attention_mask"] = allowed.to(device)
     else:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from loom.layout import group_positions, group_visibility
 from loom.schemas import PolicyVersion, SamplingParams
 from rollout_svc.engines.base import Completion, Engine, Layout, UnsupportedCapability
 
@@ -54,26 +55,12 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def group_positions(groups: list[int]) -> list[int]:
-    """Position of each token within its own group, counted from 0."""
-    seen: dict[int, int] = {}
-    out = []
-    for g in groups:
-        out.append(seen.get(g, 0))
-        seen[g] = out[-1] + 1
-    return out
-
-
 def block_mask(groups: list[int], q_start: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
     """Additive mask (1, 1, q, kv) for queries ``groups[q_start:]`` over keys ``groups``.
 
     Query i sees key j iff j <= i (causal) and groups[j] <= groups[i] (source never sees target).
     """
-    g = torch.tensor(groups, device=device)
-    kv = len(groups)
-    q_idx = torch.arange(q_start, kv, device=device)
-    k_idx = torch.arange(kv, device=device)
-    allowed = (k_idx[None, :] <= q_idx[:, None]) & (g[None, :] <= g[q_idx][:, None])
+    allowed = group_visibility(groups, q_start, device)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
