@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sqlite3
 import threading
 import time
@@ -87,7 +88,7 @@ class Database:
             path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
         )
         self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        self.conn.execute("PRAGMA journal_mode = WAL")
+        set_wal(self.conn)
         self.conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across process crashes
         with self.lock:
             self.conn.executescript(SCHEMA)
@@ -329,3 +330,22 @@ class Transport(virtual.Transport):
     def establish_connection(self) -> Any:
         Database.get(database_path(self.client))  # fail fast on a bad path
         return super().establish_connection()
+
+
+def set_wal(conn: sqlite3.Connection, patience: float = 30.0) -> None:
+    """Put the database in WAL mode (a persistent property of the file).
+
+    Switching the journal mode needs an exclusive lock and SQLite answers ``database is locked`` at
+    once, without its busy timeout, when another process holds the file, as when several workers
+    open a fresh file together: retry with jitter, and skip the switch once the file is in WAL.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02 + random.random() * 0.08)

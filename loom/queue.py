@@ -76,9 +76,11 @@ def _enable_wal(path: Path) -> None:
     block the writer and a commit costs one fsync instead of a rollback journal's several."""
     import sqlite3
 
+    from loom.embedded_broker import set_wal
+
     conn = sqlite3.connect(path, timeout=30)
     try:
-        conn.execute("PRAGMA journal_mode = WAL")
+        set_wal(conn)
     finally:
         conn.close()
 
