@@ -26,7 +26,6 @@ GENERATE = "rollout.generate_group"
 SCORE = "reward.score_group"
 REFLECT = "reflect.revise_group"
 TRAIN = "learner.train_step"
-LOAD_POLICY = "rollout.load_policy"
 
 log = logging.getLogger("loom.gateway.pipeline")
 
@@ -47,10 +46,6 @@ class Stages(Protocol):
         ...
 
     def train(self, key: str, batch: TrainBatch) -> StepResult: ...
-
-    def publish_policy(self, key: str, version: int) -> None:
-        """Tell the rollout engines to load policy ``version`` from the policy store."""
-        ...
 
 
 @dataclass
@@ -141,14 +136,6 @@ class CeleryStages:
         box: dict[int, Any] = {}
         self._wait_all({0: res}, lambda i, v: box.__setitem__(i, v))
         return StepResult.model_validate(box[0])
-
-    def publish_policy(self, key: str, version: int) -> None:
-        # Queued behind the generations already published (FIFO), ahead of the next ones.
-        res = self._send(LOAD_POLICY, key, version)
-        try:
-            self._wait_all({0: res}, lambda i, v: None)
-        except StageError as exc:  # engines keep generating with the old version; staleness shows it
-            log.warning("policy version %d not loaded: %s", version, exc)
 
 
 # --------------------------------------------------------------------------------------------------

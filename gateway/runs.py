@@ -121,9 +121,9 @@ class RunLoop:
             estimator_params=params,
             loss=self.req.loss,
         )
+        # No broadcast to the engines: the next step's requests name the new version, and each rollout
+        # replica loads it from the policy store before generating (rollout_svc.rollout.catch_up).
         result = self.stages.train(f"{self.run_id}.train.s{gen.step}", batch)
-        if result.policy_version != version:
-            self.stages.publish_policy(f"{self.run_id}.load.v{result.policy_version}", result.policy_version)
         metrics = {f"learner/{k}": float(v) for k, v in result.metrics.items()}
         metrics["train_tokens"] = float(result.n_tokens)
         return result.policy_version, metrics

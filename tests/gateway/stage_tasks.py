@@ -3,7 +3,8 @@ under the real task names, so the gateway's orchestration runs over a real broke
 
 - ``rollout.generate_group``: n trajectories; trajectory i of group g is "correct" with probability
   p(prompt) drawn from a hash (a simulated pass rate), or never when the prompt contains "impossible";
-  ``policy_version`` is the version last loaded by ``rollout.load_policy``.
+  ``policy_version`` is the version the request names (as the real rollout loads it from the store),
+  or the one last loaded by ``rollout.load_policy`` when that is newer.
 - ``reward.score_group``: total 1.0 for a correct trajectory, else 0.0.
 - ``learner.train_step``: appends "<step> <new version>" to ``$LOOM_TEST_STAGE_LOG`` (one line per
   execution, so a step trained twice shows twice), sleeps ``$LOOM_TEST_TRAIN_SECONDS``, returns the
@@ -67,7 +68,7 @@ def generate_group(request: dict[str, Any]) -> dict[str, Any]:
                 prompt_ids=[1, 2, 3],
                 completion_ids=[rng.randrange(100) for _ in range(length)],
                 logprobs=[-1.0] * length,
-                policy_version=_loaded_version(),
+                policy_version=max(_loaded_version(), req.policy_version or 0),
                 text="right" if correct else "wrong",
                 meta={"correct": correct},
             )
