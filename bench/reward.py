@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loom.schemas import Group, RewardSpec, Trajectory  # noqa: E402
+from reward_svc.config import get_reward_settings  # noqa: E402
 from reward_svc.core import score_group  # noqa: E402
 from reward_svc.corpus import hostile, realistic_mix  # noqa: E402
 from reward_svc.mathverify import Checker, MathItem  # noqa: E402
@@ -44,13 +45,18 @@ def items_of(mix: list[tuple[str, str, bool]]) -> list[MathItem]:
 
 def throughput(workers: int, n: int) -> tuple[float, float]:
     items = items_of(realistic_mix(n, seed=7))
-    checker = Checker(cache_size=0)  # parse every gold, as a cold worker would on distinct prompts
+    s = get_reward_settings()
+    # the same checker a pool worker runs (gold cache included), in this process, one core
+    checker = Checker()
     checker.check(items[0], 5)  # warm imports
+    checker.gold_cache.clear()
     t0 = time.perf_counter()
     for it in items:
         checker.check(it, 5)
     single = n / (time.perf_counter() - t0)
-    with VerifierPool(workers, max_items=10_000) as pool:
+    with VerifierPool(
+        workers, max_items=s.max_items_per_worker, max_rss_growth_mb=s.max_rss_growth_mb
+    ) as pool:
         pool.check_many(items[: workers * 4], 5)  # fork and warm every worker
         t0 = time.perf_counter()
         pool.check_many(items, 5)
@@ -112,7 +118,13 @@ def overhead(
     spec = RewardSpec()
     data = {s: batches(s, reps) for s in sizes}
     rows: dict[int, list[float | None]] = {s: [] for s in sizes}
-    with VerifierPool(workers, max_items=100_000) as pool:
+    s = get_reward_settings()  # the pool the service builds: same recycling, same limits
+    with VerifierPool(
+        workers,
+        max_items=s.max_items_per_worker,
+        max_rss_growth_mb=s.max_rss_growth_mb,
+        mem_limit_mb=s.mem_limit_mb,
+    ) as pool:
         score_group(data[sizes[0]][0], spec, pool.check_many)
         for s in sizes:
             t0 = time.perf_counter()

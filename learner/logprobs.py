@@ -120,10 +120,13 @@ def completion_logprobs(
     *,
     with_entropy: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """One forward pass over ``layouts``; returns [b, T_c] completion log-probs, entropies, valid mask.
 
-    Gradients flow when called outside ``torch.no_grad``. Logits are upcast to float32.
+    Gradients flow when called outside ``torch.no_grad``. Logits are upcast to float32 and divided
+    by ``temperature``: the log-probs of the distribution the rollout sampled from (verl's
+    convention), so the gradient is the sampled policy's.
     """
     device = next(model.parameters()).device
     inputs = _model_inputs(layouts, device)
@@ -146,6 +149,8 @@ def completion_logprobs(
         targets[r, :n] = inputs["input_ids"][r, x.n_prompt : x.n_prompt + n]
         valid[r, :n] = 1.0
     picked = logits.gather(1, gather_idx[:, :, None].expand(-1, -1, logits.shape[-1])).float()
+    if temperature != 1.0:
+        picked = picked / temperature
     logz = torch.logsumexp(picked, dim=-1)
     logp = (picked.gather(2, targets[:, :, None]).squeeze(2) - logz) * valid
     entropy = None
@@ -163,6 +168,7 @@ def recompute(
     with_entropy: bool = False,
     autocast_dtype: torch.dtype | None = None,
     each: Callable[[MicroBatchOut], None] | None = None,
+    temperature: float = 1.0,
 ) -> list[MicroBatchOut]:
     """Completion log-probs of every trajectory, micro-batched by ``token_budget``.
 
@@ -173,7 +179,11 @@ def recompute(
     out: list[MicroBatchOut] = []
     for idx in micro_batches([len(x.input_ids) for x in layouts], token_budget):
         logp, ent, valid = completion_logprobs(
-            model, [layouts[i] for i in idx], with_entropy=with_entropy, autocast_dtype=autocast_dtype
+            model,
+            [layouts[i] for i in idx],
+            with_entropy=with_entropy,
+            autocast_dtype=autocast_dtype,
+            temperature=temperature,
         )
         mb = MicroBatchOut(idx, logp, ent, valid)
         if each is not None:

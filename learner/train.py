@@ -183,16 +183,32 @@ class Learner:
                 step=batch.step, policy_version=self.version, metrics=metrics, policy=self.record
             )
 
-        stats = self.accumulate_gradients(assigned.samples, batch)
         spec = batch.loss
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], spec.max_grad_norm
-        )
         lr = warmup_lr(spec.lr, spec.warmup_steps, self.version)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        first: dict[str, float] = {}
+        for update in range(spec.updates_per_batch):
+            # pass k > 0 sees the policy moved by the earlier passes: the ratio to the behaviour
+            # log-probs is no longer 1 there, and the clip bounds how far the batch pulls it
+            stats = self.accumulate_gradients(assigned.samples, batch)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], spec.max_grad_norm
+            )
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if update == 0:
+                first = stats
+        if spec.updates_per_batch > 1:
+            metrics["updates"] = float(spec.updates_per_batch)
+            metrics["first_pass_loss"] = first["loss"]
+            metrics["last_pass_clip_frac"] = stats["clip_frac"]
+            stats = {
+                **stats,
+                "logprob_mismatch_mean": first["logprob_mismatch_mean"],
+                "logprob_mismatch_max": first["logprob_mismatch_max"],
+                "logprob_mismatch_k3": first["logprob_mismatch_k3"],
+            }
         elapsed = time.perf_counter() - t0
         n_tokens = int(stats.pop("n_tokens"))
         metrics.update(stats)
@@ -222,7 +238,7 @@ class Learner:
         autocast = torch.bfloat16 if (self.device.type == "cuda" and self.cfg.bf16) else None
         ref = self.reference_model() if spec.kl_coef > 0 else None
         totals = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
-        mism = {"d_abs": 0.0, "d_max": 0.0, "k3": 0.0, "n": 0.0}
+        mism = {"d_abs": 0.0, "d_max": 0.0, "k3": 0.0, "n": 0.0, "rows": 0.0}
         adv_abs = 0.0
         all_seq_lens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
 
@@ -232,7 +248,11 @@ class Learner:
             width = mb.logp.shape[1]
             dev = mb.logp.device
             mask = _pad([s.mask for s in rows], width, dev)
-            behaviour_known = [s.trajectory.logprobs is not None for s in rows]
+            behaviour_known = [
+                s.trajectory.logprobs is not None
+                and (s.trajectory.logprobs_kind == "processed" or spec.temperature == 1.0)
+                for s in rows
+            ]
             old = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
             detached = mb.logp.detach()
             known = torch.tensor(behaviour_known, device=dev, dtype=torch.bool)[:, None]
@@ -242,11 +262,15 @@ class Learner:
             mism["d_max"] = max(mism["d_max"], float(d.abs().max()) if d.numel() else 0.0)
             mism["k3"] += float(((torch.exp(d) - d - 1.0) * mask * known).sum())
             mism["n"] += float((mask * known).sum())
+            mism["rows"] += float(sum(behaviour_known))
             ref_logp = None
             if ref is not None:
                 with torch.no_grad():
                     ref_logp, _, _ = lp.completion_logprobs(
-                        ref, [lp.layout_of(s.trajectory) for s in rows], autocast_dtype=autocast
+                        ref,
+                        [lp.layout_of(s.trajectory) for s in rows],
+                        autocast_dtype=autocast,
+                        temperature=spec.temperature,
                     )
             weight = torch.tensor([s.weight for s in rows], device=dev, dtype=torch.float32)
             adv = _pad([s.adv for s in rows], width, dev)
@@ -302,6 +326,7 @@ class Learner:
             with_entropy=want_entropy,
             autocast_dtype=autocast,
             each=consume,
+            temperature=spec.temperature,
         )
         n = max(mism["n"], 1.0)
         out = dict(totals)
@@ -310,6 +335,7 @@ class Learner:
                 "logprob_mismatch_mean": mism["d_abs"] / n,
                 "logprob_mismatch_max": mism["d_max"],
                 "logprob_mismatch_k3": mism["k3"] / n,
+                "behaviour_logprobs_used": mism["rows"] / max(n_seqs, 1.0),
                 "adv_abs_mean": adv_abs / max(n_tokens, 1.0),
                 "n_tokens": n_tokens,
                 "seq_tokens": float(all_seq_lens),

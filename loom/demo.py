@@ -44,6 +44,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--warmup", type=int, default=20, help="linear lr warmup steps")
+    p.add_argument("--updates", type=int, default=1, help="optimizer steps per batch (PPO's mu)")
     # 1.3: the tiny model is so peaked that at 1.0 its sampled accuracy already equals its greedy one
     # (0.66 vs 0.75 measured on arithmetic); at 1.3 sampling leaves the policy room to improve.
     p.add_argument("--temperature", type=float, default=1.3)
@@ -69,7 +70,12 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
         },
         "reward": {"components": REWARDS[args.mode]},
         "estimator": args.estimator,
-        "loss": {"lr": args.lr, "warmup_steps": args.warmup},
+        "loss": {
+            "lr": args.lr,
+            "warmup_steps": args.warmup,
+            "updates_per_batch": args.updates,
+            "temperature": args.temperature,  # train the policy that was sampled
+        },
         "schedule": {
             "steps": args.steps,
             "batch_size": args.batch_size,
@@ -178,7 +184,9 @@ def main(argv: Sequence[str] = ()) -> int:
     # A fresh data dir per demo: its own embedded broker, run state and policy store.
     settings = Settings(data_dir=out / "state")
     print(f"starting the embedded stack (logs in {settings.data_dir / 'logs'}) ...", flush=True)
-    with Stack(settings, env={"LOOM_DATA_DIR": str(settings.data_dir)}) as stack:
+    # behaviour log-probs of the tempered policy the learner trains (vLLM: --logprobs-mode processed_logprobs)
+    env = {"LOOM_DATA_DIR": str(settings.data_dir), "LOOM_ENGINE_LOGPROBS_MODE": "processed"}
+    with Stack(settings, env=env) as stack:
         print(stack.describe(), flush=True)
         client = GatewayClient(stack.urls()["gateway"], api_key=stack.api_key, timeout=120.0)
         return _drive(client, args, out, t0)

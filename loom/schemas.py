@@ -223,6 +223,22 @@ class LossSpec(Contract):
         "weight by about lr whatever the gradient's size, which a small policy does not survive",
     )
     max_grad_norm: float = Field(default=1.0, gt=0.0)
+    temperature: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=10.0,
+        description="divide the logits by this when recomputing log-probs: set it to the rollout's "
+        "sampling temperature to train the policy that was sampled (verl's convention). Behaviour "
+        "log-probs are used for the ratio only when they are of that policy: 'processed' ones, or "
+        "'raw' ones at temperature 1; otherwise the ratio is taken against the current policy",
+    )
+    updates_per_batch: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="optimizer steps on each batch (PPO's mu): every pass recomputes the log-probs, "
+        "the clipped ratio is taken against the behaviour log-probs, and warmup counts per batch",
+    )
 
 
 class TrainBatch(Contract):

@@ -4,6 +4,19 @@
   request reuses the longest cached prefix (taken over if the whole entry matches, else copied and
   cropped) and computes only the rest, so streaming rounds and shared prefixes cost their new tokens.
   ``stats.prefill_tokens`` counts the prompt tokens actually computed.
+- Batching (``batching=True``, the default): concurrent requests without a group layout are decoded
+  together by one scheduler thread. Each request is prefilled on its own (prefix cache as above), its
+  rows join the running batch at the next decode step (one left-padded batch KV cache: zero keys and
+  values on the left, a 2D attention mask with 0 there, explicit per-row position ids; at most
+  ``max_batch_rows`` rows), and every request keeps its own sampling params and seeded generator (its
+  rows are sampled with its own generator, so a seeded request's tokens do not depend on its batch
+  mates, up to float rounding). Rows finish independently and leave their cache in the prefix cache.
+  An error in one request's prefill or sampling fails that request only; a failed batched forward
+  fails the requests of that batch; no caller is left waiting. ``stats.extra``: ``decode_steps``,
+  ``batched_steps`` (forwards with more than one row), ``peak_batch_rows`` / ``peak_batch_requests``
+  (the most rows / requests in one forward). ``batching=False`` serialises every call (one request at
+  a time, the previous behaviour); requests with a layout always take that single-request path, and
+  FCI scoring, policy loads and cache resets wait for the running batch to end.
 - Group layout (StreamingThinker): position ids numbered per group, block visibility mask
   (``base.Layout``); the same ``layout_tensors`` build the teacher-forced reference pass.
 - Sampling: temperature / top-k / top-p with a seeded generator; the reported log-prob of a sampled
@@ -17,8 +30,12 @@ import asyncio
 import copy
 import logging
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -97,6 +114,58 @@ def _common(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return i
 
 
+def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (keys, values) tensors of every layer of a DynamicCache, each (batch, heads, seq, dim)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=kv)
+
+
+def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    if width <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = width
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+@dataclass
+class _Request:
+    """One batched ``generate`` call: its params, generator, outputs and the caller's future."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: Future[list[Completion]]
+    key: list[tuple[int, int]] = field(default_factory=list)
+    out: list[Completion] = field(default_factory=list)
+    gen: torch.Generator | None = None
+    live: int = 0  # rows of this request still decoding
+
+
+@dataclass
+class _Row:
+    req: _Request
+    sample: int  # index into req.out
+
+
+@dataclass
+class _Batch:
+    """The running decode batch: rows, their left-padded KV cache, attention mask and next logits.
+
+    Row b holds ``lengths[b]`` real tokens: the last ``lengths[b]`` positions of the cache (pads on
+    the left, mask 0). ``logits[b]`` is the distribution its next token is sampled from."""
+
+    rows: list[_Row] = field(default_factory=list)
+    cache: Any = None
+    mask: torch.Tensor | None = None  # (rows, positions) long, 1 = real token
+    lengths: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+
+
 class TorchEngine(Engine):
     name = "torch"
     capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores"})
@@ -110,6 +179,8 @@ class TorchEngine(Engine):
         logprobs_mode: Literal["raw", "processed"] = "raw",
         model: Any = None,
         tokenizer: Any = None,
+        batching: bool = True,
+        max_batch_rows: int = 64,
     ) -> None:
         super().__init__()
         self.model_path = Path(model_path)
@@ -120,7 +191,16 @@ class TorchEngine(Engine):
         self.logprobs_kind = logprobs_mode
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next_entry = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the model and the prefix cache: one user at a time
+        self.batching = batching
+        self.max_batch_rows = max(1, max_batch_rows)
+        self._cv = threading.Condition()  # guards the scheduler state below
+        self._pending: deque[_Request] = deque()
+        self._want = 0  # threads waiting for exclusive use: the scheduler admits no new rows meanwhile
+        self._worker: threading.Thread | None = None
+        self._idle_s = 1.0  # the scheduler thread exits after this long without work
+        for k in ("decode_steps", "batched_steps", "peak_batch_rows", "peak_batch_requests"):
+            self.stats.extra[k] = 0.0
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -132,14 +212,36 @@ class TorchEngine(Engine):
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
     ) -> list[Completion]:
+        if self.batching and layout is None:
+            self._check(prompt_ids, layout)
+            return await asyncio.wrap_future(self._submit(prompt_ids, params))
         return await asyncio.to_thread(self.generate_sync, prompt_ids, params, layout)
 
     async def load_policy(self, policy: PolicyVersion) -> None:
         await asyncio.to_thread(self.load_policy_sync, policy)
 
     async def reset_cache(self) -> None:
-        with self._lock:
+        await asyncio.to_thread(self.reset_cache_sync)
+
+    def reset_cache_sync(self) -> None:
+        with self._exclusive():
             self._entries.clear()
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the engine alone: the scheduler admits no new rows and hands over once its batch ends."""
+        with self._cv:
+            self._want += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._cv:
+                self._want -= 1
+                self._cv.notify_all()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     async def score_attention(
         self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
@@ -152,14 +254,14 @@ class TorchEngine(Engine):
         """FCI scores (AttnRL eq. 5-6) by loom.fci's streaming pass, serialised with generation."""
         from loom.fci import fci_scores
 
-        with self._lock:
+        with self._exclusive():
             return fci_scores(self.model, token_ids, steps, delta=delta, zero_from=zero_from)
 
     def load_policy_sync(self, policy: PolicyVersion) -> None:
         if policy.kind == "lora":
             raise UnsupportedCapability(self.name, "lora", "publish full checkpoints for the torch engine")
         model = load_model(policy.path, self.device)
-        with self._lock:
+        with self._exclusive():
             self.model = model
             self._entries.clear()
             self.policy_version = policy.version
@@ -247,81 +349,317 @@ class TorchEngine(Engine):
                 return s
         return None
 
-    def generate_sync(
-        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
-    ) -> list[Completion]:
+    def _generator(self, params: SamplingParams) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        return gen
+
+    @staticmethod
+    def _outputs(params: SamplingParams) -> list[Completion]:
+        out = [Completion(token_ids=[], logprobs=[]) for _ in range(params.n)]
+        if params.logprobs:
+            for c in out:
+                c.top_logprobs = []
+        return out
+
+    def _accept(
+        self, c: Completion, t: int, lp: float, top: Any, r: int, params: SamplingParams, stop_ids: set[int]
+    ) -> bool:
+        """Append token ``t`` (log-prob ``lp``, top-k row ``r`` of ``top``) to ``c``; True if ``c`` ends."""
+        c.token_ids.append(t)
+        c.logprobs.append(lp)
+        if top is not None and c.top_logprobs is not None:
+            d = {int(k): float(v) for k, v in zip(top.indices[r], top.values[r], strict=True)}
+            d[t] = lp
+            c.top_logprobs.append(d)
+        if t in stop_ids:
+            c.finish_reason, c.stop_reason = "stop", t
+        elif t in self.eos_ids:
+            c.finish_reason, c.stop_reason = "stop", None
+        elif params.stop and (s := self._stop_string(c.token_ids, params.stop)) is not None:
+            c.finish_reason, c.stop_reason = "stop", s
+        elif len(c.token_ids) >= params.max_tokens:
+            c.finish_reason = "length"
+        else:
+            return False
+        return True
+
+    @staticmethod
+    def _check(prompt_ids: list[int], layout: Layout | None) -> None:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if layout is not None and len(layout.groups) != len(prompt_ids):
             raise ValueError(f"layout has {len(layout.groups)} groups for {len(prompt_ids)} prompt tokens")
+
+    def generate_sync(
+        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
+    ) -> list[Completion]:
+        self._check(prompt_ids, layout)
+        if self.batching and layout is None:
+            return self._submit(prompt_ids, params).result()
+        with self._exclusive(), torch.no_grad():
+            return self._generate_one(prompt_ids, params, layout)
+
+    def _generate_one(
+        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None
+    ) -> list[Completion]:
+        """One request alone (group layouts, ``batching=False``); the caller holds the engine."""
         groups = list(layout.groups) if layout is not None else [0] * len(prompt_ids)
         gen_group = layout.gen_group if layout is not None else 0
         masked = layout is not None
         key = list(zip(prompt_ids, groups, strict=True))
         n = params.n
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        gen = self._generator(params)
         stop_ids = set(params.stop_token_ids)
-        with self._lock, torch.no_grad():
-            cache, reuse = self._take_prefix(key)
-            self.stats.requests += 1
-            self.stats.cached_tokens += reuse
-            self.stats.prefill_tokens += len(prompt_ids) - reuse
-            x = torch.tensor([prompt_ids[reuse:]], device=self.device)
-            logits = self._forward(x, groups, reuse, cache, masked)
-            if n > 1:
-                cache.batch_repeat_interleave(n)
-                logits = logits.expand(n, -1)
-            out = [Completion(token_ids=[], logprobs=[]) for _ in range(n)]
-            if params.logprobs:
-                for c in out:
-                    c.top_logprobs = []
-            rows = list(range(n))  # sample index of each live batch row
-            seq_groups = groups
-            for step in range(params.max_tokens):
-                tokens, lps, table = self._sample(logits, params, gen)
-                top = torch.topk(table, params.logprobs, dim=-1) if params.logprobs else None
-                done: list[int] = []
-                for r, i in enumerate(rows):
-                    c = out[i]
-                    t = int(tokens[r])
-                    c.token_ids.append(t)
-                    c.logprobs.append(float(lps[r]))
-                    if top is not None and c.top_logprobs is not None:
-                        d = {int(k): float(v) for k, v in zip(top.indices[r], top.values[r], strict=True)}
-                        d[t] = float(lps[r])
-                        c.top_logprobs.append(d)
-                    if t in stop_ids:
-                        c.finish_reason, c.stop_reason = "stop", t
-                        done.append(r)
-                    elif t in self.eos_ids:
-                        c.finish_reason, c.stop_reason = "stop", None
-                        done.append(r)
-                    elif params.stop and (s := self._stop_string(c.token_ids, params.stop)) is not None:
-                        c.finish_reason, c.stop_reason = "stop", s
-                        done.append(r)
-                    elif step == params.max_tokens - 1:
-                        c.finish_reason = "length"
-                        done.append(r)
-                fed = len(prompt_ids) + step  # tokens held in the cache for every live row
-                for r in done:
-                    i = rows[r]
-                    row_cache = cache if len(rows) == 1 else copy.deepcopy(cache)
-                    if len(rows) > 1:
-                        row_cache.batch_select_indices(torch.tensor([r], device=self.device))
-                    self._store(
-                        key + [(t, gen_group) for t in out[i].token_ids[: fed - len(prompt_ids)]], row_cache
-                    )
-                if done:
-                    keep = [r for r in range(len(rows)) if r not in set(done)]
-                    if not keep:
-                        break
-                    if len(keep) < len(rows):
-                        idx = torch.tensor(keep, device=self.device)
-                        cache.batch_select_indices(idx)
-                        tokens = tokens[idx]
-                    rows = [rows[r] for r in keep]
-                seq_groups = seq_groups + [gen_group]
-                self.stats.decode_tokens += len(rows)
-                logits = self._forward(tokens[:, None], seq_groups, len(seq_groups) - 1, cache, masked)
+        cache, reuse = self._take_prefix(key)
+        self.stats.requests += 1
+        self.stats.cached_tokens += reuse
+        self.stats.prefill_tokens += len(prompt_ids) - reuse
+        x = torch.tensor([prompt_ids[reuse:]], device=self.device)
+        logits = self._forward(x, groups, reuse, cache, masked)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.expand(n, -1)
+        out = self._outputs(params)
+        rows = list(range(n))  # sample index of each live batch row
+        seq_groups = groups
+        for step in range(params.max_tokens):
+            tokens, lps, table = self._sample(logits, params, gen)
+            top = torch.topk(table, params.logprobs, dim=-1) if params.logprobs else None
+            done: list[int] = []
+            for r, i in enumerate(rows):
+                if self._accept(out[i], int(tokens[r]), float(lps[r]), top, r, params, stop_ids):
+                    done.append(r)
+            fed = len(prompt_ids) + step  # tokens held in the cache for every live row
+            for r in done:
+                i = rows[r]
+                row_cache = cache if len(rows) == 1 else copy.deepcopy(cache)
+                if len(rows) > 1:
+                    row_cache.batch_select_indices(torch.tensor([r], device=self.device))
+                self._store(
+                    key + [(t, gen_group) for t in out[i].token_ids[: fed - len(prompt_ids)]], row_cache
+                )
+            if done:
+                keep = [r for r in range(len(rows)) if r not in set(done)]
+                if not keep:
+                    break
+                if len(keep) < len(rows):
+                    idx = torch.tensor(keep, device=self.device)
+                    cache.batch_select_indices(idx)
+                    tokens = tokens[idx]
+                rows = [rows[r] for r in keep]
+            seq_groups = seq_groups + [gen_group]
+            self.stats.decode_tokens += len(rows)
+            logits = self._forward(tokens[:, None], seq_groups, len(seq_groups) - 1, cache, masked)
         return out
+
+    # ---------------------------------------------------------------------------------------------
+    # batching: one scheduler thread decodes every concurrent layout-free request in one batch
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> Future[list[Completion]]:
+        fut: Future[list[Completion]] = Future()
+        req = _Request(list(prompt_ids), params, fut)
+        with self._cv:
+            self._pending.append(req)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="loom-torch-batch", daemon=True)
+                self._worker.start()
+            self._cv.notify_all()
+        return fut
+
+    @staticmethod
+    def _fail(req: _Request, exc: BaseException) -> None:
+        if not req.future.done():
+            try:
+                req.future.set_exception(exc)
+            except Exception:  # cancelled or finished meanwhile
+                pass
+
+    def _serve(self) -> None:
+        """The scheduler thread: runs batches while requests come, exits after ``_idle_s`` idle."""
+        try:
+            while True:
+                with self._cv:
+                    deadline = time.monotonic() + self._idle_s
+                    while not self._pending or self._want:
+                        left = deadline - time.monotonic()
+                        if not self._pending and left <= 0:
+                            self._worker = None
+                            return
+                        self._cv.wait(left if not self._pending else None)
+                with self._lock, torch.no_grad():
+                    self._run()
+        except BaseException as e:  # never leave callers waiting on a dead scheduler
+            with self._cv:
+                self._worker = None
+                stranded = list(self._pending)
+                self._pending.clear()
+            for req in stranded:
+                self._fail(req, RuntimeError(f"the torch engine scheduler stopped: {e!r}"))
+            raise
+
+    def _run(self) -> None:
+        """Decode batches until no row is left (admitting new requests at every step)."""
+        batch = _Batch()
+        taken: list[_Request] = []
+        try:
+            while True:
+                self._admit(batch, taken)
+                if not batch.rows:
+                    return
+                self._step(batch)
+                taken[:] = [req for req in taken if not req.future.done()]
+        except Exception as e:  # a failed batched forward: every request of this batch gets the error
+            log.exception("torch engine batch failed")
+            for req in taken:
+                self._fail(req, e)
+
+    def _admit(self, batch: _Batch, taken: list[_Request]) -> None:
+        with self._cv:
+            if self._want:
+                return
+            room = self.max_batch_rows - len(batch.rows)
+            new: list[_Request] = []
+            while self._pending and (self._pending[0].params.n <= room or not (batch.rows or new)):
+                req = self._pending.popleft()
+                room -= req.params.n
+                new.append(req)
+        for req in new:
+            if not req.future.set_running_or_notify_cancel():
+                continue
+            taken.append(req)
+            try:
+                cache, logits = self._prefill(req)
+            except Exception as e:  # this request only
+                self._fail(req, e)
+                continue
+            self._join(batch, req, cache, logits)
+
+    def _prefill(self, req: _Request) -> tuple[Any, torch.Tensor]:
+        params, ids = req.params, req.prompt_ids
+        req.key = [(t, 0) for t in ids]
+        req.gen = self._generator(params)
+        req.out = self._outputs(params)
+        req.live = params.n
+        cache, reuse = self._take_prefix(req.key)
+        self.stats.requests += 1
+        self.stats.cached_tokens += reuse
+        self.stats.prefill_tokens += len(ids) - reuse
+        x = torch.tensor([ids[reuse:]], device=self.device)
+        logits = self._forward(x, [0] * len(ids), reuse, cache, False)
+        if params.n > 1:
+            cache.batch_repeat_interleave(params.n)
+            logits = logits.expand(params.n, -1)
+        return cache, logits
+
+    def _join(self, batch: _Batch, req: _Request, cache: Any, logits: torch.Tensor) -> None:
+        """Add the request's prefilled rows to the batch: left-pad the shorter side, stack the rows."""
+        n, length = req.params.n, len(req.prompt_ids)
+        ones = torch.ones(n, length, dtype=torch.long, device=self.device)
+        if batch.mask is None or batch.logits is None:
+            batch.cache, batch.mask, batch.lengths, batch.logits = cache, ones, [length] * n, logits
+        else:
+            width = batch.mask.shape[1]
+            total = max(width, length)
+            merged = [
+                (
+                    torch.cat([_pad_left(bk, total - width, 2), _pad_left(k, total - length, 2)]),
+                    torch.cat([_pad_left(bv, total - width, 2), _pad_left(v, total - length, 2)]),
+                )
+                for (bk, bv), (k, v) in zip(_kv(batch.cache), _kv(cache), strict=True)
+            ]
+            batch.cache = _dynamic_cache(merged)
+            batch.mask = torch.cat(
+                [_pad_left(batch.mask, total - width, 1), _pad_left(ones, total - length, 1)]
+            )
+            batch.lengths = batch.lengths + [length] * n
+            batch.logits = torch.cat([batch.logits, logits])
+        batch.rows += [_Row(req, i) for i in range(n)]
+
+    def _step(self, batch: _Batch) -> None:
+        """Sample every row (each request with its own params and generator), retire finished rows
+        (their caches go to the prefix cache), then one batched forward of the rest."""
+        assert batch.mask is not None and batch.logits is not None
+        by_req: dict[int, tuple[_Request, list[int]]] = {}
+        for b, row in enumerate(batch.rows):
+            by_req.setdefault(id(row.req), (row.req, []))[1].append(b)
+        next_tokens = [0] * len(batch.rows)
+        drop: set[int] = set()
+        store: list[int] = []
+        finished: list[_Request] = []
+        for req, idx in by_req.values():
+            params = req.params
+            try:
+                assert req.gen is not None
+                sel = (
+                    batch.logits[idx[0] : idx[-1] + 1]
+                    if idx[-1] - idx[0] + 1 == len(idx)
+                    else batch.logits[idx]
+                )
+                tokens, lps, table = self._sample(sel, params, req.gen)
+                top = torch.topk(table, params.logprobs, dim=-1) if params.logprobs else None
+                toks, lp_list = tokens.tolist(), lps.tolist()
+                stop_ids = set(params.stop_token_ids)
+                ended: list[int] = []
+                for r, b in enumerate(idx):
+                    next_tokens[b] = toks[r]
+                    c = req.out[batch.rows[b].sample]
+                    if self._accept(c, toks[r], lp_list[r], top, r, params, stop_ids):
+                        ended.append(b)
+            except Exception as e:  # this request only: drop its rows, keep decoding the others
+                self._fail(req, e)
+                drop.update(idx)
+                continue
+            drop.update(ended)
+            store += ended
+            req.live -= len(ended)
+            if req.live == 0:
+                finished.append(req)
+        width = batch.mask.shape[1]
+        if self.cache_entries > 0 and store:
+            layers = _kv(batch.cache)
+            for b in store:
+                row, start = batch.rows[b], width - batch.lengths[b]
+                c = row.req.out[row.sample]
+                row_cache = _dynamic_cache(
+                    [(k[b : b + 1, :, start:], v[b : b + 1, :, start:]) for k, v in layers]
+                )
+                self._store(row.req.key + [(t, 0) for t in c.token_ids[:-1]], row_cache)
+        for req in finished:
+            if not req.future.done():
+                req.future.set_result(req.out)
+        keep = [b for b in range(len(batch.rows)) if b not in drop]
+        if not keep:
+            batch.rows, batch.cache, batch.mask, batch.lengths, batch.logits = [], None, None, [], None
+            return
+        if len(keep) < len(batch.rows):
+            sel_t = torch.tensor(keep, device=self.device)
+            batch.cache.batch_select_indices(sel_t)
+            batch.mask = batch.mask[sel_t]
+            batch.rows = [batch.rows[b] for b in keep]
+            batch.lengths = [batch.lengths[b] for b in keep]
+            next_tokens = [next_tokens[b] for b in keep]
+            start = width - max(batch.lengths)  # columns that are padding in every remaining row
+            if start > 0:
+                batch.cache = _dynamic_cache(
+                    [(k[:, :, start:], v[:, :, start:]) for k, v in _kv(batch.cache)]
+                )
+                batch.mask = batch.mask[:, start:]
+        rows = len(batch.rows)
+        extra = self.stats.extra
+        extra["decode_steps"] += 1
+        extra["batched_steps"] += rows > 1
+        extra["peak_batch_rows"] = max(extra["peak_batch_rows"], rows)
+        extra["peak_batch_requests"] = max(extra["peak_batch_requests"], len({id(r.req) for r in batch.rows}))
+        self.stats.decode_tokens += rows
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(rows, 1)], dim=1)
+        x = torch.tensor(next_tokens, device=self.device)[:, None]
+        pos = torch.tensor(batch.lengths, device=self.device)[:, None]
+        batch.logits = (
+            self.model(
+                x, attention_mask=batch.mask, position_ids=pos, past_key_values=batch.cache, use_cache=True
+            )
+            .logits[:, -1, :]
+            .float()
+        )
+        batch.lengths = [n + 1 for n in batch.lengths]

@@ -3,7 +3,8 @@
 A call decodes until it closes a spawn block (``SpawnSyntax.spawn_close``, APR's Countdown syntax by
 default) or ends. On a spawn block every child line becomes a child call whose own short context is
 ``child_template`` with the line's message; children decode concurrently (``asyncio.gather``: really
-parallel on a batching server such as vLLM; the in-process torch engine serialises them). The parent
+parallel on a batching server such as vLLM and on the in-process torch engine, which decodes concurrent
+requests in one batch unless built with ``batching=False``; ``bench/spawn.py``). The parent
 then resumes from its own trace (prompt + everything it generated, spawn block included, as in APR and
 the tiny model's traces) plus a join block holding only each child's returned message (the text after
 ``think_close``, else ``no_solution``). The join block is an observation: in the sequence, loss mask 0.
