@@ -1,9 +1,12 @@
 """Reward-service benchmark: ratios measured side by side in one run, printed as a table.
 
-1. Throughput of the verifier pool with W workers vs W x the in-process single-core math-verify
-   rate on the same realistic mix (target >= 0.8).
-2. HTTP (``uvicorn reward_svc.api:app``) and queue (``reward.score_group`` on the broker) overhead
-   vs in-process scoring with the same pool size, for batches of 1, 16 and 256 (target <= 15 % at 256).
+1. HTTP (``uvicorn reward_svc.api:app``) and queue (``reward.score_group`` on the broker) overhead
+   vs in-process scoring with the same pool size and settings, for batches of 1, 16 and 256, the three
+   paths interleaved batch by batch (target <= 15 % at 256). Run first: a pool forked by a process
+   that has verified items itself inherits its warm sympy / math-verify caches, which made the
+   in-process path look faster than a fresh service before this order was fixed.
+2. Throughput of the verifier pool with W workers vs W x the in-process single-core rate of the same
+   checker (gold cache and guards) on the same realistic mix (target >= 0.8).
 3. The hostile corpus: every item within its deadline + 1 s with status timeout/parse_error, and the
    batch's normal items scored right.
 
@@ -30,7 +33,7 @@ from loom.schemas import Group, RewardSpec, Trajectory  # noqa: E402
 from reward_svc.config import get_reward_settings  # noqa: E402
 from reward_svc.core import score_group  # noqa: E402
 from reward_svc.corpus import hostile, realistic_mix  # noqa: E402
-from reward_svc.mathverify import Checker, MathItem  # noqa: E402
+from reward_svc.mathverify import Checker, MathItem, install_guards  # noqa: E402
 from reward_svc.pool import VerifierPool  # noqa: E402
 from reward_svc.trace import answer_region  # noqa: E402
 
@@ -44,16 +47,10 @@ def items_of(mix: list[tuple[str, str, bool]]) -> list[MathItem]:
 
 
 def throughput(workers: int, n: int) -> tuple[float, float]:
+    """Pool first, then one core in this process: a worker forked after this process had verified
+    items in-process would inherit its warm sympy / math-verify caches and look faster than it is."""
     items = items_of(realistic_mix(n, seed=7))
     s = get_reward_settings()
-    # the same checker a pool worker runs (gold cache included), in this process, one core
-    checker = Checker()
-    checker.check(items[0], 5)  # warm imports
-    checker.gold_cache.clear()
-    t0 = time.perf_counter()
-    for it in items:
-        checker.check(it, 5)
-    single = n / (time.perf_counter() - t0)
     with VerifierPool(
         workers, max_items=s.max_items_per_worker, max_rss_growth_mb=s.max_rss_growth_mb
     ) as pool:
@@ -61,6 +58,15 @@ def throughput(workers: int, n: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         pool.check_many(items, 5)
         pooled = n / (time.perf_counter() - t0)
+    # the checker a pool worker runs (gold cache and guards included), here, on one core
+    install_guards()
+    checker = Checker()
+    checker.check(items[0], 5)
+    checker.gold_cache.clear()
+    t0 = time.perf_counter()
+    for it in items:
+        checker.check(it, 5)
+    single = n / (time.perf_counter() - t0)
     return single, pooled
 
 
@@ -110,27 +116,16 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def overhead(
-    workers: int, sizes: list[int], reps: int, broker: str | None
-) -> list[tuple[int, float, float, float | None]]:
+def overhead(workers: int, sizes: list[int], reps: int, broker: str | None) -> list[tuple[float, ...]]:
+    """The three paths run the same batch one after the other (in-process, HTTP, queue), batch after
+    batch, so machine noise and per-batch difficulty hit them alike; each path has its own pool of
+    ``workers`` verifier processes with the service's settings (recycling included)."""
     import httpx
 
     spec = RewardSpec()
-    data = {s: batches(s, reps) for s in sizes}
-    rows: dict[int, list[float | None]] = {s: [] for s in sizes}
-    s = get_reward_settings()  # the pool the service builds: same recycling, same limits
-    with VerifierPool(
-        workers,
-        max_items=s.max_items_per_worker,
-        max_rss_growth_mb=s.max_rss_growth_mb,
-        mem_limit_mb=s.mem_limit_mb,
-    ) as pool:
-        score_group(data[sizes[0]][0], spec, pool.check_many)
-        for s in sizes:
-            t0 = time.perf_counter()
-            for g in data[s]:
-                score_group(g, spec, pool.check_many)
-            rows[s].append((time.perf_counter() - t0) / reps)
+    data = {s: batches(s, reps + 1) for s in sizes}  # the first batch of each size warms every path
+    # wall: in-process, HTTP, queue; then the reward core's own time inside each path (score_s)
+    totals: dict[int, list[float]] = {s: [0.0] * 6 for s in sizes}
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOM_")}
     env.update(
         LOOM_REWARD_WORKERS=str(workers),
@@ -138,7 +133,7 @@ def overhead(
         LOOM_DATA_DIR=f"/tmp/loom-bench-{os.getpid()}",
     )
     port = free_port()
-    proc = subprocess.Popen(
+    server = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -153,62 +148,81 @@ def overhead(
         env=env,
         start_new_session=True,
     )
+    worker: subprocess.Popen[bytes] | None = None
+    app = None
+    s = get_reward_settings()  # the pool the service builds: same recycling, same limits
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url)
-        with httpx.Client(base_url=url, timeout=300) as c:
-            body = lambda g: {"groups": [g.model_dump(mode="json")], "spec": spec.model_dump(mode="json")}  # noqa: E731
-            c.post("/v1/rewards", json=body(data[sizes[0]][0]))
-            for s in sizes:
-                t0 = time.perf_counter()
-                for g in data[s]:
-                    c.post("/v1/rewards", json=body(g)).raise_for_status()
-                rows[s].append((time.perf_counter() - t0) / reps)
-    finally:
-        stop(proc)
-    if broker:
-        ns = f"loombench-{uuid.uuid4().hex[:6]}-"
-        qenv = dict(
-            env,
-            LOOM_BROKER_URL=broker,
-            LOOM_RESULT_BACKEND="redis://127.0.0.1:6379/3",
-            LOOM_QUEUE_NAMESPACE=ns,
-        )
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "loom.cli", "worker", "reward", "-c", "1"],
-            cwd=REPO,
-            env=qenv,
-            start_new_session=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
+        if broker:
+            qenv = dict(
+                env,
+                LOOM_BROKER_URL=broker,
+                LOOM_RESULT_BACKEND="redis://127.0.0.1:6379/3",
+                LOOM_QUEUE_NAMESPACE=f"loombench-{uuid.uuid4().hex[:6]}-",
+            )
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "loom.cli", "worker", "reward", "-c", "1"],
+                cwd=REPO,
+                env=qenv,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             os.environ.update({k: v for k, v in qenv.items() if k.startswith("LOOM_")})
             from loom.queue import make_celery
             from loom.settings import get_settings
-            from reward_svc.tasks import submit_group
 
             get_settings.cache_clear()
             app = make_celery("reward", get_settings())
-            submit_group(data[sizes[0]][0], spec, app=app).get(timeout=120)
-            for s in sizes:
-                t0 = time.perf_counter()
-                for g in data[s]:
-                    g2 = g.model_copy(update={"id": g.id + "-q"})
-                    g2 = Group.model_validate(
-                        {
-                            **g2.model_dump(),
-                            "trajectories": [{**t.model_dump(), "group_id": g2.id} for t in g.trajectories],
-                        }
-                    )
-                    submit_group(g2, spec, app=app).get(timeout=300)
-                rows[s].append((time.perf_counter() - t0) / reps)
-        finally:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url)
+        body = lambda g: {"groups": [g.model_dump(mode="json")], "spec": spec.model_dump(mode="json")}  # noqa: E731
+        with (
+            VerifierPool(
+                workers,
+                max_items=s.max_items_per_worker,
+                max_rss_growth_mb=s.max_rss_growth_mb,
+                mem_limit_mb=s.mem_limit_mb,
+            ) as pool,
+            httpx.Client(base_url=url, timeout=300) as c,
+        ):
+            from reward_svc.tasks import submit_group
+
+            for size in sizes:
+                for k, g in enumerate(data[size]):
+                    t0 = time.perf_counter()
+                    r_in = score_group(g, spec, pool.check_many)
+                    t_in = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    resp = c.post("/v1/rewards", json=body(g))
+                    t_http = time.perf_counter() - t0
+                    resp.raise_for_status()
+                    s_http = resp.json()["results"][0]["score_s"]
+                    t_q = s_q = 0.0
+                    if app is not None:
+                        qid = g.id + "-q"  # a fresh task id: the queue path must really score it
+                        g2 = Group.model_validate(
+                            {
+                                **g.model_dump(),
+                                "id": qid,
+                                "trajectories": [{**t.model_dump(), "group_id": qid} for t in g.trajectories],
+                            }
+                        )
+                        t0 = time.perf_counter()
+                        s_q = submit_group(g2, spec, app=app).get(timeout=300)["score_s"]
+                        t_q = time.perf_counter() - t0
+                    if k > 0:
+                        row = (t_in, t_http, t_q, r_in.score_s or 0.0, s_http, s_q)
+                        for i, dt in enumerate(row):
+                            totals[size][i] += dt
+                        if os.environ.get("LOOM_BENCH_VERBOSE"):
+                            print(f"   {size:>4} " + " ".join(f"{x:.3f}" for x in row))
+    finally:
+        if app is not None:
+            app.close()
+        if worker is not None:
             stop(worker)
-    else:
-        for s in sizes:
-            rows[s].append(None)
-    return [(s, *rows[s]) for s in sizes]  # type: ignore[misc]
+        stop(server)
+    return [(size, *(x / reps for x in totals[size])) for size in sizes]
 
 
 def hostile_run(workers: int, deadline: int) -> list[tuple[str, str, float]]:
@@ -228,24 +242,40 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--items", type=int, default=400)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=8)
     p.add_argument("--deadline", type=int, default=3)
     p.add_argument(
         "--broker", default="amqp://guest:guest@127.0.0.1:5672//", help="'' to skip the queue path"
     )
     a = p.parse_args()
 
+    print(f"\n1. overhead, same pool size ({a.workers}) and settings, mean of {a.reps} batches, interleaved")
+    print("   transport = wall time - the reward core's own time for that request, measured where it ran")
+    print("   (score_s: same process, same pool, same caches); wall vs a separate in-process pool beside it")
+    print(
+        f"{'batch':>6}{'core s':>9}{'HTTP s':>9}{'HTTP +%':>9}{'core s':>9}{'queue s':>9}{'queue +%':>10}"
+        f"{'in-proc s':>11}{'HTTP/in-proc':>14}"
+    )
+    for size, t_in, t_http, t_q, _s_in, s_http, s_q in overhead(
+        a.workers, [1, 16, 256], a.reps, a.broker or None
+    ):
+        q = (
+            f"{s_q:>9.3f}{t_q:>9.3f}{100 * (t_q - s_q) / s_q:>9.1f}%"
+            if a.broker
+            else f"{'-':>9}{'-':>9}{'-':>10}"
+        )
+        print(
+            f"{size:>6}{s_http:>9.3f}{t_http:>9.3f}{100 * (t_http - s_http) / s_http:>8.1f}%{q}"
+            f"{t_in:>11.3f}{t_http / t_in:>14.2f}"
+        )
+
     single, pooled = throughput(a.workers, a.items)
-    print(f"\n1. throughput on {a.items} realistic items (fresh gold parse per item)")
+    print(
+        f"\n2. throughput on {a.items} realistic items (overhead first: this process never verified before)"
+    )
     print(f"{'in-process, 1 core':<32}{single:>10.1f} items/s")
     print(f"{f'pool, {a.workers} workers':<32}{pooled:>10.1f} items/s")
     print(f"{'ratio pool / (W x single)':<32}{pooled / (a.workers * single):>10.2f}   (target >= 0.8)")
-
-    print(f"\n2. overhead vs in-process, same pool size ({a.workers}), mean of {a.reps} batches")
-    print(f"{'batch':>6}{'in-proc s':>11}{'HTTP s':>10}{'HTTP +%':>9}{'queue s':>10}{'queue +%':>10}")
-    for s, tin, thttp, tq in overhead(a.workers, [1, 16, 256], a.reps, a.broker or None):
-        q = f"{tq:>10.3f}{100 * (tq - tin) / tin:>9.1f}%" if tq is not None else f"{'-':>10}{'-':>10}"
-        print(f"{s:>6}{tin:>11.3f}{thttp:>10.3f}{100 * (thttp - tin) / tin:>8.1f}%{q}")
 
     print(f"\n3. hostile corpus, deadline {a.deadline} s, {a.workers} workers, 16 normal items in the batch")
     print(f"{'item':<44}{'status':<13}{'seconds':>8}")

@@ -197,6 +197,11 @@ class TrajectoryReward(Contract):
 class RewardResult(Contract):
     group_id: str
     rewards: list[TrajectoryReward]
+    score_s: float | None = Field(
+        default=None,
+        description="seconds the reward core spent on this group's request (plan + verification + "
+        "composition), measured where it ran: the caller's wall time minus this is transport",
+    )
 
 
 class RewardRequest(Contract):

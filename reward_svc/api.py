@@ -7,6 +7,7 @@ path): ``uvicorn reward_svc.api:app`` alone serves every route below.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from fastapi import Request
@@ -76,7 +77,9 @@ async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
 
 
 async def score_groups(groups: list[Group], spec: RewardSpec) -> list[RewardResult]:
-    """Every group's math items go to the pool at once; then each group is composed."""
+    """Every group's math items go to the pool at once; then each group is composed. ``score_s`` is
+    the whole call's time (the groups were scored together)."""
+    t0 = time.perf_counter()
     plans = [plan_group(g, spec) for g in groups]
     items = [item for p in plans for _, item in p.math]
     verdicts = await get_pool().acheck_many(items, spec.timeout_s) if items else []
@@ -84,6 +87,9 @@ async def score_groups(groups: list[Group], spec: RewardSpec) -> list[RewardResu
     for p in plans:
         results.append(finish_group(p, verdicts[k : k + len(p.math)], _state))
         k += len(p.math)
+    elapsed = time.perf_counter() - t0
+    for r in results:
+        r.score_s = elapsed
     return results
 
 

@@ -7,6 +7,7 @@ Pure: no HTTP, no Celery. The API awaits the pool, the Celery task blocks on it;
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,9 @@ def _finite(x: float) -> float:
 
 def score_group(group: Group, spec: RewardSpec, verify: VerifyFn, state: Any = None) -> RewardResult:
     """Plan, verify (blocking), compose. ``verify`` is ``VerifierPool.check_many``."""
+    t0 = time.perf_counter()
     p = plan_group(group, spec)
     verdicts = verify([item for _, item in p.math], spec.timeout_s) if p.math else []
-    return finish_group(p, verdicts, state)
+    result = finish_group(p, verdicts, state)
+    result.score_s = time.perf_counter() - t0
+    return result
