@@ -157,8 +157,9 @@ def plain_requests(tokenizer: Any, n_groups: int, max_tokens: int) -> list[Rollo
     ]
 
 
-def bench_overhead(quick: bool, tmp: Path) -> dict[str, float]:
-    """Direct and queued runs alternate (A/B per round) so machine noise hits both alike."""
+def bench_overhead(quick: bool, tmp: Path, rabbit: bool = False) -> dict[str, float]:
+    """Direct and queued runs alternate (A/B per round) so machine noise hits both alike. ``rabbit``:
+    RabbitMQ + Redis (the deployed broker), else the embedded SQLite broker."""
     from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
     from rollout_svc.rollout import generate_group
 
@@ -178,7 +179,9 @@ def bench_overhead(quick: bool, tmp: Path) -> dict[str, float]:
     t_direct = t_queue = 0.0
     tok_direct = tok_queue = 0
     try:
-        env = queue_env(tmp / "q1", False, LOOM_ENGINE="torch", LOOM_MODEL=str(path))
+        env = queue_env(
+            tmp / ("q-rabbit" if rabbit else "q-embedded"), rabbit, LOOM_ENGINE="torch", LOOM_MODEL=str(path)
+        )
         start_workers(procs, env, 1, tmp)
         app = celery_for(env)
         asyncio.run(generate_group(warm, engine, lambda: engine.tokenizer, settings))
@@ -300,16 +303,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="loom-bench-rollout-") as d:
         tmp = Path(d)
         if "overhead" in only:
-            o = bench_overhead(args.quick, tmp)
-            rows.append(
-                (
-                    "orchestration overhead (plain)",
-                    f"direct {o['direct_s']:.2f}s | queue {o['queue_s']:.2f}s ({o['groups']} groups,"
-                    f" {int(o['tokens'])} tok, same tokens: {bool(o['same_tokens'])})",
-                    f"{100 * o['overhead']:+.1f} %",
-                    "<= 5 %",
+            brokers = [("embedded", False)] + ([("RabbitMQ", True)] if reachable(5672) else [])
+            for label, rabbit in brokers:
+                o = bench_overhead(args.quick, tmp, rabbit)
+                rows.append(
+                    (
+                        f"orchestration overhead (plain, {label})",
+                        f"direct {o['direct_s']:.2f}s | queue {o['queue_s']:.2f}s ({o['groups']} groups,"
+                        f" {int(o['tokens'])} tok, same tokens: {bool(o['same_tokens'])})",
+                        f"{100 * o['overhead']:+.1f} %",
+                        "<= 5 %",
+                    )
                 )
-            )
         if "prefill" in only:
             r = bench_prefill(args.quick)
             rows.append(
