@@ -411,15 +411,7 @@ class TorchEngine(Engine):
         n = params.n
         gen = self._generator(params)
         stop_ids = set(params.stop_token_ids)
-        cache, reuse = self._take_prefix(key)
-        self.stats.requests += 1
-        self.stats.cached_tokens += reuse
-        self.stats.prefill_tokens += len(prompt_ids) - reuse
-        x = torch.tensor([prompt_ids[reuse:]], device=self.device)
-        logits = self._forward(x, groups, reuse, cache, masked)
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.expand(n, -1)
+        cache, logits = self._prefill_rows(key, groups, masked, n)
         out = self._outputs(params)
         rows = list(range(n))  # sample index of each live batch row
         seq_groups = groups
@@ -541,15 +533,21 @@ class TorchEngine(Engine):
         req.gen = self._generator(params)
         req.out = self._outputs(params)
         req.live = params.n
-        cache, reuse = self._take_prefix(req.key)
+        return self._prefill_rows(req.key, [0] * len(ids), False, params.n)
+
+    def _prefill_rows(
+        self, key: list[tuple[int, int]], groups: list[int], masked: bool, n: int
+    ) -> tuple[Any, torch.Tensor]:
+        """Prefill ``key`` past its longest cached prefix; the cache and next-token logits as n rows."""
+        cache, reuse = self._take_prefix(key)
         self.stats.requests += 1
         self.stats.cached_tokens += reuse
-        self.stats.prefill_tokens += len(ids) - reuse
-        x = torch.tensor([ids[reuse:]], device=self.device)
-        logits = self._forward(x, [0] * len(ids), reuse, cache, False)
-        if params.n > 1:
-            cache.batch_repeat_interleave(params.n)
-            logits = logits.expand(params.n, -1)
+        self.stats.prefill_tokens += len(key) - reuse
+        x = torch.tensor([[t for t, _ in key[reuse:]]], device=self.device)
+        logits = self._forward(x, groups, reuse, cache, masked)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.expand(n, -1)
         return cache, logits
 
     def _join(self, batch: _Batch, req: _Request, cache: Any, logits: torch.Tensor) -> None:
