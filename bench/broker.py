@@ -40,10 +40,11 @@ RESULT_POLL = 0.01  # result.get(interval=...) for polling result backends
 
 CONFIGS: dict[str, tuple[str, str]] = {
     # name: (broker, result backend); {d} = a fresh directory per configuration
-    "loomsql + db+sqlite (default)": ("embedded", "embedded"),
+    "loomsql + loom sqlite (default)": ("embedded", "embedded"),
+    "loomsql + db+sqlite": ("embedded", "db+sqlite:///{d}/results-sqla.sqlite"),
     "loomsql + file://": ("embedded", "file://{d}/results"),
     "filesystem:// + file://": ("filesystem://", "file://{d}/results"),
-    "sqla+sqlite + db+sqlite": ("sqla+sqlite:///{d}/kombu.sqlite", "embedded"),
+    "sqla+sqlite + db+sqlite": ("sqla+sqlite:///{d}/kombu.sqlite", "db+sqlite:///{d}/results-sqla.sqlite"),
     "RabbitMQ + Redis": ("amqp://guest:guest@127.0.0.1:5672//", "redis://127.0.0.1:6379/3"),
 }
 
@@ -222,7 +223,7 @@ def main() -> None:
     for name in names:
         rows[name] = run_one(name, args.latency_n, args.burst)
         print(f"  done: {name}: {rows[name]}", file=sys.stderr, flush=True)
-    base = rows.get("loomsql + db+sqlite (default)")
+    base = rows.get("loomsql + loom sqlite (default)")
     print(
         f"\nping through a real prefork worker (c=1, prefetch 1, late ack); {args.latency_n} sequential, "
         f"burst {args.burst}; cpu={os.cpu_count()}"

@@ -2,7 +2,10 @@
 
 Corpus: Loom's reflective traces of tiny-model problems (loom/tiny/traces.py ``reflect_trace``): each
 solves the problem, states the answer, then keeps re-checking ("Wait, let me check", "Alternatively",
-"But ...") before ``</think>`` and the boxed answer; every trace is correct by construction. (The tiny
+"But ...", "Hmm ...") 1 to 5 times (``--checks``; the tiny model was trained on 0 to 3) before
+``</think>`` and the boxed answer; every trace is correct by construction. How much of a trace is
+overthinking varies with its number of checks, as in real overthinking, so one fixed ratio cannot
+fit every trace. (The tiny
 policy's own reflective samples are almost never correct, so they cannot form a "solved" corpus.)
 
 Every method cuts the thinking part (never more than half of it), appends the forced ending, and the
@@ -19,7 +22,7 @@ reward service's match core on the same pool. Methods, side by side in one run:
 
 Accuracy counts every sample: a truncated sample by its revision, an untouched one by its original.
 
-    python -m bench.reflect [--n 30] [--min-chunk-tokens 32 8]
+    python -m bench.reflect [--n 100] [--min-chunk-tokens 32 8]
 """
 
 from __future__ import annotations
@@ -71,14 +74,14 @@ class BenchServices:
         return score_group(group, spec, self.pool.check_many)
 
 
-def corpus(tok: Any, n: int) -> list[Group]:
+def corpus(tok: Any, n: int, checks: tuple[int, int] = (1, 5)) -> list[Group]:
     from loom.tiny import tiny_problems
     from loom.tiny.traces import reflect_trace
 
     groups = []
     for kind in ("arith", "countdown"):
         for k, p in enumerate(tiny_problems(kind, n, 2024, "test")):  # type: ignore[arg-type]
-            prompt, completion = reflect_trace(p, random.Random(k))
+            prompt, completion = reflect_trace(p, random.Random(k), checks)
             gid = f"{kind}{k}"
             ids = tok.encode(completion.text, add_special_tokens=False)
             traj = Trajectory(
@@ -188,9 +191,10 @@ def table(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=30, help="problems per kind (arith, countdown)")
+    ap.add_argument("--n", type=int, default=100, help="problems per kind (arith, countdown)")
     ap.add_argument("--min-chunk-tokens", type=int, nargs="+", default=[32, 8])
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--checks", type=int, nargs=2, default=[1, 5], help="re-checks per trace (inclusive)")
     args = ap.parse_args(argv)
     configure_process()
     from loom.tiny import CHECKPOINT_DIR
@@ -199,8 +203,11 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = TorchEngine(CHECKPOINT_DIR)
     tok = engine.tokenizer
-    groups = corpus(tok, args.n)
-    print(f"corpus: {len(groups)} reflective traces (arith + countdown), tiny model completes revisions")
+    groups = corpus(tok, args.n, (args.checks[0], args.checks[1]))
+    print(
+        f"corpus: {len(groups)} reflective traces (arith + countdown,"
+        f" {args.checks[0]}-{args.checks[1]} re-checks), tiny model completes revisions"
+    )
     print("engine: torch, in-process (rollout_svc core), greedy; scoring: reward_svc core + verifier pool")
     with VerifierPool(1) as pool:
         services = BenchServices(engine, pool)

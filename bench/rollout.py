@@ -135,7 +135,7 @@ def run_through_queue(app: Any, requests: list[RolloutRequest]) -> tuple[float, 
     results = [
         send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id) for r in requests
     ]
-    groups = [r.get(timeout=600, interval=0.05) for r in results]
+    groups = [r.get(timeout=600, interval=0.005) for r in results]
     elapsed = time.perf_counter() - t0
     return elapsed, sum(len(t["completion_ids"]) for g in groups for t in g["trajectories"])
 

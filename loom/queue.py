@@ -49,10 +49,12 @@ def broker_url(settings: Settings) -> str:
 
 def result_backend_url(settings: Settings) -> str:
     if settings.result_backend == "embedded":
+        from loom.embedded_results import backend_url
+
         path = Path(settings.data_dir).resolve() / "results.sqlite"
         path.parent.mkdir(parents=True, exist_ok=True)
         _enable_wal(path)
-        return f"db+sqlite:///{path}"
+        return backend_url(str(path))
     return settings.result_backend
 
 

@@ -173,12 +173,19 @@ def plain_trace(problem: Problem) -> list[Piece]:
     ]
 
 
-def reflect_trace(problem: Problem, rng: random.Random | None = None) -> list[Piece]:
+def reflect_trace(
+    problem: Problem, rng: random.Random | None = None, checks: tuple[int, int] = (1, 3)
+) -> list[Piece]:
+    """Solve, state the answer, then re-check it ``checks`` (inclusive range) times before the
+    forced ending. Training uses 1-3 checks plus a short variant with 0-1 (so the ending may follow
+    any chunk); bench/reflect.py's overthinking corpus uses more."""
     rng = rng or random.Random(problem.key)
     body = "\n".join(reasoning_lines(problem))
-    checks = _reflections(problem)
-    rng.shuffle(checks)
-    chunks = [f"{body}\nSo the answer is {problem.gold}."] + checks[: rng.randint(1, 2)]
+    pool = _reflections(problem)
+    rng.shuffle(pool)
+    k = rng.randint(*checks)
+    picked = [pool[i % len(pool)] for i in range(k)]
+    chunks = [f"{body}\nSo the answer is {problem.gold}.", *picked]
     think = "\n\n".join(chunks)
     return [
         Piece(reflect_prompt(problem), False),
@@ -195,11 +202,16 @@ def _reflections(problem: Problem) -> list[str]:
             f"Wait, let me check: {inverse}. Yes.",
             f"Alternatively, {a}{op}{b} is {g}. Yes.",
             f"But let me check the last digit: {g[-1]}. Yes.",
+            f"Hmm, let me verify again: {a}{op}{b}={g}. Yes.",
+            "Let me double-check the digits: " + " ".join(g) + ". Yes.",
         ]
+    nums = " ".join(str(n) for n in problem.numbers)
     return [
         f"Wait, let me check: {g}={problem.target}. Yes.",
-        "Alternatively, check the numbers: " + " ".join(str(n) for n in problem.numbers) + ". Yes.",
+        f"Alternatively, check the numbers: {nums}. Yes.",
         f"But let me check the target: {problem.target}. Yes.",
+        f"Hmm, let me verify again: {g} is {problem.target}. Yes.",
+        f"Let me double-check each number is used once: {nums}. Yes.",
     ]
 
 
@@ -434,7 +446,8 @@ def build_trace(problem: Problem, fmt: str) -> list[list[Piece]]:
     if fmt == "plain":
         return [plain_trace(problem)]
     if fmt == "reflect":
-        return [reflect_trace(problem)]
+        short = reflect_trace(problem, random.Random(problem.key + "/short"), checks=(0, 1))
+        return [reflect_trace(problem), short]
     if fmt == "stream":
         return [stream_trace(problem)]
     if fmt == "spawn":

@@ -2,8 +2,9 @@
 
 1. Initial sampling: M' responses (``initial``, default 6; ``sampling.n`` when ``initial`` is unset
    and n > 1).
-2. Steps: a response is split after every token whose text completes a ``"\\n\\n"`` (fallback
-   ``"\\n"`` when a response has none).
+2. Steps: a response is split after every token whose text completes a ``"\\n\\n"``; it falls back
+   to ``"\\n"`` when the blank lines leave fewer than 3 steps up to ``</think>`` (no step between the
+   first, which never branches, and the one that ends the thinking: one paragraph of reasoning).
 3. Difficulty-aware expansion (AttnRL eq. 9): with a reward callback, z = the initial accuracy and
    M = round(exp(-z) M') trees are expanded (``expansion="ceil"``: the authors' ceil(exp(-i/n) n));
    attention-based filtering (eq. 8): an all-correct prompt is expanded only if its mean FCI >=
@@ -129,10 +130,12 @@ class TreeConfig:
 
 
 def split_steps(
-    token_texts: Sequence[str], separator: str = "\n\n", fallback: str = "\n"
+    token_texts: Sequence[str], separator: str = "\n\n", fallback: str = "\n", end_token: int | None = None
 ) -> list[tuple[int, int]]:
     """Token spans [start, end) of a response's steps: a step ends after each token whose text completes
-    ``separator`` (a separator may straddle tokens); ``fallback`` is used when there is none."""
+    ``separator`` (a separator may straddle tokens); ``fallback`` is used when ``separator`` leaves
+    fewer than 3 steps up to ``end_token`` (the end-of-thinking token: steps from it on never branch;
+    default the end), i.e. no interior step to branch at, and ``fallback`` gives more."""
     if not token_texts:
         return []
     ends, pos = [], 0
@@ -140,11 +143,18 @@ def split_steps(
         pos += len(t)
         ends.append(pos)  # ends[i] = char offset just after token i
     text = "".join(token_texts)
-    for sep in (separator, fallback):
-        cuts = sorted({bisect.bisect_left(ends, m.end()) + 1 for m in re.finditer(re.escape(sep), text)})
-        cuts = [c for c in cuts if 0 < c < len(token_texts)]
-        if cuts:
-            break
+
+    def cuts_of(sep: str) -> list[int]:
+        found = {bisect.bisect_left(ends, m.end()) + 1 for m in re.finditer(re.escape(sep), text)}
+        return sorted(c for c in found if 0 < c < len(token_texts))
+
+    def before_end(cuts: list[int]) -> int:
+        return len(cuts) if end_token is None else sum(c <= end_token for c in cuts)
+
+    cuts = cuts_of(separator)
+    if before_end(cuts) < 2:
+        more = cuts_of(fallback)
+        cuts = more if before_end(more) > before_end(cuts) else cuts
     bounds = [0, *cuts, len(token_texts)]
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
@@ -376,8 +386,8 @@ async def tree(
     responses = []
     for i, c in enumerate(outs):
         texts = _texts(tokenizer, c.token_ids, cache)
-        steps = split_steps(texts, cfg.separator, cfg.fallback_separator)
         end = first_token_containing(texts, cfg.end_marker) if cfg.end_marker else None
+        steps = split_steps(texts, cfg.separator, cfg.fallback_separator, end)
         zero_from = None
         if end is not None:
             zero_from = 1 + next(s for s, (a, b) in enumerate(steps) if a <= end < b)

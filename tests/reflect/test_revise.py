@@ -15,7 +15,7 @@ from reflect_helpers import serve, trace_group  # noqa: E402
 from loom.clients.reflect import ReflectClient  # noqa: E402
 from loom.formats import FORCED_ENDING  # noqa: E402
 from loom.schemas import ReflectParams  # noqa: E402
-from reflect_svc.chunking import Chunk, Thinking  # noqa: E402
+from reflect_svc.chunking import Chunk, Thinking, chunk_thinking  # noqa: E402
 from reflect_svc.revise import keep_revision, limit_cut  # noqa: E402
 
 
@@ -80,9 +80,13 @@ def test_end_to_end_revise_through_rollout_and_reward(tok, reflect_url):
     assert infos["t2"].status == "no_detection"  # a wrong trace never states the gold answer
     forced = tok.encode(FORCED_ENDING, add_special_tokens=False)
     by_id = {t.id: t for t in res.group.trajectories}
+    dec = lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
     for tid in ("t0", "t1"):
         info, orig = infos[tid], by_id[tid]
-        assert info.status == "truncated" and info.chunk == 0 and info.original_correct is True
+        # chunk 0 states the answer; the half limit moves the cut to the first chunk end keeping half
+        th = chunk_thinking(orig.completion_ids, dec, min_tokens=8)
+        expected = next(k for k, c in enumerate(th.chunks) if th.end - c.end <= th.n_tokens / 2)
+        assert info.status == "truncated" and info.chunk == expected and info.original_correct is True
         assert 0 < info.removed_tokens <= info.think_tokens / 2
         rev = by_id[info.revision_id]
         cut = info.cut

@@ -32,6 +32,17 @@ def test_steps_fall_back_to_newline_and_cover_everything():
     assert split_steps([]) == []
 
 
+def test_one_blank_line_falls_back_to_lines_but_two_do_not():
+    # one paragraph of reasoning, a blank line, the answer: no interior step, so lines are steps
+    texts = ["a", "\n", "b", "\n", "c", "\n\n", "d"]
+    assert split_steps(texts) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    # two blank lines give an interior step: the lone "\n" inside a paragraph is no boundary
+    texts = ["a", "\n", "b", "\n\n", "c", "\n\n", "d"]
+    assert split_steps(texts) == [(0, 4), (4, 6), (6, 7)]
+    # blank lines after the end of thinking (token 4 here) do not count as interior steps
+    assert split_steps(texts, end_token=4) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+
+
 def test_quantile_is_linear_interpolation():
     xs = [0.3, 0.1, 0.9, 0.5, 0.7, 0.2]
     assert quantile(xs, 0.8) == pytest.approx(float(torch.quantile(torch.tensor(xs), 0.8)))

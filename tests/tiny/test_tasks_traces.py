@@ -15,6 +15,7 @@ from loom.tiny.traces import (
     extract_boxed,
     parse_spawn,
     parse_stream,
+    reflect_trace,
     spawn_trace,
     split_stream_text,
     stream_prompt,
@@ -70,15 +71,25 @@ def test_arith_problem_gold_is_the_value():
 @pytest.mark.parametrize("fmt", ["plain", "reflect"])
 def test_plain_and_reflect_traces_end_in_a_verified_boxed_answer(kind, fmt):
     for p in make_problems(kind, 30, seed=2):
-        (pieces,) = build_trace(p, fmt)
-        assert not pieces[0].train and pieces[-1].train
-        completion = trace_text(pieces[1:])
-        assert completion.startswith("<think> ") and "</think>" in completion
-        assert p.verify(extract_boxed(completion))
+        traces = build_trace(p, fmt)
+        assert len(traces) == (2 if fmt == "reflect" else 1)  # reflect: 1-3 re-checks and a 0-1 variant
+        for pieces in traces:
+            assert not pieces[0].train and pieces[-1].train
+            completion = trace_text(pieces[1:])
+            assert completion.startswith("<think> ") and "</think>" in completion
+            assert p.verify(extract_boxed(completion))
         # the answer in the last step line agrees with the gold (arith column steps end with r<gold>)
         if kind == "arith" and fmt == "plain":
             body = completion.split("</think>")[0]
             assert body.strip().split("r")[-1].lstrip("0") == p.gold.lstrip("-").lstrip("0") or p.gold == "0"
+
+
+def test_reflect_trace_rechecks_the_number_of_times_asked():
+    p = make_problems("arith", 1, seed=9)[0]
+    for k in range(7):
+        think = trace_text(reflect_trace(p, random.Random(k), checks=(k, k))).split("</think>")[0]
+        assert think.count("\n\n") == k  # one blank line before each re-check
+        assert think.count("Yes.") == k and f"So the answer is {p.gold}." in think
 
 
 def test_reflect_trace_answers_early_then_rechecks():
@@ -87,7 +98,7 @@ def test_reflect_trace_answers_early_then_rechecks():
         think = text.split("</think>")[0]
         assert f"So the answer is {p.gold}." in think
         after = think.split(f"So the answer is {p.gold}.")[1].lower()
-        assert any(k in after for k in ("wait", "alternatively", "check"))
+        assert any(k in after for k in ("wait", "alternatively", "check", "hmm", "verify"))
         assert FORCED_ENDING in text  # a truncated revision continues exactly like training
 
 

@@ -1,0 +1,85 @@
+"""The embedded result backend (loom/embedded_results.py): Celery's key-value API over one SQLite file."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+from celery.exceptions import ImproperlyConfigured
+
+from loom.embedded_results import SQLiteBackend
+from loom.queue import make_celery
+from loom.settings import Settings
+
+
+def _app(tmp_path):
+    return make_celery("reward", Settings(data_dir=tmp_path))
+
+
+def test_embedded_default_uses_it_and_round_trips_states(tmp_path):
+    app = _app(tmp_path)
+    backend = app.backend
+    assert isinstance(backend, SQLiteBackend)
+    assert backend.path == str((tmp_path / "results.sqlite").resolve())
+    assert app.AsyncResult("missing").state == "PENDING"
+    backend.store_result("t1", None, "STARTED")
+    assert app.AsyncResult("t1").state == "STARTED"
+    backend.store_result("t1", {"ok": [1, 2]}, "SUCCESS")
+    res = app.AsyncResult("t1")
+    assert res.ready() and res.result == {"ok": [1, 2]}
+    backend.mark_as_failure("t2", ValueError("bad input"))
+    assert app.AsyncResult("t2").state == "FAILURE"
+    assert isinstance(app.AsyncResult("t2").result, ValueError)
+    keys = [backend.get_key_for_task(t) for t in ("t1", "nope", "t2")]
+    got = list(backend.mget(keys))
+    assert got[1] is None and "SUCCESS" in got[0] and "FAILURE" in got[2]
+    backend.forget("t1")
+    assert app.AsyncResult("t1").state == "PENDING"
+
+
+def test_a_second_app_on_the_same_data_dir_reads_the_results(tmp_path):
+    _app(tmp_path).backend.store_result("shared", 42, "SUCCESS")
+    assert _app(tmp_path).AsyncResult("shared").get(timeout=5) == 42
+
+
+def test_cleanup_removes_results_older_than_result_expires(tmp_path):
+    app = _app(tmp_path)
+    backend = app.backend
+    backend.store_result("old", 1, "SUCCESS")
+    backend.expires = 0.05
+    time.sleep(0.1)
+    backend.store_result("new", 2, "SUCCESS")
+    backend.cleanup()
+    assert app.AsyncResult("old").state == "PENDING"
+    assert app.AsyncResult("new").result == 2
+
+
+def test_a_bad_url_is_a_configuration_error(tmp_path):
+    with pytest.raises(ImproperlyConfigured):
+        SQLiteBackend(url="file:///nowhere", app=_app(tmp_path))
+
+
+def _writer(data_dir: str, n: int) -> None:
+    backend = make_celery("reward", Settings(data_dir=data_dir)).backend
+    big = "x" * 200_000
+    for i in range(n):
+        backend.store_result("hot", {"i": i, "pad": big}, "PROGRESS")  # SUCCESS is never overwritten
+
+
+def test_readers_never_see_a_partial_result_while_another_process_rewrites_it(tmp_path):
+    app = _app(tmp_path)
+    app.backend.store_result("hot", {"i": -1, "pad": ""}, "PROGRESS")
+    proc = mp.get_context("spawn").Process(target=_writer, args=(str(tmp_path), 200))
+    proc.start()
+    seen = set()
+    try:
+        while proc.is_alive() or not seen:
+            meta = app.backend.get_task_meta("hot", cache=False)  # decodes: a torn value would raise
+            assert meta["status"] == "PROGRESS"
+            seen.add(meta["result"]["i"])
+    finally:
+        proc.join(60)
+    assert proc.exitcode == 0
+    assert app.backend.get_task_meta("hot", cache=False)["result"]["i"] == 199
+    assert len(seen) > 1  # the reader really ran while the writer rewrote the value
