@@ -225,6 +225,34 @@ def overhead(workers: int, sizes: list[int], reps: int, broker: str | None) -> l
     return [(size, *(x / reps for x in totals[size])) for size in sizes]
 
 
+def _spin(n: int) -> None:
+    x = 0
+    for i in range(n):
+        x = (x * 31 + i) % 1_000_003
+
+
+def cpu_ceiling(workers: int, n: int = 3_000_000) -> float:
+    """What this machine gives ``workers`` CPU-bound processes at once, as a fraction of W x one alone:
+    (time of one process alone) / (time of W processes doing the same work each, together). Shared or
+    hyper-threaded vCPUs and background load give less than 1; no pool of W processes can beat it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+
+    def timed(k: int) -> float:
+        procs = [ctx.Process(target=_spin, args=(n,)) for _ in range(k)]
+        t0 = time.perf_counter()
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join()
+        return time.perf_counter() - t0
+
+    one = min(timed(1) for _ in range(2))
+    many = min(timed(workers) for _ in range(2))
+    return one / many
+
+
 def hostile_run(workers: int, deadline: int) -> list[tuple[str, str, float]]:
     corpus = hostile()
     normal = realistic_mix(16, seed=3)
@@ -276,6 +304,8 @@ def main() -> None:
     print(f"{'in-process, 1 core':<32}{single:>10.1f} items/s")
     print(f"{f'pool, {a.workers} workers':<32}{pooled:>10.1f} items/s")
     print(f"{'ratio pool / (W x single)':<32}{pooled / (a.workers * single):>10.2f}   (target >= 0.8)")
+    ceiling = cpu_ceiling(a.workers)
+    print(f"{'machine ceiling (pure CPU loop)':<32}{ceiling:>10.2f}   ({a.workers} processes vs W x one)")
 
     print(f"\n3. hostile corpus, deadline {a.deadline} s, {a.workers} workers, 16 normal items in the batch")
     print(f"{'item':<44}{'status':<13}{'seconds':>8}")

@@ -128,16 +128,22 @@ def celery_for(env: dict[str, str]) -> Any:
 
 
 def run_through_queue(app: Any, requests: list[RolloutRequest]) -> tuple[float, int]:
-    """Seconds to get every group back, and the completion tokens they hold."""
+    """Seconds to get every group back, and the completion tokens they hold. Results are awaited the
+    way the gateway awaits its stages (``gateway.pipeline.CeleryStages``: every pending result polled
+    every ``poll`` seconds), so the overhead measured is the one a run sees."""
+    from gateway.pipeline import CeleryStages
     from loom.queue import send
 
+    stages = CeleryStages(app)
     t0 = time.perf_counter()
-    results = [
-        send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id) for r in requests
-    ]
-    groups = [r.get(timeout=600, interval=0.005) for r in results]
+    pending = {
+        i: send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id)
+        for i, r in enumerate(requests)
+    }
+    groups: dict[int, Any] = {}
+    stages._wait_all(pending, groups.__setitem__)
     elapsed = time.perf_counter() - t0
-    return elapsed, sum(len(t["completion_ids"]) for g in groups for t in g["trajectories"])
+    return elapsed, sum(len(t["completion_ids"]) for g in groups.values() for t in g["trajectories"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -40,6 +40,22 @@ DEFAULT_VISIBILITY_TIMEOUT = 30.0
 DEFAULT_POLLING_INTERVAL = 0.05
 BUSY_TIMEOUT_MS = 30_000
 
+# SQLite and fork. Celery's prefork pool forks new children from a thread (billiard's supervisor
+# replaces a recycled or lost child) while the worker's main thread polls the broker. A fork that
+# lands while another thread is inside SQLite copies SQLite's internal mutexes locked, and the child
+# hangs forever on its first SQLite call (seen: a rollout child stuck opening the result store after
+# the 200-task recycle, the demo stalled). Every SQLite call of the embedded broker and result store
+# holds SQLITE_LOCK, and so does every fork of this process (os.register_at_fork), so a fork never
+# happens inside one.
+SQLITE_LOCK = threading.RLock()
+
+
+def _fork_after() -> None:
+    SQLITE_LOCK.release()  # in the child the forking thread, the only one left, is the owner
+
+
+os.register_at_fork(before=SQLITE_LOCK.acquire, after_in_parent=_fork_after, after_in_child=_fork_after)
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -82,15 +98,15 @@ class Database:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.lock = threading.RLock()
+        self.lock = SQLITE_LOCK
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.conn = sqlite3.connect(
-            path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-        )
-        self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        set_wal(self.conn)
-        self.conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across process crashes
         with self.lock:
+            self.conn = sqlite3.connect(
+                path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            )
+            self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            set_wal(self.conn)
+            self.conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable across process crashes
             self.conn.executescript(SCHEMA)
 
     @classmethod
@@ -359,8 +375,9 @@ def set_wal(conn: sqlite3.Connection, patience: float = 30.0) -> None:
     deadline = time.monotonic() + patience
     while True:
         try:
-            if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
-                conn.execute("PRAGMA journal_mode = WAL")
+            with SQLITE_LOCK:
+                if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                    conn.execute("PRAGMA journal_mode = WAL")
             return
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:

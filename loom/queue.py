@@ -78,13 +78,14 @@ def _enable_wal(path: Path) -> None:
     block the writer and a commit costs one fsync instead of a rollback journal's several."""
     import sqlite3
 
-    from loom.embedded_broker import set_wal
+    from loom.embedded_broker import SQLITE_LOCK, set_wal
 
-    conn = sqlite3.connect(path, timeout=30)
-    try:
-        set_wal(conn)
-    finally:
-        conn.close()
+    with SQLITE_LOCK:
+        conn = sqlite3.connect(path, timeout=30)
+        try:
+            set_wal(conn)
+        finally:
+            conn.close()
 
 
 def is_amqp(url: str) -> bool:

@@ -83,3 +83,54 @@ def test_readers_never_see_a_partial_result_while_another_process_rewrites_it(tm
     assert proc.exitcode == 0
     assert app.backend.get_task_meta("hot", cache=False)["result"]["i"] == 199
     assert len(seen) > 1  # the reader really ran while the writer rewrote the value
+
+
+def test_forks_from_a_thread_while_the_broker_polls_never_hang_the_child(tmp_path):
+    """Celery's prefork supervisor forks replacement children from a thread while the main thread
+    polls the embedded broker. Without SQLITE_LOCK about 2 % of such forks left the child hung in
+    its first SQLite call (measured with raw sqlite3: 28 of 1500); with it, none may."""
+    import os
+    import threading
+
+    from loom.embedded_broker import Database
+
+    db = Database.get(str(tmp_path / "broker.sqlite"))
+    backend = _app(tmp_path).backend
+    stop = threading.Event()
+
+    def poll() -> None:  # what a worker's main thread does between tasks
+        while not stop.is_set():
+            db.execute("INSERT INTO queues (name) VALUES ('q') ON CONFLICT DO NOTHING")
+            db.execute("SELECT * FROM messages WHERE queue = 'q' LIMIT 1")
+            backend.get(b"k")
+
+    hung: list[int] = []
+
+    def fork_children() -> None:
+        for i in range(400):
+            pid = os.fork()
+            if pid == 0:  # a fresh child's first act: open the result store and write
+                try:
+                    SQLiteBackend(url=backend.url, app=backend.app).set(b"child", b"1")
+                finally:
+                    os._exit(0)
+            deadline = time.monotonic() + 5
+            while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > deadline:
+                    hung.append(i)
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    return  # one hung child is enough to fail
+                time.sleep(0.001)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        forker = threading.Thread(target=fork_children)
+        forker.start()
+        forker.join()
+    finally:
+        stop.set()
+        poller.join()
+    assert hung == []
+    assert backend.get(b"child") == b"1"
