@@ -6,9 +6,11 @@ pending future when one worker is killed. So:
 
 - each worker is ``os.fork()``-ed from a process that already imported math-verify (7 ms start) and
   runs items one at a time in its main thread, math-verify's integer timeouts on;
-- one driver thread per worker sends an item and waits at most the item's deadline; past it the
-  driver SIGKILLs that worker only, answers ``timeout`` and forks a fresh one (the item is not
-  retried); the other workers and their items are unaffected;
+- one driver thread per worker keeps up to ``pipeline_depth`` (2) items in the worker's pipe (the
+  worker never idles while the driver hands a verdict over) and waits at most the running item's
+  deadline; past it the driver SIGKILLs that worker only, answers ``timeout`` and forks a fresh one
+  (the item is not retried; items queued behind it never started and run on the fresh worker); the
+  other workers and their items are unaffected;
 - a worker is recycled after ``max_items`` items or when its RSS grew by ``max_rss_growth_mb``;
   its address space is capped (``RLIMIT_AS``) so a runaway allocation fails inside it.
 """
@@ -23,6 +25,7 @@ import resource
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -116,12 +119,24 @@ def warm_up() -> None:
         mvp.TIMEOUT_WARNING_SHOWN, mvg.TIMEOUT_WARNING_SHOWN = shown
 
 
+# An item queued behind the running one sits in the pipe's kernel buffer (a socket pair's, a few
+# hundred KiB) until the worker reads it; a larger one would block the driver in send() while the
+# running item may be stuck, and the driver is what enforces the deadline (tested with 2 MB: the
+# batch hung). Larger items are sent only to an idle worker.
+PIPE_SAFE_CHARS = 8_000
+
+
+def _size(item: MathItem) -> int:
+    return len(item.gold) + len(item.region)
+
+
 @dataclass
 class _Worker:
     pid: int
     conn: Connection
     rss0_kb: int
     items: int = 0
+    retire: bool = False  # due for recycling: finishes what is in its pipe, then goes
 
     def kill(self) -> None:
         try:
@@ -162,12 +177,14 @@ class VerifierPool:
         max_items: int = 300,
         max_rss_growth_mb: int = 512,
         mem_limit_mb: int = 2048,
+        pipeline_depth: int = 2,
     ) -> None:
         warm_up()
         self.n_workers = workers
         self.max_items = max_items
         self.max_rss_growth_kb = max_rss_growth_mb * 1024
         self.mem_limit_mb = mem_limit_mb
+        self.pipeline_depth = max(1, pipeline_depth)
         self.stats = PoolStats()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -241,48 +258,108 @@ class VerifierPool:
         worker.kill()
 
     def _drive(self) -> None:
+        """One worker's driver. Up to ``pipeline_depth`` items are in the worker's pipe at once, so the
+        worker starts its next item the moment it answers one instead of waiting for this thread to
+        wake, hand the verdict over and send another (with ~3 ms items that gap was several per cent
+        of a worker's time). Only the head item runs; its deadline counts from when it started (its
+        send, or the previous verdict). A killed or dead worker takes only its head item with it:
+        the items queued behind it never started and go to the fresh worker."""
         worker: _Worker | None = self._fork()  # started eagerly: the first request finds it ready
+        inflight: deque[_Job] = deque()
+        started = 0.0
+        closing = draining = False
+        held: _Job | None = None  # a large item waits for an empty pipe (see PIPE_SAFE_CHARS)
         while True:
-            job = self._jobs.get()
-            if job is None:
-                break
-            if not job.future.set_running_or_notify_cancel():
+            while not draining and len(inflight) < self.pipeline_depth:
+                if held is not None:
+                    if inflight:
+                        break
+                    job, held = held, None
+                else:
+                    if closing:
+                        break
+                    try:
+                        got = self._jobs.get(block=not inflight)
+                    except queue.Empty:
+                        break
+                    if got is None:
+                        closing = True
+                        break
+                    job = got
+                    if not job.future.set_running_or_notify_cancel():
+                        continue
+                    if inflight and _size(job.item) > PIPE_SAFE_CHARS:
+                        held = job
+                        break
+                if worker is None:
+                    worker = self._fork()
+                if not inflight:
+                    started = time.monotonic()
+                if not self._send(worker, job) and not inflight:
+                    # the worker died between items: fork a fresh one and try once more
+                    self._retire(worker)
+                    worker = self._fork()
+                    self._send(worker, job)
+                inflight.append(job)  # a failed send with items ahead: the head's wait finds EOF
+            if not inflight:
+                if draining and worker is not None:
+                    self._retire(worker)
+                    worker, draining = None, False
+                if closing and held is None:
+                    break
                 continue
-            if worker is None:
-                worker = self._fork()
-            t0 = time.monotonic()
-            verdict, worker = self._run(worker, job)
-            job.future.set_result(replace(verdict, seconds=time.monotonic() - t0))
+            assert worker is not None
+            head = inflight[0]
+            verdict, alive = self._await_head(worker, head, started)
+            now = time.monotonic()
+            inflight.popleft()
+            head.future.set_result(replace(verdict, seconds=now - started))
+            started = now
+            if not alive:  # killed (deadline) or dead: the rest start over on a fresh worker
+                worker = self._fork() if inflight else None
+                draining = False
+                for job in inflight:
+                    assert worker is not None
+                    self._send(worker, job)
+                continue
+            draining = worker.retire  # recycle: no new items; retire once the queued ones are answered
+            if draining and not inflight:
+                self._retire(worker)
+                worker, draining = None, False
         if worker is not None:
             self._retire(worker)
 
-    def _run(self, worker: _Worker, job: _Job) -> tuple[Verdict, _Worker | None]:
+    def _send(self, worker: _Worker, job: _Job) -> bool:
         try:
             worker.conn.send((job.item, max(1, job.deadline_s - 1) if job.deadline_s > 2 else 1))
-        except OSError:  # the worker died between items: fork a fresh one and try once more
-            self._retire(worker)
-            worker = self._fork()
-            worker.conn.send((job.item, max(1, job.deadline_s - 1) if job.deadline_s > 2 else 1))
+        except OSError:
+            return False
         with self._lock:
             self.stats.items += 1
-        if not worker.conn.poll(job.deadline_s):
+        return True
+
+    def _await_head(self, worker: _Worker, job: _Job, started: float) -> tuple[Verdict, bool]:
+        """The verdict of the item running in ``worker`` and whether the worker lives on. Retires
+        the worker on the hard deadline or on its death; flags a recycle through ``worker.retire``."""
+        if not worker.conn.poll(max(0.0, started + job.deadline_s - time.monotonic())):
             self._retire(worker)  # the hard deadline: kill only this worker, do not retry the item
             with self._lock:
                 self.stats.timeouts += 1
-            return Verdict("timeout", detail=f"killed after {job.deadline_s} s"), None
+            return Verdict("timeout", detail=f"killed after {job.deadline_s} s"), False
         try:
             verdict, rss_kb = worker.conn.recv()
         except (EOFError, OSError):
             self._retire(worker)
             with self._lock:
                 self.stats.crashes += 1
-            return Verdict("parse_error", detail="verifier process died on this input"), None
+            return Verdict("parse_error", detail="verifier process died on this input"), False
         worker.items += 1
         if worker.rss0_kb == 0:
             worker.rss0_kb = rss_kb
-        if worker.items >= self.max_items or rss_kb - worker.rss0_kb > self.max_rss_growth_kb:
-            self._retire(worker)
+        if not worker.retire and (
+            worker.items >= self.max_items or rss_kb - worker.rss0_kb > self.max_rss_growth_kb
+        ):
+            worker.retire = True
             with self._lock:
                 self.stats.recycles += 1
-            return verdict, None
-        return verdict, worker
+        return verdict, True

@@ -86,11 +86,45 @@ def test_hard_deadline_kills_a_worker_that_ignores_its_alarm():
         assert pid not in p.worker_pids()
 
 
+def test_items_queued_behind_a_killed_item_run_on_the_fresh_worker():
+    """One worker, pipelined: the items already in the pipe behind a frozen item never started;
+    they are re-sent to the replacement worker and scored, and only the frozen one times out."""
+    with VerifierPool(1, max_items=1000) as p:
+        assert p.check_many([item("2", "\\boxed{2}")], DEADLINE)[0].correct
+        (pid,) = p.worker_pids()
+        os.kill(pid, subprocess.signal.SIGSTOP)  # frozen before it reads the next items
+        verdicts = p.check_many(
+            [item("3", "\\boxed{3}"), item("4", "\\boxed{4}"), item("5", "\\boxed{5}")], 1
+        )
+        assert verdicts[0].status == "timeout"
+        assert [(v.status, v.correct) for v in verdicts[1:]] == [("ok", True), ("ok", True)]
+        assert p.stats.timeouts == 1 and pid not in p.worker_pids()
+
+
+def test_a_large_item_never_waits_in_the_pipe_of_a_stuck_worker():
+    """An item larger than the pipe buffer queued behind a frozen one would block the driver in
+    send() and with it the deadline; it waits for the fresh worker instead."""
+    with VerifierPool(1, max_items=1000) as p:
+        assert p.check_many([item("2", "\\boxed{2}")], DEADLINE)[0].correct
+        (pid,) = p.worker_pids()
+        os.kill(pid, subprocess.signal.SIGSTOP)
+        big = MathItem("5", "boxed", "x" * 2_000_000 + "\\boxed{5}")
+        verdicts = p.check_many([item("3", "\\boxed{3}"), big], 1)
+        assert verdicts[0].status == "timeout" and verdicts[0].seconds <= 2
+        assert verdicts[1].status in ("ok", "parse_error", "timeout")  # answered, not hung
+
+
 def test_workers_recycle_after_n_items():
+    with VerifierPool(1, max_items=3, pipeline_depth=1) as p:
+        verdicts = p.check_many([item("5", "\\boxed{5}")] * 7, DEADLINE)
+        assert all(v.correct for v in verdicts)
+        assert p.stats.recycles == 2 and p.stats.forks == 3  # items 1-3, 4-6, 7
+    # pipelined (the default, depth 2): a worker due for recycling first answers the item already in
+    # its pipe, so it serves max_items + 1: items 1-4, then 5-7 (due again at 7, retired when idle)
     with VerifierPool(1, max_items=3) as p:
         verdicts = p.check_many([item("5", "\\boxed{5}")] * 7, DEADLINE)
         assert all(v.correct for v in verdicts)
-        assert p.stats.recycles == 2 and p.stats.forks == 3
+        assert p.stats.recycles == 2 and p.stats.forks == 2
 
 
 def test_model_text_is_never_evaluated_as_python(tmp_path, pool):
