@@ -269,7 +269,7 @@ def hostile_run(workers: int, deadline: int) -> list[tuple[str, str, float]]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--items", type=int, default=400)
+    p.add_argument("--items", type=int, default=1600)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--deadline", type=int, default=3)
     p.add_argument(
