@@ -20,6 +20,7 @@ import asyncio
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -203,8 +204,6 @@ def bench_overhead(quick: bool, tmp: Path, rabbit: bool = False) -> dict[str, fl
         app.close()
     finally:
         procs.close()
-    import statistics
-
     return {
         "groups": rounds * len(reqs),
         "median_overhead": statistics.median(pairs),

@@ -53,8 +53,7 @@ def result_backend_url(settings: Settings) -> str:
 
         path = Path(settings.data_dir).resolve() / "results.sqlite"
         path.parent.mkdir(parents=True, exist_ok=True)
-        _enable_wal(path)
-        return backend_url(str(path))
+        return backend_url(str(path))  # the backend puts the file in WAL mode when it opens it
     return settings.result_backend
 
 
@@ -71,21 +70,6 @@ def _refuse_pickle() -> None:
         registry.unregister("pickle")
     except Exception:  # already unregistered
         pass
-
-
-def _enable_wal(path: Path) -> None:
-    """Put the SQLite result store in WAL mode (a persistent property of the file): readers never
-    block the writer and a commit costs one fsync instead of a rollback journal's several."""
-    import sqlite3
-
-    from loom.embedded_broker import SQLITE_LOCK, set_wal
-
-    with SQLITE_LOCK:
-        conn = sqlite3.connect(path, timeout=30)
-        try:
-            set_wal(conn)
-        finally:
-            conn.close()
 
 
 def is_amqp(url: str) -> bool:

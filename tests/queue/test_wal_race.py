@@ -10,11 +10,12 @@ from pathlib import Path
 
 def _open_results(data_dir: str, barrier: mp.synchronize.Barrier, errors: mp.Queue) -> None:
     try:
-        from loom.queue import result_backend_url
+        from loom.queue import make_celery
         from loom.settings import Settings
 
+        app = make_celery("reward", Settings(data_dir=Path(data_dir)))
         barrier.wait()
-        result_backend_url(Settings(data_dir=Path(data_dir)))
+        assert app.backend.path  # opening the result store creates the file and switches it to WAL
     except Exception as exc:  # reported to the parent
         errors.put(f"{type(exc).__name__}: {exc}")
 
