@@ -19,7 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from celery import states
+
 from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, merge_group, run_rounds, select
+from loom.results import ResultWaiter
 from loom.schemas import Group, RewardResult, RewardSpec, RolloutRequest, StepResult, TrainBatch
 
 GENERATE = "rollout.generate_group"
@@ -65,20 +68,24 @@ class CeleryStages:
         return self.app.send_task(name, args=list(args), task_id=key)
 
     def _wait_all(self, pending: dict[int, Any], on_ready: Callable[[int, Any], None]) -> None:
+        """Hand each result to ``on_ready`` as soon as it is ready (loom.results.ResultWaiter: one batched
+        read per change signal of the result store, not a read per task every ``poll``)."""
         deadline = time.monotonic() + self.timeout
-        while pending:
-            if self.stop.is_set():
-                raise Cancelled("stopped")
-            if time.monotonic() > deadline:
-                raise StageError(f"{len(pending)} tasks still pending after {self.timeout:.0f} s")
-            for i, res in list(pending.items()):
-                if res.ready():
+        with ResultWaiter(self.app, poll=self.poll) as waiter:
+            while pending:
+                if self.stop.is_set():
+                    raise Cancelled("stopped")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StageError(f"{len(pending)} tasks still pending after {self.timeout:.0f} s")
+                ids = {res.id: i for i, res in pending.items()}
+                for tid, meta in waiter.wait(list(ids), timeout=min(left, 0.25)).items():
+                    i = ids[tid]
                     del pending[i]
-                    if res.failed():
-                        raise StageError(f"task {res.id} failed: {type(res.result).__name__}: {res.result}")
-                    on_ready(i, res.result)
-            if pending:
-                time.sleep(self.poll)
+                    if meta["status"] != states.SUCCESS:
+                        err = meta.get("result")
+                        raise StageError(f"task {tid} {meta['status'].lower()}: {type(err).__name__}: {err}")
+                    on_ready(i, meta["result"])
 
     def generate_and_score(
         self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool

@@ -93,6 +93,12 @@ class SQLiteBackend(KeyValueStoreBackend):
                 found.update((bytes(k), v) for k, v in rows.fetchall())
         return iter([found.get(k) for k in keys])
 
+    def data_version(self) -> int:
+        """Changes when another connection commits (``PRAGMA data_version``): a waiter's cheap check that
+        something may have become ready (loom.results.ResultWaiter), no table read."""
+        with SQLITE_LOCK:
+            return int(self._connect().execute("PRAGMA data_version").fetchone()[0])
+
     def set(self, key: bytes, value: Any) -> None:
         self._write(
             "INSERT INTO loom_results (key, value, updated) VALUES (?, ?, ?) "

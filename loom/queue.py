@@ -209,7 +209,7 @@ def worker_argv(service: str, settings: Settings, concurrency: int | None = None
         "-c",
         str(concurrency or settings.worker_concurrency),
         "--pool",
-        "prefork",
+        settings.rollout_pool if service == "rollout" else "prefork",
         "-l",
         "INFO",
         "--without-gossip",

@@ -74,6 +74,10 @@ class Settings(BaseSettings):
     # --- compute
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")
     worker_concurrency: int = Field(default=1, ge=1)
+    rollout_pool: Literal["threads", "prefork"] = Field(
+        default="threads",
+        description="rollout workers' Celery pool: threads (tasks wait on an engine) or prefork",
+    )
     worker_max_tasks_per_child: int = 200
     worker_max_memory_per_child_kb: int = 2_000_000
 
