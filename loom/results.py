@@ -36,7 +36,7 @@ class ResultWaiter:
         self._version = getattr(self.backend, "data_version", None)  # embedded SQLite store
         self._pubsub: Any = None
         self._subscribed: set[bytes] = set()
-        client = getattr(self.backend, "client", None)
+        client: Any = getattr(self.backend, "client", None)
         if self._version is None and self._batched and hasattr(client, "pubsub"):  # Redis
             try:
                 self._pubsub = client.pubsub(ignore_subscribe_messages=True)
