@@ -14,7 +14,7 @@ from gateway.pipeline import CeleryStages, StageError
 from loom.results import ResultWaiter
 
 
-def _store_later(app: Any, task_id: str, delay: float, value: Any, state: str = "SUCCESS") -> threading.Thread:
+def _store_later(app: Any, task_id: str, delay: float, value: Any, state: str = "SUCCESS") -> Any:
     def go() -> None:
         time.sleep(delay)
         app.backend.store_result(task_id, value, state)
