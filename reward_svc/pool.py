@@ -206,12 +206,35 @@ class VerifierPool:
         return job.future
 
     def check_many(self, items: Sequence[MathItem], deadline_s: int) -> list[Verdict]:
-        futures = [self.submit(it, deadline_s) for it in items]
-        return [f.result() for f in futures]
+        return self._batch([self.submit(it, deadline_s) for it in items]).result()
 
     async def acheck_many(self, items: Sequence[MathItem], deadline_s: int) -> list[Verdict]:
-        futures = [asyncio.wrap_future(self.submit(it, deadline_s)) for it in items]
-        return list(await asyncio.gather(*futures))
+        return await asyncio.wrap_future(self._batch([self.submit(it, deadline_s) for it in items]))
+
+    @staticmethod
+    def _batch(futures: list[Future[Verdict]]) -> Future[list[Verdict]]:
+        """One future for a whole batch, resolved by the driver that answers its last item: the caller
+        wakes once per batch, not once per item (per-item wake-ups of the waiting thread or event loop
+        were CPU taken from the workers on a machine with as many cores as workers)."""
+        done: Future[list[Verdict]] = Future()
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one(_: Future[Verdict]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                try:
+                    done.set_result([f.result() for f in futures])
+                except BaseException as e:  # a failed item fails the batch, as f.result() would
+                    done.set_exception(e)
+
+        if not futures:
+            done.set_result([])
+        for f in futures:
+            f.add_done_callback(one)
+        return done
 
     def worker_pids(self) -> list[int]:
         with self._lock:
