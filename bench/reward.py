@@ -6,7 +6,9 @@
    that has verified items itself inherits its warm sympy / math-verify caches, which made the
    in-process path look faster than a fresh service before this order was fixed.
 2. Throughput of the verifier pool with W workers vs W x the in-process single-core rate of the same
-   checker (gold cache and guards) on the same realistic mix (target >= 0.8).
+   checker (gold cache and guards) on the same realistic mix (target >= 0.8), in A/B rounds (this
+   VM's speed drifts by tens of per cent within seconds: one long leg each read anywhere from 0.68
+   to 0.93), with the machine's own ceiling for W CPU-bound processes printed beside it.
 3. The hostile corpus: every item within its deadline + 1 s with status timeout/parse_error, and the
    batch's normal items scored right.
 
@@ -19,6 +21,7 @@ import argparse
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -46,28 +49,35 @@ def items_of(mix: list[tuple[str, str, bool]]) -> list[MathItem]:
     return out
 
 
-def throughput(workers: int, n: int) -> tuple[float, float]:
-    """Pool first, then one core in this process: a worker forked after this process had verified
+def throughput(workers: int, n: int, rounds: int = 6) -> tuple[float, float, list[float]]:
+    """Items/s of the pool and of one core in this process, ``rounds`` A/B rounds of the same ``n``
+    items (the machine's drift hits both legs of a round alike; the per-round ratios are returned).
+    The pool is forked before this process verifies anything: a worker forked after it had verified
     items in-process would inherit its warm sympy / math-verify caches and look faster than it is."""
     items = items_of(realistic_mix(n, seed=7))
     s = get_reward_settings()
+    t_pool = t_single = 0.0
+    ratios: list[float] = []
     with VerifierPool(
         workers, max_items=s.max_items_per_worker, max_rss_growth_mb=s.max_rss_growth_mb
     ) as pool:
         pool.check_many(items[: workers * 4], 5)  # fork and warm every worker
-        t0 = time.perf_counter()
-        pool.check_many(items, 5)
-        pooled = n / (time.perf_counter() - t0)
-    # the checker a pool worker runs (gold cache and guards included), here, on one core
-    install_guards()
-    checker = Checker()
-    checker.check(items[0], 5)
-    checker.gold_cache.clear()
-    t0 = time.perf_counter()
-    for it in items:
-        checker.check(it, 5)
-    single = n / (time.perf_counter() - t0)
-    return single, pooled
+        # the checker a pool worker runs (gold cache and guards included), here, on one core
+        install_guards()
+        checker = Checker()
+        checker.check(items[0], 5)
+        checker.gold_cache.clear()
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            pool.check_many(items, 5)
+            tp = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for it in items:
+                checker.check(it, 5)
+            ts = time.perf_counter() - t0
+            t_pool, t_single = t_pool + tp, t_single + ts
+            ratios.append(ts / (workers * tp))
+    return rounds * n / t_single, rounds * n / t_pool, ratios
 
 
 def group_of(mix: list[tuple[str, str, bool]], gid: str) -> Group:
@@ -269,7 +279,8 @@ def hostile_run(workers: int, deadline: int) -> list[tuple[str, str, float]]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--items", type=int, default=1600)
+    p.add_argument("--items", type=int, default=800, help="items per throughput round")
+    p.add_argument("--rounds", type=int, default=6, help="A/B rounds of the throughput benchmark")
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--deadline", type=int, default=3)
     p.add_argument(
@@ -297,13 +308,18 @@ def main() -> None:
             f"{t_in:>11.3f}{t_http / t_in:>14.2f}"
         )
 
-    single, pooled = throughput(a.workers, a.items)
+    single, pooled, ratios = throughput(a.workers, a.items, a.rounds)
     print(
-        f"\n2. throughput on {a.items} realistic items (overhead first: this process never verified before)"
+        f"\n2. throughput, {a.rounds} A/B rounds of {a.items} realistic items"
+        " (overhead first: this process never verified before)"
     )
     print(f"{'in-process, 1 core':<32}{single:>10.1f} items/s")
     print(f"{f'pool, {a.workers} workers':<32}{pooled:>10.1f} items/s")
     print(f"{'ratio pool / (W x single)':<32}{pooled / (a.workers * single):>10.2f}   (target >= 0.8)")
+    print(
+        f"{'  median of the rounds':<32}{statistics.median(ratios):>10.2f}"
+        f"   (rounds: {' '.join(f'{r:.2f}' for r in ratios)})"
+    )
     ceiling = cpu_ceiling(a.workers)
     print(f"{'machine ceiling (pure CPU loop)':<32}{ceiling:>10.2f}   ({a.workers} processes vs W x one)")
 
