@@ -39,7 +39,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="plain")
     p.add_argument("--estimator", choices=ESTIMATORS, default="grpo")
     p.add_argument("--task", choices=("arith", "countdown"), default="arith")
-    p.add_argument("--steps", type=int, default=100)
+    # 150: measured 466 s on 2 cores with the threads-pool rollout workers; the reward curve of the
+    # 100-step default was still flat at its end (10-step means 0.38 -> 0.43), at 150 it reached ~0.49
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     p.add_argument("--lr", type=float, default=2e-4)
