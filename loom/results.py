@@ -74,6 +74,8 @@ class ResultWaiter:
         deadline = time.monotonic() + max(0.0, timeout)
         self._subscribe(ids)
         while True:
+            # the version is taken BEFORE the read: a commit between the two still wakes the sleep
+            version = self._version() if self._version is not None else 0
             found = self.ready(ids)
             if found or not ids:
                 self._unsubscribe(found)
@@ -81,15 +83,18 @@ class ResultWaiter:
             left = deadline - time.monotonic()
             if left <= 0:
                 return {}
-            self._sleep(min(left, self.max_quiet))
+            self._sleep(min(left, self.max_quiet), version)
 
-    def _sleep(self, limit: float) -> None:
-        """Until the backend signals a change or ``limit`` seconds have passed."""
+    def _sleep(self, limit: float, start: int = 0) -> None:
+        """Until the backend signals a change (since ``start``, the store's version at the last read) or
+        ``limit`` seconds have passed."""
         end = time.monotonic() + limit
         if self._version is not None:
             # a check costs a wake-up and one PRAGMA (~50 us); the interval doubles up to 4 ticks while
             # nothing changes, so a long wait costs ~1 % of a core, and a change is seen within 4 ms
-            start, tick = self._version(), self.tick
+            tick = self.tick
+            if self._version() != start:
+                return
             while time.monotonic() < end:
                 time.sleep(tick)
                 if self._version() != start:
