@@ -318,6 +318,14 @@ class Channel(virtual.Channel):
                 self._no_ack_queues.discard(queue)
         return super().basic_get(queue, no_ack=no_ack, **kwargs)
 
+    def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:
+        super().basic_ack(delivery_tag, multiple=multiple)
+        self.connection.wake()  # the prefetch window has room: fetch the next message now
+
+    def basic_reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        super().basic_reject(delivery_tag, requeue=requeue)
+        self.connection.wake()
+
     def drain_events(self, timeout: float | None = None, callback: Any = None) -> Any:
         # Called on every poll, also while the prefetch window is full: keep our leases alive.
         self._renew_leases()
@@ -342,23 +350,59 @@ class Transport(virtual.Transport):
     # ``hot_polling_interval`` (a worker that just acked a task fetches the next one at once: with one
     # prefetched message per process it waited ~25 ms on average per task at the idle interval, +66 %
     # on 0.1 s rollout groups in bench/rollout.py); idle, it polls at the configured interval. A poll
-    # while the prefetch window is full does not touch the database.
+    # while the prefetch window is full does not touch the database. An ack or reject in this process
+    # (the window has room again) ends the wait at once instead of at the next poll.
     hot_polling_interval = 0.005
     hot_s = 2.0
     _idle_interval: float | None = None
     _last_delivery = 0.0
+    _wake_event: threading.Event | None = None
+
+    def wake(self) -> None:
+        if self._wake_event is not None:
+            self._wake_event.set()
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> Any:  # type: ignore[override]
+        """kombu's polling loop (``virtual.Transport.drain_events``) with an interruptible sleep, and
+        no polling at all while the prefetch window is full (a running task's worker used to wake
+        every 5 ms for nothing, taking the GIL from the engine thread beside it). Returns on a
+        delivery; raises ``socket.timeout`` after ``timeout``, capped at one second: Celery's
+        synchronous loop checks for shutdown between calls, so a SIGTERM'd worker exits promptly."""
         if self._idle_interval is None:
-            self._idle_interval = self.polling_interval  # the configured one (transport options)
-        hot = time.monotonic() - self._last_delivery < self.hot_s
-        self.polling_interval = self.hot_polling_interval if hot else self._idle_interval
-        # Return to the caller at least every second: Celery's synchronous loop checks for shutdown
-        # between calls, so a SIGTERM'd worker exits promptly. It raises on a timeout, returns on a
-        # delivery.
-        out = super().drain_events(connection, timeout=None if timeout is None else min(timeout, 1.0))
-        self._last_delivery = time.monotonic()
-        return out
+            self._idle_interval = float(self.polling_interval)  # the configured one (transport options)
+        idle = self._idle_interval
+        if self._wake_event is None:
+            self._wake_event = threading.Event()
+        wake = self._wake_event
+        cycle = self.cycle
+        assert cycle is not None  # set up by the virtual transport's __init__
+        start = time.monotonic()
+        limit = None if timeout is None else min(timeout, 1.0)
+        while True:
+            wake.clear()  # before the attempt: an ack during it makes the wait below return at once
+            try:
+                cycle.get(self._deliver, timeout=limit)
+            except Empty:
+                now = time.monotonic()
+                if limit is not None and now - start >= limit:
+                    raise TimeoutError() from None  # socket.timeout is TimeoutError
+                if self._window_full():
+                    interval = 1.0  # only an ack or reject here (it wakes us) lets a message in
+                else:
+                    hot = now - self._last_delivery < self.hot_s
+                    interval = self.hot_polling_interval if hot else idle
+                if limit is not None:
+                    interval = min(interval, max(0.0, limit - (now - start)))
+                wake.wait(interval)
+            else:
+                self._last_delivery = time.monotonic()
+                return None
+
+    def _window_full(self) -> bool:
+        """No channel may take a message now (every consuming channel has its prefetch window full):
+        polling the database is pointless until this process acks or rejects one."""
+        consuming = [ch for ch in self.channels if ch._consumers]
+        return bool(consuming) and not any(ch.qos.can_consume() for ch in consuming)
 
     def establish_connection(self) -> Any:
         Database.get(database_path(self.client))  # fail fast on a bad path

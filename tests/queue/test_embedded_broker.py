@@ -75,3 +75,36 @@ def test_messages_survive_a_restart_and_purge_removes_ready_ones(tmp_path):
         assert fresh.default_channel.basic_get("q").decode() == {"n": 0}
         assert fresh.default_channel.queue_purge("q") == 2
         assert fresh.default_channel.queue_declare("q", passive=True).message_count == 0
+
+
+def test_an_ack_wakes_a_consumer_whose_prefetch_window_was_full(tmp_path):
+    """With one message in flight the poller cannot fetch; the ack must end its wait at once instead of
+    at the next poll. Polls are 30 s apart here (one drain waits at most 1 s before it returns to
+    Celery's loop), so without the wake-up the second message comes a full second after the ack."""
+    import threading
+
+    db = tmp_path / "broker.sqlite"
+    with Connection(f"loomsql:///{db}", transport_options={"polling_interval": 30.0}) as conn:
+        queue = _declare(conn)
+        for n in range(2):
+            conn.Producer().publish({"n": n}, exchange=queue.exchange, routing_key="q", serializer="json")
+        conn.transport.hot_polling_interval = 30.0
+        got: list = []
+        acked_at: list[float] = []
+
+        def ack_first() -> None:
+            acked_at.append(time.monotonic())
+            got[0][1].ack()
+
+        with conn.Consumer(queue, callbacks=[lambda body, msg: got.append((body, msg))], prefetch_count=1):
+            conn.drain_events(timeout=10)
+            assert [b for b, _ in got] == [{"n": 0}]
+            timer = threading.Timer(0.2, ack_first)
+            timer.start()
+            conn.drain_events(timeout=10)
+            delivered_at = time.monotonic()
+            timer.join()
+            assert [b for b, _ in got] == [{"n": 0}, {"n": 1}]
+            assert delivered_at - acked_at[0] < 0.5, "the ack did not wake the poller"
+            got[1][1].ack()
+        assert conn.default_channel.queue_declare("q", passive=True).message_count == 0
