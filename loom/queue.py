@@ -209,7 +209,7 @@ def worker_argv(service: str, settings: Settings, concurrency: int | None = None
         "-c",
         str(concurrency or settings.worker_concurrency),
         "--pool",
-        settings.rollout_pool if service == "rollout" else "prefork",
+        {"rollout": settings.rollout_pool, "reward": settings.reward_pool}.get(service, "prefork"),
         "-l",
         "INFO",
         "--without-gossip",

@@ -78,6 +78,11 @@ class Settings(BaseSettings):
         default="threads",
         description="rollout workers' Celery pool: threads (tasks wait on an engine) or prefork",
     )
+    reward_pool: Literal["threads", "prefork"] = Field(
+        default="threads",
+        description="reward workers' Celery pool: threads (math-verify runs in the task's own forked "
+        "verifier processes either way; prefork adds a pipe hop of the whole group per task)",
+    )
     worker_max_tasks_per_child: int = 200
     worker_max_memory_per_child_kb: int = 2_000_000
 

@@ -1,9 +1,11 @@
 """Celery tasks of the reward service (queue ``reward``): thin shells over the core modules.
 
-``reward.score_group`` scores one group with the same core as the HTTP API. Its verifier pool lives
-in the prefork child that runs the task (one per child, started on first use), so a hostile answer
-costs its per-item deadline there too. Publish it with ``submit_group``: the task id is derived from
-the group id and the spec, so a redelivered or re-sent group returns the stored result (LoomTask).
+``reward.score_group`` scores one group with the same core as the HTTP API. Its verifier pool (forked
+processes with per-item deadlines) is one per worker process, started on first use and shared by the
+task threads (``LOOM_REWARD_POOL=threads``, the default) or owned by the prefork child that runs the
+task, so a hostile answer costs its per-item deadline there too. Publish it with ``submit_group``:
+the task id is derived from the group id and the spec, so a redelivered or re-sent group returns the
+stored result (LoomTask).
 """
 
 from __future__ import annotations

@@ -51,15 +51,18 @@ def test_ping_round_trip_through_every_queue(broker_env, loom_worker):
     for service, result in results.items():
         value = result.get(timeout=30, interval=0.05)
         assert value["service"] == service
-        # the task ran in that service's own worker: in a prefork child, or (rollout's threads pool)
-        # in the worker process itself
+        # the task ran in that service's own worker: in a prefork child, or (the rollout and reward
+        # workers' threads pool) in the worker process itself
         owner = next(w for w in workers if w.service == service)
-        assert value["pid"] in ([owner.pid] if service == "rollout" else owner.children())
+        assert value["pid"] in ([owner.pid] if service in ("rollout", "reward") else owner.children())
     assert queue_depths(app) == {service: 0 for service in QUEUES}
 
 
-@pytest.mark.parametrize("victim", ["prefork_child", "worker_main"])
-def test_kill_9_mid_task_redelivers_to_another_worker_and_records_once(broker_env, loom_worker, victim):
+@pytest.mark.parametrize(
+    ("pool", "victim"), [("prefork", "prefork_child"), ("prefork", "worker_main"), ("threads", "worker_main")]
+)
+def test_kill_9_mid_task_redelivers_to_another_worker_and_records_once(broker_env, loom_worker, pool, victim):
+    broker_env.env["LOOM_REWARD_POOL"] = pool
     a = loom_worker("reward", broker_env, wait=False)
     b = loom_worker("reward", broker_env, wait=False)
     a.wait_ready()
@@ -81,7 +84,7 @@ def test_kill_9_mid_task_redelivers_to_another_worker_and_records_once(broker_en
     assert value["pid"] != started["pid"]
     if victim == "worker_main":
         assert value["hostname"] == started["hostname"].split("@", 1)[1]
-        assert value["pid"] in other.children()
+        assert value["pid"] in (other.children() if pool == "prefork" else [other.pid])
     # the killed run never finished; exactly one run succeeded and its result is the recorded one
     assert _succeeded([a, b], task_id) == 1
     assert app.backend.get_task_meta(task_id)["status"] == "SUCCESS"
