@@ -96,7 +96,7 @@ def queue_env(data_dir: Path, rabbit: bool, **extra: str) -> dict[str, str]:
     return env
 
 
-def start_workers(procs: Procs, env: dict[str, str], n: int, tmp: Path) -> None:
+def start_workers(procs: Procs, env: dict[str, str], n: int, tmp: Path, concurrency: int = 1) -> None:
     logs = []
     for i in range(n):
         log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
@@ -107,7 +107,7 @@ def start_workers(procs: Procs, env: dict[str, str], n: int, tmp: Path) -> None:
             "worker",
             "rollout",
             "-c",
-            "1",
+            str(concurrency),
             "-n",
             f"bench{i}-{log.stem}@%h",
         ]
@@ -166,22 +166,33 @@ def plain_requests(tokenizer: Any, n_groups: int, max_tokens: int) -> list[Rollo
     ]
 
 
-def bench_overhead(quick: bool, tmp: Path, rabbit: bool = False, pool: str = "threads") -> dict[str, float]:
+def bench_overhead(
+    quick: bool, tmp: Path, rabbit: bool = False, pool: str = "threads", concurrency: int = 1
+) -> dict[str, float]:
     """Direct and queued runs alternate (A/B per round) so machine noise hits both alike. ``rabbit``:
-    RabbitMQ + Redis (the deployed broker), else the embedded SQLite broker."""
+    RabbitMQ + Redis (the deployed broker), else the embedded SQLite broker. ``concurrency`` c: the
+    direct leg keeps c groups in flight on the engine at once (its scheduler batches them) and the
+    worker runs with ``-c c`` (c groups in flight, the same batching); a round holds 4 c groups and
+    there are 24 / c rounds, so every c runs the same 96 groups."""
     from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
     from rollout_svc.rollout import generate_group
 
     settings = get_settings()
     path = resolve_model_path(settings.model)
     engine = TorchEngine(path, cache_entries=settings.engine_prefix_cache_entries)
-    rounds, per_round, max_tokens = (2, 3, 64) if quick else (24, 4, 128)
+    rounds, per_round, max_tokens = (2, 3, 64) if quick else (max(1, 24 // concurrency), 4 * concurrency, 128)
     reqs = plain_requests(engine.tokenizer, per_round + 1, max_tokens)
     warm, reqs = reqs[0], reqs[1:]
 
     async def direct() -> tuple[float, int, float]:
         t0 = time.perf_counter()
-        groups = [await generate_group(r, engine, lambda: engine.tokenizer, settings) for r in reqs]
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(r: RolloutRequest) -> Any:
+            async with slots:
+                return await generate_group(r, engine, lambda: engine.tokenizer, settings)
+
+        groups = await asyncio.gather(*(one(r) for r in reqs))
         return (
             time.perf_counter() - t0,
             sum(len(t.completion_ids) for g in groups for t in g.trajectories),
@@ -200,7 +211,7 @@ def bench_overhead(quick: bool, tmp: Path, rabbit: bool = False, pool: str = "th
             LOOM_MODEL=str(path),
             LOOM_ROLLOUT_POOL=pool,
         )
-        start_workers(procs, env, 1, tmp)
+        start_workers(procs, env, 1, tmp, concurrency=concurrency)
         app = celery_for(env)
         asyncio.run(generate_group(warm, engine, lambda: engine.tokenizer, settings))
         run_through_queue(app, [warm.model_copy(update={"group_id": f"warm-{uuid.uuid4().hex[:6]}"})])
@@ -324,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="overhead,prefill,scaling")
     p.add_argument("--pools", default="threads", help="rollout worker pools to measure: threads,prefork")
     p.add_argument("--brokers", default="embedded,rabbitmq")
+    p.add_argument(
+        "--concurrency",
+        default="1,4",
+        help="groups in flight per leg: 1 (each task's gaps fully exposed) and 4 (a replica kept busy)",
+    )
     args = p.parse_args(argv)
     configure_process()
     only = set(args.only.split(","))
@@ -334,9 +350,15 @@ def main(argv: list[str] | None = None) -> int:
             wanted = args.brokers.split(",")
             brokers = [("embedded", False)] if "embedded" in wanted else []
             brokers += [("RabbitMQ", True)] if "rabbitmq" in wanted and reachable(5672) else []
-            for (label, rabbit), pool in ((b, p) for p in args.pools.split(",") for b in brokers):
-                o = bench_overhead(args.quick, tmp, rabbit, pool)
-                label = f"{label}, {pool} pool"
+            combos = [
+                (b, p, int(c))
+                for c in args.concurrency.split(",")
+                for p in args.pools.split(",")
+                for b in brokers
+            ]
+            for (label, rabbit), pool, conc in combos:
+                o = bench_overhead(args.quick, tmp, rabbit, pool, conc)
+                label = f"{label}, {pool} pool, {conc} in flight"
                 rows.append(
                     (
                         f"orchestration overhead (plain, {label})",
@@ -346,6 +368,16 @@ def main(argv: list[str] | None = None) -> int:
                         "<= 5 %",
                     )
                 )
+                if conc > 1:  # the groups' engine times overlap: no per-group split
+                    rows.append(
+                        (
+                            "  engine time (sum over groups)",
+                            f"queue/direct {100 * o['engine_ratio']:+.1f} %",
+                            "-",
+                            "-",
+                        )
+                    )
+                    continue
                 rows.append(
                     (
                         "  of which outside the engine",

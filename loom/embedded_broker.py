@@ -364,8 +364,7 @@ class Transport(virtual.Transport):
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> Any:  # type: ignore[override]
         """kombu's polling loop (``virtual.Transport.drain_events``) with an interruptible sleep, and
-        no polling at all while the prefetch window is full (a running task's worker used to wake
-        every 5 ms for nothing, taking the GIL from the engine thread beside it). Returns on a
+        polling at the idle interval while the task window is full (``_windows_full``). Returns on a
         delivery; raises ``socket.timeout`` after ``timeout``, capped at one second: Celery's
         synchronous loop checks for shutdown between calls, so a SIGTERM'd worker exits promptly."""
         if self._idle_interval is None:
@@ -386,8 +385,10 @@ class Transport(virtual.Transport):
                 now = time.monotonic()
                 if limit is not None and now - start >= limit:
                     raise TimeoutError() from None  # socket.timeout is TimeoutError
-                if self._window_full():
-                    interval = 1.0  # only an ack or reject here (it wakes us) lets a message in
+                if self._windows_full():
+                    # only an ack or reject here (it wakes us) lets a task in; the channels without a
+                    # window (Celery's remote-control queue) are polled at the idle interval
+                    interval = idle
                 else:
                     hot = now - self._last_delivery < self.hot_s
                     interval = self.hot_polling_interval if hot else idle
@@ -398,11 +399,13 @@ class Transport(virtual.Transport):
                 self._last_delivery = time.monotonic()
                 return None
 
-    def _window_full(self) -> bool:
-        """No channel may take a message now (every consuming channel has its prefetch window full):
-        polling the database is pointless until this process acks or rejects one."""
-        consuming = [ch for ch in self.channels if ch._consumers]
-        return bool(consuming) and not any(ch.qos.can_consume() for ch in consuming)
+    def _windows_full(self) -> bool:
+        """Every consuming channel with a prefetch window (the task queue's) has it full: polling for
+        tasks is pointless until this process acks or rejects one. Channels without a window (Celery's
+        remote-control queue, no_ack) do not count: they alone kept the worker polling every 5 ms
+        through every task, taking the GIL from the engine thread beside it."""
+        limited = [ch for ch in self.channels if ch._consumers and ch.qos.prefetch_count]
+        return bool(limited) and not any(ch.qos.can_consume() for ch in limited)
 
     def establish_connection(self) -> Any:
         Database.get(database_path(self.client))  # fail fast on a bad path

@@ -204,7 +204,7 @@ def test_status_of_a_running_stack_then_sigint_leaves_no_process(broker_env, up)
     }, table.stdout
 
     stack.sample()
-    assert len(stack.seen) >= 6  # 2 APIs, 2 workers, their prefork children
+    assert len(stack.seen) >= 5  # 2 APIs, 2 workers, the learner's prefork child (reward: threads pool)
     stack.proc.send_signal(signal.SIGINT)
     assert stack.wait_exit() == 0, stack.output()
     assert "loom up: SIGINT, stopping" in stack.output()
@@ -214,6 +214,7 @@ def test_status_of_a_running_stack_then_sigint_leaves_no_process(broker_env, up)
 @pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
 def test_crashed_worker_stops_the_stack_with_nonzero_exit(broker_env, up) -> None:  # type: ignore[no-untyped-def]
     _with_ports(broker_env)
+    broker_env.extra_env["LOOM_REWARD_POOL"] = "prefork"  # a worker with a child to orphan
     stack = up("--only", "reward")
     stack.wait_for("all ready")
     worker = next(p for p in stack.seen.values() if "worker" in p.cmdline() and p.ppid() == stack.proc.pid)
@@ -259,6 +260,7 @@ def test_stack_context_manager_round_trips_and_stops_its_processes(broker_env) -
     _with_ports(broker_env)
     settings = broker_env.settings
     seen: list[psutil.Process] = []
+    broker_env.extra_env["LOOM_REWARD_POOL"] = "prefork"  # its child must be stopped too
     with Stack(settings, services=("reward",), env=broker_env.process_env()) as stack:
         seen = [psutil.Process(pid) for pid in stack.pids()]
         assert len(seen) >= 3  # API, worker, the worker's prefork child
