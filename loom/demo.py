@@ -189,7 +189,13 @@ def main(argv: Sequence[str] = ()) -> int:
     settings = Settings(data_dir=out / "state")
     print(f"starting the embedded stack (logs in {settings.data_dir / 'logs'}) ...", flush=True)
     # behaviour log-probs of the tempered policy the learner trains (vLLM: --logprobs-mode processed_logprobs)
-    env = {"LOOM_DATA_DIR": str(settings.data_dir), "LOOM_ENGINE_LOGPROBS_MODE": "processed"}
+    # two groups in flight per rollout worker: the torch engine batches them, using the core the
+    # learner leaves idle while it waits for the next batch
+    env = {
+        "LOOM_DATA_DIR": str(settings.data_dir),
+        "LOOM_ENGINE_LOGPROBS_MODE": "processed",
+        "LOOM_ROLLOUT_CONCURRENCY": os.environ.get("LOOM_ROLLOUT_CONCURRENCY", "2"),
+    }
     with Stack(settings, env=env) as stack:
         print(stack.describe(), flush=True)
         client = GatewayClient(stack.urls()["gateway"], api_key=stack.api_key, timeout=120.0)

@@ -199,6 +199,12 @@ def check_broker(app: Celery, timeout: float = 2.0) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
+def _default_concurrency(service: str, settings: Settings) -> int:
+    if service == "rollout" and settings.rollout_concurrency:
+        return settings.rollout_concurrency
+    return settings.worker_concurrency
+
+
 def worker_argv(service: str, settings: Settings, concurrency: int | None = None) -> list[str]:
     return [
         "worker",
@@ -207,7 +213,7 @@ def worker_argv(service: str, settings: Settings, concurrency: int | None = None
         "-n",
         f"{service}-{os.getpid()}@{socket.gethostname()}",
         "-c",
-        str(concurrency or settings.worker_concurrency),
+        str(concurrency or _default_concurrency(service, settings)),
         "--pool",
         {"rollout": settings.rollout_pool, "reward": settings.reward_pool}.get(service, "prefork"),
         "-l",

@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     # --- compute
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")
     worker_concurrency: int = Field(default=1, ge=1)
+    rollout_concurrency: int = Field(
+        default=0,
+        ge=0,
+        description="groups a rollout worker runs at once (threads pool: an in-process engine batches "
+        "them); 0 = worker_concurrency",
+    )
     rollout_pool: Literal["threads", "prefork"] = Field(
         default="threads",
         description="rollout workers' Celery pool: threads (tasks wait on an engine) or prefork",

@@ -192,6 +192,10 @@ class TorchEngine(Engine):
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next_entry = 0
         self._lock = threading.Lock()  # the model and the prefix cache: one user at a time
+        # policy loads one at a time: from_pretrained is not thread-safe (transformers' meta-device
+        # initialisation patches torch process-wide; two concurrent loads left one model on "meta")
+        self._load_lock = threading.Lock()
+        self._loaded: tuple[int, str] | None = None  # (version, path) of the last policy loaded
         self.batching = batching
         self.max_batch_rows = max(1, max_batch_rows)
         self._cv = threading.Condition()  # guards the scheduler state below
@@ -260,11 +264,15 @@ class TorchEngine(Engine):
     def load_policy_sync(self, policy: PolicyVersion) -> None:
         if policy.kind == "lora":
             raise UnsupportedCapability(self.name, "lora", "publish full checkpoints for the torch engine")
-        model = load_model(policy.path, self.device)
-        with self._exclusive():
-            self.model = model
-            self._entries.clear()
-            self.policy_version = policy.version
+        with self._load_lock:
+            if self._loaded == (policy.version, str(policy.path)):
+                return  # several groups asked for the same new version: it is loaded once
+            model = load_model(policy.path, self.device)
+            with self._exclusive():
+                self.model = model
+                self._entries.clear()
+                self.policy_version = policy.version
+            self._loaded = (policy.version, str(policy.path))
         log.info("loaded policy version %d from %s", policy.version, policy.path)
 
     # ---------------------------------------------------------------------------------------------

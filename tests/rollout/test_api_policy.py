@@ -125,3 +125,44 @@ def test_vllm_client_publishes_a_policy_to_loom_engine(
     (c,) = arun(vllm_engine.generate(ids, SamplingParams(max_tokens=6, seed=0)))
     ref = teacher_forced_logprobs(reference_model, ids + c.token_ids, len(ids))
     assert c.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def test_concurrent_requests_for_a_new_version_load_it_once_and_generate_from_it(
+    torch_engine: Any, store: PolicyStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout worker with several task threads: every group asks the engine for the new version at
+    once (rollout.catch_up). The loads are serialised (from_pretrained is not thread-safe: concurrent
+    loads in a threads-pool worker left a model on the "meta" device) and the version loads once."""
+    import threading
+
+    import rollout_svc.engines.torch_engine as te
+
+    engine = TorchEngine(torch_engine.model_path, model=torch_engine.model, tokenizer=torch_engine.tokenizer)
+    policy = store.get(1)
+    assert policy is not None
+    loads: list[str] = []
+
+    def counting_load(path: Any, device: str = "cpu") -> Any:
+        loads.append(str(path))
+        return load_model(path, device)
+
+    monkeypatch.setattr(te, "load_model", counting_load)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            engine.load_policy_sync(policy)
+        except BaseException as exc:  # collected for the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and loads == [str(policy.path)] and engine.policy_version == 1
+    assert all(p.device.type == "cpu" for p in engine.model.parameters())
+    ids = engine.tokenizer.encode("policy", add_special_tokens=False)
+    (c,) = engine.generate_sync(ids, SamplingParams(max_tokens=6, seed=0))
+    ref = teacher_forced_logprobs(load_model(store.path_of(1)), ids + c.token_ids, len(ids))
+    assert c.logprobs == pytest.approx(ref, abs=1e-4)
