@@ -293,7 +293,7 @@ def main() -> None:
     print("   (score_s: same process, same pool, same caches); wall vs a separate in-process pool beside it")
     print(
         f"{'batch':>6}{'core s':>9}{'HTTP s':>9}{'HTTP +%':>9}{'core s':>9}{'queue s':>9}{'queue +%':>10}"
-        f"{'in-proc s':>11}{'HTTP/in-proc':>14}"
+        f"{'in-proc s':>11}{'HTTP/in-proc':>14}{'queue/in-proc':>15}"
     )
     for size, t_in, t_http, t_q, _s_in, s_http, s_q in overhead(
         a.workers, [1, 16, 256], a.reps, a.broker or None
@@ -305,7 +305,7 @@ def main() -> None:
         )
         print(
             f"{size:>6}{s_http:>9.3f}{t_http:>9.3f}{100 * (t_http - s_http) / s_http:>8.1f}%{q}"
-            f"{t_in:>11.3f}{t_http / t_in:>14.2f}"
+            f"{t_in:>11.3f}{t_http / t_in:>14.2f}{(t_q / t_in if a.broker else 0.0):>15.2f}"
         )
 
     single, pooled, ratios = throughput(a.workers, a.items, a.rounds)

@@ -39,8 +39,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="plain")
     p.add_argument("--estimator", choices=ESTIMATORS, default="grpo")
     p.add_argument("--task", choices=("arith", "countdown"), default="arith")
-    # 180: ~2.6 s per step measured on 2 cores (7.8 min; 3.1 s per step on a slower day: 9.3 min);
-    # with lr 1e-4 the reward was still rising at step 150 (10-step means 0.39 -> 0.55 and 0.38 -> 0.57)
+    # 180: 416 s measured on 2 cores with 2 groups in flight (+0.219); with lr 1e-4 the reward was still
+    # rising at step 150, and the first 150 steps of two runs read +0.183 and +0.136 only
     p.add_argument("--steps", type=int, default=180)
     p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
