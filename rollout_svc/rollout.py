@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,13 +53,29 @@ async def generate_group(
     return with_text(group, tokenizer)
 
 
+_catch_up_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 async def catch_up(engine: Engine, wanted: int | None, settings: Settings) -> None:
     """Load policy version ``wanted`` (or the newest stored one above it) when the engine is older.
 
     Every replica pulls the version a request asks for, so no broadcast has to reach all of them.
+    The groups a replica has in flight (threads-pool tasks share one event loop, as do the API's
+    requests) catch up one at a time and re-check after waiting: a new version is loaded once, not
+    once per group (on vLLM, one reload per group), and a group asking for an older version never
+    loads it over a newer one another group has just loaded.
     """
     if wanted is None or engine.policy_version >= wanted:
         return
+    lock = _catch_up_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+    async with lock:
+        if engine.policy_version < wanted:
+            await _load_at_least(engine, wanted, settings)
+
+
+async def _load_at_least(engine: Engine, wanted: int, settings: Settings) -> None:
     store = PolicyStore(settings.policy_store_path)
     policy = store.get(wanted)
     if policy is None:

@@ -166,3 +166,31 @@ def test_concurrent_requests_for_a_new_version_load_it_once_and_generate_from_it
     (c,) = engine.generate_sync(ids, SamplingParams(max_tokens=6, seed=0))
     ref = teacher_forced_logprobs(load_model(store.path_of(1)), ids + c.token_ids, len(ids))
     assert c.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def test_groups_in_flight_catch_up_one_at_a_time_and_never_load_an_older_version_over_a_newer(
+    torch_engine: Any, store: PolicyStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rollout.catch_up: groups sharing a replica's event loop (threads-pool tasks, API requests) ask
+    for versions 2, 2 and 1 at once: version 2 loads once, and version 1 is not loaded over it."""
+    import asyncio
+
+    import rollout_svc.engines.torch_engine as te
+    from rollout_svc.rollout import catch_up
+
+    store.publish(2, lambda d: build_model_dir(d, seed=2))
+    engine = TorchEngine(torch_engine.model_path, model=torch_engine.model, tokenizer=torch_engine.tokenizer)
+    loads: list[str] = []
+
+    def counting_load(path: Any, device: str = "cpu") -> Any:
+        loads.append(str(path))
+        return load_model(path, device)
+
+    monkeypatch.setattr(te, "load_model", counting_load)
+    settings = Settings(data_dir=tmp_path / "data", policy_store=store.root)
+
+    async def three() -> None:
+        await asyncio.gather(*(catch_up(engine, v, settings) for v in (2, 2, 1)))
+
+    asyncio.run(three())
+    assert loads == [str(store.path_of(2))] and engine.policy_version == 2
