@@ -166,20 +166,53 @@ def plain_requests(tokenizer: Any, n_groups: int, max_tokens: int) -> list[Rollo
     ]
 
 
+def start_engine_server(procs: Procs, tmp: Path, model: Path) -> str:
+    """``loom engine`` (the torch engine behind the vLLM-compatible protocol) on a free port."""
+    port = free_port()
+    env = queue_env(tmp, False, LOOM_MODEL=str(model))
+    procs.start(
+        [sys.executable, "-m", "loom.cli", "engine", "--port", str(port)], env, tmp / f"engine-{port}.log"
+    )
+    deadline = time.monotonic() + 180
+    while not reachable(port):
+        if time.monotonic() > deadline:
+            raise RuntimeError("loom engine did not start")
+        time.sleep(0.2)
+    return f"http://127.0.0.1:{port}"
+
+
 def bench_overhead(
-    quick: bool, tmp: Path, rabbit: bool = False, pool: str = "threads", concurrency: int = 1
+    quick: bool,
+    tmp: Path,
+    rabbit: bool = False,
+    pool: str = "threads",
+    concurrency: int = 1,
+    server: bool = False,
+    ready: int = -1,
 ) -> dict[str, float]:
     """Direct and queued runs alternate (A/B per round) so machine noise hits both alike. ``rabbit``:
     RabbitMQ + Redis (the deployed broker), else the embedded SQLite broker. ``concurrency`` c: the
     direct leg keeps c groups in flight on the engine at once (its scheduler batches them) and the
     worker runs with ``-c c`` (c groups in flight, the same batching); a round holds 4 c groups and
-    there are 24 / c rounds, so every c runs the same 96 groups."""
+    there are 24 / c rounds, so every c runs the same 96 groups. ``server``: the engine is a
+    ``loom engine`` process (the deployed shape: vLLM on a GPU host); the direct leg calls it with the
+    vLLM client, the worker (``LOOM_ENGINE_URL``) with the same client; else both legs run the torch
+    engine in their own process."""
     from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+    from rollout_svc.engines.vllm import VLLMEngine
     from rollout_svc.rollout import generate_group
 
     settings = get_settings()
     path = resolve_model_path(settings.model)
-    engine = TorchEngine(path, cache_entries=settings.engine_prefix_cache_entries)
+    procs = Procs()
+    url = start_engine_server(procs, tmp, path) if server else ""
+    engine: Any = (
+        VLLMEngine(url) if server else TorchEngine(path, cache_entries=settings.engine_prefix_cache_entries)
+    )
+    if server:
+        from rollout_svc.engines.torch_engine import load_tokenizer
+
+        engine.tokenizer = load_tokenizer(path)
     rounds, per_round, max_tokens = (2, 3, 64) if quick else (max(1, 24 // concurrency), 4 * concurrency, 128)
     reqs = plain_requests(engine.tokenizer, per_round + 1, max_tokens)
     warm, reqs = reqs[0], reqs[1:]
@@ -199,7 +232,6 @@ def bench_overhead(
             sum(g.trajectories[0].timing["generate_s"] for g in groups),
         )
 
-    procs = Procs()
     t_direct = t_queue = e_direct = e_queue = 0.0
     tok_direct = tok_queue = 0
     pairs: list[float] = []  # queue / direct - 1 of each A/B pair: the machine's drift cancels
@@ -207,22 +239,28 @@ def bench_overhead(
         env = queue_env(
             tmp / ("q-rabbit" if rabbit else "q-embedded"),
             rabbit,
-            LOOM_ENGINE="torch",
+            LOOM_ENGINE="vllm" if server else "torch",
+            LOOM_ENGINE_URL=url,
             LOOM_MODEL=str(path),
             LOOM_ROLLOUT_POOL=pool,
+            LOOM_ROLLOUT_READY=str(ready),
         )
         start_workers(procs, env, 1, tmp, concurrency=concurrency)
         app = celery_for(env)
-        asyncio.run(generate_group(warm, engine, lambda: engine.tokenizer, settings))
+        loop = asyncio.new_event_loop()  # one loop for every direct leg: the HTTP client keeps it
+        loop.run_until_complete(generate_group(warm, engine, lambda: engine.tokenizer, settings))
         run_through_queue(app, [warm.model_copy(update={"group_id": f"warm-{uuid.uuid4().hex[:6]}"})])
         for _ in range(rounds):
-            dt_d, nt, eng = asyncio.run(direct())
+            dt_d, nt, eng = loop.run_until_complete(direct())
             t_direct, tok_direct, e_direct = t_direct + dt_d, tok_direct + nt, e_direct + eng
             queued = [r.model_copy(update={"group_id": f"q-{uuid.uuid4().hex[:8]}"}) for r in reqs]
             dt_q, nt, eng = run_through_queue(app, queued)
             t_queue, tok_queue, e_queue = t_queue + dt_q, tok_queue + nt, e_queue + eng
             pairs.append(dt_q / dt_d - 1)
         app.close()
+        if server:
+            loop.run_until_complete(engine.close())
+        loop.close()
     finally:
         procs.close()
     groups = rounds * len(reqs)
@@ -336,9 +374,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pools", default="threads", help="rollout worker pools to measure: threads,prefork")
     p.add_argument("--brokers", default="embedded,rabbitmq")
     p.add_argument(
+        "--engines",
+        default="in-process,server",
+        help="in-process (the torch engine in the worker / the bench process) and server (loom engine)",
+    )
+    p.add_argument(
         "--concurrency",
         default="1,4",
         help="groups in flight per leg: 1 (each task's gaps fully exposed) and 4 (a replica kept busy)",
+    )
+    p.add_argument(
+        "--ready",
+        type=int,
+        default=-1,
+        help="LOOM_ROLLOUT_READY of the worker (-1: its default, as many as run with an engine server, "
+        "none in-process)",
     )
     args = p.parse_args(argv)
     configure_process()
@@ -351,14 +401,15 @@ def main(argv: list[str] | None = None) -> int:
             brokers = [("embedded", False)] if "embedded" in wanted else []
             brokers += [("RabbitMQ", True)] if "rabbitmq" in wanted and reachable(5672) else []
             combos = [
-                (b, p, int(c))
+                (b, p, int(c), e)
+                for e in args.engines.split(",")
                 for c in args.concurrency.split(",")
                 for p in args.pools.split(",")
                 for b in brokers
             ]
-            for (label, rabbit), pool, conc in combos:
-                o = bench_overhead(args.quick, tmp, rabbit, pool, conc)
-                label = f"{label}, {pool} pool, {conc} in flight"
+            for (label, rabbit), pool, conc, eng in combos:
+                o = bench_overhead(args.quick, tmp, rabbit, pool, conc, eng == "server", args.ready)
+                label = f"{label}, {pool} pool, {conc} in flight, {eng} engine"
                 rows.append(
                     (
                         f"orchestration overhead (plain, {label})",

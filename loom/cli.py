@@ -68,11 +68,21 @@ def worker_main(argv: Sequence[str]) -> int:
 
     p = argparse.ArgumentParser(prog="loom worker", description="run one service's Celery worker")
     p.add_argument("service", choices=SERVICES)
-    p.add_argument("-c", "--concurrency", type=int, default=None)
+    p.add_argument(
+        "-c",
+        "--concurrency",
+        type=int,
+        default=None,
+        help="tasks at once (rollout: groups on the engine at once; see LOOM_ROLLOUT_READY)",
+    )
     args, extra = p.parse_known_args(argv)
     settings = get_settings()
     configure_process(settings)
     tasks = importlib.import_module(f"{SERVICE_PACKAGES[args.service]}.tasks")
+    if args.service == "rollout":
+        from loom.queue import rollout_slots
+
+        tasks.set_engine_slots(rollout_slots(settings, args.concurrency)[0])
     tasks.celery_app.worker_main(worker_argv(args.service, settings, args.concurrency) + list(extra))
     return 0
 

@@ -80,6 +80,15 @@ class Settings(BaseSettings):
         description="groups a rollout worker runs at once (threads pool: an in-process engine batches "
         "them); 0 = worker_concurrency",
     )
+    rollout_ready: int = Field(
+        default=-1,
+        ge=-1,
+        description="groups a threads-pool rollout worker holds ready beyond the ones on its engine: "
+        "they wait at the engine's door, so a finished group's slot is refilled at once, not after its "
+        "result store, ack and the next delivery; -1 = as many as run at once when the engine is a "
+        "server (LOOM_ENGINE_URL), none for the in-process engine (its worker shares one GIL with "
+        "the engine: work done ahead only slows the engine down)",
+    )
     rollout_pool: Literal["threads", "prefork"] = Field(
         default="threads",
         description="rollout workers' Celery pool: threads (tasks wait on an engine) or prefork",

@@ -23,6 +23,7 @@ import asyncio
 import os
 import threading
 import time
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -42,6 +43,30 @@ T = TypeVar("T")
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_pid = 0
 _loop_lock = threading.Lock()
+
+
+_slots = 0  # groups on the engine at once (0: no limit here); set by ``loom worker rollout``
+_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+def set_engine_slots(n: int) -> None:
+    """At most ``n`` groups of this process on its engine at once (``loom.queue.rollout_slots``): a
+    threads pool larger than that holds the extra tasks here, received, validated and marked started,
+    until a slot frees."""
+    global _slots
+    _slots = max(0, int(n))
+
+
+async def on_engine(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` holding one of the process's engine slots (0 slots set: no limit)."""
+    if _slots <= 0:
+        return await coro
+    loop = asyncio.get_running_loop()
+    gate = _gates.get(loop)
+    if gate is None:
+        gate = _gates[loop] = asyncio.Semaphore(_slots)
+    async with gate:
+        return await coro
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -71,7 +96,9 @@ def generate_group_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
     req = RolloutRequest.model_validate(request)
     if req.group_id is None:
         req = req.model_copy(update={"group_id": self.request.id})
-    group = run(generate_group(req, get_engine(settings), lambda: get_tokenizer(settings), settings))
+    group = run(
+        on_engine(generate_group(req, get_engine(settings), lambda: get_tokenizer(settings), settings))
+    )
     group.meta.update(
         worker_pid=os.getpid(),
         redelivered=bool((self.request.delivery_info or {}).get("redelivered")),

@@ -65,6 +65,43 @@ def test_killed_worker_mid_group_is_regenerated_and_recorded_once(
 
 
 @pytest.mark.broker
+@pytest.mark.slow
+def test_a_ready_group_waits_at_the_engine_and_a_kill_loses_no_group(
+    broker_env: Any, loom_worker: Any, sim_server: str
+) -> None:
+    """With an engine server, a worker run with -c 1 holds one more group ready (LOOM_ROLLOUT_READY's
+    default): two groups are started at once, one of them waiting at the engine's door, a third stays
+    in the broker; killed, the worker loses none of them, and groups never share the engine's slot."""
+    broker_env.extra_env.update(LOOM_ENGINE="vllm", LOOM_ENGINE_URL=sim_server)
+    app = broker_env.app("rollout")
+    first = loom_worker("rollout", broker_env)
+    tag = uuid.uuid4().hex[:8]
+    reqs = [
+        RolloutRequest(
+            group_id=f"g-ready-{tag}-{i}", prompt_ids=[1, 2, i], sampling=SamplingParams(n=1, max_tokens=40)
+        )
+        for i in range(3)
+    ]
+    results = [send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id) for r in reqs]
+    wait_state(results[0], "STARTED")
+    wait_state(results[1], "STARTED")  # received and marked started while group 0 holds the engine
+    time.sleep(0.2)
+    assert [r.state for r in results] == ["STARTED", "STARTED", "PENDING"]
+    killed = {first.pid, *first.children()}
+    first.kill_group()
+    loom_worker("rollout", broker_env)
+    groups = [Group.model_validate(r.get(timeout=60)) for r in results]
+    assert [g.id for g in groups] == [r.group_id for r in reqs]
+    assert all(g.meta["worker_pid"] not in killed for g in groups)
+    spans = sorted(
+        (g.meta["generated_at"] - g.trajectories[0].timing["generate_s"], g.meta["generated_at"])
+        for g in groups
+    )
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert start >= end - 0.05  # one group on the engine at a time (-c 1): no overlap
+
+
+@pytest.mark.broker
 @pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
 def test_worker_streaming_group_is_token_exact(
     broker_env: Any, loom_worker: Any, model_dir: Path, reference_model: Any
