@@ -1,8 +1,10 @@
 """Tree-mode benchmark (issue 6): tokens the model computes for a tree (prefix reuse through the torch
 engine's prefix KV cache) vs independent sampling of the same number of leaves, side by side.
 
-For each prompt (Loom's tiny model, reflect-format arithmetic: its steps are blank-line separated) and
-each branching strategy: run tree mode (M' = 6, N = 2, T = 2), then plain sampling of as many
+For each prompt (Loom's tiny model, reflect-format arithmetic from the distribution it was trained on:
+its steps are blank-line separated), each number of expansion rounds L (``--iterations``, default
+1,2,3: TreeRL's EPTree rounds) and each branching strategy: run tree mode (M' = 6, N = 2, T = 2,
+L), then plain sampling of as many
 responses as the tree has leaves, from the same prompt, on the same engine. "Computed" = prompt tokens
 actually prefilled (not served from the cache) + decoded tokens (``engine.stats``). The cache is reset
 before each run. Target: tree / independent <= 0.6. Printed beside it: the tree's generated tokens
@@ -10,9 +12,10 @@ over the summed lengths of its own leaves (``Group.meta["token_ratio"]``: what s
 leaves from scratch would decode; a tree's leaves are longer on average than fresh samples, since the
 responses with more steps are the ones that branch). A tree saves at most what its branches share:
 with mean branch position f (fraction of the response) the ratio is about (1 + N T (1 - f)) / (1 + N T)
-per expanded response, and 1 for a response without a branch point.
+per expanded response, and 1 for a response without a branch point; later rounds branch paths that
+already share a prefix, so each adds leaves at a lower cost.
 
-Usage: ``python bench/tree.py [--prompts 4] [--delta 2] [--min-distance 8]``.
+Usage: ``python bench/tree.py [--prompts 4] [--delta 2] [--min-distance 8] [--iterations 1,2,3]``.
 """
 
 from __future__ import annotations
@@ -40,54 +43,60 @@ def main() -> None:
     p.add_argument("--min-distance", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--continuations", type=int, default=2, help="T")
+    p.add_argument(
+        "--iterations", default="1,2,3", help="L values, each measured: expansion rounds (TreeRL's EPTree)"
+    )
     a = p.parse_args()
     configure_process()
-    from loom.tiny import CHECKPOINT_DIR, make_problems, reflect_prompt
+    from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems
     from rollout_svc.engines.torch_engine import TorchEngine
     from rollout_svc.modes.tree import TreeConfig, tree
 
     engine = TorchEngine(CHECKPOINT_DIR, cache_entries=64)
     tok = engine.tokenizer
-    problems = make_problems("arith", a.prompts, seed=7)
+    problems = tiny_problems("arith", a.prompts, seed=7)  # the distribution the tiny model was trained on
     print(
         f"tiny model, {a.prompts} reflect-format arithmetic prompts, "
         f"M'=6 N=2 T={a.continuations}, max_tokens={a.max_tokens}"
     )
-    for strategy in ("attention", "entropy", "random"):
-        tree_c = indep_c = leaves = gen = indep_gen = own = 0
-        for k, prob in enumerate(problems):
-            req = RolloutRequest(
-                mode="tree",
-                prompt=reflect_prompt(prob),
-                sampling=SamplingParams(max_tokens=a.max_tokens, seed=100 + k),
-                mode_params={
-                    "strategy": strategy,
-                    "delta": a.delta,
-                    "min_distance": a.min_distance,
-                    "continuations": a.continuations,
-                },
+    for iterations in [int(x) for x in a.iterations.split(",")]:
+        for strategy in ("attention", "entropy", "random"):
+            tree_c = indep_c = leaves = gen = indep_gen = own = 0
+            for k, prob in enumerate(problems):
+                req = RolloutRequest(
+                    mode="tree",
+                    prompt=reflect_prompt(prob),
+                    sampling=SamplingParams(max_tokens=a.max_tokens, seed=100 + k),
+                    mode_params={
+                        "strategy": strategy,
+                        "delta": a.delta,
+                        "min_distance": a.min_distance,
+                        "continuations": a.continuations,
+                        "iterations": iterations,
+                    },
+                )
+                ids = tok.encode(req.prompt, add_special_tokens=False)
+                asyncio.run(engine.reset_cache())
+                before = computed(engine)
+                g = asyncio.run(tree(req, ids, f"t{k}", engine, tok, TreeConfig.from_request(req)))
+                tree_c += computed(engine) - before
+                n = len(g.trajectories)
+                leaves += n
+                gen += g.meta["tokens_generated"]
+                own += g.meta["tokens_independent"]  # the tree's own leaves, each sampled from scratch
+                asyncio.run(engine.reset_cache())
+                before = computed(engine)
+                outs = asyncio.run(
+                    engine.generate(ids, req.sampling.model_copy(update={"n": n, "seed": 900 + k}))
+                )
+                indep_c += computed(engine) - before
+                indep_gen += sum(len(c.token_ids) for c in outs)
+            print(
+                f"L={iterations} {strategy:9s} leaves={leaves:3d}  computed tokens: tree={tree_c:6d} "
+                f"independent={indep_c:6d} ratio={tree_c / indep_c:.3f} (target <= 0.6) | generated: "
+                f"tree={gen} independent={indep_gen} | vs the tree's own leaves from scratch: {own} tokens, "
+                f"ratio={gen / own:.3f}"
             )
-            ids = tok.encode(req.prompt, add_special_tokens=False)
-            asyncio.run(engine.reset_cache())
-            before = computed(engine)
-            g = asyncio.run(tree(req, ids, f"t{k}", engine, tok, TreeConfig.from_request(req)))
-            tree_c += computed(engine) - before
-            n = len(g.trajectories)
-            leaves += n
-            gen += g.meta["tokens_generated"]
-            own += g.meta["tokens_independent"]  # the tree's own leaves, each sampled from scratch
-            asyncio.run(engine.reset_cache())
-            before = computed(engine)
-            outs = asyncio.run(
-                engine.generate(ids, req.sampling.model_copy(update={"n": n, "seed": 900 + k}))
-            )
-            indep_c += computed(engine) - before
-            indep_gen += sum(len(c.token_ids) for c in outs)
-        print(
-            f"{strategy:9s} leaves={leaves:3d}  computed tokens: tree={tree_c:6d} independent={indep_c:6d} "
-            f"ratio={tree_c / indep_c:.3f} (target <= 0.6) | generated: tree={gen} independent={indep_gen}"
-            f" | vs the tree's own leaves from scratch: {own} tokens, ratio={gen / own:.3f}"
-        )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import copy
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -166,6 +167,24 @@ class _Batch:
     logits: torch.Tensor | None = None
 
 
+_LIVE: weakref.WeakSet[TorchEngine] = weakref.WeakSet()
+
+
+def _stop_schedulers() -> None:
+    for engine in list(_LIVE):
+        engine.stop_scheduler()
+
+
+# The scheduler thread is not a daemon, and the interpreter's shutdown lets it end first (the hook
+# concurrent.futures uses for its workers, before non-daemon threads are joined): a daemon scheduler
+# that ended while the interpreter was finalizing dropped the last reference to its engine there,
+# and freeing the model's tensors re-took the GIL and aborted the process ("terminate called without
+# an active exception", exit status 134, seen at the end of test runs).
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_stop_schedulers)
+
+
 class TorchEngine(Engine):
     name = "torch"
     capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores"})
@@ -203,6 +222,8 @@ class TorchEngine(Engine):
         self._want = 0  # threads waiting for exclusive use: the scheduler admits no new rows meanwhile
         self._worker: threading.Thread | None = None
         self._idle_s = 1.0  # the scheduler thread exits after this long without work
+        self._closing = False
+        _LIVE.add(self)
         for k in ("decode_steps", "batched_steps", "peak_batch_rows", "peak_batch_requests"):
             self.stats.extra[k] = 0.0
         eos = self.model.generation_config.eos_token_id
@@ -462,7 +483,7 @@ class TorchEngine(Engine):
         with self._cv:
             self._pending.append(req)
             if self._worker is None:
-                self._worker = threading.Thread(target=self._serve, name="loom-torch-batch", daemon=True)
+                self._worker = threading.Thread(target=self._serve, name="loom-torch-batch")
                 self._worker.start()
             self._cv.notify_all()
         return fut
@@ -483,7 +504,7 @@ class TorchEngine(Engine):
                     deadline = time.monotonic() + self._idle_s
                     while not self._pending or self._want:
                         left = deadline - time.monotonic()
-                        if not self._pending and left <= 0:
+                        if not self._pending and (left <= 0 or self._closing):
                             self._worker = None
                             return
                         self._cv.wait(left if not self._pending else None)
@@ -497,6 +518,17 @@ class TorchEngine(Engine):
             for req in stranded:
                 self._fail(req, RuntimeError(f"the torch engine scheduler stopped: {e!r}"))
             raise
+
+    def stop_scheduler(self, timeout: float = 5.0) -> None:
+        """Let an idle scheduler thread end now and wait for it (interpreter shutdown calls it)."""
+        with self._cv:
+            self._closing = True
+            worker = self._worker
+            self._cv.notify_all()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+        with self._cv:
+            self._closing = False
 
     def _run(self) -> None:
         """Decode batches until no row is left (admitting new requests at every step)."""

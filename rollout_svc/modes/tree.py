@@ -21,6 +21,10 @@
    - ``random``: N random step starts (never the first step), same ``min_distance`` rule.
 5. Branch: prompt + response[:branch start] -> T continuations (default 2), one engine call with n=T,
    so a prefix-caching engine computes only the new tokens.
+6. ``iterations`` L (default 1; TreeRL's EPTree rounds): round l > 1 picks N more points per tree,
+   pooled over every path of the tree (each path's own tokens, after its branch point, never a point
+   already taken; ranked by the same strategy) and branches each into T continuations; a tree then
+   has 1 + L N T leaves.
 
 Reward callback (``reward_fn``): ``(trajectories) -> correctness in [0, 1] per trajectory`` (sync or
 async). The mode stays pure; ``exact_reward_fn`` builds one from loom.exact for arithmetic/countdown
@@ -29,7 +33,7 @@ torch engine, ``loom engine``) or, when ``mode_params.attention_url`` is set, fr
 engine's ``POST /v1/score/attention``; otherwise attention branching is ``UnsupportedCapability``.
 
 The group records the tree: trajectory i is the initial response i or a branch (its completion is the
-copied prefix + the continuation, ``parent_id`` = the response it branched from); ``Group.tree`` holds
+copied prefix + the continuation, ``parent_id`` = the path it branched from); ``Group.tree`` holds
 nodes with parents and completion-token spans; every trajectory has a ``tree_node`` segment per node
 on its path. learner.advantages.treerl computes node advantages from exactly this.
 """
@@ -62,6 +66,7 @@ class TreeConfig:
     initial: int = 6  # M'
     branches: int = 2  # N
     continuations: int = 2  # T
+    iterations: int = 1  # L: expansion rounds (TreeRL's EPTree); round l > 1 branches the tree again
     strategy: Strategy = "attention"
     delta: int = 4
     quantile: float = 0.8
@@ -89,6 +94,7 @@ class TreeConfig:
             initial=param(mp, "initial", int, n if n > 1 else 6),
             branches=param(mp, "branches", int, 2),
             continuations=param(mp, "continuations", int, 2),
+            iterations=param(mp, "iterations", int, 1),
             strategy=param(mp, "strategy", str, "attention"),
             delta=param(mp, "delta", int, 4),
             quantile=param(mp, "quantile", float, 0.8),
@@ -119,6 +125,8 @@ class TreeConfig:
             raise ModeError(f"mode_params.expansion must be round, ceil or all, got {self.expansion!r}")
         if not 1 <= self.initial <= 256 or not 0 <= self.branches <= 64 or not 1 <= self.continuations <= 64:
             raise ModeError("tree limits: 1 <= initial <= 256, 0 <= branches <= 64, 1 <= continuations <= 64")
+        if not 1 <= self.iterations <= 8:
+            raise ModeError("tree limits: 1 <= iterations <= 8")
         if self.delta < 1 or not 0.0 <= self.quantile <= 1.0 or self.min_distance < 0:
             raise ModeError("tree needs delta >= 1, 0 <= quantile <= 1, min_distance >= 0")
         if not self.separator or not self.fallback_separator:
@@ -339,15 +347,24 @@ def resolve_scorer(engine: Engine, cfg: TreeConfig) -> Scorer:
 
 
 @dataclass
-class _Response:
-    """One initial response and what the strategies need about it."""
+class _Path:
+    """One sampled path of a tree: an initial response (``start`` 0) or a continuation, whose
+    completion is the copied prefix ``[0, start)`` of ``parent`` + its own tokens; and what the
+    strategies need about it."""
 
-    index: int
-    c: Completion
+    tid: str
+    tree: int  # index of the initial response the path grows from
+    c: Completion  # the whole completion (copied prefix + own tokens)
     texts: list[str]
     steps: list[tuple[int, int]]
     zero_from: int | None  # first step index (1-based, step 0 = prompt) scored 0
-    fci: list[float] | None = None  # per response step (zeroed)
+    start: int = 0
+    parent: _Path | None = None
+    iteration: int = 0  # the expansion round that sampled it (0: initial sampling)
+    branch_index: int = 0
+    seconds: float = 0.0
+    fci: list[float] | None = None  # per step (zeroed)
+    cuts: list[int] = field(default_factory=list)  # its own branch points, in the order taken
 
 
 async def _call(fn: Any, *args: Any) -> Any:
@@ -362,6 +379,57 @@ def _texts(tokenizer: Any, ids: Sequence[int], cache: dict[int, str]) -> list[st
             cache[t] = tokenizer.decode([t], skip_special_tokens=False)
         out.append(cache[t])
     return out
+
+
+def _pick(paths: Sequence[_Path], cfg: TreeConfig, rng: random.Random) -> list[tuple[_Path, int]]:
+    """Branch points of one tree in one expansion round, pooled over ``paths`` (the tree's paths):
+    candidates are each path's own positions (after its ``start``, never a point already taken); the
+    strategy ranks them as for a single response (attention: the eligible steps' FCI against the
+    ``quantile`` of all of them, earliest first; entropy: highest -log-prob first; random: shuffled);
+    the first N are taken, each ``min_distance`` tokens from the points taken on its path. One path
+    and round 1: exactly ``attention_branch_points`` / ``entropy_branch_points`` /
+    ``random_branch_points``."""
+    ranked: list[tuple[_Path, int]] = []
+    if cfg.strategy == "attention":
+        eligible = [
+            (p, s)
+            for p in paths
+            for s, v in enumerate(p.fci or [])
+            if v > 0.0 and p.steps[s][0] > p.start and p.steps[s][0] not in p.cuts
+        ]
+        if eligible:
+            threshold = quantile([p.fci[s] for p, s in eligible if p.fci is not None], cfg.quantile)
+            cands = [(p, s) for p, s in eligible if p.fci is not None and p.fci[s] >= threshold]
+            cands.sort(key=lambda ps: (ps[0].steps[ps[1]][0], paths.index(ps[0])))  # earliest first
+            ranked = [(p, p.steps[s][0]) for p, s in cands]
+    elif cfg.strategy == "entropy":
+        scored = []
+        for k, p in enumerate(paths):
+            mask = entropy_mask(p.texts, cfg.entropy_stop_words)
+            for i, ok in enumerate(mask):
+                if ok and i > p.start and i not in p.cuts:
+                    scored.append((p.c.logprobs[i], k, i))
+        scored.sort()
+        ranked = [(paths[k], i) for _, k, i in scored]
+    else:
+        starts = [
+            (p, a)
+            for p in paths
+            for s, (a, _) in enumerate(p.steps)
+            if a > p.start and a not in p.cuts and (p.zero_from is None or s + 1 < p.zero_from)
+        ]
+        rng.shuffle(starts)
+        ranked = starts
+    taken: list[tuple[_Path, int]] = []
+    for p, b in ranked:
+        if len(taken) >= cfg.branches:
+            break
+        if not 0 < b < len(p.c.token_ids):
+            continue
+        near = [*p.cuts, *(x for q, x in taken if q is p)]
+        if all(abs(b - x) >= cfg.min_distance for x in near):
+            taken.append((p, b))
+    return sorted(taken, key=lambda pb: (paths.index(pb[0]), pb[1]))
 
 
 async def tree(
@@ -383,117 +451,124 @@ async def tree(
     outs = await engine.generate(prompt_ids, sampling.model_copy(update={"n": cfg.initial}))
     t_initial = time.perf_counter() - t0
     cache: dict[int, str] = {}
-    responses = []
-    for i, c in enumerate(outs):
+
+    def analysed(tid: str, tree_index: int, c: Completion, **kw: Any) -> _Path:
         texts = _texts(tokenizer, c.token_ids, cache)
         end = first_token_containing(texts, cfg.end_marker) if cfg.end_marker else None
         steps = split_steps(texts, cfg.separator, cfg.fallback_separator, end)
         zero_from = None
         if end is not None:
             zero_from = 1 + next(s for s, (a, b) in enumerate(steps) if a <= end < b)
-        responses.append(_Response(i, c, texts, steps, zero_from))
+        return _Path(tid, tree_index, c, texts, steps, zero_from, **kw)
 
-    def base(i: int, c: Completion) -> Trajectory:
-        return Trajectory(
-            id=trajectory_id(group_id, i),
+    async def score(p: _Path) -> None:
+        if p.fci is not None or scorer is None:
+            return
+        if not p.steps:
+            p.fci = []
+            return
+        n = len(prompt_ids)
+        spans = [(0, n)] + [(n + a, n + b) for a, b in p.steps]
+        scores = await scorer(list(prompt_ids) + list(p.c.token_ids), spans, cfg.delta, p.zero_from)
+        p.fci = [float(x) for x in scores[1:]]
+
+    responses = [analysed(trajectory_id(group_id, i), i, c, seconds=t_initial) for i, c in enumerate(outs)]
+
+    def trajectory(p: _Path) -> Trajectory:
+        t = Trajectory(
+            id=p.tid,
             group_id=group_id,
             prompt_ids=list(prompt_ids),
-            completion_ids=list(c.token_ids),
-            logprobs=list(c.logprobs),
+            completion_ids=list(p.c.token_ids),
+            logprobs=list(p.c.logprobs),
             logprobs_kind=engine.logprobs_kind,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+            finish_reason=p.c.finish_reason,
+            stop_reason=p.c.stop_reason,
             policy_version=engine.policy_version,
             engine=engine.name,
-            timing={"generate_s": t_initial},
+            timing={"generate_s": p.seconds},
         )
+        if p.parent is not None:
+            t.loss_mask = [int(cfg.train_prefix)] * p.start + [1] * (len(p.c.token_ids) - p.start)
+            t.parent_id = p.parent.tid
+            t.meta = {"branch_point": p.start, "branch_index": p.branch_index, "strategy": cfg.strategy}
+            if cfg.iterations > 1:
+                t.meta["iteration"] = p.iteration
+        return t
 
-    initial = [base(r.index, r.c) for r in responses]
+    initial = [trajectory(p) for p in responses]
     correct = [float(x) for x in await _call(reward_fn, initial)] if reward_fn is not None else None
 
     if needs_fci and scorer is not None:
-        p = len(prompt_ids)
-        for r in responses:
-            if not r.steps:
-                r.fci = []
-                continue
-            spans = [(0, p)] + [(p + a, p + b) for a, b in r.steps]
-            scores = await scorer(list(prompt_ids) + list(r.c.token_ids), spans, cfg.delta, r.zero_from)
-            r.fci = [float(x) for x in scores[1:]]
+        for p in responses:
+            await score(p)
     mean_fci = None
     if needs_fci:
-        per = [sum(r.fci) / len(r.fci) for r in responses if r.fci]
+        per = [sum(p.fci) / len(p.fci) for p in responses if p.fci]
         mean_fci = sum(per) / len(per) if per else 0.0  # eq. 8's per-prompt score
     m, filtered = expanded_trees(cfg.initial, correct, cfg.expansion, mean_fci, cfg.fci_running_mean)
 
     rng = random.Random(sampling.seed)
-    points: dict[int, list[int]] = {}
-    for r in responses[:m]:
-        if cfg.strategy == "attention":
-            pts = attention_branch_points(r.fci or [], r.steps, cfg.branches, cfg.quantile, cfg.min_distance)
-        elif cfg.strategy == "entropy":
-            mask = entropy_mask(r.texts, cfg.entropy_stop_words)
-            pts = entropy_branch_points(r.c.logprobs, mask, cfg.branches, cfg.min_distance)
-        else:
-            pts = random_branch_points(r.steps, cfg.branches, rng, cfg.min_distance, r.zero_from)
-        points[r.index] = [b for b in pts if 0 < b < len(r.c.token_ids)]
+    paths: list[_Path] = list(responses)
+    trees: dict[int, list[_Path]] = {p.tree: [p] for p in responses[:m]}
 
-    async def branch(r: _Response, k: int, b: int) -> tuple[int, int, int, list[Completion], float]:
+    async def branch(p: _Path, k: int, b: int) -> tuple[_Path, int, int, list[Completion], float]:
         params = sampling.model_copy(
             update={
                 "n": cfg.continuations,
                 "max_tokens": max(1, sampling.max_tokens - b),
-                "seed": sample_seed(sampling.seed, r.index, k + 1),
+                "seed": sample_seed(sampling.seed, paths.index(p), k + 1),  # initial paths: index = tree
             }
         )
         t1 = time.perf_counter()
-        cont = await engine.generate(list(prompt_ids) + list(r.c.token_ids[:b]), params)
-        return r.index, k, b, cont, time.perf_counter() - t1
+        cont = await engine.generate(list(prompt_ids) + list(p.c.token_ids[:b]), params)
+        return p, k, b, cont, time.perf_counter() - t1
 
-    jobs = [branch(responses[i], k, b) for i, pts in points.items() for k, b in enumerate(pts)]
-    branched = await asyncio.gather(*jobs)
-
-    # tree nodes: response i is the chain i.0 -> i.1 -> ... cut at its branch points
-    nodes: list[TreeNode] = []
-    chain: dict[int, list[TreeNode]] = {}
-    for t, r in zip(initial, responses, strict=True):
-        cuts = [0, *points.get(r.index, []), len(r.c.token_ids)]
-        parent = None
-        chain[r.index] = []
-        for d, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
-            node = TreeNode(id=f"{t.id}:{d}", parent=parent, trajectory_id=t.id, start=a, end=b)
-            nodes.append(node)
-            chain[r.index].append(node)
-            parent = node.id
-    trajectories = list(initial)
-    generated = sum(len(r.c.token_ids) for r in responses)
-    for i, k, b, cont, dt in branched:
-        r = responses[i]
-        for j, c in enumerate(cont):
-            tid = f"{trajectory_id(group_id, i)}.b{k}.{j}"
-            node = TreeNode(
-                id=f"{tid}:0", parent=chain[i][k].id, trajectory_id=tid, start=b, end=b + len(c.token_ids)
-            )
-            nodes.append(node)
-            generated += len(c.token_ids)
-            trajectories.append(
-                Trajectory(
-                    id=tid,
-                    group_id=group_id,
-                    prompt_ids=list(prompt_ids),
-                    completion_ids=list(r.c.token_ids[:b]) + list(c.token_ids),
-                    logprobs=list(r.c.logprobs[:b]) + list(c.logprobs),
-                    logprobs_kind=engine.logprobs_kind,
-                    loss_mask=[int(cfg.train_prefix)] * b + [1] * len(c.token_ids),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    policy_version=engine.policy_version,
-                    engine=engine.name,
-                    timing={"generate_s": dt},
-                    parent_id=trajectory_id(group_id, i),
-                    meta={"branch_point": b, "branch_index": k, "strategy": cfg.strategy},
+    for it in range(cfg.iterations):
+        jobs = []
+        for tree_paths in trees.values():
+            if cfg.strategy == "attention" and it > 0:
+                for q in tree_paths:
+                    await score(q)
+            for p, b in _pick(tree_paths, cfg, rng):
+                jobs.append(branch(p, len(p.cuts), b))
+                p.cuts.append(b)
+        if not jobs:
+            break
+        for p, k, b, cont, dt in await asyncio.gather(*jobs):
+            for j, c in enumerate(cont):
+                child = analysed(
+                    f"{p.tid}.b{k}.{j}",
+                    p.tree,
+                    Completion(
+                        token_ids=list(p.c.token_ids[:b]) + list(c.token_ids),
+                        logprobs=list(p.c.logprobs[:b]) + list(c.logprobs),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    ),
+                    start=b,
+                    parent=p,
+                    iteration=it + 1,
+                    branch_index=k,
+                    seconds=dt,
                 )
-            )
+                paths.append(child)
+                trees[p.tree].append(child)
+
+    # tree nodes: a path is the chain of its own spans cut at its branch points; its first node hangs
+    # from the parent's node that ends at its branch point
+    nodes: list[TreeNode] = []
+    node_at: dict[tuple[str, int], str] = {}  # (path, end offset) -> node id
+    for p in paths:
+        bounds = [p.start, *sorted(p.cuts), len(p.c.token_ids)]
+        parent = None if p.parent is None else node_at[(p.parent.tid, p.start)]
+        for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            node = TreeNode(id=f"{p.tid}:{d}", parent=parent, trajectory_id=p.tid, start=a, end=b)
+            nodes.append(node)
+            node_at[(p.tid, b)] = node.id
+            parent = node.id
+    trajectories = initial + [trajectory(p) for p in paths[len(responses) :]]
+    generated = sum(len(p.c.token_ids) - p.start for p in paths)
     by_id = {n.id: n for n in nodes}
     for t in trajectories:
         own = [n for n in nodes if n.trajectory_id == t.id]
@@ -516,10 +591,11 @@ async def tree(
         "initial": cfg.initial,
         "expanded": m,
         "filtered": filtered,
+        "iterations": cfg.iterations,
         "accuracy": None if correct is None else sum(correct) / len(correct),
         "mean_fci": mean_fci,
-        "fci": {t.id: r.fci for t, r in zip(initial, responses, strict=True) if r.fci is not None},
-        "branch_points": {trajectory_id(group_id, i): pts for i, pts in points.items()},
+        "fci": {p.tid: p.fci for p in paths if p.fci is not None},
+        "branch_points": {p.tid: sorted(p.cuts) for p in paths if p.cuts},
         "n_leaves": len(trajectories),
         "tokens_generated": generated,
         "tokens_independent": independent,

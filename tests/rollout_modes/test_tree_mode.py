@@ -130,3 +130,50 @@ def test_bad_mode_params_are_mode_errors():
     with pytest.raises(ModeError, match="does not know"):
         TreeConfig.from_request(_request(branchez=2))
     assert set(RUN_MODES) == {"tree", "spawn"}
+
+
+@pytest.mark.parametrize("strategy", ["attention", "entropy", "random"])
+def test_later_iterations_branch_the_tree_again(tiny_engine, strategy):
+    """iterations=2 (TreeRL's EPTree rounds): round 2 branches each tree again, at points after a
+    path's own branch point; the tree's nodes still chain exactly, and every path is token-exact."""
+    group = _grow(tiny_engine, _request(strategy=strategy, iterations=2))
+    by_traj = {t.id: t for t in group.trajectories}
+    nodes = {n.id: n for n in group.tree}
+    points = group.meta["branch_points"]
+    assert group.meta["iterations"] == 2
+    rounds = {t.meta.get("iteration") for t in group.trajectories if t.parent_id is not None}
+    assert rounds == {1, 2}, f"{strategy}: no second round"
+    n_points = sum(len(p) for p in points.values())
+    assert len(group.trajectories) == 3 + 2 * n_points
+    generated = 0
+    for t in group.trajectories:
+        start = t.meta.get("branch_point", 0)
+        generated += len(t.completion_ids) - start
+        chain = [n for n in group.tree if n.trajectory_id == t.id]
+        assert [n.start for n in chain] == [start, *points.get(t.id, [])]
+        assert chain[-1].end == len(t.completion_ids)
+        assert all(start < b < len(t.completion_ids) for b in points.get(t.id, []))
+        for a, b in zip(chain, chain[1:], strict=False):
+            assert b.parent == a.id and a.end == b.start
+        if t.parent_id is None:
+            assert chain[0].parent is None
+            continue
+        parent = by_traj[t.parent_id]
+        assert t.completion_ids[:start] == parent.completion_ids[:start]
+        assert t.logprobs[:start] == parent.logprobs[:start]
+        assert t.loss_mask == [1] * len(t.completion_ids)
+        hung = nodes[chain[0].parent]
+        assert hung.trajectory_id == parent.id and hung.end == start
+        assert [s.meta["node"] for s in t.segments][-1] == chain[-1].id
+    assert group.meta["tokens_generated"] == generated < group.meta["tokens_independent"]
+    deep = next(t for t in group.trajectories if t.meta.get("iteration") == 2)
+    prompt = deep.prompt_ids
+    want = teacher_forced_logprobs(tiny_engine.model, prompt + deep.completion_ids, len(prompt))
+    assert deep.logprobs == pytest.approx(want, abs=1e-4)
+    adv = treerl(group.tree, {t.id: float(i % 2) for i, t in enumerate(group.trajectories)})
+    assert set(adv) == set(nodes)
+
+
+def test_iterations_is_validated():
+    with pytest.raises(ModeError, match="iterations"):
+        TreeConfig.from_request(_request(iterations=0))
