@@ -54,7 +54,12 @@ def result_backend_url(settings: Settings) -> str:
         path = Path(settings.data_dir).resolve() / "results.sqlite"
         path.parent.mkdir(parents=True, exist_ok=True)
         return backend_url(str(path))  # the backend puts the file in WAL mode when it opens it
-    return settings.result_backend
+    url = settings.result_backend
+    if url.split("://", 1)[0] in ("redis", "rediss"):
+        from loom.redis_results import BACKEND_CLASS
+
+        return f"{BACKEND_CLASS}+{url}"  # one round trip per state change (loom/redis_results.py)
+    return url
 
 
 def queue_name(service: str, settings: Settings) -> str:
@@ -89,8 +94,12 @@ class LoomTask(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task_id = self.request.id
         if task_id and not self.request.is_eager:
-            meta = self.backend.get_task_meta(task_id)
-            if meta.get("status") == "SUCCESS":
+            # the STARTED store just read the key (loom.redis_results) when the backend says so
+            started_found = getattr(self.backend, "started_found", None)
+            known, meta = started_found(task_id) if started_found is not None else (False, None)
+            if not known:
+                meta = self.backend.get_task_meta(task_id)
+            if meta is not None and meta.get("status") == "SUCCESS":
                 log.info("task %s[%s] already has a result; returning it", self.name, task_id)
                 return meta.get("result")
         return super().__call__(*args, **kwargs)
