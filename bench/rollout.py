@@ -1,8 +1,12 @@
 """Rollout benchmarks, measured side by side in one run (issue 5).
 
 1. Orchestration overhead: the same plain groups (same prompts, same seeds, so the same tokens) run
-   (a) by direct calls to an in-process torch engine and (b) through the queue: published as
-   ``rollout.generate_group`` tasks to one rollout worker running the same engine. Target <= 5 %.
+   (a) by direct calls to the engine and (b) through the queue: published as ``rollout.generate_group``
+   tasks to one rollout worker running the same engine. Target <= 5 %. Two engines (``--engines``):
+   ``in-process`` (the torch engine inside the bench process / inside the worker: the worker's own
+   Python shares the engine's GIL) and ``server`` (one ``loom engine`` process, called by the vLLM
+   client from the bench process / from the worker: the deployed shape, vLLM on a GPU host). 1 and 4
+   groups in flight (``--concurrency``); embedded broker and RabbitMQ + Redis (``--brokers``).
 2. Streaming prefill: the same streaming rollouts (built-in tiny model, its stream format) on a
    torch engine with prefix-KV reuse and on one without (naive re-prefill every round); tokens the
    model computed / final sequence length. Target <= 1.15x with reuse.
@@ -10,7 +14,8 @@
    --simulate-ms-per-token`` server (SIMULATION: fixed per-token latency, random tokens), on
    RabbitMQ (+ Redis results) when reachable, else the embedded broker. Target >= 0.85x linear at 8.
 
-Usage: ``loom bench rollout [--quick] [--only overhead,prefill,scaling]``. Model: LOOM_MODEL (tiny).
+Usage: ``loom bench rollout [--quick] [--only overhead,prefill,scaling] [--engines in-process,server]
+[--concurrency 1,4] [--brokers embedded,rabbitmq] [--ready N]``. Model: LOOM_MODEL (tiny).
 """
 
 from __future__ import annotations
