@@ -191,15 +191,43 @@ def quantile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (h - lo)
 
 
-def spaced(positions: Sequence[int], n: int, min_distance: int) -> list[int]:
-    """The first ``n`` of ``positions`` (in the given order) each >= min_distance tokens from those taken."""
-    taken: list[int] = []
-    for p in positions:
-        if len(taken) >= n:
+# A candidate branch point is (path, position): ``path`` is a key (an index, or a tree's path), the
+# position a completion offset. One response is the one-path case.
+Point = tuple[Any, int]
+
+
+def spaced_points(
+    ranked: Sequence[Point], n: int, min_distance: int, taken: dict[Any, list[int]] | None = None
+) -> list[Point]:
+    """The first ``n`` of ``ranked`` (in the given order), each >= ``min_distance`` tokens from the
+    points already on its path (``taken``, and those picked here)."""
+    near = {k: list(v) for k, v in (taken or {}).items()}
+    picked: list[Point] = []
+    for key, pos in ranked:
+        if len(picked) >= n:
             break
-        if all(abs(p - t) >= min_distance for t in taken):
-            taken.append(p)
-    return sorted(taken)
+        if all(abs(pos - t) >= min_distance for t in near.get(key, ())):
+            picked.append((key, pos))
+            near.setdefault(key, []).append(pos)
+    return picked
+
+
+def attention_ranked(scored: Sequence[tuple[Any, float, int]], q: float) -> list[Point]:
+    """AttnRL eq. 7 + "N earliest": ``scored`` = (path, FCI, step start) of the eligible steps; the
+    candidates (FCI >= the ``q``-quantile of all of them), earliest first (ties: ``scored``'s order)."""
+    if not scored:
+        return []
+    threshold = quantile([v for _, v, _ in scored], q)
+    order = {id(x): i for i, x in enumerate(scored)}
+    cands = sorted((x for x in scored if x[1] >= threshold), key=lambda x: (x[2], order[id(x)]))
+    return [(k, pos) for k, _, pos in cands]
+
+
+def entropy_ranked(scored: Sequence[tuple[Any, float, int]]) -> list[Point]:
+    """TreeRL: ``scored`` = (path, log-prob, position) of the eligible tokens; highest -log-prob first
+    (ties: ``scored``'s order)."""
+    order = sorted(range(len(scored)), key=lambda i: (scored[i][1], i))
+    return [(scored[i][0], scored[i][2]) for i in order]
 
 
 def attention_branch_points(
@@ -209,12 +237,8 @@ def attention_branch_points(
 
     ``fci[s]`` scores response step ``steps[s]`` (already zeroed by the rules, so 0 = ineligible);
     candidates are eligible steps with FCI >= the ``q``-quantile of the eligible scores."""
-    eligible = [s for s, v in enumerate(fci) if v > 0.0 and steps[s][0] > 0]
-    if not eligible:
-        return []
-    threshold = quantile([fci[s] for s in eligible], q)
-    candidates = [s for s in eligible if fci[s] >= threshold]  # ascending step index = earliest first
-    return spaced([steps[s][0] for s in candidates], n, min_distance)
+    scored = [(0, v, steps[s][0]) for s, v in enumerate(fci) if v > 0.0 and steps[s][0] > 0]
+    return sorted(pos for _, pos in spaced_points(attention_ranked(scored, q), n, min_distance))
 
 
 def entropy_mask(
@@ -240,8 +264,8 @@ def entropy_branch_points(
     logprobs: Sequence[float], eligible: Sequence[bool], n: int, min_distance: int = 0
 ) -> list[int]:
     """TreeRL: the ``n`` eligible tokens with the highest -log-prob (ties: earliest first)."""
-    order = sorted((i for i, ok in enumerate(eligible) if ok), key=lambda i: (logprobs[i], i))
-    return spaced(order, n, min_distance)
+    scored = [(0, logprobs[i], i) for i, ok in enumerate(eligible) if ok]
+    return sorted(pos for _, pos in spaced_points(entropy_ranked(scored), n, min_distance))
 
 
 def random_branch_points(
@@ -252,9 +276,11 @@ def random_branch_points(
     zero_from: int | None = None,
 ) -> list[int]:
     """Baseline: ``n`` random step starts (never the first step nor steps from ``zero_from`` on)."""
-    starts = [a for s, (a, _) in enumerate(steps) if a > 0 and (zero_from is None or s + 1 < zero_from)]
+    starts: list[Point] = [
+        (0, a) for s, (a, _) in enumerate(steps) if a > 0 and (zero_from is None or s + 1 < zero_from)
+    ]
     rng.shuffle(starts)
-    return spaced(starts, n, min_distance)
+    return sorted(pos for _, pos in spaced_points(starts, n, min_distance))
 
 
 def expanded_trees(
@@ -383,53 +409,39 @@ def _texts(tokenizer: Any, ids: Sequence[int], cache: dict[int, str]) -> list[st
 
 def _pick(paths: Sequence[_Path], cfg: TreeConfig, rng: random.Random) -> list[tuple[_Path, int]]:
     """Branch points of one tree in one expansion round, pooled over ``paths`` (the tree's paths):
-    candidates are each path's own positions (after its ``start``, never a point already taken); the
-    strategy ranks them as for a single response (attention: the eligible steps' FCI against the
-    ``quantile`` of all of them, earliest first; entropy: highest -log-prob first; random: shuffled);
-    the first N are taken, each ``min_distance`` tokens from the points taken on its path. One path
-    and round 1: exactly ``attention_branch_points`` / ``entropy_branch_points`` /
-    ``random_branch_points``."""
-    ranked: list[tuple[_Path, int]] = []
+    candidates are each path's own positions (after its ``start``, never a point already taken), ranked
+    by the strategy's rule (``attention_ranked``, ``entropy_ranked``, shuffled step starts for random)
+    and spaced by ``spaced_points``: the rules of ``attention_branch_points`` /
+    ``entropy_branch_points`` / ``random_branch_points``, which are the one-path case (round 1)."""
+    ranked: list[Point]
     if cfg.strategy == "attention":
-        eligible = [
-            (p, s)
-            for p in paths
+        scored = [
+            (k, v, p.steps[s][0])
+            for k, p in enumerate(paths)
             for s, v in enumerate(p.fci or [])
-            if v > 0.0 and p.steps[s][0] > p.start and p.steps[s][0] not in p.cuts
+            if v > 0.0 and p.start < p.steps[s][0] and p.steps[s][0] not in p.cuts
         ]
-        if eligible:
-            threshold = quantile([p.fci[s] for p, s in eligible if p.fci is not None], cfg.quantile)
-            cands = [(p, s) for p, s in eligible if p.fci is not None and p.fci[s] >= threshold]
-            cands.sort(key=lambda ps: (ps[0].steps[ps[1]][0], paths.index(ps[0])))  # earliest first
-            ranked = [(p, p.steps[s][0]) for p, s in cands]
+        ranked = attention_ranked(scored, cfg.quantile)
     elif cfg.strategy == "entropy":
-        scored = []
+        tokens = []
         for k, p in enumerate(paths):
             mask = entropy_mask(p.texts, cfg.entropy_stop_words)
-            for i, ok in enumerate(mask):
-                if ok and i > p.start and i not in p.cuts:
-                    scored.append((p.c.logprobs[i], k, i))
-        scored.sort()
-        ranked = [(paths[k], i) for _, k, i in scored]
+            tokens += [
+                (k, p.c.logprobs[i], i) for i, ok in enumerate(mask) if ok and i > p.start and i not in p.cuts
+            ]
+        ranked = entropy_ranked(tokens)
     else:
-        starts = [
-            (p, a)
-            for p in paths
+        ranked = [
+            (k, a)
+            for k, p in enumerate(paths)
             for s, (a, _) in enumerate(p.steps)
             if a > p.start and a not in p.cuts and (p.zero_from is None or s + 1 < p.zero_from)
         ]
-        rng.shuffle(starts)
-        ranked = starts
-    taken: list[tuple[_Path, int]] = []
-    for p, b in ranked:
-        if len(taken) >= cfg.branches:
-            break
-        if not 0 < b < len(p.c.token_ids):
-            continue
-        near = [*p.cuts, *(x for q, x in taken if q is p)]
-        if all(abs(b - x) >= cfg.min_distance for x in near):
-            taken.append((p, b))
-    return sorted(taken, key=lambda pb: (paths.index(pb[0]), pb[1]))
+        rng.shuffle(ranked)
+    ranked = [(k, b) for k, b in ranked if 0 < b < len(paths[k].c.token_ids)]
+    taken = {k: list(p.cuts) for k, p in enumerate(paths)}
+    picked = spaced_points(ranked, cfg.branches, cfg.min_distance, taken)
+    return [(paths[k], b) for k, b in sorted(picked)]
 
 
 async def tree(

@@ -10,11 +10,14 @@ import torch
 
 from rollout_svc.modes.tree import (
     attention_branch_points,
+    attention_ranked,
     entropy_branch_points,
     entropy_mask,
+    entropy_ranked,
     expanded_trees,
     quantile,
     random_branch_points,
+    spaced_points,
     split_steps,
 )
 
@@ -101,3 +104,15 @@ def test_attention_filter_drops_only_all_correct_prompts_below_running_mean():
     assert expanded_trees(6, [1.0] * 6, "round", mean_fci=0.1, running_mean=0.2) == (0, True)
     assert expanded_trees(6, [1.0] * 6, "round", mean_fci=0.3, running_mean=0.2) == (2, False)
     assert expanded_trees(6, [1, 0, 1, 1, 1, 1], "round", mean_fci=0.1, running_mean=0.2)[1] is False
+
+
+def test_pooled_rules_rank_across_paths_and_space_per_path():
+    """Later expansion rounds pool several paths of a tree: ranks run across paths, spacing within one."""
+    scored = [("a", 0.9, 30), ("b", 0.95, 10), ("a", 0.1, 12), ("b", 0.92, 40)]
+    assert attention_ranked(scored, q=0.3) == [("b", 10), ("a", 30), ("b", 40)]  # earliest first
+    assert attention_ranked(scored, q=0.5) == [("b", 10), ("b", 40)]  # threshold 0.91
+    assert entropy_ranked([("a", -0.5, 3), ("b", -2.0, 9), ("a", -2.0, 7)]) == [("b", 9), ("a", 7), ("a", 3)]
+    ranked = [("a", 20), ("b", 21), ("a", 25), ("b", 40), ("a", 60)]
+    # "a" already has a point at 18: 20 and 25 are too close at distance 8; "b" keeps its own spacing
+    assert spaced_points(ranked, 3, 8, {"a": [18]}) == [("b", 21), ("b", 40), ("a", 60)]
+    assert spaced_points(ranked, 2, 0) == [("a", 20), ("b", 21)]
