@@ -171,15 +171,14 @@ def plain_requests(tokenizer: Any, n_groups: int, max_tokens: int) -> list[Rollo
     ]
 
 
-def start_engine_server(procs: Procs, tmp: Path, model: Path) -> str:
-    """``loom engine`` (the torch engine behind the vLLM-compatible protocol) on a free port."""
+def start_engine_server(procs: Procs, tmp: Path, args: list[str], wait: bool = True, **env: str) -> str:
+    """``loom engine`` (the torch engine behind the vLLM-compatible protocol; ``args`` e.g. its
+    simulation flag) on a free port; its URL, once it answers unless ``wait`` is False."""
     port = free_port()
-    env = queue_env(tmp, False, LOOM_MODEL=str(model))
-    procs.start(
-        [sys.executable, "-m", "loom.cli", "engine", "--port", str(port)], env, tmp / f"engine-{port}.log"
-    )
+    argv = [sys.executable, "-m", "loom.cli", "engine", "--port", str(port), *args]
+    procs.start(argv, queue_env(tmp, False, **env), tmp / f"engine-{port}.log")
     deadline = time.monotonic() + 180
-    while not reachable(port):
+    while wait and not reachable(port):
         if time.monotonic() > deadline:
             raise RuntimeError("loom engine did not start")
         time.sleep(0.2)
@@ -203,20 +202,18 @@ def bench_overhead(
     ``loom engine`` process (the deployed shape: vLLM on a GPU host); the direct leg calls it with the
     vLLM client, the worker (``LOOM_ENGINE_URL``) with the same client; else both legs run the torch
     engine in their own process."""
-    from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+    from rollout_svc.engines.torch_engine import TorchEngine, load_tokenizer, resolve_model_path
     from rollout_svc.engines.vllm import VLLMEngine
     from rollout_svc.rollout import generate_group
 
     settings = get_settings()
     path = resolve_model_path(settings.model)
     procs = Procs()
-    url = start_engine_server(procs, tmp, path) if server else ""
+    url = start_engine_server(procs, tmp, [], LOOM_MODEL=str(path)) if server else ""
     engine: Any = (
         VLLMEngine(url) if server else TorchEngine(path, cache_entries=settings.engine_prefix_cache_entries)
     )
     if server:
-        from rollout_svc.engines.torch_engine import load_tokenizer
-
         engine.tokenizer = load_tokenizer(path)
     rounds, per_round, max_tokens = (2, 3, 64) if quick else (max(1, 24 // concurrency), 4 * concurrency, 128)
     reqs = plain_requests(engine.tokenizer, per_round + 1, max_tokens)
@@ -323,13 +320,9 @@ def bench_scaling(quick: bool, tmp: Path) -> dict[int, float]:
     for k in (1, 2, 4, 8):
         procs = Procs()
         try:
-            urls = []
-            for _ in range(k):
-                port = free_port()
-                argv = [sys.executable, "-m", "loom.cli", "engine", "--port", str(port)]
-                argv += ["--simulate-ms-per-token", str(ms)]
-                procs.start(argv, queue_env(tmp, False), tmp / f"sim-{port}.log")
-                urls.append(f"http://127.0.0.1:{port}")
+            # the workers wait for their engines (the client retries), so the k servers start at once
+            sim = ["--simulate-ms-per-token", str(ms)]
+            urls = [start_engine_server(procs, tmp, sim, wait=False) for _ in range(k)]
             base = queue_env(tmp / f"s{k}", rabbit, LOOM_ENGINE="vllm")
             logs = []
             for i, url in enumerate(urls):

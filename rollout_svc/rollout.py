@@ -11,7 +11,7 @@ import importlib
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from loom.schemas import Group, RolloutRequest
 from loom.settings import Settings
@@ -53,6 +53,19 @@ async def generate_group(
     return with_text(group, tokenizer)
 
 
+T = TypeVar("T")
+
+
+def loop_local(store: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, T], make: Callable[[], T]) -> T:
+    """``store``'s object for the running event loop, made on first use (asyncio locks and semaphores
+    belong to one loop; a forked child or a test starts a new one)."""
+    loop = asyncio.get_running_loop()
+    obj = store.get(loop)
+    if obj is None:
+        obj = store[loop] = make()
+    return obj
+
+
 _catch_up_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
     weakref.WeakKeyDictionary()
 )
@@ -69,8 +82,7 @@ async def catch_up(engine: Engine, wanted: int | None, settings: Settings) -> No
     """
     if wanted is None or engine.policy_version >= wanted:
         return
-    lock = _catch_up_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
-    async with lock:
+    async with loop_local(_catch_up_locks, asyncio.Lock):
         if engine.policy_version < wanted:
             await _load_at_least(engine, wanted, settings)
 

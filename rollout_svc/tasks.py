@@ -35,7 +35,7 @@ from loom.settings import get_settings
 from loom.store import PolicyStore
 from rollout_svc.engines import get_engine, get_tokenizer
 from rollout_svc.engines.base import EngineTimeout, EngineUnavailable
-from rollout_svc.rollout import generate_group
+from rollout_svc.rollout import generate_group, loop_local
 
 celery_app = make_celery("rollout")
 
@@ -61,11 +61,7 @@ async def on_engine(coro: Coroutine[Any, Any, T]) -> T:
     """Await ``coro`` holding one of the process's engine slots (0 slots set: no limit)."""
     if _slots <= 0:
         return await coro
-    loop = asyncio.get_running_loop()
-    gate = _gates.get(loop)
-    if gate is None:
-        gate = _gates[loop] = asyncio.Semaphore(_slots)
-    async with gate:
+    async with loop_local(_gates, lambda: asyncio.Semaphore(_slots)):
         return await coro
 
 

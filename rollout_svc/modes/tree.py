@@ -218,16 +218,14 @@ def attention_ranked(scored: Sequence[tuple[Any, float, int]], q: float) -> list
     if not scored:
         return []
     threshold = quantile([v for _, v, _ in scored], q)
-    order = {id(x): i for i, x in enumerate(scored)}
-    cands = sorted((x for x in scored if x[1] >= threshold), key=lambda x: (x[2], order[id(x)]))
+    cands = sorted((x for x in scored if x[1] >= threshold), key=lambda x: x[2])  # stable: ties keep order
     return [(k, pos) for k, _, pos in cands]
 
 
 def entropy_ranked(scored: Sequence[tuple[Any, float, int]]) -> list[Point]:
     """TreeRL: ``scored`` = (path, log-prob, position) of the eligible tokens; highest -log-prob first
     (ties: ``scored``'s order)."""
-    order = sorted(range(len(scored)), key=lambda i: (scored[i][1], i))
-    return [(scored[i][0], scored[i][2]) for i in order]
+    return [(k, pos) for k, _, pos in sorted(scored, key=lambda x: x[1])]  # stable: ties keep order
 
 
 def attention_branch_points(
@@ -379,6 +377,7 @@ class _Path:
     strategies need about it."""
 
     tid: str
+    index: int  # position among the group's paths (initial responses first): its branches' seeds
     tree: int  # index of the initial response the path grows from
     c: Completion  # the whole completion (copied prefix + own tokens)
     texts: list[str]
@@ -464,14 +463,14 @@ async def tree(
     t_initial = time.perf_counter() - t0
     cache: dict[int, str] = {}
 
-    def analysed(tid: str, tree_index: int, c: Completion, **kw: Any) -> _Path:
+    def analysed(tid: str, index: int, tree_index: int, c: Completion, **kw: Any) -> _Path:
         texts = _texts(tokenizer, c.token_ids, cache)
         end = first_token_containing(texts, cfg.end_marker) if cfg.end_marker else None
         steps = split_steps(texts, cfg.separator, cfg.fallback_separator, end)
         zero_from = None
         if end is not None:
             zero_from = 1 + next(s for s, (a, b) in enumerate(steps) if a <= end < b)
-        return _Path(tid, tree_index, c, texts, steps, zero_from, **kw)
+        return _Path(tid, index, tree_index, c, texts, steps, zero_from, **kw)
 
     async def score(p: _Path) -> None:
         if p.fci is not None or scorer is None:
@@ -484,7 +483,7 @@ async def tree(
         scores = await scorer(list(prompt_ids) + list(p.c.token_ids), spans, cfg.delta, p.zero_from)
         p.fci = [float(x) for x in scores[1:]]
 
-    responses = [analysed(trajectory_id(group_id, i), i, c, seconds=t_initial) for i, c in enumerate(outs)]
+    responses = [analysed(trajectory_id(group_id, i), i, i, c, seconds=t_initial) for i, c in enumerate(outs)]
 
     def trajectory(p: _Path) -> Trajectory:
         t = Trajectory(
@@ -529,7 +528,7 @@ async def tree(
             update={
                 "n": cfg.continuations,
                 "max_tokens": max(1, sampling.max_tokens - b),
-                "seed": sample_seed(sampling.seed, paths.index(p), k + 1),  # initial paths: index = tree
+                "seed": sample_seed(sampling.seed, p.index, k + 1),
             }
         )
         t1 = time.perf_counter()
@@ -551,6 +550,7 @@ async def tree(
             for j, c in enumerate(cont):
                 child = analysed(
                     f"{p.tid}.b{k}.{j}",
+                    len(paths),
                     p.tree,
                     Completion(
                         token_ids=list(p.c.token_ids[:b]) + list(c.token_ids),
@@ -583,9 +583,8 @@ async def tree(
     generated = sum(len(p.c.token_ids) - p.start for p in paths)
     by_id = {n.id: n for n in nodes}
     for t in trajectories:
-        own = [n for n in nodes if n.trajectory_id == t.id]
         path: list[TreeNode] = []
-        cur: str | None = own[-1].id if own else None
+        cur: str | None = node_at.get((t.id, len(t.completion_ids)))  # its deepest node
         while cur is not None:
             path.append(by_id[cur])
             cur = by_id[cur].parent
