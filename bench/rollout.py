@@ -2,11 +2,13 @@
 
 1. Orchestration overhead: the same plain groups (same prompts, same seeds, so the same tokens) run
    (a) by direct calls to the engine and (b) through the queue: published as ``rollout.generate_group``
-   tasks to one rollout worker running the same engine. Target <= 5 %. Two engines (``--engines``):
-   ``in-process`` (the torch engine inside the bench process / inside the worker: the worker's own
-   Python shares the engine's GIL) and ``server`` (one ``loom engine`` process, called by the vLLM
-   client from the bench process / from the worker: the deployed shape, vLLM on a GPU host). 1 and 4
-   groups in flight (``--concurrency``); embedded broker and RabbitMQ + Redis (``--brokers``).
+   tasks to one rollout worker running the same engine. Target <= 5 %. Three engines (``--engines``):
+   ``process`` (the default torch engine, ``ProcessEngine``: its model runs in a child process of
+   the bench process / of the worker), ``in-process`` (``LOOM_ENGINE_PROCESS=false``: the torch
+   engine inside the bench process / inside the worker, whose own Python then shares the engine's
+   GIL) and ``server`` (one ``loom engine`` process, called by the vLLM client from the bench process /
+   from the worker: the deployed shape, vLLM on a GPU host). 1 and 4 groups in flight
+   (``--concurrency``); embedded broker and RabbitMQ + Redis (``--brokers``).
 2. Streaming prefill: the same streaming rollouts (built-in tiny model, its stream format) on a
    torch engine with prefix-KV reuse and on one without (naive re-prefill every round); tokens the
    model computed / final sequence length. Target <= 1.15x with reuse.
@@ -14,7 +16,7 @@
    --simulate-ms-per-token`` server (SIMULATION: fixed per-token latency, random tokens), on
    RabbitMQ (+ Redis results) when reachable, else the embedded broker. Target >= 0.85x linear at 8.
 
-Usage: ``loom bench rollout [--quick] [--only overhead,prefill,scaling] [--engines in-process,server]
+Usage: ``loom bench rollout [--quick] [--only overhead,prefill,scaling] [--engines process,in-process,server]
 [--concurrency 1,4] [--brokers embedded,rabbitmq] [--ready N]``. Model: LOOM_MODEL (tiny).
 """
 
@@ -191,17 +193,19 @@ def bench_overhead(
     rabbit: bool = False,
     pool: str = "threads",
     concurrency: int = 1,
-    server: bool = False,
+    engine_kind: str = "process",
     ready: int = -1,
 ) -> dict[str, float]:
     """Direct and queued runs alternate (A/B per round) so machine noise hits both alike. ``rabbit``:
     RabbitMQ + Redis (the deployed broker), else the embedded SQLite broker. ``concurrency`` c: the
     direct leg keeps c groups in flight on the engine at once (its scheduler batches them) and the
     worker runs with ``-c c`` (c groups in flight, the same batching); a round holds 4 c groups and
-    there are 24 / c rounds, so every c runs the same 96 groups. ``server``: the engine is a
-    ``loom engine`` process (the deployed shape: vLLM on a GPU host); the direct leg calls it with the
-    vLLM client, the worker (``LOOM_ENGINE_URL``) with the same client; else both legs run the torch
-    engine in their own process."""
+    there are 24 / c rounds, so every c runs the same 96 groups. ``engine_kind``: ``server``, a
+    ``loom engine`` process (the deployed shape: vLLM on a GPU host) that the direct leg calls with
+    the vLLM client, and the worker (``LOOM_ENGINE_URL``) with the same client; ``process``, each leg
+    has its own ``ProcessEngine`` (the model in a child process of the bench process / of the
+    worker); ``in-process``, each leg runs the torch engine in its own process."""
+    from rollout_svc.engines.process import ProcessEngine
     from rollout_svc.engines.torch_engine import TorchEngine, load_tokenizer, resolve_model_path
     from rollout_svc.engines.vllm import VLLMEngine
     from rollout_svc.rollout import generate_group
@@ -209,12 +213,19 @@ def bench_overhead(
     settings = get_settings()
     path = resolve_model_path(settings.model)
     procs = Procs()
+    server = engine_kind == "server"
     url = start_engine_server(procs, tmp, [], LOOM_MODEL=str(path)) if server else ""
-    engine: Any = (
-        VLLMEngine(url) if server else TorchEngine(path, cache_entries=settings.engine_prefix_cache_entries)
-    )
+    entries = settings.engine_prefix_cache_entries
+    engine: Any
     if server:
+        engine = VLLMEngine(url)
         engine.tokenizer = load_tokenizer(path)
+    elif engine_kind == "process":
+        engine = ProcessEngine(path, cache_entries=entries)
+    elif engine_kind == "in-process":
+        engine = TorchEngine(path, cache_entries=entries)
+    else:
+        raise ValueError(f"unknown engine {engine_kind!r}: process, in-process or server")
     rounds, per_round, max_tokens = (2, 3, 64) if quick else (max(1, 24 // concurrency), 4 * concurrency, 128)
     reqs = plain_requests(engine.tokenizer, per_round + 1, max_tokens)
     warm, reqs = reqs[0], reqs[1:]
@@ -243,6 +254,7 @@ def bench_overhead(
             rabbit,
             LOOM_ENGINE="vllm" if server else "torch",
             LOOM_ENGINE_URL=url,
+            LOOM_ENGINE_PROCESS=str(engine_kind == "process").lower(),
             LOOM_MODEL=str(path),
             LOOM_ROLLOUT_POOL=pool,
             LOOM_ROLLOUT_READY=str(ready),
@@ -260,8 +272,7 @@ def bench_overhead(
             t_queue, tok_queue, e_queue = t_queue + dt_q, tok_queue + nt, e_queue + eng
             pairs.append(dt_q / dt_d - 1)
         app.close()
-        if server:
-            loop.run_until_complete(engine.close())
+        loop.run_until_complete(engine.close())
         loop.close()
     finally:
         procs.close()
@@ -373,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--brokers", default="embedded,rabbitmq")
     p.add_argument(
         "--engines",
-        default="in-process,server",
-        help="in-process (the torch engine in the worker / the bench process) and server (loom engine)",
+        default="process,in-process,server",
+        help="process (the torch engine in a child process of the worker / the bench process: the "
+        "default), in-process (inside them: LOOM_ENGINE_PROCESS=false) and server (loom engine)",
     )
     p.add_argument(
         "--concurrency",
@@ -385,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         "--ready",
         type=int,
         default=-1,
-        help="LOOM_ROLLOUT_READY of the worker (-1: its default, as many as run with an engine server, "
-        "none in-process)",
+        help="LOOM_ROLLOUT_READY of the worker (-1: its default, as many as run with an engine server "
+        "or process, none in-process)",
     )
     args = p.parse_args(argv)
     configure_process()
@@ -406,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 for b in brokers
             ]
             for (label, rabbit), pool, conc, eng in combos:
-                o = bench_overhead(args.quick, tmp, rabbit, pool, conc, eng == "server", args.ready)
+                o = bench_overhead(args.quick, tmp, rabbit, pool, conc, eng, args.ready)
                 label = f"{label}, {pool} pool, {conc} in flight, {eng} engine"
                 rows.append(
                     (

@@ -223,15 +223,17 @@ def rollout_slots(settings: Settings, concurrency: int | None = None) -> tuple[i
     ``rollout_ready`` more tasks (default: as many again) that wait at the engine's door
     (``rollout_svc.tasks.on_engine``): a finished group's slot is taken at once by a group already
     received, validated and marked started, instead of after the result store, the ack and the next
-    delivery. Not for the in-process engine by default: the worker's own work shares its GIL, so doing
-    it ahead slows the engine as much as it saves (measured: bench/rollout.py). Prefork children each
-    run one group."""
+    delivery. The same for the torch engine in its own process (``LOOM_ENGINE_PROCESS``, the default).
+    Not for a torch engine inside the worker: the worker's own work shares its GIL, so doing it ahead
+    slows the engine as much as it saves (measured: bench/rollout.py). Prefork children each run one
+    group."""
     running = concurrency or _default_concurrency("rollout", settings)
     if settings.rollout_pool != "threads":
         return running, running
     ready = settings.rollout_ready
     if ready < 0:
-        ready = running if (settings.engine == "vllm" or settings.engine_url) else 0
+        elsewhere = settings.engine == "vllm" or bool(settings.engine_url) or settings.engine_process
+        ready = running if elsewhere else 0
     return running, running + ready
 
 

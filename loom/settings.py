@@ -86,8 +86,8 @@ class Settings(BaseSettings):
         description="groups a threads-pool rollout worker holds ready beyond the ones on its engine: "
         "they wait at the engine's door, so a finished group's slot is refilled at once, not after its "
         "result store, ack and the next delivery; -1 = as many as run at once when the engine is a "
-        "server (LOOM_ENGINE_URL), none for the in-process engine (its worker shares one GIL with "
-        "the engine: work done ahead only slows the engine down)",
+        "server (LOOM_ENGINE_URL) or in its own process (LOOM_ENGINE_PROCESS), none for an engine "
+        "inside the worker (it shares one GIL with the engine: work done ahead only slows it down)",
     )
     rollout_pool: Literal["threads", "prefork"] = Field(
         default="threads",
@@ -110,6 +110,12 @@ class Settings(BaseSettings):
     engine_retries: int = Field(default=3, ge=0, description="engine retries on connection errors / 5xx")
     engine_prefix_cache_entries: int = Field(default=32, ge=0, description="torch engine prefix-KV entries")
     engine_logprobs_mode: Literal["raw", "processed"] = "raw"
+    engine_process: bool = Field(
+        default=True,
+        description="run the torch engine in its own process (rollout_svc.engines.process): the "
+        "rollout worker's Python (Celery, result store, acks) then never takes the engine's GIL; "
+        "false = inside the calling process",
+    )
     rollout_reading_wpm: float = Field(default=150.0, gt=0, description="streaming: words per minute")
     rollout_segment_cap: int = Field(default=512, ge=1, description="streaming: max tokens per thought")
 

@@ -1,7 +1,8 @@
 """Engines: one token-in/token-out interface (``base.Engine``), two implementations.
 
 ``make_engine(settings)`` builds the configured one: ``vllm`` (a client of ``LOOM_ENGINE_URL``,
-a vLLM server or ``loom engine``) or ``torch`` (in-process). ``get_engine()`` keeps ONE engine per
+a vLLM server or ``loom engine``) or ``torch`` (in its own child process, ``ProcessEngine``, by
+default; in the calling process with ``LOOM_ENGINE_PROCESS=false``). ``get_engine()`` keeps ONE engine per
 process, so a rollout replica keeps its prefix cache (and its server affinity) across tasks.
 """
 
@@ -27,6 +28,15 @@ def make_engine(settings: Settings) -> Engine:
         )
     from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
 
+    if settings.engine_process:
+        from rollout_svc.engines.process import ProcessEngine
+
+        return ProcessEngine(
+            resolve_model_path(settings.model),
+            device=settings.device,
+            cache_entries=settings.engine_prefix_cache_entries,
+            logprobs_mode=settings.engine_logprobs_mode,
+        )
     return TorchEngine(
         resolve_model_path(settings.model),
         device=settings.device,

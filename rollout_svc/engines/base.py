@@ -48,8 +48,12 @@ class UnsupportedCapability(EngineError):
     def __init__(self, engine: str, capability: str, hint: str = "") -> None:
         self.engine = engine
         self.capability = capability
+        self.hint = hint
         msg = f"engine {engine!r} does not support {capability!r}"
         super().__init__(f"{msg}; {hint}" if hint else msg)
+
+    def __reduce__(self) -> tuple[type[UnsupportedCapability], tuple[str, str, str]]:
+        return type(self), (self.engine, self.capability, self.hint)  # crosses ProcessEngine's pipe
 
 
 @dataclass

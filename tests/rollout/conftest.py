@@ -167,8 +167,24 @@ def vllm_engine(engine_server: str, arun: Any) -> Iterator[Any]:
     arun(engine.close())
 
 
-@pytest.fixture(params=["torch", "vllm"])
+@pytest.fixture(scope="session")
+def process_engine(model_dir: Path) -> Iterator[Any]:
+    """The torch engine in its own process (the default LOOM_ENGINE_PROCESS=true)."""
+    from rollout_svc.engines.process import ProcessEngine
+
+    engine = ProcessEngine(model_dir, cache_entries=16)
+    yield engine
+    engine.close_sync()
+
+
+@pytest.fixture(params=["torch", "process", "vllm"])
 def engine(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+@pytest.fixture(params=["torch", "process"])
+def local_engine(request: pytest.FixtureRequest) -> Any:
+    """The torch engine in-process and in its own process: the group-layout capability."""
     return request.getfixturevalue(f"{request.param}_engine")
 
 

@@ -1,4 +1,5 @@
-"""Engine contract, run on the torch engine in-process AND on the vllm client against `loom engine`.
+"""Engine contract, run on the torch engine in-process, in its own process (ProcessEngine) AND on the
+vllm client against `loom engine`.
 
 Token exactness: every reported log-prob equals the log-prob of the same token in ONE teacher-forced
 forward pass of the same weights over prompt + completion. Tolerance: 1e-4 absolute (float32; the
@@ -109,14 +110,14 @@ def test_group_positions_are_a_torch_engine_capability(engine: Any, arun: Any, t
 
 
 def test_group_layout_logprobs_match_teacher_forced_pass(
-    torch_engine: Any, arun: Any, tokenizer: Any, reference_model: Any
+    local_engine: Any, arun: Any, tokenizer: Any, reference_model: Any
 ) -> None:
     src = prompt(tokenizer, "q: add")
     tgt = prompt(tokenizer, "a=1")
     more = prompt(tokenizer, " b is 2.")
     ids = src + tgt + more
     layout = Layout(groups=[0] * len(src) + [1] * len(tgt) + [0] * len(more), gen_group=1)
-    outs = arun(torch_engine.generate(ids, SamplingParams(n=2, max_tokens=16, seed=4), layout))
+    outs = arun(local_engine.generate(ids, SamplingParams(n=2, max_tokens=16, seed=4), layout))
     for c in outs:
         ref = teacher_forced_logprobs(reference_model, ids + c.token_ids, len(ids), layout)
         assert c.logprobs == pytest.approx(ref, abs=ATOL)

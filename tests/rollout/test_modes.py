@@ -85,9 +85,9 @@ def test_streaming_interleaved_is_token_exact_with_masked_observations(
 
 
 def test_streaming_group_position_layout_is_token_exact(
-    torch_engine: Any, arun: Any, tokenizer: Any, reference_model: Any
+    local_engine: Any, arun: Any, tokenizer: Any, reference_model: Any
 ) -> None:
-    group = run_group(arun, torch_engine, tokenizer, streaming_request("group_positions"))
+    group = run_group(arun, local_engine, tokenizer, streaming_request("group_positions"))
     for t in group.trajectories:
         groups = t.meta["completion_groups"]
         full = Layout(groups=[0] * len(t.prompt_ids) + groups, gen_group=1)

@@ -14,7 +14,8 @@ from rollout_svc import tasks
 @pytest.mark.parametrize(
     ("env", "concurrency", "expected"),
     [
-        ({}, 2, (2, 2)),  # in-process engine: nothing held ready (it shares the worker's GIL)
+        ({"engine_process": False}, 2, (2, 2)),  # engine in the worker: nothing ready (it shares the GIL)
+        ({}, 2, (2, 4)),  # the torch engine in its own process: as many again ready
         ({"engine_url": "http://engine:8000"}, 2, (2, 4)),  # engine server: as many again ready
         ({"engine": "vllm", "engine_url": "http://e:1"}, None, (1, 2)),
         ({"engine_url": "http://e:1", "rollout_concurrency": 3}, None, (3, 6)),
