@@ -57,6 +57,17 @@ def _stop_children() -> None:
         engine.close_sync()
 
 
+def _forget_children() -> None:
+    for engine in list(_CHILDREN):
+        engine._forget()
+
+
+# A forked process (Celery's prefork children) must not share its parent's engine process: it drops
+# the inherited socket (else the engine would outlive a dead parent while a fork still held it) and
+# starts its own on its first call.
+os.register_at_fork(after_in_child=_forget_children)
+
+
 class ProcessEngine(Engine):
     name = "torch"
     capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores"})
@@ -96,6 +107,22 @@ class ProcessEngine(Engine):
 
     # ---------------------------------------------------------------------------------------------
     # the child
+
+    def _forget(self) -> None:
+        """In a forked process: the parent's child, socket and reader thread stay the parent's."""
+        self._lock = threading.Lock()
+        self._pending = {}
+        conn, self._conn, self._proc = self._conn, None, None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _ensure_started(self) -> None:
+        with self._lock:
+            if self._conn is None and not self._closed:
+                self.restarts += 1
+                log.warning("starting a new torch engine process (restart %d)", self.restarts)
+                self._start()
 
     @property
     def pid(self) -> int | None:
@@ -177,7 +204,7 @@ class ProcessEngine(Engine):
         with self._lock:
             if self._closed:
                 raise EngineUnavailable("the engine is closed")
-            if self._conn is None:
+            if self._conn is None:  # normally started by _ask off the event loop; a race lands here
                 self.restarts += 1
                 log.warning("starting a new torch engine process (restart %d)", self.restarts)
                 self._start()
@@ -203,6 +230,8 @@ class ProcessEngine(Engine):
         return fut
 
     async def _ask(self, method: str, *args: Any) -> Any:
+        if self._conn is None:  # (re)start the child without blocking the event loop for seconds
+            await asyncio.to_thread(self._ensure_started)
         return await asyncio.wrap_future(self._call(method, *args))
 
     # ---------------------------------------------------------------------------------------------

@@ -147,6 +147,29 @@ def test_a_cancelled_call_leaves_nothing_behind(own_engine: Any, arun: Any) -> N
     assert len(outs) == 1 and not own_engine._pending
 
 
+def test_a_forked_process_starts_its_own_engine_process(own_engine: Any, arun: Any) -> None:
+    """Celery's prefork children are forks: one must not talk over its parent's socket."""
+    arun(own_engine.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=1)))
+    pid = own_engine.pid
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the forked process reports through the pipe
+        code = b"E"
+        try:
+            outs = asyncio.run(own_engine.generate([5, 6, 7], SamplingParams(max_tokens=3, seed=1)))
+            code = b"1" if own_engine.pid not in (None, pid) and len(outs) == 1 else b"0"
+        finally:
+            os.write(w, code)
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(child, 0)
+    assert got == b"1"
+    assert own_engine.pid == pid  # the parent's engine process is untouched and still serves
+    assert len(arun(own_engine.generate([5, 6, 7], SamplingParams(max_tokens=3, seed=1)))) == 1
+
+
 def test_the_child_ends_with_its_parent(model_dir: Path) -> None:
     code = (
         "import sys, time\n"
