@@ -106,7 +106,9 @@ class Settings(BaseSettings):
     engine_url: str = Field(default="", description="OpenAI-compatible server; empty = in-process torch")
     model: str = Field(default="tiny", description="'tiny' (the built-in checkpoint) or a model path")
     device: str = "cpu"
-    engine_timeout_s: float = Field(default=120.0, gt=0, description="per engine HTTP request")
+    engine_timeout_s: float = Field(
+        default=120.0, gt=0, description="per engine request: HTTP, or a call to the torch engine's process"
+    )
     engine_retries: int = Field(default=3, ge=0, description="engine retries on connection errors / 5xx")
     engine_prefix_cache_entries: int = Field(default=32, ge=0, description="torch engine prefix-KV entries")
     engine_logprobs_mode: Literal["raw", "processed"] = "raw"

@@ -36,6 +36,7 @@ def make_engine(settings: Settings) -> Engine:
             device=settings.device,
             cache_entries=settings.engine_prefix_cache_entries,
             logprobs_mode=settings.engine_logprobs_mode,
+            timeout_s=settings.engine_timeout_s,
         )
     return TorchEngine(
         resolve_model_path(settings.model),

@@ -15,6 +15,10 @@ the two processes hold its ends; nothing on a network ever reaches it). The pare
 runs the requests concurrently on its own event loop (the torch engine's scheduler batches
 concurrent ``generate`` calls, exactly as in-process); a cancelled call is cancelled in the child.
 
+Timeout: a ``generate`` or ``score_attention`` call that gets no answer within ``timeout_s``
+(``LOOM_ENGINE_TIMEOUT_S``, as for an engine server) fails with ``EngineTimeout`` and is cancelled in
+the child: a hung engine is a typed error, never a hung task.
+
 Failure: the child exits when its parent dies (end of file on the socket). If the child dies, every
 call in flight fails with ``EngineUnavailable`` (typed, retried by the rollout task) and the next call
 starts a new child, which comes up with the base model: the rollout's catch-up then loads the policy
@@ -44,7 +48,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loom.schemas import PolicyVersion, SamplingParams
-from rollout_svc.engines.base import Completion, Engine, EngineError, EngineStats, EngineUnavailable, Layout
+from rollout_svc.engines.base import (
+    Completion,
+    Engine,
+    EngineError,
+    EngineStats,
+    EngineTimeout,
+    EngineUnavailable,
+    Layout,
+)
 
 log = logging.getLogger("loom.engine.process")
 
@@ -80,6 +92,7 @@ class ProcessEngine(Engine):
         cache_entries: int = 32,
         logprobs_mode: Literal["raw", "processed"] = "raw",
         start_timeout_s: float = 120.0,
+        timeout_s: float | None = None,
     ) -> None:
         super().__init__()
         from rollout_svc.engines.torch_engine import load_tokenizer
@@ -93,6 +106,7 @@ class ProcessEngine(Engine):
             "logprobs_mode": logprobs_mode,
         }
         self.start_timeout_s = start_timeout_s
+        self.timeout_s = timeout_s
         self.tokenizer = load_tokenizer(self.model_path)
         self._lock = threading.Lock()  # the child, the socket's send side and the pending table
         self._ids = itertools.count(1)
@@ -229,10 +243,18 @@ class ProcessEngine(Engine):
         fut.add_done_callback(cancelled)
         return fut
 
-    async def _ask(self, method: str, *args: Any) -> Any:
+    async def _ask(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         if self._conn is None:  # (re)start the child without blocking the event loop for seconds
             await asyncio.to_thread(self._ensure_started)
-        return await asyncio.wrap_future(self._call(method, *args))
+        call = asyncio.wrap_future(self._call(method, *args))
+        if timeout is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, timeout)  # on expiry the call is cancelled in the child
+        except TimeoutError as e:
+            raise EngineTimeout(
+                f"the torch engine process did not answer {method} in {timeout:g} s (LOOM_ENGINE_TIMEOUT_S)"
+            ) from e
 
     # ---------------------------------------------------------------------------------------------
     # interface
@@ -240,7 +262,7 @@ class ProcessEngine(Engine):
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
     ) -> list[Completion]:
-        return await self._ask("generate", list(prompt_ids), params, layout)  # type: ignore[no-any-return]
+        return await self._ask("generate", list(prompt_ids), params, layout, timeout=self.timeout_s)  # type: ignore[no-any-return]
 
     async def load_policy(self, policy: PolicyVersion) -> None:
         await self._ask("load_policy", policy)
@@ -251,7 +273,8 @@ class ProcessEngine(Engine):
     async def score_attention(
         self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
     ) -> list[float]:
-        return await self._ask("score_attention", list(token_ids), list(steps), delta, zero_from)  # type: ignore[no-any-return]
+        args = (list(token_ids), list(steps), delta, zero_from)
+        return await self._ask("score_attention", *args, timeout=self.timeout_s)  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         await asyncio.to_thread(self.close_sync)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from loom.schemas import PolicyVersion, SamplingParams
-from rollout_svc.engines.base import EngineUnavailable, UnsupportedCapability
+from rollout_svc.engines.base import EngineTimeout, EngineUnavailable, UnsupportedCapability
 from rollout_svc.engines.process import ProcessEngine
 from rollout_svc.engines.torch_engine import load_model, teacher_forced_logprobs
 
@@ -129,6 +129,25 @@ def test_a_dead_child_fails_calls_in_flight_typed_and_the_next_call_restarts_it(
     base = arun(torch_engine.generate(ids, params))
     assert [c.token_ids for c in again] == [c.token_ids for c in base]
     assert not own_engine._pending
+
+
+def test_a_hung_engine_process_is_a_typed_timeout_not_a_hang(model_dir: Path, arun: Any) -> None:
+    engine = ProcessEngine(model_dir, cache_entries=4, timeout_s=1.0)
+    try:
+        assert len(arun(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=1)))) == 1
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGSTOP)  # alive, answering nothing
+        t0 = time.monotonic()
+        with pytest.raises(EngineTimeout, match="did not answer generate in 1 s"):
+            arun(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=1)))
+        assert time.monotonic() - t0 < 10
+        os.kill(engine.pid, signal.SIGCONT)
+        assert len(arun(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=1)))) == 1
+        assert not engine._pending and engine.restarts == 0
+    finally:
+        if engine.pid is not None:
+            os.kill(engine.pid, signal.SIGCONT)
+        engine.close_sync()
 
 
 def test_a_cancelled_call_leaves_nothing_behind(own_engine: Any, arun: Any) -> None:
