@@ -57,6 +57,7 @@ from rollout_svc.engines.base import (
     EngineUnavailable,
     Layout,
 )
+from rollout_svc.engines.torch_engine import TorchEngine, load_tokenizer
 
 log = logging.getLogger("loom.engine.process")
 
@@ -81,8 +82,8 @@ os.register_at_fork(after_in_child=_forget_children)
 
 
 class ProcessEngine(Engine):
-    name = "torch"
-    capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores"})
+    name = TorchEngine.name  # the same engine, in another process
+    capabilities = TorchEngine.capabilities
 
     def __init__(
         self,
@@ -95,8 +96,6 @@ class ProcessEngine(Engine):
         timeout_s: float | None = None,
     ) -> None:
         super().__init__()
-        from rollout_svc.engines.torch_engine import load_tokenizer
-
         self.model_path = Path(model_path)
         self.logprobs_kind = logprobs_mode
         self._config = {
@@ -359,8 +358,6 @@ def child_main(argv: list[str] | None = None) -> int:
     conn = Connection(a.fd)
     config = conn.recv()
     try:
-        from rollout_svc.engines.torch_engine import TorchEngine
-
         engine = TorchEngine(
             config["model_path"],
             device=config["device"],
