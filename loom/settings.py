@@ -77,7 +77,7 @@ class Settings(BaseSettings):
     rollout_concurrency: int = Field(
         default=0,
         ge=0,
-        description="groups a rollout worker runs at once (threads pool: an in-process engine batches "
+        description="groups a rollout worker runs at once (threads pool: the torch engine batches "
         "them); 0 = worker_concurrency",
     )
     rollout_ready: int = Field(
@@ -103,7 +103,7 @@ class Settings(BaseSettings):
 
     # --- engines
     engine: Literal["torch", "vllm"] = "torch"
-    engine_url: str = Field(default="", description="OpenAI-compatible server; empty = in-process torch")
+    engine_url: str = Field(default="", description="OpenAI-compatible server; empty = the torch engine")
     model: str = Field(default="tiny", description="'tiny' (the built-in checkpoint) or a model path")
     device: str = "cpu"
     engine_timeout_s: float = Field(

@@ -7,11 +7,11 @@
 - ``rollout.load_policy(version=None, path=None, kind="full")``: load a policy version into this
   worker's engine.
 Pool: ``threads`` by default (``LOOM_ROLLOUT_POOL``): a task waits on its engine (an HTTP server, or
-the in-process engine's own scheduler thread), so a thread per task does the same work without the
-prefork pool's two process hops per task (measured: the gap between consecutive groups of one worker
-~7 ms with prefork, ~3 ms with threads); a killed worker is one process, and its unacknowledged
-message is redelivered as with prefork. Celery's task time limits do not apply to the threads pool:
-engine calls carry their own timeouts (``LOOM_ENGINE_TIMEOUT_S``).
+the torch engine's scheduler thread, in its own process by default), so a thread per task does the
+same work without the prefork pool's two process hops per task (measured: the gap between
+consecutive groups of one worker ~7 ms with prefork, ~3 ms with threads); a killed worker is one
+process, and its unacknowledged message is redelivered as with prefork. Celery's task time limits do
+not apply to the threads pool: engine calls carry their own timeouts (``LOOM_ENGINE_TIMEOUT_S``).
 The engine is a process-level singleton (``engines.get_engine``): a replica keeps its prefix cache
 and its engine server across tasks. Unreachable engines are retried with backoff, then the task
 fails with the typed error (``EngineUnavailable`` / ``EngineTimeout``), never hangs.
@@ -68,7 +68,7 @@ async def on_engine(coro: Coroutine[Any, Any, T]) -> T:
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` on this process's one event loop, which lives in its own thread: async engine
     clients keep their connections across tasks, and with the threads pool (``LOOM_ROLLOUT_POOL``,
-    the default) concurrent tasks share the loop, so an in-process engine batches their requests."""
+    the default) concurrent tasks share the loop, so the torch engine batches their requests."""
     global _loop, _loop_pid
     with _loop_lock:
         if _loop is None or _loop.is_closed() or _loop_pid != os.getpid():  # a forked child starts anew
