@@ -8,6 +8,7 @@ Mode and engine limits are 422 naming the limit; an unreachable engine is 503.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 from fastapi.responses import JSONResponse
@@ -51,7 +52,7 @@ def _engine_error(exc: Exception) -> JSONResponse:
 async def rollouts(body: RolloutRequest) -> Group | JSONResponse:
     settings = app.state.settings
     try:
-        engine = get_engine(settings)
+        engine = await asyncio.to_thread(get_engine, settings)  # the first call starts the engine: seconds
         return await generate_group(body, engine, lambda: get_tokenizer(settings), settings)
     except (ModeError, EngineError) as exc:
         return _engine_error(exc)
@@ -73,7 +74,7 @@ async def load_policy(body: PolicyRequest) -> JSONResponse:
             )
         policy = found
     try:
-        engine = get_engine(settings)
+        engine = await asyncio.to_thread(get_engine, settings)
         await engine.load_policy(policy)
     except EngineError as exc:
         return _engine_error(exc)
