@@ -2,18 +2,21 @@
 
 The kill test drives a worker whose engine is `loom engine --simulate-ms-per-token` (the labelled
 SIMULATION mode: a fixed, known generation time, so the kill reliably lands mid-group); what it
-tests is the queue and the task, not the model. The exactness test runs the real torch engine
-inside the worker.
+tests is the queue and the task, not the model. The exactness test runs the real torch engine in
+the worker's engine process (the default), and so does the killed-engine-process test.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from loom.queue import send
@@ -125,3 +128,51 @@ def test_worker_streaming_group_is_token_exact(
         ref = teacher_forced_logprobs(reference_model, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
         trained = [i for i, m in enumerate(t.loss_mask) if m]
         assert [t.logprobs[i] for i in trained] == pytest.approx([ref[i] for i in trained], abs=1e-4)
+
+
+def engine_process(worker: Any, timeout: float = 60.0) -> psutil.Process:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(worker.pid).children(recursive=True):
+            try:
+                if "rollout_svc.engines.process" in " ".join(child.cmdline()):
+                    return child
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.1)
+    raise AssertionError("the worker started no engine process")
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+@pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
+def test_a_killed_engine_process_fails_the_group_typed_and_its_retry_regenerates_it(
+    broker_env: Any, loom_worker: Any, model_dir: Path
+) -> None:
+    """The engine process (LOOM_ENGINE_PROCESS's default) dies with a group on it: the call fails with
+    EngineUnavailable, the task retries, the next call starts a new engine process, the same worker
+    records the group once."""
+    broker_env.extra_env.update(LOOM_ENGINE="torch", LOOM_MODEL=str(model_dir))
+    app = broker_env.app("rollout")
+    worker = loom_worker("rollout", broker_env)
+    tag = uuid.uuid4().hex[:8]
+
+    def request(i: int) -> RolloutRequest:
+        return RolloutRequest(
+            group_id=f"g-engine-{tag}-{i}", prompt_ids=[5, 6, 7], sampling=SamplingParams(n=2, max_tokens=6)
+        )
+
+    first = request(0)
+    send(app, "rollout.generate_group", first.model_dump(mode="json"), key=first.group_id).get(timeout=90)
+    engine = engine_process(worker)
+    engine.suspend()  # SIGSTOP: the next group's call is surely in flight when the process dies
+    second = request(1)
+    result = send(app, "rollout.generate_group", second.model_dump(mode="json"), key=second.group_id)
+    wait_state(result, "STARTED")
+    time.sleep(0.3)
+    os.kill(engine.pid, signal.SIGKILL)
+    group = Group.model_validate(result.get(timeout=90))
+    assert group.id == second.group_id and len(group.trajectories) == 2
+    assert group.meta["worker_pid"] == worker.pid and group.meta["retries"] >= 1
+    assert "exited with code -9" in worker.log()
+    assert engine_process(worker).pid != engine.pid
