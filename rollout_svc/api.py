@@ -8,7 +8,6 @@ Mode and engine limits are 422 naming the limit; an unreachable engine is 503.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 from fastapi.responses import JSONResponse
@@ -17,7 +16,7 @@ from pydantic import Field
 from loom.schemas import Contract, Group, PolicyVersion, RolloutRequest
 from loom.service import add_ping_route, broker_check, create_app
 from loom.store import PolicyStore
-from rollout_svc.engines import get_engine, get_tokenizer
+from rollout_svc.engines import get_engine_async, get_tokenizer
 from rollout_svc.engines.base import EngineError, EngineRequestError, UnsupportedCapability
 from rollout_svc.modes import ModeError
 from rollout_svc.rollout import generate_group
@@ -52,7 +51,7 @@ def _engine_error(exc: Exception) -> JSONResponse:
 async def rollouts(body: RolloutRequest) -> Group | JSONResponse:
     settings = app.state.settings
     try:
-        engine = await asyncio.to_thread(get_engine, settings)  # the first call starts the engine: seconds
+        engine = await get_engine_async(settings)
         return await generate_group(body, engine, lambda: get_tokenizer(settings), settings)
     except (ModeError, EngineError) as exc:
         return _engine_error(exc)
@@ -74,7 +73,7 @@ async def load_policy(body: PolicyRequest) -> JSONResponse:
             )
         policy = found
     try:
-        engine = await asyncio.to_thread(get_engine, settings)
+        engine = await get_engine_async(settings)
         await engine.load_policy(policy)
     except EngineError as exc:
         return _engine_error(exc)

@@ -8,7 +8,9 @@ process, so a rollout replica keeps its prefix cache (and its server affinity) a
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from typing import Any
 
 from loom.settings import Settings, get_settings
 from rollout_svc.engines.base import Engine
@@ -28,22 +30,17 @@ def make_engine(settings: Settings) -> Engine:
         )
     from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
 
+    path = resolve_model_path(settings.model)
+    kwargs: dict[str, Any] = {
+        "device": settings.device,
+        "cache_entries": settings.engine_prefix_cache_entries,
+        "logprobs_mode": settings.engine_logprobs_mode,
+    }
     if settings.engine_process:
         from rollout_svc.engines.process import ProcessEngine
 
-        return ProcessEngine(
-            resolve_model_path(settings.model),
-            device=settings.device,
-            cache_entries=settings.engine_prefix_cache_entries,
-            logprobs_mode=settings.engine_logprobs_mode,
-            timeout_s=settings.engine_timeout_s,
-        )
-    return TorchEngine(
-        resolve_model_path(settings.model),
-        device=settings.device,
-        cache_entries=settings.engine_prefix_cache_entries,
-        logprobs_mode=settings.engine_logprobs_mode,
-    )
+        return ProcessEngine(path, timeout_s=settings.engine_timeout_s, **kwargs)
+    return TorchEngine(path, **kwargs)
 
 
 def get_engine(settings: Settings | None = None) -> Engine:
@@ -52,6 +49,15 @@ def get_engine(settings: Settings | None = None) -> Engine:
         if _engine is None:
             _engine = make_engine(settings or get_settings())
         return _engine
+
+
+async def get_engine_async(settings: Settings | None = None) -> Engine:
+    """``get_engine`` for an event loop: the first call builds the engine (seconds: a model load, or
+    the start of the torch engine's process) in a thread; later calls return it at once."""
+    engine = _engine
+    if engine is not None:
+        return engine
+    return await asyncio.to_thread(get_engine, settings)
 
 
 def set_engine(engine: Engine | None) -> None:

@@ -98,7 +98,7 @@ class ProcessEngine(Engine):
         super().__init__()
         self.model_path = Path(model_path)
         self.logprobs_kind = logprobs_mode
-        self._config = {
+        self._config = {  # TorchEngine's arguments in the child
             "model_path": str(self.model_path),
             "device": device,
             "cache_entries": cache_entries,
@@ -133,9 +133,13 @@ class ProcessEngine(Engine):
     def _ensure_started(self) -> None:
         with self._lock:
             if self._conn is None and not self._closed:
-                self.restarts += 1
-                log.warning("starting a new torch engine process (restart %d)", self.restarts)
-                self._start()
+                self._restart()
+
+    def _restart(self) -> None:
+        """A new child after the last one ended (caller holds ``_lock``)."""
+        self.restarts += 1
+        log.warning("starting a new torch engine process (restart %d)", self.restarts)
+        self._start()
 
     @property
     def pid(self) -> int | None:
@@ -218,9 +222,7 @@ class ProcessEngine(Engine):
             if self._closed:
                 raise EngineUnavailable("the engine is closed")
             if self._conn is None:  # normally started by _ask off the event loop; a race lands here
-                self.restarts += 1
-                log.warning("starting a new torch engine process (restart %d)", self.restarts)
-                self._start()
+                self._restart()
             rid = next(self._ids)
             self._pending[rid] = fut
             assert self._conn is not None
@@ -358,12 +360,7 @@ def child_main(argv: list[str] | None = None) -> int:
     conn = Connection(a.fd)
     config = conn.recv()
     try:
-        engine = TorchEngine(
-            config["model_path"],
-            device=config["device"],
-            cache_entries=config["cache_entries"],
-            logprobs_mode=config["logprobs_mode"],
-        )
+        engine = TorchEngine(**config)
     except Exception as e:
         log.exception("the torch engine process could not load its model")
         conn.send((0, False, _picklable(EngineUnavailable(f"engine start failed: {e!r}")), (0, {})))
