@@ -12,7 +12,8 @@
    Without a callback all M' trees are expanded.
 4. Branch points of each expanded response (pluggable ``strategy``):
    - ``attention``: FCI of every step (loom.fci, eq. 5-6, delta = 4); the prompt step, the first
-     response step and steps from ``</think>`` on score 0; candidates are the eligible steps with
+     response step and the steps after ``</think>`` score 0 (``zero_from_step``: the step the marker
+     ends is the last thinking step); candidates are the eligible steps with
      FCI >= the 0.8-quantile of eligible scores (eq. 7, quantile over non-zeroed steps, > 0 only);
      the N earliest (default 2) at least ``min_distance`` tokens apart (default 512);
    - ``entropy`` (TreeRL): the N tokens with the highest -log-prob of the sampled token, masking the
@@ -142,8 +143,8 @@ def split_steps(
 ) -> list[tuple[int, int]]:
     """Token spans [start, end) of a response's steps: a step ends after each token whose text completes
     ``separator`` (a separator may straddle tokens); ``fallback`` is used when ``separator`` leaves
-    fewer than 3 steps up to ``end_token`` (the end-of-thinking token: steps from it on never branch;
-    default the end), i.e. no interior step to branch at, and ``fallback`` gives more."""
+    fewer than 3 steps up to ``end_token`` (the end-of-thinking token; default the end), i.e. no
+    interior step before the marker's own to branch at, and ``fallback`` gives more."""
     if not token_texts:
         return []
     ends, pos = [], 0
@@ -165,6 +166,17 @@ def split_steps(
         cuts = more if before_end(more) > before_end(cuts) else cuts
     bounds = [0, *cuts, len(token_texts)]
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+def zero_from_step(steps: Sequence[tuple[int, int]], end_token: int | None) -> int | None:
+    """The scorer's ``zero_from`` (step index, 1-based: step 0 is the prompt): the first response step
+    that starts at or after the end-of-thinking token, so the steps after the marker score 0 and never
+    branch. The step the marker ends (it starts before the marker, as the last paragraph of an
+    R1-style ``...\\n</think>\\n\\n`` does) is the last thinking step and stays eligible. None
+    without a marker."""
+    if end_token is None:
+        return None
+    return 1 + next((s for s, (a, _) in enumerate(steps) if a >= end_token), len(steps))
 
 
 def first_token_containing(token_texts: Sequence[str], needle: str) -> int | None:
@@ -467,10 +479,7 @@ async def tree(
         texts = _texts(tokenizer, c.token_ids, cache)
         end = first_token_containing(texts, cfg.end_marker) if cfg.end_marker else None
         steps = split_steps(texts, cfg.separator, cfg.fallback_separator, end)
-        zero_from = None
-        if end is not None:
-            zero_from = 1 + next(s for s, (a, b) in enumerate(steps) if a <= end < b)
-        return _Path(tid, index, tree_index, c, texts, steps, zero_from, **kw)
+        return _Path(tid, index, tree_index, c, texts, steps, zero_from_step(steps, end), **kw)
 
     async def score(p: _Path) -> None:
         if p.fci is not None or scorer is None:

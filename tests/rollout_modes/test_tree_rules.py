@@ -19,6 +19,7 @@ from rollout_svc.modes.tree import (
     random_branch_points,
     spaced_points,
     split_steps,
+    zero_from_step,
 )
 
 
@@ -61,6 +62,27 @@ def test_attention_candidates_take_n_earliest_above_quantile_at_min_distance():
     # lower quantile: candidates 1, 3, 4, 6 -> N earliest at >= 20 tokens apart: 5, 30 (20 is 15 away)
     assert attention_branch_points(fci, steps, n=2, q=0.5, min_distance=20) == [5, 30]
     assert attention_branch_points([0.0] * 10, steps, n=2) == []  # everything zeroed: no branching
+
+
+def test_only_the_steps_after_the_end_of_thinking_marker_are_zeroed():
+    # R1-style: the last thought ends "...\n</think>\n\n", so the marker sits inside the last thinking
+    # paragraph; that step stays eligible, the answer steps after it score 0
+    texts = ["<think>", " a", "\n\n", "b", "\n\n", "c", "\n", "</think>", "\n\n", "Final", "\n\n", "x"]
+    end = texts.index("</think>")
+    steps = split_steps(texts, end_token=end)
+    assert steps == [(0, 3), (3, 5), (5, 9), (9, 11), (11, 12)]
+    assert zero_from_step(steps, end) == 4  # 1-based (step 0 = the prompt): steps (9, 11) and (11, 12)
+    # a step that begins with the marker is after it: zeroed
+    texts2 = ["<think>", " a", "\n\n", "b", "\n\n", "</think>", "\n\n", "x"]
+    steps2 = split_steps(texts2, end_token=5)
+    assert steps2 == [(0, 3), (3, 5), (5, 7), (7, 8)]
+    assert zero_from_step(steps2, 5) == 3
+    assert zero_from_step(steps, None) is None
+    assert zero_from_step(steps, 11) == 5  # the marker inside the last step: nothing after it
+    # the random baseline follows the same rule: steps (3, 5) and (5, 9) only
+    for seed in range(10):
+        pts = random_branch_points(steps, 2, random.Random(seed), zero_from=zero_from_step(steps, end))
+        assert pts == [3, 5]
 
 
 def test_entropy_masks_first_token_and_everything_from_answer_on():
