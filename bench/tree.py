@@ -13,7 +13,9 @@ leaves from scratch would decode; a tree's leaves are longer on average than fre
 responses with more steps are the ones that branch). A tree saves at most what its branches share:
 with mean branch position f (fraction of the response) the ratio is about (1 + N T (1 - f)) / (1 + N T)
 per expanded response, and 1 for a response without a branch point; later rounds branch paths that
-already share a prefix, so each adds leaves at a lower cost.
+already share a prefix, so each adds leaves at a lower cost. Printed beside the ratios: branch points
+per tree and their mean position f (fraction of the parent path). At T = 2, 0.6 needs f >= 0.5 with
+two points per tree and f >= 0.6 with one.
 
 Usage: ``python bench/tree.py [--prompts 4] [--delta 2] [--min-distance 8] [--iterations 1,2,3]``.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 from pathlib import Path
 
@@ -62,6 +65,9 @@ def main() -> None:
     for iterations in [int(x) for x in a.iterations.split(",")]:
         for strategy in ("attention", "entropy", "random"):
             tree_c = indep_c = leaves = gen = indep_gen = own = 0
+            points: set[tuple[str, int]] = set()  # distinct (parent path, branch point)
+            fractions: list[float] = []  # each point's position as a fraction of its parent path
+            trees = 0
             for k, prob in enumerate(problems):
                 req = RolloutRequest(
                     mode="tree",
@@ -81,6 +87,12 @@ def main() -> None:
                 g = asyncio.run(tree(req, ids, f"t{k}", engine, tok, TreeConfig.from_request(req)))
                 tree_c += computed(engine) - before
                 n = len(g.trajectories)
+                by_id = {t.id: t for t in g.trajectories}
+                trees += sum(t.parent_id is None for t in g.trajectories)
+                for t in g.trajectories:
+                    if t.parent_id is not None and (t.parent_id, t.meta["branch_point"]) not in points:
+                        points.add((t.parent_id, t.meta["branch_point"]))
+                        fractions.append(t.meta["branch_point"] / len(by_id[t.parent_id].completion_ids))
                 leaves += n
                 gen += g.meta["tokens_generated"]
                 own += g.meta["tokens_independent"]  # the tree's own leaves, each sampled from scratch
@@ -95,7 +107,8 @@ def main() -> None:
                 f"L={iterations} {strategy:9s} leaves={leaves:3d}  computed tokens: tree={tree_c:6d} "
                 f"independent={indep_c:6d} ratio={tree_c / indep_c:.3f} (target <= 0.6) | generated: "
                 f"tree={gen} independent={indep_gen} | vs the tree's own leaves from scratch: {own} tokens, "
-                f"ratio={gen / own:.3f}"
+                f"ratio={gen / own:.3f} | branch points per tree {len(points) / trees:.2f} at "
+                f"{statistics.fmean(fractions) if fractions else 0.0:.2f} of the parent path (mean)"
             )
 
 
