@@ -154,32 +154,36 @@ class ProcessEngine(Engine):
         finally:
             child_sock.close()
         conn = Connection(parent_sock.detach())
-        conn.send(self._config)
+        try:
+            conn.send(self._config)
+            self._await_ready(proc, conn)
+        except BaseException:  # a child that failed to start leaves no process and no socket behind
+            conn.close()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            raise
+        self._proc, self._conn = proc, conn
+        threading.Thread(target=self._read, args=(proc, conn), name="loom-engine-reader", daemon=True).start()
+        log.info("torch engine process %d is up (%s)", proc.pid, self.model_path)
+
+    def _await_ready(self, proc: subprocess.Popen[bytes], conn: Connection) -> None:
+        """The child's first message: its model is loaded (and its state), or why it is not."""
         deadline = time.monotonic() + self.start_timeout_s
         while not conn.poll(0.2):
             if proc.poll() is not None or time.monotonic() > deadline:
-                code = proc.poll()
-                if code is None:
-                    proc.kill()
-                    proc.wait()
-                conn.close()
+                why = "no answer" if proc.returncode is None else f"exit code {proc.returncode}"
                 raise EngineUnavailable(
-                    f"the torch engine process did not start (exit code {proc.returncode}, "
-                    f"{self.start_timeout_s:.0f} s allowed); see its log above"
+                    f"the torch engine process did not start ({why}, {self.start_timeout_s:.0f} s "
+                    "allowed); see its log above"
                 )
         try:
-            ready = conn.recv()
+            _, ok, value, state = conn.recv()
         except (EOFError, OSError) as e:
-            proc.kill()
-            proc.wait()
             raise EngineUnavailable(f"the torch engine process died while starting: {e!r}") from e
-        if not ready[1]:
-            proc.wait()
-            raise ready[2]
-        self._proc, self._conn = proc, conn
-        self._apply_state(ready[3])
-        threading.Thread(target=self._read, args=(proc, conn), name="loom-engine-reader", daemon=True).start()
-        log.info("torch engine process %d is up (%s)", proc.pid, self.model_path)
+        if not ok:
+            raise value
+        self._apply_state(state)
 
     def _apply_state(self, state: tuple[int, dict[str, Any]]) -> None:
         version, stats = state

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,3 +214,21 @@ def test_the_child_ends_with_its_parent(model_dir: Path) -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_child_that_cannot_load_its_model_is_a_typed_error_and_leaves_nothing(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)  # the tokenizer loads in the parent; the weights do not
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    me = psutil.Process()
+
+    def engine_children() -> set[int]:  # other tests' engines may be running: compare, not count
+        return {c.pid for c in me.children() if "rollout_svc.engines.process" in " ".join(c.cmdline())}
+
+    fds, children = me.num_fds(), engine_children()
+    with pytest.raises(EngineUnavailable, match="engine start failed"):
+        ProcessEngine(broken)
+    assert me.num_fds() == fds  # the socket to the failed child is closed
+    assert engine_children() == children  # and the child is reaped
