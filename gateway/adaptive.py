@@ -45,6 +45,11 @@ class AdaptiveConfig:
     def __post_init__(self) -> None:
         if self.n < 1 or self.samples_per_round < 1 or self.max_rounds < 1:
             raise ValueError("n, samples_per_round and max_rounds must be >= 1")
+        if self.samples_per_round * self.max_rounds < self.n:
+            raise ValueError(
+                f"samples_per_round * max_rounds = {self.samples_per_round * self.max_rounds} can never "
+                f"fill an update group of n = {self.n}"
+            )
 
 
 def is_positive(reward: float, threshold: float) -> bool:
@@ -52,7 +57,10 @@ def is_positive(reward: float, threshold: float) -> bool:
 
 
 def exit_met(rewards: Sequence[float], cfg: AdaptiveConfig) -> bool:
-    """The exit condition on a prompt's pool (paper 001 §2.2, "Exit condition")."""
+    """The exit condition on a prompt's pool (paper 001 §2.2, "Exit condition"). A pool smaller than
+    n never exits (M < n): it could not fill the update group, so it keeps sampling."""
+    if len(rewards) < cfg.n:
+        return False
     pos = sum(1 for r in rewards if is_positive(r, cfg.threshold))
     neg = len(rewards) - pos
     if cfg.exit == "positive":

@@ -32,6 +32,15 @@ class AdaptiveParams(Contract):
     exit: Literal["positive", "balanced"] = "balanced"
     fill: Literal["first", "random"] = "first"
 
+    @model_validator(mode="after")
+    def _can_fill(self) -> AdaptiveParams:
+        if self.samples_per_round * self.max_rounds < self.n:
+            raise ValueError(
+                f"samples_per_round * max_rounds = {self.samples_per_round * self.max_rounds} can never "
+                f"fill an update group of n = {self.n}"
+            )
+        return self
+
 
 class TaskItem(Contract):
     prompt: str = Field(min_length=1, max_length=100_000)

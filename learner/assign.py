@@ -119,6 +119,13 @@ def assign_group(
         elif estimator == "rea":
             a = est.rea(r, eps=eps)
         else:
+            if group.pool is not None and key not in (None, "total"):
+                # the pool's sums are of the total reward (what adaptive sampling ranks by): mixing
+                # them with another component's r_i would centre on the wrong mean
+                raise ValueError(
+                    f"group {group.id}: global_baseline's pool statistics are of the total reward, "
+                    f"so estimator_params.reward_key must be 'total' (got {key!r})"
+                )
             a = est.global_baseline(r, group.pool, std=bool(params.get("std", False)), eps=eps)
         return [TokenAdvantages(t, _uniform(t, ai, m), m) for t, ai, m in zip(trajs, a, masks, strict=True)]
 

@@ -15,13 +15,20 @@ from torch import Tensor
 
 from loom.schemas import Aggregation
 
+LOG_RATIO_CLAMP = 20.0  # exp(20) = 4.9e8: far beyond any clip range, finite in float32
+
 
 def clipped_surrogate(
     logp: Tensor, old_logp: Tensor, adv: Tensor, eps_low: float = 0.2, eps_high: float = 0.28
 ) -> tuple[Tensor, Tensor]:
     """C(r, A) = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp - old_logp)
-    (PPO; clip-higher from DAPO). Returns (C per token, 1.0 where the clipped branch is active)."""
-    ratio = torch.exp(logp - old_logp)
+    (PPO; clip-higher from DAPO). Returns (C per token, 1.0 where the clipped branch is active).
+
+    The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before ``exp`` (as verl does): a
+    token whose behaviour log-prob is far below the policy's (a masked observation token carrying
+    any number, an external trainer's stale log-probs) would otherwise overflow to inf, and inf * 0
+    in the mask, or in the backward pass of ``minimum``, makes the whole loss and gradient NaN."""
+    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     surrogate = torch.minimum(unclipped, clipped)

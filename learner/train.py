@@ -188,19 +188,39 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         first: dict[str, float] = {}
+        # rows without usable behaviour log-probs: the first pass's own log-probs stand in for them
+        # on every pass, so later passes are clipped against the policy that started the batch
+        first_pass_logp: dict[int, Tensor] = {}
+        done = 0
+        applied: dict[str, float] = {}
+        applied_norm = 0.0
         for update in range(spec.updates_per_batch):
             # pass k > 0 sees the policy moved by the earlier passes: the ratio to the behaviour
             # log-probs is no longer 1 there, and the clip bounds how far the batch pulls it
-            stats = self.accumulate_gradients(assigned.samples, batch)
+            stats = self.accumulate_gradients(assigned.samples, batch, first_pass_logp)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], spec.max_grad_norm
             )
+            if not torch.isfinite(grad_norm):
+                # a NaN/inf gradient would write NaN into every weight: this pass is not applied
+                self.optimizer.zero_grad(set_to_none=True)
+                metrics["nonfinite_grad"] = 1.0
+                log.error("step %s pass %d: non-finite gradient norm, pass skipped", batch.step, update)
+                break
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            done += 1
+            applied, applied_norm = stats, float(grad_norm)
             if update == 0:
                 first = stats
+        if done == 0:
+            metrics["skipped"] = 1.0
+            return StepResult(
+                step=batch.step, policy_version=self.version, metrics=metrics, policy=self.record
+            )
+        stats = applied
         if spec.updates_per_batch > 1:
-            metrics["updates"] = float(spec.updates_per_batch)
+            metrics["updates"] = float(done)
             metrics["first_pass_loss"] = first["loss"]
             metrics["last_pass_clip_frac"] = stats["clip_frac"]
             stats = {
@@ -214,7 +234,7 @@ class Learner:
         metrics.update(stats)
         metrics.update(
             {
-                "grad_norm": float(grad_norm),
+                "grad_norm": applied_norm,
                 "lr": lr,
                 "train_seconds": elapsed,
                 "tokens_per_s": stats["seq_tokens"] / elapsed if elapsed > 0 else 0.0,
@@ -226,9 +246,19 @@ class Learner:
             step=batch.step, policy_version=record.version, metrics=metrics, n_tokens=n_tokens, policy=record
         )
 
-    def accumulate_gradients(self, samples: Sequence[TokenAdvantages], batch: TrainBatch) -> dict[str, float]:
+    def accumulate_gradients(
+        self,
+        samples: Sequence[TokenAdvantages],
+        batch: TrainBatch,
+        first_pass_logp: dict[int, Tensor] | None = None,
+    ) -> dict[str, float]:
         """Forward + loss + backward per micro-batch; the loss of each micro-batch is normalised by
-        the whole batch's token / sequence counts, so the accumulated gradient is the batch gradient."""
+        the whole batch's token / sequence counts, so the accumulated gradient is the batch gradient.
+
+        A row without usable behaviour log-probs is clipped against ``first_pass_logp[i]`` (its
+        log-probs on the first pass, recorded there): ratio 1 on the first pass, a real trust region
+        on later ones."""
+        frozen: dict[int, Tensor] = {} if first_pass_logp is None else first_pass_logp
         spec = batch.loss
         hrpo = batch.estimator == "hrpo"
         trajs = [s.trajectory for s in samples]
@@ -255,8 +285,15 @@ class Learner:
             ]
             old = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
             detached = mb.logp.detach()
+            stand_in = detached.clone()
+            for r, i in enumerate(mb.index):
+                if not behaviour_known[r]:
+                    n_i = len(samples[i].mask)
+                    if i not in frozen:
+                        frozen[i] = detached[r, :n_i].clone()
+                    stand_in[r, :n_i] = frozen[i]
             known = torch.tensor(behaviour_known, device=dev, dtype=torch.bool)[:, None]
-            old = torch.where(known, old, detached)  # no behaviour log-probs: on-policy, ratio 1
+            old = torch.where(known, old, stand_in)
             d = (detached - old) * mask * known
             mism["d_abs"] += float(d.abs().sum())
             mism["d_max"] = max(mism["d_max"], float(d.abs().max()) if d.numel() else 0.0)

@@ -25,9 +25,11 @@ TaskKind = Literal["math", "choice", "countdown", "arithmetic"]
 
 
 class Contract(BaseModel):
-    """Base of every wire type: unknown fields are an error (422 with the field path)."""
+    """Base of every wire type: unknown fields are an error (422 with the field path), and so is a
+    NaN or infinite number in any float field (a NaN reward or log-prob would otherwise reach the
+    learner and turn the policy's weights into NaN)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------------

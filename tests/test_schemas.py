@@ -40,6 +40,23 @@ def test_unknown_fields_are_refused_with_their_name():
     assert err.value.errors()[0]["loc"] == ("temprature",)
 
 
+def test_nan_and_infinite_numbers_are_refused_with_their_field():
+    from loom.schemas import LossSpec, TrajectoryReward
+
+    for bad in ('{"trajectory_id": "t", "total": NaN}', '{"trajectory_id": "t", "total": Infinity}'):
+        with pytest.raises(ValidationError) as err:
+            TrajectoryReward.model_validate_json(bad)
+        assert err.value.errors()[0]["loc"] == ("total",)
+    with pytest.raises(ValidationError) as err:
+        TrajectoryReward(trajectory_id="t", total=1.0, components={"accuracy": float("nan")})
+    assert err.value.errors()[0]["loc"] == ("components", "accuracy")
+    with pytest.raises(ValidationError) as err:
+        traj(logprobs=[-0.1, float("-inf"), -0.3])
+    assert err.value.errors()[0]["loc"] == ("logprobs", 1)
+    with pytest.raises(ValidationError):
+        LossSpec(lr=float("inf"))
+
+
 def test_rollout_request_needs_exactly_one_prompt():
     RolloutRequest(prompt_ids=[1, 2, 3])
     with pytest.raises(ValidationError, match="exactly one"):

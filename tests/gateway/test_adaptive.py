@@ -35,7 +35,20 @@ def test_balanced_exit_odd_n_needs_ceil_negatives() -> None:
 def test_threshold_is_strict() -> None:
     cfg = AdaptiveConfig(n=2, exit="positive", threshold=0.7)
     assert not exit_met([0.7, 0.7], cfg)
-    assert exit_met([0.71], cfg)
+    assert exit_met([0.71, 0.7], cfg)
+
+
+def test_a_pool_smaller_than_n_keeps_sampling_instead_of_being_dropped() -> None:
+    # M = 2 < n = 4: one positive in round 0 met the positive exit with 2 responses, and down-sampling
+    # then dropped the prompt for having fewer than n
+    cfg = AdaptiveConfig(n=4, samples_per_round=2, max_rounds=3, exit="positive")
+    assert not exit_met([POS, NEG], cfg)
+    pools, counters = run_rounds(1, lambda active, rnd: [[(r, r) for r in (POS, NEG)] for _ in active], cfg)
+    assert pools[0].rounds == 2 and pools[0].exited_round == 1
+    chosen = select(pools, cfg, counters)
+    assert chosen[0] is not None and counters.dropped == 0
+    with pytest.raises(ValueError, match="can never fill"):
+        AdaptiveConfig(n=4, samples_per_round=1, max_rounds=3)
 
 
 def test_downsample_takes_half_positives_first_come() -> None:

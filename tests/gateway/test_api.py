@@ -113,6 +113,16 @@ def test_bad_job_body_is_422_with_field_path(client: TestClient) -> None:
     )
     assert r.status_code == 422
     assert ["body", "sampling", "n"] in [e["loc"] for e in r.json()["detail"]]
+    bad = {"job_key": "k", "prompts": ["p"], "adaptive": {"n": 8, "samples_per_round": 2, "max_rounds": 3}}
+    r = client.post("/v1/jobs", json=bad, headers=auth(JOBS_KEY))
+    assert r.status_code == 422 and ["body", "adaptive"] in [e["loc"] for e in r.json()["detail"]]
+    r = client.post(
+        "/v1/jobs",
+        content='{"job_key": "k", "prompts": ["p"], "sampling": {"temperature": NaN}}',
+        headers={**auth(JOBS_KEY), "content-type": "application/json"},
+    )
+    assert r.status_code == 422
+    assert ["body", "sampling", "temperature"] in [e["loc"] for e in r.json()["detail"]]
 
 
 def test_rate_limit_is_429_with_retry_after_per_key(tmp_path: Path) -> None:

@@ -92,6 +92,20 @@ def _hrpo_components():
     ]
 
 
+def test_global_baseline_refuses_a_reward_key_its_pool_was_not_summed_over():
+    # the pool's sums are of the total reward; centring another component on them is silently wrong
+    tr = [Trajectory(id=f"t{i}", group_id="g", prompt_ids=[1], completion_ids=[2]) for i in range(2)]
+    rw = {
+        "t0": TrajectoryReward(trajectory_id="t0", total=3.0, components={"accuracy": 1.0}),
+        "t1": TrajectoryReward(trajectory_id="t1", total=0.0, components={"accuracy": 0.0}),
+    }
+    group = Group(id="g", trajectories=tr, pool=PoolStats(n_sampled=2, reward_sum=3.0, reward_sq_sum=9.0))
+    with pytest.raises(ValueError, match="reward_key must be 'total'"):
+        assign_group(group, rw, "global_baseline", {"reward_key": "accuracy"})
+    out = assign_group(group, rw, "global_baseline", {"reward_key": "total"})
+    assert [s.adv[0] for s in out] == approx([1.5, -1.5])
+
+
 def test_hrpo_hand_computed_components():
     h = est.hrpo(_hrpo_components(), beta=0.05, w_acc=1.0, w_fmt=2.0)
     # N(fmt_s) of [1,1,0,1]: mean .75, std sqrt(3)/4

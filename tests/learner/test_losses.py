@@ -72,6 +72,26 @@ def test_observation_tokens_never_change_any_loss():
     assert h1.item() == approx(h2.item())
 
 
+def test_a_masked_token_with_an_absurd_behaviour_logprob_leaves_loss_and_gradient_finite():
+    # exp(logp - old) overflows float32 at -200; inf * 0 in the mask (or in minimum's backward) was NaN
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0, -200.0]])
+    adv = torch.tensor([[0.5, 0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        logp.grad = None
+        parts = policy_loss(logp, old, adv, mask, aggregation=mode)
+        parts.loss.backward()
+        assert math.isfinite(parts.loss.item()) and torch.isfinite(logp.grad).all()
+        assert logp.grad[0, 2].item() == 0.0
+    parts = policy_loss(logp, old, adv, mask)
+    assert parts.loss.item() == approx(-0.5)
+    h = hrpo_loss(logp, old, adv, adv, adv, mask, torch.zeros(1, 3))
+    logp.grad = None
+    h.loss.backward()
+    assert math.isfinite(h.loss.item()) and torch.isfinite(logp.grad).all()
+
+
 def test_hrpo_value_hand_computed():
     # one trajectory: 2 streaming, 1 observation, 3 deep tokens; ratio 1 -> C = A
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0, 1.0]])

@@ -134,6 +134,30 @@ def test_invalid_batch_is_a_value_error(model_dir, tmp_path, batch_parts):
         )
 
 
+def test_later_passes_are_clipped_even_without_behaviour_logprobs(model_dir, tmp_path, batch_parts):
+    # rows without behaviour log-probs are clipped against the first pass's log-probs: before, each
+    # pass compared the moved policy with itself (ratio 1), so several passes had no trust region
+    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    groups, rewards = batch_parts(streaming=False, behaviour=None)
+    spec = LossSpec(lr=3e-2, updates_per_batch=4)
+    r = learner.train_step(TrainBatch(step=0, groups=groups, rewards=rewards, loss=spec))
+    assert r.metrics["behaviour_logprobs_used"] == 0.0 and r.metrics["updates"] == 4
+    assert r.metrics["last_pass_clip_frac"] > 0.1
+
+
+def test_a_non_finite_gradient_is_never_applied(model_dir, tmp_path, batch_parts):
+    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    before = _state(learner.model)
+    groups, rewards = batch_parts()
+    batch = TrainBatch(step=0, groups=groups, rewards=rewards)
+    # the wire contract refuses NaN; this stands for any NaN that arises inside the learner
+    batch.rewards[0].rewards[0] = rewards[0].rewards[0].model_copy(update={"total": float("nan")})
+    r = learner.train_step(batch)
+    assert r.metrics["skipped"] == 1.0 and r.metrics["nonfinite_grad"] == 1.0
+    assert r.policy_version == 0 and PolicyStore(tmp_path / "store").latest() is None
+    assert _same(before, _state(learner.model))
+
+
 def test_warmup_scales_the_first_steps_linearly_then_holds():
     from learner.train import warmup_lr
 
