@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -17,17 +18,18 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.auth import auth_middleware
 from gateway.datasets import DatasetError, load_dataset
 from gateway.keys import KeyRing
 from gateway.manager import Manager
-from gateway.models import Created, JobRequest, JobView, RunRequest, RunView, ScoredGroup
+from gateway.models import MAX_VERSION, Created, JobRequest, JobView, RunRequest, RunView, ScoredGroup
 from gateway.pipeline import CeleryStages, Stages
 from gateway.ratelimit import TokenBuckets
 from gateway.state import GatewayState
+from gateway.validate import submission_problem
 from loom.queue import queue_depths
 from loom.service import add_ping_route, broker_check, create_app
 from loom.settings import SERVICES, Settings, get_settings
@@ -69,6 +71,19 @@ class Backpressure:
                 detail={"error": "backpressure", "queue_depth": depth, "limit": self.limit},
                 headers={"Retry-After": str(max(1, min(60, depth // max(self.limit, 1))))},
             )
+
+
+def finite_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """A step's numeric metrics, without any NaN or infinity (JSON has no such numbers)."""
+    out = {}
+    for k, v in row.items():
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(x):
+            out[k] = x
+    return out
 
 
 def _owner(request: Request) -> str:
@@ -116,6 +131,11 @@ def build_app(
     async def submit_job(body: JobRequest, request: Request) -> Any:
         """Submit prompts for rollout + reward (+ adaptive sampling); idempotent by ``job_key``."""
         await asyncio.to_thread(backpressure.check)
+        problem = submission_problem(
+            body.items(), body, settings, "tasks" if body.tasks is not None else None
+        )
+        if problem is not None:
+            return JSONResponse(status_code=422, content=problem)
         try:
             job_id, created = state.create_job(
                 _owner(request), body.job_key, body.model_dump(mode="json"), len(body.items())
@@ -156,7 +176,7 @@ def build_app(
         Reconnect with ``Last-Event-ID`` to continue after the last group received."""
         _job_row(job_id, request)
         try:
-            after = int(request.headers.get("last-event-id", "-1"))
+            after = min(max(int(request.headers.get("last-event-id", "-1")), -1), MAX_VERSION)
         except ValueError:
             after = -1
 
@@ -185,9 +205,12 @@ def build_app(
         """Start an RL run; idempotent by ``run_key`` when given."""
         await asyncio.to_thread(backpressure.check)
         try:
-            await asyncio.to_thread(load_dataset, body.dataset, body.mode)
+            items = await asyncio.to_thread(load_dataset, body.dataset, body.mode)
         except DatasetError as exc:
             raise HTTPException(422, {"error": "invalid_dataset", "detail": str(exc)}) from None
+        problem = await asyncio.to_thread(submission_problem, items, body, settings, None)
+        if problem is not None:
+            return JSONResponse(status_code=422, content=problem)
         try:
             run_id, created = state.create_run(
                 _owner(request),
@@ -224,11 +247,13 @@ def build_app(
             policy_version=row["policy_version"],
             batch_size=row["batch_size"],
             error=row["error"],
-            last_metrics={k: float(v) for k, v in (last[-1] if last else {}).items()},
+            last_metrics=finite_metrics(last[-1] if last else {}),
         )
 
     @router.get("/runs/{run_id}/metrics", tags=["runs"])
-    async def run_metrics(run_id: str, request: Request, after: int = -1) -> list[dict[str, Any]]:
+    async def run_metrics(
+        run_id: str, request: Request, after: int = Query(-1, ge=-1, le=MAX_VERSION)
+    ) -> list[dict[str, Any]]:
         """Per-step metrics (also appended to ``<data_dir>/runs/<id>/metrics.jsonl``)."""
         _run_row(run_id, request)
         return state.run_steps(run_id, after)

@@ -6,7 +6,9 @@ import json
 import random
 from typing import Any
 
-from gateway.models import DatasetSpec, TaskItem
+from pydantic import ValidationError
+
+from gateway.models import KNOBS, DatasetSpec, TaskItem
 
 BUILTIN_TASK_KIND = {"arith": "arithmetic", "countdown": "countdown"}
 
@@ -44,8 +46,13 @@ def load_dataset(spec: DatasetSpec, mode: str = "plain") -> list[TaskItem]:
         from loom.tiny.tasks import TINY_KNOBS, make_problems
 
         # Without knobs, the distribution the built-in tiny model was trained on.
-        knobs = spec.knobs or TINY_KNOBS[spec.builtin]
-        problems = make_problems(spec.builtin, spec.size, spec.seed, split="train", **knobs)
+        knobs = KNOBS[spec.builtin].model_validate(spec.knobs).model_dump(exclude_unset=True)
+        try:
+            problems = make_problems(
+                spec.builtin, spec.size, spec.seed, split="train", **(knobs or TINY_KNOBS[spec.builtin])
+            )
+        except ValueError as exc:  # too few distinct problems for ``size`` under these knobs
+            raise DatasetError(str(exc)) from None
         return [builtin_item(p, mode) for p in problems]
     items: list[TaskItem] = []
     for lineno, line in enumerate((spec.jsonl or "").splitlines(), 1):
@@ -58,7 +65,13 @@ def load_dataset(spec: DatasetSpec, mode: str = "plain") -> list[TaskItem]:
             raise DatasetError(f"jsonl line {lineno}: expected an object with 'prompt' and 'answer'") from exc
         if not isinstance(prompt, str) or not prompt:
             raise DatasetError(f"jsonl line {lineno}: 'prompt' must be a non-empty string")
-        items.append(TaskItem(prompt=prompt, label=None if answer is None else str(answer), task=spec.task))
+        try:
+            items.append(
+                TaskItem(prompt=prompt, label=None if answer is None else str(answer), task=spec.task)
+            )
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            raise DatasetError(f"jsonl line {lineno}: {'.'.join(map(str, e['loc']))}: {e['msg']}") from None
     if not items:
         raise DatasetError("the dataset is empty")
     return items

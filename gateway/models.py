@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from loom.schemas import (
     Contract,
@@ -18,6 +18,8 @@ from loom.schemas import (
     TaskKind,
 )
 
+MAX_VERSION = 2**53  # policy versions and step numbers: exact in JSON and in SQLite's 64-bit integers
+
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 RunStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -28,7 +30,7 @@ class AdaptiveParams(Contract):
     n: int = Field(default=4, ge=1, le=256)
     samples_per_round: int = Field(default=8, ge=1, le=256, description="M")
     max_rounds: int = Field(default=4, ge=1, le=32, description="R")
-    threshold: float = 0.7
+    threshold: float = Field(default=0.7, ge=-1e6, le=1e6)
     exit: Literal["positive", "balanced"] = "balanced"
     fill: Literal["first", "random"] = "first"
 
@@ -53,14 +55,16 @@ class TaskItem(Contract):
 
 class JobRequest(Contract):
     job_key: str = Field(min_length=1, max_length=200, description="client idempotency key")
-    prompts: list[str] | None = Field(default=None, max_length=4096)
+    prompts: list[Annotated[str, Field(min_length=1, max_length=100_000)]] | None = Field(
+        default=None, max_length=4096
+    )
     tasks: list[TaskItem] | None = Field(default=None, max_length=4096)
     mode: Mode = "plain"
     mode_params: dict[str, Any] = Field(default_factory=dict)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     reward: RewardSpec = Field(default_factory=RewardSpec)
     adaptive: AdaptiveParams | None = None
-    policy_version: int | None = Field(default=None, ge=0)
+    policy_version: int | None = Field(default=None, ge=0, le=MAX_VERSION)
     reflect: bool = Field(default=False, description="add reflection revisions (reflect_svc)")
 
     @model_validator(mode="after")
@@ -94,13 +98,48 @@ class JobView(Contract):
     groups: list[ScoredGroup] = Field(default_factory=list)
 
 
+def _span(lo: int, hi: int) -> Any:
+    return Annotated[tuple[Annotated[int, Field(ge=lo, le=hi)], Annotated[int, Field(ge=lo, le=hi)]], ...]
+
+
+class ArithKnobs(Contract):
+    """loom.tiny.tasks.arith_problem's settings: operand digit counts (min, max)."""
+
+    ops: list[Literal["+", "-", "*"]] = Field(default=["+", "-", "*"], min_length=1, max_length=3)
+    digits: _span(1, 9) = (2, 3)  # type: ignore[valid-type]
+    mul_digits_b: _span(1, 9) = (1, 1)  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ArithKnobs:
+        for name in ("digits", "mul_digits_b"):
+            lo, hi = getattr(self, name)
+            if lo > hi:
+                raise ValueError(f"{name} must be (min, max), got ({lo}, {hi})")
+        return self
+
+
+class CountdownKnobs(Contract):
+    """loom.tiny.tasks.countdown_problem's settings."""
+
+    n_numbers: int = Field(default=3, ge=2, le=5)
+    max_number: int = Field(default=9, ge=1, le=50)
+    max_target: int = Field(default=99, ge=1, le=1_000_000)
+
+
+KNOBS: dict[str, type[Contract]] = {"arith": ArithKnobs, "countdown": CountdownKnobs}
+
+
 class DatasetSpec(Contract):
     """``builtin`` synthetic tasks (loom.tiny.tasks) or uploaded ``jsonl`` / ``items`` of {prompt, answer}."""
 
     builtin: Literal["arith", "countdown"] | None = None
     size: int = Field(default=256, ge=1, le=100_000)
-    seed: int = 0
-    knobs: dict[str, Any] = Field(default_factory=dict)
+    seed: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    knobs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="generator settings of the built-in task (ArithKnobs / CountdownKnobs); empty: the "
+        "distribution the tiny model was trained on",
+    )
     jsonl: str | None = Field(default=None, description="uploaded JSONL text, one {prompt, answer} a line")
     task: TaskKind | None = Field(default=None, description="task kind of uploaded items")
 
@@ -108,6 +147,17 @@ class DatasetSpec(Contract):
     def _one_source(self) -> DatasetSpec:
         if (self.builtin is None) == (self.jsonl is None):
             raise ValueError("give exactly one of builtin or jsonl")
+        if self.knobs:
+            if self.builtin is None:
+                raise ValueError("knobs apply to builtin datasets only")
+            try:
+                KNOBS[self.builtin].model_validate(self.knobs)
+            except ValidationError as exc:
+                where = "; ".join(
+                    f"knobs.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" if e["loc"] else e["msg"]
+                    for e in exc.errors()
+                )
+                raise ValueError(where) from None
         return self
 
 
@@ -118,9 +168,15 @@ class Schedule(Contract):
     adaptive_batch: bool = Field(default=False, description="AttnRL eq. 10")
     target_groups: int | None = Field(default=None, ge=1, description="B': wanted groups with signal")
     batch_lambda: float = Field(default=0.9, ge=0.0, le=1.0)
-    min_batch: int = Field(default=1, ge=1)
-    max_batch: int = Field(default=256, ge=1)
-    seed: int = 0
+    min_batch: int = Field(default=1, ge=1, le=4096)
+    max_batch: int = Field(default=256, ge=1, le=4096)
+    seed: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Schedule:
+        if self.min_batch > self.max_batch:
+            raise ValueError(f"min_batch {self.min_batch} > max_batch {self.max_batch}")
+        return self
 
 
 class RunRequest(Contract):
@@ -136,7 +192,7 @@ class RunRequest(Contract):
     loss: LossSpec = Field(default_factory=LossSpec)
     schedule: Schedule = Field(default_factory=Schedule)
     reflect: bool = False
-    initial_policy_version: int = Field(default=0, ge=0)
+    initial_policy_version: int = Field(default=0, ge=0, le=MAX_VERSION)
 
 
 class RunView(Contract):

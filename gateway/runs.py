@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from gateway.stepmetrics import has_signal, step_metrics
 from loom.schemas import RolloutRequest, TrainBatch
 
 log = logging.getLogger("loom.gateway.runs")
+
+WAIT_POLL_S = 0.5  # how often a run waiting on its generation looks for a cancel
 
 
 @dataclass
@@ -157,7 +160,18 @@ class RunLoop:
                     if k not in inflight:
                         inflight[k] = gen_pool.submit(self.generate, k, batch, version)
                 t_step = time.perf_counter()
-                gen = inflight.pop(step).result()
+                gen_future = inflight.pop(step)
+                while True:  # a cancel is seen within WAIT_POLL_S, not when the generation ends
+                    try:
+                        gen = gen_future.result(timeout=WAIT_POLL_S)
+                        break
+                    except FutureTimeout:
+                        if self._cancelled():
+                            return "cancelled"
+                        if self.stop.is_set():
+                            raise Cancelled("gateway stopping") from None
+                if self._cancelled():  # nothing is trained (nor published) for a cancelled run
+                    return "cancelled"
                 staleness = version - gen.gen_version
                 if staleness > sched.staleness:  # cannot happen by construction; refuse rather than train
                     raise RuntimeError(f"step {step}: staleness {staleness} > bound {sched.staleness}")
@@ -201,11 +215,17 @@ class RunLoop:
         except Cancelled:
             return "interrupted"
         except Exception as exc:
+            if self._cancelled():  # a cancel wins over the failure of the step it interrupted
+                return "cancelled"
             log.exception("run %s failed", self.run_id)
             self.state.set_run(self.run_id, status="failed", error=f"{type(exc).__name__}: {exc}")
             return "failed"
         finally:
             gen_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _cancelled(self) -> bool:
+        row = self.state.run(self.run_id)
+        return row is not None and row["status"] == "cancelled"
 
     def _append_jsonl(self, metrics: dict[str, Any]) -> None:
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)

@@ -7,14 +7,17 @@ fractions. Size limits bound the work: an over-long or over-deep expression is r
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 MAX_EXPR_CHARS = 512
 MAX_DEPTH = 32
 MAX_DIGITS = 30
+MAX_NUMBER_CHARS = 600  # a plain final answer (parse_number); an expression's literals: MAX_DIGITS
 
 _TOKEN = re.compile(r"\s*(\d+|[-+*/()])")
 _NORMALISE = str.maketrans({"×": "*", "x": "*", "X": "*", "÷": "/", "−": "-", "–": "-", "·": "*"})
@@ -112,10 +115,12 @@ def evaluate(text: str) -> Evaluated:
 
 
 def parse_number(text: str) -> Fraction | None:
-    """A final numeric answer: integer, decimal, fraction ``a/b`` or a small expression."""
+    """A final numeric answer: integer, decimal, fraction ``a/b`` or a small expression; None for
+    anything else, a number longer than ``MAX_NUMBER_CHARS`` included."""
     cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".")
     if re.fullmatch(r"-?\d+(\.\d+)?", cleaned):
-        return Fraction(cleaned)
+        # under 640 characters, int() never meets Python's digit limit, whatever it is set to
+        return Fraction(cleaned) if len(cleaned) <= MAX_NUMBER_CHARS else None
     try:
         return evaluate(cleaned).value
     except ExprError:
@@ -126,6 +131,20 @@ def check_arithmetic(answer: str, gold: str) -> bool:
     """True when the answer's value equals the gold value exactly."""
     a, g = parse_number(answer), parse_number(gold)
     return a is not None and g is not None and a == g
+
+
+def parse_countdown(spec: Any) -> tuple[list[int], int] | None:
+    """A Countdown problem, ``{"numbers": [...], "target": n}`` as a mapping or as JSON text:
+    ``(numbers, target)``, or None when it is malformed (never an exception: labels are input)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the stack
+            return None
+    try:
+        return [int(n) for n in spec["numbers"]], int(spec["target"])
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
+        return None
 
 
 def check_countdown(expression: str, numbers: list[int], target: int, *, use_all: bool = True) -> bool:

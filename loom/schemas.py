@@ -9,9 +9,9 @@ Rules that keep them growable:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SCHEMA_VERSION = "1.0"
 
@@ -42,8 +42,10 @@ class SamplingParams(Contract):
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list, max_length=64)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
+    stop: list[Annotated[str, Field(min_length=1, max_length=1000)]] = Field(
+        default_factory=list, max_length=64
+    )
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     logprobs: int = Field(default=0, ge=0, le=20, description="top-k log-probs per token (0 = sampled only)")
 
@@ -177,7 +179,7 @@ class RolloutRequest(Contract):
 
 class RewardComponent(Contract):
     name: str = Field(min_length=1, max_length=64)
-    weight: float = 1.0
+    weight: float = Field(default=1.0, ge=-1e6, le=1e6)
     params: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -219,17 +221,17 @@ class LossSpec(Contract):
     eps_low: float = Field(default=0.2, ge=0.0)
     eps_high: float = Field(default=0.28, ge=0.0)
     kl_coef: float = Field(default=0.0, ge=0.0)
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(default=0.0, ge=-1.0, le=1.0)
     aggregation: Aggregation = "token_mean"
     hrpo_lambda: float = Field(default=0.05, ge=0.0)
-    lr: float = Field(default=1e-4, gt=0.0)
+    lr: float = Field(default=1e-4, gt=0.0, le=1.0)
     warmup_steps: int = Field(
         default=0,
         ge=0,
         description="linear lr warmup over the first optimizer steps; Adam's first steps move every "
         "weight by about lr whatever the gradient's size, which a small policy does not survive",
     )
-    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6)
     temperature: float = Field(
         default=1.0,
         gt=0.0,
@@ -244,7 +246,8 @@ class LossSpec(Contract):
         ge=1,
         le=16,
         description="optimizer steps on each batch (PPO's mu): every pass recomputes the log-probs, "
-        "the clipped ratio is taken against the behaviour log-probs, and warmup counts per batch",
+        "the clipped ratio is taken against the behaviour log-probs (for rows without usable ones, "
+        "against the first pass's), and warmup counts per batch",
     )
 
 
@@ -295,20 +298,31 @@ class ReflectParams(Contract):
     detector: ReflectDetector = "gold"
     strength: ReflectStrength = Field(default="normal", description="model detector: weak/normal/strong")
     keyword_k: int = Field(default=1, ge=1, description="heuristic: cut before the k-th reflection")
-    keywords: list[str] = Field(
-        default_factory=lambda: ["wait", "alternatively", "check", "but"], min_length=1, max_length=64
+    keywords: list[Annotated[str, Field(min_length=1, max_length=100, pattern=r"\S")]] = Field(
+        default_factory=lambda: ["wait", "alternatively", "check", "but"],
+        min_length=1,
+        max_length=64,
+        description="a blank keyword would match at every word boundary: refused",
     )
     keyword_gap_chars: int = Field(default=59, ge=0, description="keywords this close count once")
     fixed_keep: float = Field(default=0.7, gt=0.0, le=1.0, description="fixed: fraction of thinking kept")
-    min_chunk_tokens: int = Field(default=32, ge=1)
-    max_chunk_tokens: int = Field(default=128, ge=1)
+    min_chunk_tokens: int = Field(default=32, ge=1, le=100_000)
+    max_chunk_tokens: int = Field(default=128, ge=1, le=100_000)
     max_removed_fraction: float = Field(default=0.5, ge=0.0, le=0.5, description="of the thinking tokens")
     forced_ending: str = Field(default="\n</think>\n\n**Final Answer:**\n\n", max_length=1000)
     max_tokens: int = Field(default=256, ge=1, le=131072, description="budget of the policy's completion")
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     reward: RewardSpec = Field(default_factory=RewardSpec, description="scores originals and revisions")
     keep_discarded: bool = Field(default=False, description="return discarded revisions too (for analysis)")
+
+    @field_validator("max_chunk_tokens")
+    @classmethod
+    def _chunk_bounds(cls, v: int, info: ValidationInfo) -> int:
+        lo = info.data.get("min_chunk_tokens")
+        if lo is not None and v < lo:
+            raise ValueError(f"must be >= min_chunk_tokens ({lo})")
+        return v
 
 
 class ReflectRequest(Contract):

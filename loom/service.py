@@ -130,10 +130,23 @@ def create_app(
     latency = Histogram("loom_http_request_seconds", "HTTP latency", ["service", "route"], registry=registry)
     app.state.metrics_registry = registry
 
+    def _internal_error(request: Request, exc: BaseException) -> JSONResponse:
+        ref = uuid.uuid4().hex[:12]
+        log.error("unhandled error %s on %s %s", ref, request.method, request.url.path, exc_info=exc)
+        return JSONResponse(
+            status_code=500, content={"error": "internal_error", "detail": f"reference {ref}"}
+        )
+
     @app.middleware("http")
     async def _metrics(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
         t0 = time.perf_counter()
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception as exc:
+            # answered here, not by Starlette's ServerErrorMiddleware: that one sends the 500 and then
+            # re-raises, and uvicorn closes the connection, so a client's next request on the same
+            # keep-alive connection was reset (or hung)
+            response = _internal_error(request, exc)
         route = request.scope.get("route")
         path = getattr(route, "path", "unmatched")
         requests.labels(service, path, str(response.status_code)).inc()
@@ -164,11 +177,7 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        ref = uuid.uuid4().hex[:12]
-        log.exception("unhandled error %s on %s %s", ref, request.method, request.url.path)
-        return JSONResponse(
-            status_code=500, content={"error": "internal_error", "detail": f"reference {ref}"}
-        )
+        return _internal_error(request, exc)  # only what escapes the middleware above
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> dict[str, str]:

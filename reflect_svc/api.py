@@ -1,8 +1,10 @@
 """HTTP API of the reflect service: validates, calls the core, returns schemas.
 
 ``POST /v1/reflect``: ``ReflectRequest`` (a group and ``ReflectParams``) -> ``ReflectResult`` (the group
-with its kept revisions, and what happened to every trajectory). A failed rollout or reward call is a
-503 with a typed error; a failed detector is a per-trajectory status, never an error.
+with its kept revisions, and what happened to every trajectory). Bad input the schemas let through
+(token ids outside the policy's vocabulary, crossed chunk bounds) is a 422 with the field path; a
+failed rollout or reward call is a 503 with a typed error; a failed detector is a per-trajectory
+status, never an error. Anything else is a bug of this service: the app's typed 500.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from loom.schemas import ReflectRequest, ReflectResult
 from loom.service import add_ping_route, broker_check, create_app
 from reflect_svc.backends import make_services, policy_tokenizer
 from reflect_svc.config import get_reflect_settings
-from reflect_svc.revise import ServiceError, revise_group
+from reflect_svc.revise import InputError, ServiceError, revise_group
 from reflect_svc.tasks import celery_app
 
 app = create_app(
@@ -39,9 +41,8 @@ def _revise(body: ReflectRequest) -> ReflectResult:
 async def reflect(body: ReflectRequest) -> ReflectResult | JSONResponse:
     try:
         return await asyncio.to_thread(_revise, body)
-    except ServiceError as exc:
+    except InputError as exc:
+        detail = [{"loc": ["body", *exc.loc], "msg": exc.msg, "type": "validation_error"}]
+        return JSONResponse(status_code=422, content={"error": "validation_error", "detail": detail})
+    except ServiceError as exc:  # the rollout or reward service failed: typed, no stack trace
         return JSONResponse(status_code=503, content={"error": exc.status, "detail": str(exc)})
-    except Exception as exc:  # rollout / reward unreachable or failing: typed, no stack trace
-        return JSONResponse(
-            status_code=503, content={"error": "upstream_error", "detail": f"{type(exc).__name__}: {exc}"}
-        )

@@ -4,7 +4,9 @@
   BY NAME on the shared Celery fabric and awaited;
 - ``HTTPServices``: ``POST /v1/rewards/match``, ``POST /v1/rollouts``, ``POST /v1/rewards`` with the
   typed clients of ``loom.clients``.
-Both label chunks with the reflection model over its OpenAI-compatible HTTP API.
+Both label chunks with the reflection model over its OpenAI-compatible HTTP API, send the chunks to
+the verifier in batches the reward service accepts (``match_batches``), and report a failed call as a
+``ServiceError`` (never a bare exception: anything else is a bug of this service).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
+
+from loom.clients.base import LoomHTTPError
 from loom.clients.reward import RewardClient
 from loom.clients.rollout import RolloutClient
 from loom.schemas import Group, RewardResult, RewardSpec, RolloutRequest
@@ -24,6 +29,9 @@ from reflect_svc.reflection_model import ModelError, ModelOutput, ReflectionMode
 from reflect_svc.revise import ServiceError
 
 _MATCH_META = ("numbers", "target")
+# what an HTTP call can raise that is the other service's failure: transport, an error status, a
+# body that is not the schema (JSON and pydantic errors are ValueErrors)
+_HTTP_ERRORS = (httpx.HTTPError, LoomHTTPError, ValueError, KeyError, TypeError)
 
 
 def match_request(group: Group, texts: list[str], timeout_s: int = 5) -> dict[str, Any]:
@@ -36,11 +44,28 @@ def match_request(group: Group, texts: list[str], timeout_s: int = 5) -> dict[st
     }
 
 
+def match_batches(texts: list[str], max_texts: int, max_chars: int) -> list[list[str]]:
+    """Consecutive batches of at most ``max_texts`` texts and ``max_chars`` characters (a longer
+    text goes alone): one match request each."""
+    out: list[list[str]] = []
+    chars = 0
+    for text in texts:
+        if not out or len(out[-1]) >= max_texts or (out[-1] and chars + len(text) > max_chars):
+            out.append([])
+            chars = 0
+        out[-1].append(text)
+        chars += len(text)
+    return out
+
+
 def matches_of(body: Any, n: int) -> list[bool]:
-    verdicts = body["verdicts"]
-    if len(verdicts) != n:
-        raise ServiceError("verifier_error", f"{len(verdicts)} verdicts for {n} texts")
-    return [bool(v["status"] == "ok" and v["correct"]) for v in verdicts]
+    try:
+        verdicts = body["verdicts"]
+        if len(verdicts) != n:
+            raise ServiceError("verifier_error", f"{len(verdicts)} verdicts for {n} texts")
+        return [bool(v["status"] == "ok" and v["correct"]) for v in verdicts]
+    except (KeyError, TypeError) as exc:
+        raise ServiceError("verifier_error", f"malformed match response: {type(exc).__name__}") from None
 
 
 class _ModelLabeler:
@@ -58,26 +83,43 @@ class _ModelLabeler:
 
 class HTTPServices(_ModelLabeler):
     def __init__(
-        self, rollout_url: str, reward_url: str, model: ReflectionModel | None = None, parallel: int = 4
+        self,
+        rollout_url: str,
+        reward_url: str,
+        model: ReflectionModel | None = None,
+        parallel: int = 4,
+        match_batch: tuple[int, int] = (4096, 1_000_000),
     ) -> None:
         super().__init__(model)
         self.rollout = RolloutClient(rollout_url, timeout=600.0)
         self.reward = RewardClient(reward_url)
         self.parallel = parallel
+        self.match_batch = match_batch  # (texts, characters) per match request
 
-    def match(self, group: Group, texts: list[str]) -> list[bool]:
+    def _match_one(self, group: Group, texts: list[str]) -> list[bool]:
         try:
             body = self.reward.post("/v1/rewards/match", json=match_request(group, texts))
-        except Exception as exc:
+        except _HTTP_ERRORS as exc:
             raise ServiceError("verifier_error", f"{type(exc).__name__}: {exc}") from None
         return matches_of(body, len(texts))
 
-    def complete(self, requests: list[RolloutRequest]) -> list[Group]:
+    def match(self, group: Group, texts: list[str]) -> list[bool]:
+        batches = match_batches(texts, *self.match_batch)
         with ThreadPoolExecutor(self.parallel) as ex:
-            return list(ex.map(self.rollout.generate, requests))
+            return [v for vs in ex.map(lambda b: self._match_one(group, b), batches) for v in vs]
+
+    def complete(self, requests: list[RolloutRequest]) -> list[Group]:
+        try:
+            with ThreadPoolExecutor(self.parallel) as ex:
+                return list(ex.map(self.rollout.generate, requests))
+        except _HTTP_ERRORS as exc:
+            raise ServiceError("rollout_error", f"{type(exc).__name__}: {exc}") from None
 
     def score(self, group: Group, spec: RewardSpec) -> RewardResult:
-        return self.reward.score([group], spec)[0]
+        try:
+            return self.reward.score([group], spec)[0]
+        except (*_HTTP_ERRORS, IndexError) as exc:
+            raise ServiceError("reward_error", f"{type(exc).__name__}: {exc}") from None
 
     def close(self) -> None:
         self.rollout.close()
@@ -85,38 +127,60 @@ class HTTPServices(_ModelLabeler):
 
 
 class QueueServices(_ModelLabeler):
-    def __init__(self, app: Any, model: ReflectionModel | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        model: ReflectionModel | None = None,
+        timeout_s: float = 600.0,
+        match_batch: tuple[int, int] = (4096, 1_000_000),
+    ) -> None:
         super().__init__(model)
         self.app = app
         self.timeout_s = timeout_s
+        self.match_batch = match_batch  # (texts, characters) per match task
 
     def _get(self, result: Any) -> Any:
         # Waiting inside a task is safe here: the subtasks run on other services' queues.
         return result.get(timeout=self.timeout_s, interval=0.05, disable_sync_subtasks=False)
 
     def match(self, group: Group, texts: list[str]) -> list[bool]:
-        try:
-            body = self._get(self.app.send_task("reward.match_texts", args=[match_request(group, texts)]))
+        batches = match_batches(texts, *self.match_batch)
+        verdicts: list[bool] = []
+        try:  # everything in here is the broker or the reward task: its failure, whatever its type
+            pending = [
+                self.app.send_task("reward.match_texts", args=[match_request(group, b)]) for b in batches
+            ]
+            bodies = [self._get(p) for p in pending]
         except Exception as exc:
             raise ServiceError("verifier_error", f"{type(exc).__name__}: {exc}") from None
-        return matches_of(body, len(texts))
+        for b, body in zip(batches, bodies, strict=True):
+            verdicts.extend(matches_of(body, len(b)))
+        return verdicts
 
     def complete(self, requests: list[RolloutRequest]) -> list[Group]:
         pending = []
-        for r in requests:
-            body = r.model_dump(mode="json")
-            digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
-            # keyed by the request: a redelivered reflect task reuses its rollouts, a new cut does not
-            pending.append(
-                self.app.send_task("rollout.generate_group", args=[body], task_id=f"{r.group_id}:{digest}")
-            )
-        return [Group.model_validate(self._get(p)) for p in pending]
+        try:  # the broker, the rollout task, or an answer that is not a Group
+            for r in requests:
+                body = r.model_dump(mode="json")
+                digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+                # keyed by the request: a redelivered reflect task reuses its rollouts, a new cut does not
+                pending.append(
+                    self.app.send_task(
+                        "rollout.generate_group", args=[body], task_id=f"{r.group_id}:{digest}"
+                    )
+                )
+            return [Group.model_validate(self._get(p)) for p in pending]
+        except Exception as exc:
+            raise ServiceError("rollout_error", f"{type(exc).__name__}: {exc}") from None
 
     def score(self, group: Group, spec: RewardSpec) -> RewardResult:
-        res = self.app.send_task(
-            "reward.score_group", args=[group.model_dump(mode="json"), spec.model_dump(mode="json")]
-        )
-        return RewardResult.model_validate(self._get(res))
+        try:  # the broker, the reward task, or an answer that is not a RewardResult
+            res = self.app.send_task(
+                "reward.score_group", args=[group.model_dump(mode="json"), spec.model_dump(mode="json")]
+            )
+            return RewardResult.model_validate(self._get(res))
+        except Exception as exc:
+            raise ServiceError("reward_error", f"{type(exc).__name__}: {exc}") from None
 
     def close(self) -> None:
         return None
@@ -140,14 +204,16 @@ def make_services(
 ) -> HTTPServices | QueueServices:
     settings = settings or get_settings()
     model = reflection_model(cfg)
+    match_batch = (cfg.match_batch_texts, cfg.match_batch_chars)
     if cfg.transport == "http":
         return HTTPServices(
             cfg.rollout_url or settings.service_url("rollout"),
             cfg.reward_url or settings.service_url("reward"),
             model,
             cfg.parallel,
+            match_batch,
         )
-    return QueueServices(app, model, cfg.subtask_timeout_s)
+    return QueueServices(app, model, cfg.subtask_timeout_s, match_batch)
 
 
 _tokenizers: dict[str, Any] = {}

@@ -53,20 +53,51 @@ class Thinking:
 def token_starts(ids: Sequence[int], decode: Decode) -> tuple[str, list[int]]:
     """The decoded text and each token's first character offset in it (plus the text length last).
 
-    Decoding token by token is exact for most tokenizers; when it is not (a multi-byte character
-    split over byte-level tokens), prefixes are decoded instead, which is exact by construction.
+    The offset of token ``k`` is ``len(decode(ids[:k]))``. Decoding token by token gives it for most
+    tokenizers; when it does not (a multi-byte character split over byte-level tokens, a decoder that
+    strips the first space), the prefixes are decoded incrementally, in linear time; should that not
+    end on the text's length, every prefix is decoded (quadratic, exact by construction).
     """
-    text = decode(list(ids))
+    ids = list(ids)
+    text = decode(ids)
     pieces = [decode([t]) for t in ids]
     if "".join(pieces) == text:
         starts = [0]
         for p in pieces:
             starts.append(starts[-1] + len(p))
         return text, starts
-    starts = [0]
-    for k in range(1, len(ids) + 1):
-        starts.append(len(decode(list(ids[:k]))))
+    starts = _incremental_starts(ids, pieces, decode)
+    if starts[-1] != len(text):
+        starts = [0] + [len(decode(ids[:k])) for k in range(1, len(ids) + 1)]
     return text, starts
+
+
+def _incremental_starts(ids: list[int], pieces: list[str], decode: Decode) -> list[int]:
+    """``len(decode(ids[:k]))`` for every k, decoding short windows only.
+
+    A window runs from the last boundary where the text is final (no later token changes what was
+    decoded before it) to token k: final where the window does not end in U+FFFD (an unfinished
+    UTF-8 character decodes as one), or where the next token decodes the same alone (a genuine
+    U+FFFD, or bytes no continuation can complete). Each window keeps one token of context before
+    that boundary, for decoders that treat the first token apart (a stripped leading space).
+    """
+    starts = [0]
+    ctx, base = 0, 0  # the window's first token; token k starts at base + len(decode(ids[ctx:k]))
+    ahead: str | None = None  # decode(ids[ctx : k + 1]), when the last step needed it
+    for k in range(1, len(ids) + 1):
+        window = ahead if ahead is not None else decode(ids[ctx:k])
+        ahead = None
+        starts.append(base + len(window))
+        if k == len(ids):
+            break
+        if window.endswith("\ufffd"):
+            ahead = decode(ids[ctx : k + 1])
+            if ahead != window + pieces[k]:
+                continue  # token k may complete the character: the boundary is not final yet
+            ahead = None
+        ctx = k - 1
+        base = starts[-1] - len(pieces[ctx])
+    return starts
 
 
 def ends_sentence(text: str) -> bool:
@@ -115,6 +146,8 @@ def chunk_thinking(
     think_close: str = "</think>",
 ) -> Thinking:
     """Chunks of the thinking part of ``ids`` (REA-RL appendix A with ALGORITHMS.md 3's bounds)."""
+    if not 1 <= min_tokens <= max_tokens:
+        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
     thinking, text, starts = find_thinking(ids, decode, think_open=think_open, think_close=think_close)
     t0, t1 = thinking.start, thinking.end
     if t1 <= t0:

@@ -28,6 +28,12 @@ class ReflectSettings(BaseSettings):
     tokenizer: str = Field(default="", description="the policy's tokenizer; empty = LOOM_MODEL ('tiny')")
     subtask_timeout_s: float = Field(default=600.0, gt=0, description="wait for a rollout/reward task")
     parallel: int = Field(default=4, ge=1, description="rollout requests in flight per group")
+    match_batch_texts: int = Field(
+        default=4096, ge=1, description="chunks per verifier (match) request: the reward service's cap"
+    )
+    match_batch_chars: int = Field(
+        default=1_000_000, ge=1, description="characters per verifier request (its body limit is 16 MiB)"
+    )
 
 
 @lru_cache(maxsize=1)

@@ -51,10 +51,12 @@ def detect_gold(thinking: Thinking, matches: Sequence[bool]) -> Detection:
 
 def reflection_starts(text: str, keywords: Sequence[str], gap_chars: int = 59) -> list[int]:
     """Character offsets of each reflection: a keyword (whole word, any case); a run of keywords
-    each within ``gap_chars`` characters of the previous counts once (REA-RL eq. 3's counting)."""
-    if not keywords:
+    each within ``gap_chars`` characters of the previous counts once (REA-RL eq. 3's counting).
+    Blank keywords are ignored: they would match at every word boundary."""
+    words = [k for k in keywords if k.strip()]
+    if not words:
         return []
-    pattern = re.compile(r"\b(?:" + "|".join(re.escape(k) for k in keywords) + r")\b", re.IGNORECASE)
+    pattern = re.compile(r"\b(?:" + "|".join(re.escape(k) for k in words) + r")\b", re.IGNORECASE)
     starts: list[int] = []
     last_end = -(10**9)
     for m in pattern.finditer(text):

@@ -44,11 +44,23 @@ from reflect_svc.detectors import (
 
 
 class ServiceError(RuntimeError):
-    """A service the core relies on failed; ``status`` is the ReflectStatus it maps to."""
+    """A service the core relies on failed. ``status``: the ReflectStatus a trajectory gets
+    (``verifier_error``, ``model_error``), or ``rollout_error`` / ``reward_error`` when the whole
+    group fails (the API's 503)."""
 
     def __init__(self, status: str, detail: str) -> None:
         super().__init__(detail)
         self.status = status
+
+
+class InputError(ValueError):
+    """Bad input the schemas let through (the API's 422): ``loc`` is its field path in the
+    request (``group``, ``params``)."""
+
+    def __init__(self, loc: list[str | int], msg: str) -> None:
+        super().__init__(f"{'.'.join(map(str, loc))}: {msg}")
+        self.loc = loc
+        self.msg = msg
 
 
 class ModelLabels(Protocol):
@@ -83,8 +95,45 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
 
+    def __len__(self) -> int: ...  # the vocabulary, added tokens included
+
 
 # --------------------------------------------------------------------------------------- pure steps
+
+
+def check_input(group: Group, params: ReflectParams, vocab_size: int) -> None:
+    """Raise ``InputError`` for what no work should start on: token ids the policy's tokenizer does
+    not have, chunk bounds that cross, blank keywords (they match at every word boundary)."""
+    if params.min_chunk_tokens > params.max_chunk_tokens:
+        raise InputError(
+            ["params", "max_chunk_tokens"], f"must be >= min_chunk_tokens ({params.min_chunk_tokens})"
+        )
+    for k, word in enumerate(params.keywords):
+        if not word.strip():
+            raise InputError(["params", "keywords", k], "a keyword must not be blank")
+    for i, t in enumerate(group.trajectories):
+        for name in ("prompt_ids", "completion_ids"):
+            ids: list[int] = getattr(t, name)
+            if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+                j = next(j for j, v in enumerate(ids) if not 0 <= v < vocab_size)
+                raise InputError(
+                    ["group", "trajectories", i, name, j],
+                    f"token id {ids[j]} is outside the tokenizer's vocabulary [0, {vocab_size})",
+                )
+
+
+def unique_revision_id(original_id: str, taken: set[str]) -> str:
+    """``<id>.rev``, else ``<id>.rev2``, ``.rev3``, ... : the first id not in ``taken`` (added to it).
+    An id too long for the schema is replaced by a digest of it."""
+    base = f"{original_id}.rev"
+    if len(base) > 190:  # Trajectory.id holds 200 characters, with room for the counter
+        base = "rev-" + hashlib.sha256(original_id.encode()).hexdigest()[:32]
+    rid, n = base, 1
+    while rid in taken:
+        n += 1
+        rid = f"{base}{n}"
+    taken.add(rid)
+    return rid
 
 
 def limit_cut(thinking: Thinking, cut: int, max_removed_fraction: float = 0.5) -> int:
@@ -119,8 +168,10 @@ def build_revision(
     generated: Trajectory,
     text: str | None,
     meta: dict[str, Any],
+    revision_id: str | None = None,
 ) -> Trajectory:
-    """prefix (original tokens up to ``cut``) + forced ending + the policy's completion.
+    """prefix (original tokens up to ``cut``) + forced ending + the policy's completion, with id
+    ``revision_id`` (default ``<original id>.rev``; ``revise_group`` keeps them unique in the group).
 
     The forced-ending tokens were not sampled by the policy: loss mask 0 and log-prob 0.0 there.
     """
@@ -141,7 +192,7 @@ def build_revision(
         )
     )
     return Trajectory(
-        id=f"{original.id}.rev",
+        id=revision_id if revision_id is not None else f"{original.id}.rev",
         group_id=original.group_id,
         prompt_ids=list(original.prompt_ids),
         completion_ids=ids,
@@ -186,7 +237,12 @@ def revise_group(
     tokenizer: Tokenizer,
     markers: Markers = DEFAULT_MARKERS,
 ) -> ReflectResult:
-    """Detect, cut, complete and score every trajectory of ``group``; see the module docstring."""
+    """Detect, cut, complete and score every trajectory of ``group``; see the module docstring.
+
+    ``InputError`` before any work for bad input; ``ServiceError`` when the rollout or the reward
+    service fails (the verifier and the reflection model fail per trajectory, as a status).
+    """
+    check_input(group, params, len(tokenizer))
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -249,6 +305,10 @@ def revise_group(
             for k, p in enumerate(plans)
         ]
         generated = services.complete(requests)
+        if len(generated) != len(requests) or any(not g.trajectories for g in generated):
+            detail = f"{len(generated)} groups for {len(requests)} requests, or one without trajectories"
+            raise ServiceError("rollout_error", detail)
+        taken = {t.id for t in group.trajectories}
         for p, g in zip(plans, generated, strict=True):
             meta = {
                 "detector": params.detector,
@@ -256,7 +316,8 @@ def revise_group(
                 "think_tokens": p.thinking.n_tokens,
                 "chunk": infos[p.index].chunk,
             }
-            draft = build_revision(p.traj, p.cut, forced, g.trajectories[0], None, meta)
+            rid = unique_revision_id(p.traj.id, taken)
+            draft = build_revision(p.traj, p.cut, forced, g.trajectories[0], None, meta, rid)
             draft.text = tokenizer.decode(draft.completion_ids, skip_special_tokens=True)
             revisions[p.index] = draft
             infos[p.index].revision_id = draft.id
@@ -327,6 +388,9 @@ def _score_and_assemble(
         batch = group.model_copy(update={"trajectories": scored + list(revisions.values())})
         result = services.score(batch, params.reward)
         by_id = {r.trajectory_id: r for r in result.rewards}
+        missing = [t.id for t in batch.trajectories if t.id not in by_id]
+        if missing:
+            raise ServiceError("reward_error", f"no reward for {len(missing)} trajectories: {missing[:3]}")
         for i, rev in revisions.items():
             info = infos[i]
             info.original_correct = is_correct(by_id[originals[i].id])
@@ -361,11 +425,14 @@ def revision_pairs(group: Group) -> list[tuple[str, str]]:
 
 __all__: Sequence[str] = (
     "Services",
+    "InputError",
     "ServiceError",
     "build_revision",
+    "check_input",
     "is_correct",
     "keep_revision",
     "limit_cut",
     "revise_group",
     "revision_pairs",
+    "unique_revision_id",
 )

@@ -1,31 +1,43 @@
 """Accuracy (ALGORITHMS.md 1.1; AdaSR §3.2 ``R_acc = 1[â = a]``): binary, per trajectory.
 
-``plan`` decides each trajectory without math-verify where it can (choice / short answer, Loom's
-exact Countdown and arithmetic verifier) and otherwise returns the ``MathItem`` that a verification
-worker must check; the accuracy component then reads the verdicts from the context.
+``read_gold`` reads the group's gold answer once; ``plan`` decides each trajectory without
+math-verify where it can (choice / short answer, Loom's exact Countdown and arithmetic verifier) and
+otherwise returns the ``MathItem`` that a verification worker must check; the accuracy component
+then reads the verdicts from the context. Every step is linear in the text: planning runs in the
+API's event loop.
 """
 
 from __future__ import annotations
 
-import json
 import re
+from fractions import Fraction
 from typing import Any
 
-from loom.exact import ExprError, check_arithmetic, check_countdown, evaluate, parse_number
-from loom.schemas import Group, TaskKind, Trajectory
+from pydantic import Field
+
+from loom.exact import ExprError, check_countdown, evaluate, parse_countdown, parse_number
+from loom.schemas import TaskKind
 from reward_svc.context import GroupContext, Params
-from reward_svc.mathverify import MathItem, Verdict
+from reward_svc.mathverify import MAX_ANSWER_CHARS, MathItem, Verdict
 from reward_svc.trace import ANSWER_TAIL_CHARS, answer_region, last_boxed
 
 
 class AccuracyParams(Params):
     task: TaskKind | None = None  # overrides the group's task; default math
     number_fallback: bool = True  # unboxed answers: the last number of the tail
-    tail_chars: int = ANSWER_TAIL_CHARS
+    # a longer tail is refused by the math verifier anyway
+    tail_chars: int = Field(default=ANSWER_TAIL_CHARS, ge=1, le=MAX_ANSWER_CHARS)
 
+
+Gold = tuple[list[int], int] | Fraction | str  # countdown (numbers, target), arithmetic value, label
 
 _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")
-_CHOICE_CUE = re.compile(r"(?:answer|choice|option)\s*(?:is|:)?\s*[:(\s]*([A-Za-z]+)\b", re.IGNORECASE)
+# Possessive quantifiers and a cue that starts no ASCII word midway keep the scan linear: the
+# plain ``\s*(?:is|:)?\s*[:(\s]*`` backtracked cubically on "answer" + spaces. The cue is a whole
+# word: "the answers are (C)" is not the cue "answer" with the choice "s".
+_CHOICE_CUE = re.compile(
+    r"(?<![A-Za-z])(?:answer|choice|option)(?![A-Za-z])(?:\s*+is)?[:(\s]*+([A-Za-z]++)(?!\w)", re.IGNORECASE
+)
 _LAST_CHOICE = re.compile(r"\(([A-Ea-e])\)|\b([A-E])\b")
 
 
@@ -51,18 +63,22 @@ def extract_choice(text: str, tail_chars: int = ANSWER_TAIL_CHARS) -> str | None
     return None
 
 
-def _countdown_gold(group: Group) -> tuple[list[int], int] | None:
-    source: Any = group.meta
-    if "numbers" not in source and group.label:
-        try:
-            source = json.loads(group.label)
-        except ValueError:
-            return None
-    try:
-        numbers = [int(n) for n in source["numbers"]]
-        return numbers, int(source["target"])
-    except (KeyError, TypeError, ValueError):
-        return None
+def read_gold(task: str, label: str | None, meta: dict[str, Any]) -> Gold | Verdict:
+    """The gold answer in the form ``task`` compares with, or the verdict for every trajectory.
+    Read once per group: a label can be as long as a response."""
+    if task == "countdown":
+        gold = parse_countdown(label if "numbers" not in meta and label else meta)
+        if gold is None:
+            return Verdict("invalid", detail="countdown needs meta/label with numbers and target")
+        return gold
+    if label is None or not label.strip():
+        return Verdict("invalid", detail="group has no label")
+    if task == "arithmetic":
+        value = parse_number(label)
+        return Verdict("invalid", detail="label is not a number") if value is None else value
+    if task == "choice":
+        return normalise_choice(label)
+    return label
 
 
 def _exact_answer(text: str, tail_chars: int) -> str | None:
@@ -73,15 +89,14 @@ def _exact_answer(text: str, tail_chars: int) -> str | None:
     return lines[-1] if lines else None
 
 
-def plan(group: Group, traj: Trajectory, params: AccuracyParams) -> Verdict | MathItem:
-    task = params.task or group.task or "math"
-    text = traj.text
+def plan(task: str, gold: Gold | Verdict, text: str | None, params: AccuracyParams) -> Verdict | MathItem:
+    """One trajectory's verdict, or the math item to verify; ``gold`` is ``read_gold``'s."""
     if text is None:
         return Verdict("invalid", detail="trajectory has no text")
+    if isinstance(gold, Verdict):
+        return gold
     if task == "countdown":
-        gold = _countdown_gold(group)
-        if gold is None:
-            return Verdict("invalid", detail="countdown needs meta/label with numbers and target")
+        assert isinstance(gold, tuple)
         answer = _exact_answer(text, params.tail_chars)
         if answer is None:
             return Verdict("no_answer")
@@ -90,22 +105,22 @@ def plan(group: Group, traj: Trajectory, params: AccuracyParams) -> Verdict | Ma
         except ExprError:
             return Verdict("parse_error", detail="not an arithmetic expression")
         return Verdict("ok", correct=check_countdown(answer, gold[0], gold[1]))
-    if group.label is None or not group.label.strip():
-        return Verdict("invalid", detail="group has no label")
     if task == "arithmetic":
         answer = _exact_answer(text, params.tail_chars)
         if answer is None:
             return Verdict("no_answer")
-        if parse_number(answer) is None:
+        value = parse_number(answer)
+        if value is None:
             return Verdict("parse_error", detail="not a number")
-        return Verdict("ok", correct=check_arithmetic(answer, group.label))
+        return Verdict("ok", correct=value == gold)
     if task == "choice":
         choice = extract_choice(text, params.tail_chars)
         if choice is None:
             return Verdict("no_answer")
-        return Verdict("ok", correct=normalise_choice(choice) == normalise_choice(group.label))
+        return Verdict("ok", correct=normalise_choice(choice) == gold)
+    assert isinstance(gold, str)
     kind, region = answer_region(text, params.tail_chars)
-    return MathItem(gold=group.label, kind=kind, region=region, number_fallback=params.number_fallback)
+    return MathItem(gold=gold, kind=kind, region=region, number_fallback=params.number_fallback)
 
 
 def accuracy(ctx: GroupContext, params: dict[str, Any]) -> list[float]:

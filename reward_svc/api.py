@@ -109,6 +109,8 @@ async def rewards(body: RewardRequest) -> RewardResponse:
 async def match(body: MatchRequest) -> MatchResponse:
     """Does each text state the gold answer? (reflect_svc's ``gold`` detector; same verifier pool.)"""
     _check_texts(body.texts, "texts")
+    if body.label is not None and len(body.label) > _settings.max_chars:
+        raise RequestError(422, ["body", "label"], f"longer than {_settings.max_chars} characters")
     decided, math = plan_matches(body)
     verdicts = await get_pool().acheck_many([m for _, m in math], body.timeout_s) if math else []
     return finish_matches(decided, math, verdicts)
@@ -147,6 +149,8 @@ async def slime_reward(body: SlimeRequest) -> dict[str, Any]:
     """slime remote reward protocol (``--rm-type remote_rm``); the reward is in ``reward``."""
     spec = body.spec or RewardSpec()
     check_spec(spec)
-    _check_texts([body.prompt, body.response, body.label or ""], "response")
+    for field in ("prompt", "response", "label"):
+        if len(getattr(body, field) or "") > _settings.max_chars:
+            raise RequestError(422, ["body", field], f"longer than {_settings.max_chars} characters")
     results = await score_groups([slime_group(body)], spec)
     return slime_response(results[0])

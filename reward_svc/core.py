@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from loom.schemas import Group, RewardResult, RewardSpec, TrajectoryReward
-from reward_svc.accuracy import AccuracyParams, plan
+from reward_svc.accuracy import AccuracyParams, plan, read_gold
 from reward_svc.context import GroupContext
 from reward_svc.mathverify import MathItem, Verdict
 from reward_svc.registry import NEEDS_ACCURACY, PARAMS, REGISTRY
@@ -93,8 +93,10 @@ def plan_group(group: Group, spec: RewardSpec) -> Plan:
         return p
     acc = next((c for c in spec.components if c.name == "accuracy"), None)
     params = AccuracyParams.model_validate(acc.params if acc else {})
+    task = params.task or group.task or "math"
+    gold = read_gold(task, group.label, group.meta)
     for i, traj in enumerate(group.trajectories):
-        decided = plan(group, traj, params)
+        decided = plan(task, gold, traj.text, params)
         if isinstance(decided, MathItem):
             p.math.append((i, decided))
         else:

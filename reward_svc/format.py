@@ -72,7 +72,8 @@ def spawn_ok(text: str, syn: SpawnSyntax = DEFAULT_SPAWN) -> bool:
     """Spawn and join blocks alternate; each spawn block starts children 1..k, and the join block
     that follows returns exactly children 1..k. A trace without blocks is well-formed."""
     child = re.compile(_template(syn.spawn_child))
-    result = re.compile(_template(syn.join_child.split("{message}")[0]))
+    # the rendered text has single braces where the template escapes them as {{ and }}
+    result = re.compile(_template(syn.join_child.split("{message}")[0].replace("{{", "{").replace("}}", "}")))
     marks = re.compile(
         "|".join(re.escape(t) for t in (syn.spawn_open, syn.spawn_close, syn.join_open, syn.join_close))
     )

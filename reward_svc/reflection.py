@@ -82,7 +82,10 @@ def reflection(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     densities = []
     for v in ctx.views:
         thinking = thinking_text(v.text, ctx.markers)
-        n_tokens = v.n_tokens if thinking == v.text else approx_tokens(thinking)
+        n_tokens: float = v.n_tokens
+        if thinking != v.text:  # the thinking part's share of the trajectory's tokens, in its unit
+            whole = approx_tokens(v.text)
+            n_tokens = v.n_tokens * approx_tokens(thinking) / whole if whole else 0.0
         n = count_reflections(thinking, p.keywords, p.cluster_chars)
         densities.append(n / n_tokens if n_tokens else 0.0)
     d_q = p.fixed_value

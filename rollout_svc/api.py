@@ -3,7 +3,8 @@
 ``POST /v1/rollouts`` runs one RolloutRequest on this process's engine and returns the Group (meant
 for small synchronous requests; bulk work goes through the ``rollout.generate_group`` task).
 ``POST /v1/policy`` loads a policy version from the policy store into this process's engine.
-Mode and engine limits are 422 naming the limit; an unreachable engine is 503.
+Mode and engine limits are 422 naming the limit (a prompt the model cannot read names its field); a
+checkpoint that cannot be loaded is 422; an unreachable engine is 503.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from loom.schemas import Contract, Group, PolicyVersion, RolloutRequest
 from loom.service import add_ping_route, broker_check, create_app
 from loom.store import PolicyStore
 from rollout_svc.engines import get_engine_async, get_tokenizer
-from rollout_svc.engines.base import EngineError, EngineRequestError, UnsupportedCapability
+from rollout_svc.engines.base import (
+    EngineError,
+    EngineRequestError,
+    InvalidPrompt,
+    UnsupportedCapability,
+)
 from rollout_svc.modes import ModeError
 from rollout_svc.rollout import generate_group
 from rollout_svc.tasks import celery_app
@@ -40,9 +46,10 @@ class PolicyRequest(Contract):
 
 def _engine_error(exc: Exception) -> JSONResponse:
     if isinstance(exc, ModeError | UnsupportedCapability | EngineRequestError):
-        return JSONResponse(
-            status_code=422, content={"error": getattr(exc, "kind", "mode_error"), "detail": str(exc)}
-        )
+        content = {"error": getattr(exc, "kind", "mode_error"), "detail": str(exc)}
+        if isinstance(exc, InvalidPrompt):
+            content["field"] = exc.field
+        return JSONResponse(status_code=422, content=content)
     kind = getattr(exc, "kind", "engine_error")
     return JSONResponse(status_code=503, content={"error": kind, "detail": f"{type(exc).__name__}: {exc}"})
 
@@ -77,6 +84,6 @@ async def load_policy(body: PolicyRequest) -> JSONResponse:
         await engine.load_policy(policy)
     except EngineError as exc:
         return _engine_error(exc)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # not a checkpoint (engines raise PolicyLoadError: above)
         return JSONResponse(status_code=422, content={"error": "load_failed", "detail": str(exc)})
     return JSONResponse({"policy_version": engine.policy_version, "engine": engine.name})

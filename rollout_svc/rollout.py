@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from loom.schemas import Group, RolloutRequest
 from loom.settings import Settings
 from loom.store import PolicyStore
-from rollout_svc.engines.base import Engine
+from rollout_svc.engines.base import Engine, check_prompt
 from rollout_svc.modes import RUN_MODES, ModeError
 from rollout_svc.modes.plain import plain
 from rollout_svc.modes.streaming import StreamingConfig, streaming
@@ -37,6 +37,10 @@ async def generate_group(
         prompt_ids = list(tokenizer().encode(request.prompt or "", add_special_tokens=False))
     if not prompt_ids:
         raise ModeError("the prompt is empty after tokenization")
+    # before any work: token ids outside the vocabulary, or a prompt the context cannot hold (the
+    # engines check again; the vllm client's limits are its server's, whose 400 is a 422 here)
+    field = "prompt_ids" if request.prompt_ids is not None else "prompt"
+    check_prompt(prompt_ids, engine.vocab_size, engine.max_model_len, field)
     await catch_up(engine, request.policy_version, settings)
     if request.mode == "plain":
         if request.mode_params:

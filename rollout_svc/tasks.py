@@ -14,7 +14,9 @@ process, and its unacknowledged message is redelivered as with prefork. Celery's
 not apply to the threads pool: engine calls carry their own timeouts (``LOOM_ENGINE_TIMEOUT_S``).
 The engine is a process-level singleton (``engines.get_engine``): a replica keeps its prefix cache
 and its engine server across tasks. Unreachable engines are retried with backoff, then the task
-fails with the typed error (``EngineUnavailable`` / ``EngineTimeout``), never hangs.
+fails with the typed error (``EngineUnavailable`` / ``EngineTimeout``), never hangs. Bad input fails
+the task at once, typed and never retried: ``ModeError``, ``InvalidPrompt`` (a token id outside the
+vocabulary, a prompt longer than the context), ``PolicyLoadError``, any ``EngineRequestError``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,15 @@ from fractions import Fraction
 
 import pytest
 
-from loom.exact import ExprError, check_arithmetic, check_countdown, evaluate
+from loom.exact import (
+    MAX_NUMBER_CHARS,
+    ExprError,
+    check_arithmetic,
+    check_countdown,
+    evaluate,
+    parse_countdown,
+    parse_number,
+)
 
 
 def test_precedence_and_exact_division():
@@ -37,3 +45,38 @@ def test_arithmetic_answers_compare_by_value():
     assert check_arithmetic("0.5", "1/2")
     assert not check_arithmetic("41", "42")
     assert not check_arithmetic("forty-two", "42")
+
+
+@pytest.mark.parametrize("digits", [5000, 1000, MAX_NUMBER_CHARS + 1])
+def test_overlong_numbers_are_not_numbers(digits):
+    # Fraction("1" * 5000) raised ValueError (Python's 4300-digit limit for int())
+    assert parse_number("1" * digits) is None
+    assert parse_number("1." + "1" * digits) is None
+    assert not check_arithmetic("1" * digits, "3") and not check_arithmetic("3", "1" * digits)
+
+
+def test_long_numbers_within_the_limit_compare_exactly():
+    n = "9" * (MAX_NUMBER_CHARS - 2)
+    assert parse_number(n) == int(n)
+    assert check_arithmetic(n + ".0", n)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "[" * 5000,  # json.loads: RecursionError
+        '{"numbers": [1, 2], "target": Infinity}',  # int(inf): OverflowError
+        {"numbers": [1, 2], "target": float("nan")},
+        {"numbers": ["9" * 5000], "target": 3},  # int(): Python's digit limit
+        {"numbers": 5, "target": 3},
+        "null",
+        {},
+    ],
+)
+def test_malformed_countdown_specs_are_none(spec):
+    assert parse_countdown(spec) is None
+
+
+def test_countdown_spec_from_json_or_mapping():
+    assert parse_countdown('{"numbers": [1, "2"], "target": 3}') == ([1, 2], 3)
+    assert parse_countdown({"numbers": [4], "target": 4}) == ([4], 4)

@@ -106,8 +106,9 @@ def _apply(x: int, op: str, y: int) -> int | None:
 def countdown_problem(
     rng: random.Random, n_numbers: int = 3, max_number: int = 9, max_target: int = 99
 ) -> Problem:
-    """Draw numbers, then combine a random pair with a random valid op until one value is left."""
-    while True:
+    """Draw numbers, then combine a random pair with a random valid op until one value is left.
+    Settings that admit no problem (say max_number 1) raise ValueError after 100 000 draws."""
+    for _ in range(100_000):
         numbers = [rng.randint(1, max_number) for _ in range(n_numbers)]
         pool: list[tuple[int, str]] = [(n, str(n)) for n in numbers]
         steps: list[tuple[int, str, int, int]] = []
@@ -137,6 +138,9 @@ def countdown_problem(
             target=target,
             steps=tuple(steps),
         )
+    raise ValueError(
+        f"no countdown problem with n_numbers={n_numbers}, max_number={max_number}, max_target={max_target}"
+    )
 
 
 # The distribution the built-in tiny model is trained and evaluated on (RL runs should draw from it).
@@ -160,14 +164,17 @@ def make_problems(kind: Kind, n: int, seed: int, split: Split = "any", **knobs: 
     gen = arith_problem if kind == "arith" else countdown_problem
     out: list[Problem] = []
     seen: set[str] = set()
-    tries = 0
+    tries = since_new = 0
     while len(out) < n:
         tries += 1
-        if tries > 200 * n + 1000:
-            raise ValueError(f"cannot draw {n} distinct {kind} problems with {knobs}")
+        since_new += 1
+        # the second bound ends an exhausted space in well under a second instead of 200 n draws
+        if tries > 200 * n + 1000 or since_new > 20_000:
+            raise ValueError(f"cannot draw {n} distinct {kind} problems with {knobs} (found {len(out)})")
         p = gen(rng, **knobs)  # type: ignore[arg-type]
         if p.key in seen or not _in_split(p, split):
             continue
         seen.add(p.key)
         out.append(p)
+        since_new = 0
     return out

@@ -40,6 +40,50 @@ class EngineRequestError(EngineError):
     kind = "engine_request_error"
 
 
+class InvalidPrompt(EngineRequestError):
+    """The prompt does not fit the model: a token id outside its vocabulary, or more tokens than its
+    context holds. Bad input (a 422 at the API, no retry in a task); ``field`` names the request field."""
+
+    kind = "invalid_prompt"
+
+    def __init__(self, message: str, field: str = "prompt_ids") -> None:
+        self.field = field
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[InvalidPrompt], tuple[str, str]]:
+        return type(self), (str(self), self.field)  # crosses ProcessEngine's pipe
+
+
+class PolicyLoadError(EngineRequestError):
+    """A checkpoint could not be loaded (no such directory, not a model the loader recognises)."""
+
+    kind = "load_failed"
+
+
+def check_prompt(
+    prompt_ids: list[int], vocab_size: int | None, max_model_len: int | None, field: str = "prompt_ids"
+) -> int | None:
+    """Refuse a prompt the model cannot read (``InvalidPrompt``); return how many tokens it leaves
+    room for (None: unknown). Like vLLM, a prompt must leave room for at least one generated token."""
+    if not prompt_ids:
+        raise InvalidPrompt(f"{field} must not be empty", field)
+    if vocab_size is not None:
+        for i, t in enumerate(prompt_ids):
+            if not 0 <= t < vocab_size:
+                where = f"{field}[{i}]" if field == "prompt_ids" else f"token {i} of {field}"
+                msg = f"{where} = {t} is outside the model's vocabulary [0, {vocab_size})"
+                raise InvalidPrompt(msg, field)
+    if max_model_len is None:
+        return None
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidPrompt(
+            f"{field} has {len(prompt_ids)} tokens; the model's context holds {max_model_len} "
+            "(prompt and at least one generated token)",
+            field,
+        )
+    return max_model_len - len(prompt_ids)
+
+
 class UnsupportedCapability(EngineError):
     """A mode asked for something this engine cannot do (e.g. group positions on vLLM)."""
 
@@ -97,6 +141,16 @@ class Engine(ABC):
     def __init__(self) -> None:
         self.policy_version = 0
         self.stats = EngineStats()
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids are in [0, vocab_size); None: unknown here (the engine's server checks)."""
+        return None
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Positions the model holds, prompt and generated tokens together; None: unknown here."""
+        return None
 
     def require(self, capability: Capability, hint: str = "") -> None:
         if capability not in self.capabilities:

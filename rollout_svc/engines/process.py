@@ -11,7 +11,8 @@ child process: the worker's Python and the engine's then use two cores, not one 
 Wire: one socket pair, ``multiprocessing.connection`` framing (pickle: the pair is unnamed and only
 the two processes hold its ends; nothing on a network ever reaches it). The parent sends
 ``(id, method, args)``; the child answers ``(id, ok, value_or_exception, state)`` with ``state`` =
-(policy version, stats), so ``policy_version`` and ``stats`` are current after every reply. The child
+(policy version, stats, (vocab size, context length)), so ``policy_version``, ``stats`` and the
+model's limits (``vocab_size``, ``max_model_len``) are current after every reply. The child
 runs the requests concurrently on its own event loop (the torch engine's scheduler batches
 concurrent ``generate`` calls, exactly as in-process); a cancelled call is cancelled in the child.
 
@@ -114,6 +115,7 @@ class ProcessEngine(Engine):
         self._conn: Connection | None = None
         self._closed = False
         self.restarts = 0
+        self._limits: tuple[int | None, int | None] = (None, None)  # the child model's, from its state
         _CHILDREN.add(self)
         with self._lock:
             self._start()
@@ -185,10 +187,19 @@ class ProcessEngine(Engine):
             raise value
         self._apply_state(state)
 
-    def _apply_state(self, state: tuple[int, dict[str, Any]]) -> None:
-        version, stats = state
+    def _apply_state(self, state: tuple[int, dict[str, Any], tuple[int | None, int | None]]) -> None:
+        version, stats, limits = state
         self.policy_version = version
         self.stats = EngineStats(**stats)
+        self._limits = limits
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._limits[0]
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._limits[1]
 
     def _read(self, proc: subprocess.Popen[bytes], conn: Connection) -> None:
         """The reader thread of one child: resolves replies; on the child's end fails what is pending."""
@@ -311,13 +322,17 @@ def _picklable(e: BaseException) -> BaseException:
         return EngineError(f"{type(e).__name__}: {e}")
 
 
+def _state(engine: Any) -> tuple[int, dict[str, Any], tuple[int | None, int | None]]:
+    return engine.policy_version, asdict(engine.stats), (engine.vocab_size, engine.max_model_len)
+
+
 async def _serve(conn: Connection, engine: Any) -> None:
     loop = asyncio.get_running_loop()
     tasks: dict[int, asyncio.Task[Any]] = {}
     send_lock = threading.Lock()
 
-    def state() -> tuple[int, dict[str, Any]]:
-        return engine.policy_version, asdict(engine.stats)
+    def state() -> tuple[int, dict[str, Any], tuple[int | None, int | None]]:
+        return _state(engine)
 
     def reply(rid: int, ok: bool, value: Any) -> None:
         with send_lock:
@@ -367,9 +382,10 @@ def child_main(argv: list[str] | None = None) -> int:
         engine = TorchEngine(**config)
     except Exception as e:
         log.exception("the torch engine process could not load its model")
-        conn.send((0, False, _picklable(EngineUnavailable(f"engine start failed: {e!r}")), (0, {})))
+        failed = _picklable(EngineUnavailable(f"engine start failed: {e!r}"))
+        conn.send((0, False, failed, (0, {}, (None, None))))
         return 1
-    conn.send((0, True, None, (engine.policy_version, asdict(engine.stats))))
+    conn.send((0, True, None, _state(engine)))
     log.info("torch engine process %d serving %s", os.getpid(), config["model_path"])
     try:
         asyncio.run(_serve(conn, engine))

@@ -21,7 +21,7 @@ class SimulatedEngine(Engine):
     def __init__(self, ms_per_token: float, vocab_size: int = 256) -> None:
         super().__init__()
         self.ms_per_token = ms_per_token
-        self.vocab_size = vocab_size
+        self.emitted_vocab = vocab_size  # the ids it emits; it reads any prompt (vocab_size: None)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
@@ -35,7 +35,7 @@ class SimulatedEngine(Engine):
         self.stats.decode_tokens += params.n * params.max_tokens
         return [
             Completion(
-                token_ids=[rng.randrange(self.vocab_size) for _ in range(params.max_tokens)],
+                token_ids=[rng.randrange(self.emitted_vocab) for _ in range(params.max_tokens)],
                 logprobs=[-1.0] * params.max_tokens,
                 finish_reason="length",
             )

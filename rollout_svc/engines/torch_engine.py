@@ -19,6 +19,9 @@
   FCI scoring, policy loads and cache resets wait for the running batch to end.
 - Group layout (StreamingThinker): position ids numbered per group, block visibility mask
   (``base.Layout``); the same ``layout_tensors`` build the teacher-forced reference pass.
+- Limits: a prompt with a token id outside the vocabulary, or one that fills the model's context
+  (``max_position_embeddings``), is refused with ``InvalidPrompt``; ``max_tokens`` is capped at the
+  room the context leaves (finish_reason "length" there), where vLLM would refuse the request.
 - Sampling: temperature / top-k / top-p with a seeded generator; the reported log-prob of a sampled
   token is the raw model log-prob (``logprobs_mode="raw"``, vLLM's default) or the log-prob under the
   processed (tempered, truncated) distribution (``"processed"``).
@@ -32,7 +35,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -44,7 +47,15 @@ import torch
 
 from loom.layout import group_positions, group_visibility
 from loom.schemas import PolicyVersion, SamplingParams
-from rollout_svc.engines.base import Completion, Engine, Layout, UnsupportedCapability
+from rollout_svc.engines.base import (
+    Completion,
+    Engine,
+    InvalidPrompt,
+    Layout,
+    PolicyLoadError,
+    UnsupportedCapability,
+    check_prompt,
+)
 
 log = logging.getLogger("loom.rollout.torch")
 
@@ -238,9 +249,18 @@ class TorchEngine(Engine):
         self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
     ) -> list[Completion]:
         if self.batching and layout is None:
-            self._check(prompt_ids, layout)
+            params = self._fit(prompt_ids, params, layout)
             return await asyncio.wrap_future(self._submit(prompt_ids, params))
         return await asyncio.to_thread(self.generate_sync, prompt_ids, params, layout)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
+    def max_model_len(self) -> int | None:
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
 
     async def load_policy(self, policy: PolicyVersion) -> None:
         await asyncio.to_thread(self.load_policy_sync, policy)
@@ -288,7 +308,10 @@ class TorchEngine(Engine):
         with self._load_lock:
             if self._loaded == (policy.version, str(policy.path)):
                 return  # several groups asked for the same new version: it is loaded once
-            model = load_model(policy.path, self.device)
+            try:
+                model = load_model(policy.path, self.device)
+            except (OSError, ValueError) as exc:  # no such directory, not a checkpoint, an unknown model
+                raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
             with self._exclusive():
                 self.model = model
                 self._entries.clear()
@@ -413,17 +436,35 @@ class TorchEngine(Engine):
             return False
         return True
 
-    @staticmethod
-    def _check(prompt_ids: list[int], layout: Layout | None) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
+    def _fit(self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None) -> SamplingParams:
+        """Refuse a prompt the model cannot read (``base.check_prompt``: ``InvalidPrompt``) and cap
+        ``max_tokens`` at the room its context leaves, so a sample that reaches the end of the context
+        ends with finish_reason "length". (vLLM answers 400 to prompt + max_tokens > max_model_len;
+        the torch engine, and so ``loom engine``, serves what fits.) Under a group layout positions
+        are numbered per group, and the generated tokens continue ``gen_group``'s."""
         if layout is not None and len(layout.groups) != len(prompt_ids):
             raise ValueError(f"layout has {len(layout.groups)} groups for {len(prompt_ids)} prompt tokens")
+        limit = self.max_model_len
+        if layout is None:
+            room = check_prompt(prompt_ids, self.vocab_size, limit)
+        else:
+            check_prompt(prompt_ids, self.vocab_size, None)
+            counts = Counter(layout.groups)
+            held = counts.get(layout.gen_group, 0)
+            if limit is not None and (max(counts.values()) > limit or held >= limit):
+                raise InvalidPrompt(
+                    f"a group of the prompt's layout takes {max(counts.values())} positions; "
+                    f"the model's context holds {limit} (and at least one generated token)"
+                )
+            room = None if limit is None else limit - held
+        if room is not None and params.max_tokens > room:
+            return params.model_copy(update={"max_tokens": room})
+        return params
 
     def generate_sync(
         self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
     ) -> list[Completion]:
-        self._check(prompt_ids, layout)
+        params = self._fit(prompt_ids, params, layout)
         if self.batching and layout is None:
             return self._submit(prompt_ids, params).result()
         with self._exclusive(), torch.no_grad():

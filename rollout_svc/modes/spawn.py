@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import string
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,13 +73,12 @@ class SpawnConfig:
             raise ModeError(f"spawn does not know mode_params {unknown}; known: {sorted(syntax_keys | own)}")
         syn = {k: param(mp, k, str, getattr(DEFAULT_SPAWN, k)) for k in syntax_keys}
         syntax = SpawnSyntax(**syn, tokens=list(DEFAULT_SPAWN.tokens))
-        if "{message}" not in syntax.join_child or "{message}" not in param(
-            mp, "child_template", str, "{message}"
-        ):
-            raise ModeError("join_child and child_template must contain {message}")
+        child_template = param(mp, "child_template", str, cls.child_template)
+        check_template("join_child", syntax.join_child, ("i", "message"))
+        check_template("child_template", child_template, ("message",))
         cfg = cls(
             syntax=syntax,
-            child_template=param(mp, "child_template", str, cls.child_template),
+            child_template=child_template,
             think_close=param(mp, "think_close", str, cls.think_close),
             max_children=param(mp, "max_children", int, cls.max_children),
             max_depth=param(mp, "max_depth", int, cls.max_depth),
@@ -90,7 +90,36 @@ class SpawnConfig:
             raise ModeError("spawn limits: 1 <= max_children <= 64, 0 <= max_depth <= 4")
         if cfg.child_max_tokens < 1 or cfg.max_total_tokens < 1:
             raise ModeError("spawn token limits must be >= 1")
+        if not 1 <= cfg.max_message_chars <= 100_000:
+            raise ModeError("spawn limits: 1 <= max_message_chars <= 100000")
+        blank = sorted(k for k in syntax_keys - {"no_solution"} if not syn[k].strip())
+        if blank or not cfg.think_close.strip():
+            raise ModeError(f"spawn markers must not be blank: {blank or ['think_close']}")
         return cfg
+
+
+def check_template(name: str, template: str, fields: tuple[str, ...]) -> None:
+    """``template`` is filled by ``str.format``: it may hold only bare ``{field}`` placeholders of
+    ``fields`` (``{{`` and ``}}`` for literal braces) and must hold ``{message}``; checked here, so a
+    bad template is a ModeError at the request, not a crash at the first spawn."""
+    allowed = ", ".join(f"{{{f}}}" for f in fields)
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:  # an unmatched brace
+        raise ModeError(f"mode_params.{name}: {exc} (write {{{{ and }}}} for literal braces)") from exc
+    used = set()
+    for _, field_name, spec, conversion in parts:
+        if field_name is None:
+            continue
+        if field_name not in fields or spec or conversion:
+            shown = field_name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ModeError(
+                f"mode_params.{name} may only use the placeholders {allowed}, got {{{shown}}} "
+                "(write {{ and }} for literal braces)"
+            )
+        used.add(field_name)
+    if "message" not in used:
+        raise ModeError(f"mode_params.{name} must contain {{message}}")
 
 
 # ------------------------------------------------------------------------------------------------

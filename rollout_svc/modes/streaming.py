@@ -22,6 +22,7 @@ time. ``timing["latency_s"]`` is the delay from the last sentence's arrival to t
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from rollout_svc.engines.base import Completion, Engine, Layout
 from rollout_svc.modes import ModeError, param, sample_seed, trajectory_id
 
 SOURCE, TARGET = 0, 1
+MAX_TOKENS = 131072  # SamplingParams.max_tokens' bound
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -87,13 +89,23 @@ class StreamingConfig:
         cap = param(mp, "segment_cap", int, segment_cap)
         if not 1 <= cap <= 8192:
             raise ModeError("mode_params.segment_cap must be in [1, 8192]")
+        budgets = {
+            "deep_max_tokens": param(mp, "deep_max_tokens", int, request.sampling.max_tokens),
+            "answer_max_tokens": param(mp, "answer_max_tokens", int, 64),
+        }
+        for name, value in budgets.items():
+            if not 1 <= value <= MAX_TOKENS:
+                raise ModeError(f"mode_params.{name} must be in [1, {MAX_TOKENS}], got {value}")
+        wpm = param(mp, "reading_wpm", float, reading_wpm)
+        if not (math.isfinite(wpm) and wpm > 0):  # sentence arrival times divide by it
+            raise ModeError(f"mode_params.reading_wpm must be a finite number > 0, got {wpm}")
         return cls(
             sentences=[str(s) for s in sentences],
             layout=layout,
             segment_cap=cap,
-            deep_max_tokens=param(mp, "deep_max_tokens", int, request.sampling.max_tokens),
-            answer_max_tokens=param(mp, "answer_max_tokens", int, 64),
-            reading_wpm=param(mp, "reading_wpm", float, reading_wpm),
+            deep_max_tokens=budgets["deep_max_tokens"],
+            answer_max_tokens=budgets["answer_max_tokens"],
+            reading_wpm=wpm,
             sentence_prefix=param(mp, "sentence_prefix", str, " "),
             connector=param(mp, "connector", str, " " + DEFAULT_MARKERS.connector),
         )

@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import inspect
-import json
 import math
 import random
 import re
@@ -319,7 +318,7 @@ def expanded_trees(
 def exact_reward_fn(request: RolloutRequest, tokenizer: Any) -> RewardFn | None:
     """Correctness by loom.exact for ``arithmetic`` (label = the value) and ``countdown`` (label = JSON
     {"numbers": [...], "target": n}) requests; None for every other task (no expansion rule then)."""
-    from loom.exact import check_arithmetic, check_countdown
+    from loom.exact import check_arithmetic, check_countdown, parse_countdown
     from loom.tiny.traces import extract_boxed
 
     label = request.label
@@ -327,10 +326,8 @@ def exact_reward_fn(request: RolloutRequest, tokenizer: Any) -> RewardFn | None:
         return None
     gold: Any = label
     if request.task == "countdown":
-        try:
-            spec = json.loads(label)
-            gold = ([int(n) for n in spec["numbers"]], int(spec["target"]))
-        except (ValueError, KeyError, TypeError):
+        gold = parse_countdown(label)  # None for a malformed label, whatever its shape
+        if gold is None:
             return None
 
     def score(trajectories: list[Trajectory]) -> list[float]:

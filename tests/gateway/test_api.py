@@ -153,3 +153,56 @@ def test_run_with_bad_dataset_is_422(client: TestClient) -> None:
     body = {"dataset": {"jsonl": '{"question": "x"}\n'}}
     r = client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))
     assert r.status_code == 422 and r.json()["error"] == "invalid_dataset"
+
+
+def _locs(r) -> list[list[object]]:  # type: ignore[no-untyped-def]
+    return [e["loc"] for e in r.json()["detail"]]
+
+
+def test_work_that_would_fail_in_every_worker_is_422_at_submission(client: TestClient) -> None:
+    """Checked as the rollout and reward services will check it, before anything is queued."""
+    job = {"job_key": "k", "prompts": ["p"]}
+    cases = [
+        ({**job, "prompts": [""]}, ["body", "prompts", 0]),
+        ({**job, "prompts": ["x" * 100_001]}, ["body", "prompts", 0]),
+        ({**job, "mode_params": {"foo": 1}}, ["body", "mode_params"]),
+        ({**job, "mode": "tree", "mode_params": {"initial": 0}}, ["body", "mode_params"]),
+        (
+            {**job, "mode": "streaming", "mode_params": {"sentences": ["a."], "reading_wpm": 0}},
+            ["body", "mode_params"],
+        ),
+        (
+            {"job_key": "k", "tasks": [{"prompt": "p"}, {"prompt": "q", "mode_params": {"x": 1}}]},
+            ["body", "tasks", 1, "mode_params"],
+        ),
+        (
+            {**job, "reward": {"components": [{"name": "nosuch"}]}},
+            ["body", "reward", "components", 0, "name"],
+        ),
+        ({**job, "policy_version": 10**20}, ["body", "policy_version"]),
+    ]
+    for body, loc in cases:
+        r = client.post("/v1/jobs", json=body, headers=auth(JOBS_KEY))
+        assert r.status_code == 422 and loc in _locs(r), (body, r.text)
+    run = {"dataset": {"builtin": "arith", "size": 4}}
+    cases = [
+        ({"dataset": {"builtin": "arith", "size": 4, "knobs": {"nosuch": 1}}}, ["body", "dataset"]),
+        ({"dataset": {"builtin": "countdown", "knobs": {"max_number": 10**8}}}, ["body", "dataset"]),
+        ({**run, "initial_policy_version": 10**20}, ["body", "initial_policy_version"]),
+        ({**run, "schedule": {"min_batch": 9, "max_batch": 2}}, ["body", "schedule"]),
+        ({**run, "mode": "spawn", "mode_params": {"child_template": "{x}"}}, ["body", "mode_params"]),
+        ({**run, "loss": {"lr": 1e300}}, ["body", "loss", "lr"]),
+    ]
+    for body, loc in cases:
+        r = client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))
+        assert r.status_code == 422 and loc in _locs(r), (body, r.text)
+    r = client.post(
+        "/v1/runs", json={"dataset": {"jsonl": '{"prompt": "' + "x" * 100_001 + '"}'}}, headers=auth(RUNS_KEY)
+    )
+    assert r.status_code == 422 and "line 1" in r.json()["detail"]["detail"]
+    r = client.post(
+        "/v1/runs", json={"dataset": {"builtin": "countdown", "size": 100_000}}, headers=auth(RUNS_KEY)
+    )
+    assert r.status_code == 422 and "distinct countdown problems" in r.json()["detail"]["detail"]
+    r = client.get("/v1/runs/x/metrics", params={"after": 10**20}, headers=auth(RUNS_KEY))
+    assert r.status_code == 422 and ["query", "after"] in _locs(r)

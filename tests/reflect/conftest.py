@@ -1,6 +1,7 @@
 """Fixtures of the reflect tests: the tiny tokenizer and the real services served over HTTP in
-threads (uvicorn): the rollout API (torch engine, tiny model), the reward API (isolated verifier pool)
-and ``loom engine`` (the tiny model behind the vLLM protocol). Every server is stopped at teardown.
+threads (uvicorn): the rollout API (torch engine, tiny model), the reward API (isolated verifier pool),
+``loom engine`` (the tiny model behind the vLLM protocol) and the reflect API over the first two.
+Every server is stopped at teardown.
 """
 
 from __future__ import annotations
@@ -53,3 +54,36 @@ def engine_url() -> Iterator[str]:
     engine = TorchEngine(CHECKPOINT_DIR)
     with serve(create_engine_app(engine, "tiny", engine.tokenizer)) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def reflect_url(rollout_url: str, reward_url: str) -> Iterator[str]:
+    """The reflect API over HTTP, reaching the rollout and reward APIs above over HTTP."""
+    import os
+
+    from loom.settings import get_settings
+    from reflect_svc.config import get_reflect_settings
+
+    saved = {
+        k: os.environ.get(k)
+        for k in ("LOOM_REFLECT_TRANSPORT", "LOOM_REFLECT_ROLLOUT_URL", "LOOM_REFLECT_REWARD_URL")
+    }
+    os.environ.update(
+        LOOM_REFLECT_TRANSPORT="http",
+        LOOM_REFLECT_ROLLOUT_URL=rollout_url,
+        LOOM_REFLECT_REWARD_URL=reward_url,
+    )
+    get_reflect_settings.cache_clear()
+    get_settings.cache_clear()
+    from reflect_svc.api import app
+
+    try:
+        with serve(app) as url:
+            yield url
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        get_reflect_settings.cache_clear()

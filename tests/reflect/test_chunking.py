@@ -3,8 +3,13 @@ sentence, capped at max tokens (tiny model tokenizer, a real byte-level BPE)."""
 
 from __future__ import annotations
 
+import itertools
+import random
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reflect_helpers import decoder, trace_group  # noqa: E402
@@ -91,3 +96,61 @@ def test_no_think_tag_means_the_whole_completion_is_thinking(tok):
     th = chunk_thinking(ids, dec, min_tokens=2)
     assert th.start == 0 and th.end == len(ids)
     check_exact(th, ids, dec)
+
+
+def prefix_starts(ids, dec):
+    """The reference: every token's offset from decoding every prefix (the old quadratic path)."""
+    text = dec(list(ids))
+    pieces = [dec([t]) for t in ids]
+    if "".join(pieces) == text:
+        return text, [0, *itertools.accumulate(len(p) for p in pieces)]
+    return text, [0] + [len(dec(list(ids[:k]))) for k in range(1, len(ids) + 1)]
+
+
+def test_offsets_equal_prefix_decoding_on_multibyte_and_broken_utf8(tok):
+    dec = decoder(tok)
+
+    def strip_first_space(ids):  # a decoder that treats the first token apart (SentencePiece-like)
+        s = dec(ids)
+        return s[1:] if s.startswith(" ") else s
+
+    rng = random.Random(0)
+    alphabet = [*"ab .\n7", "π", "😀", "中文", "\ufffd", "é", "🇫🇷", "👨‍👩‍👧", "<think>", "</think>"]
+    cases = []
+    for _ in range(400):
+        ids = tok.encode("".join(rng.choices(alphabet, k=rng.randrange(1, 25))), add_special_tokens=False)
+        cases.append(ids)
+        a = rng.randrange(len(ids))
+        cases.append(ids[a : a + rng.randrange(1, len(ids) + 1)])  # cut inside characters
+        cases.append([rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))])  # raw bytes: invalid
+    for ids in cases:
+        for d in (dec, strip_first_space):
+            assert token_starts(ids, d) == prefix_starts(ids, d), ids
+
+
+def test_a_split_multibyte_character_keeps_offsets_linear(tok):
+    """One "π" in an 8.7k-token thinking part decoded every prefix (12 s): now short windows only."""
+    dec = decoder(tok)
+    ids = tok.encode(
+        "<think>π" + "Let x be 2. So x+1 is 3. Then the result is 7.\n\n" * 300, add_special_tokens=False
+    )
+    decoded = 0
+
+    def counting(part):
+        nonlocal decoded
+        decoded += len(part)
+        return dec(part)
+
+    t0 = time.perf_counter()
+    th = chunk_thinking(ids, counting)
+    elapsed = time.perf_counter() - t0
+    assert len(ids) > 8000 and th.chunks
+    assert decoded <= 6 * len(ids)  # the prefixes were ~n²/2 = 38M tokens
+    assert elapsed < 3.0
+    assert token_starts(ids[:600], dec) == prefix_starts(ids[:600], dec)
+
+
+def test_crossed_chunk_bounds_are_refused(tok):
+    ids = tok.encode("<think> a. b. c.\n</think>", add_special_tokens=False)
+    with pytest.raises(ValueError, match="min_tokens <= max_tokens"):
+        chunk_thinking(ids, decoder(tok), min_tokens=500, max_tokens=1)

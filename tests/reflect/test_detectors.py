@@ -99,6 +99,15 @@ def test_heuristic_cuts_before_the_chunk_with_the_kth_reflection():
     assert detect_heuristic(th, 5, KEYWORDS).status == "no_detection"
 
 
+def test_blank_keywords_are_ignored_not_matched_at_every_word():
+    text = "So it is 7. Wait, check it. It is 7."
+    assert reflection_starts(text, [""]) == [] and reflection_starts(text, [" ", "\t"]) == []
+    assert reflection_starts(text, ["", "wait"]) == reflection_starts(text, ["wait"]) == [12]
+    th = toy_thinking(["So it is 7.", " It is seven.", " Yes, 7."])
+    assert detect_heuristic(th, 1, [""]).status == "no_detection"
+    assert detect_heuristic(th, 1, [" "]).cut is None
+
+
 # ----------------------------------------------------------------------------------------- fixed
 
 

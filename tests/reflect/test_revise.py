@@ -4,19 +4,22 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent))
-from reflect_helpers import serve, trace_group  # noqa: E402
+from reflect_helpers import trace_group  # noqa: E402
 
 from loom.clients.reflect import ReflectClient  # noqa: E402
 from loom.formats import FORCED_ENDING  # noqa: E402
-from loom.schemas import ReflectParams  # noqa: E402
+from loom.schemas import (  # noqa: E402
+    Group,
+    ReflectParams,
+    RewardResult,
+    Trajectory,
+    TrajectoryReward,
+)
 from reflect_svc.chunking import Chunk, Thinking, chunk_thinking  # noqa: E402
-from reflect_svc.revise import keep_revision, limit_cut  # noqa: E402
+from reflect_svc.revise import keep_revision, limit_cut, revise_group, unique_revision_id  # noqa: E402
 
 
 def test_never_more_than_half_of_the_thinking_tokens_go():
@@ -36,36 +39,47 @@ def test_discard_rules():
     assert keep_revision(False, False) == (False, "both_wrong")
 
 
-@pytest.fixture(scope="module")
-def reflect_url(rollout_url: str, reward_url: str) -> Iterator[str]:
-    import os
+class CorrectServices:
+    """Every chunk states the answer, every completion is " 7." and every trajectory is correct."""
 
-    from loom.settings import get_settings
-    from reflect_svc.config import get_reflect_settings
+    def __init__(self, tok):
+        self.tok = tok
 
-    saved = {
-        k: os.environ.get(k)
-        for k in ("LOOM_REFLECT_TRANSPORT", "LOOM_REFLECT_ROLLOUT_URL", "LOOM_REFLECT_REWARD_URL")
-    }
-    os.environ.update(
-        LOOM_REFLECT_TRANSPORT="http",
-        LOOM_REFLECT_ROLLOUT_URL=rollout_url,
-        LOOM_REFLECT_REWARD_URL=reward_url,
-    )
-    get_reflect_settings.cache_clear()
-    get_settings.cache_clear()
-    from reflect_svc.api import app
+    def match(self, group, texts):
+        return [True] * len(texts)
 
-    try:
-        with serve(app) as url:
-            yield url
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        get_reflect_settings.cache_clear()
+    def complete(self, requests):
+        ids = self.tok.encode(" 7.", add_special_tokens=False)
+        return [
+            Group(id=r.group_id, trajectories=[Trajectory(id="x", group_id=r.group_id, completion_ids=ids)])
+            for r in requests
+        ]
+
+    def score(self, group, spec):
+        rewards = [TrajectoryReward(trajectory_id=t.id, total=1.0) for t in group.trajectories]
+        return RewardResult(group_id=group.id, rewards=rewards)
+
+
+def test_revision_ids_stay_unique_when_an_original_is_named_like_a_revision(tok):
+    """ids t0 and t0.rev gave ['t0', 't0.rev', 't0.rev', 't0.rev.rev'] (and mixed up their rewards)."""
+    g = trace_group(tok, "arith", n=2, seed=8)
+    t0, t1 = g.trajectories
+    group = g.model_copy(update={"trajectories": [t0, t1.model_copy(update={"id": "t0.rev"})]})
+    res = revise_group(group, ReflectParams(min_chunk_tokens=8), CorrectServices(tok), tok)
+    ids = [t.id for t in res.group.trajectories]
+    assert ids == ["t0", "t0.rev2", "t0.rev", "t0.rev.rev"]
+    parents = [(t.id, t.parent_id) for t in res.group.trajectories if t.parent_id]
+    assert parents == [("t0.rev2", "t0"), ("t0.rev.rev", "t0.rev")]
+    assert [i.revision_id for i in res.revisions] == ["t0.rev2", "t0.rev.rev"]
+    assert res.group.meta["reflect"]["revisions"] == {"t0.rev2": "t0", "t0.rev.rev": "t0.rev"}
+
+
+def test_unique_revision_ids_count_up_and_fit_the_schema():
+    taken = {"a", "a.rev", "a.rev2"}
+    assert unique_revision_id("a", taken) == "a.rev3" and unique_revision_id("a", taken) == "a.rev4"
+    long_id = "x" * 200
+    rid = unique_revision_id(long_id, taken)
+    assert len(rid) <= 200 and rid != unique_revision_id(long_id, taken)
 
 
 def test_end_to_end_revise_through_rollout_and_reward(tok, reflect_url):

@@ -85,6 +85,10 @@ def test_limits_give_413_and_422_with_the_field_path(client, monkeypatch):
     assert r.json()["detail"][0]["loc"] == ["body", "groups", 0, "trajectories", 1, "text"]
     r = client.post("/get_reward", json={"query": ["x" * 101]})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "query", 0]
+    r = client.post("/v1/slime/reward", json={"prompt": "p", "response": "r", "label": "4" * 101})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "label"]
+    r = client.post("/v1/rewards/match", json={"label": "4" * 101, "texts": ["4"]})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "label"]
 
 
 def test_bad_spec_is_422_with_the_path(client):
@@ -95,6 +99,38 @@ def test_bad_spec_is_422_with_the_path(client):
     spec = {"components": [{"name": "reflection", "params": {"q": 2}}]}
     r = client.post("/v1/rewards", json={"groups": [group(["a"])], "spec": spec})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"][-2:] == ["params", "q"]
+
+
+def test_tail_chars_out_of_bounds_is_422_with_the_path(client):
+    for bad in (0, -5, 10**6):
+        spec = {"components": [{"name": "accuracy", "params": {"tail_chars": bad}}]}
+        r = client.post("/v1/rewards", json={"groups": [group(["a"])], "spec": spec})
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["loc"] == ["body", "spec", "components", 0, "params", "tail_chars"]
+
+
+def test_hostile_numbers_and_labels_are_statuses_not_500(client):
+    huge = "1" * 5000
+    cd = group(["\\boxed{1+2}"], label="[" * 5000)
+    cd["task"] = "countdown"
+    ar = group(["\\boxed{" + huge + "}"], label="3", gid="h")
+    ar["task"] = "arithmetic"
+    r = client.post("/v1/rewards", json={"groups": [cd, ar]})
+    assert r.status_code == 200
+    assert [res["rewards"][0]["status"] for res in r.json()["results"]] == ["invalid", "parse_error"]
+    inf = (
+        '{"groups":[{"id":"g","task":"countdown","meta":{"numbers":[1,2],"target":Infinity},'
+        '"trajectories":[{"id":"t","group_id":"g","text":"\\\\boxed{1+2}"}]}]}'
+    )
+    r = client.post("/v1/rewards", content=inf, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["results"][0]["rewards"][0]["status"] == "invalid"
+    r = client.post("/v1/rewards/match", json={"label": huge, "task": "arithmetic", "texts": ["3"]})
+    assert r.status_code == 200 and r.json()["verdicts"][0]["status"] == "invalid"
+    body = {"query": ["\\boxed{" + huge + "}"], "labels": ["3"], "task": "arithmetic"}
+    r = client.post("/get_reward", json=body)
+    assert r.status_code == 200 and r.json()["rewards"] == [0.0]
+    r = client.post("/v1/slime/reward", json={"response": "\\boxed{3}", "label": huge, "task": "arithmetic"})
+    assert r.status_code == 200 and r.json()["status"] == "invalid"
 
 
 # ---------------------------------------------------------------- fuzz: thousands of requests, no 5xx

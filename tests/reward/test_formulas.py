@@ -152,6 +152,16 @@ def test_format_spawn_blocks():
     assert not spawn_ok(good.replace("<End Calling Sub Searches>", ""))
     assert not spawn_ok(good.replace("Sub Search 2 at", "Sub Search 3 at"))
     assert format_spawn(ctx_of([good, "<Calling Sub Searches>"]), {}) == [1.0, 0.0]
+    # a join_child template with literal braces ({{ }}) renders single braces into the text
+    from dataclasses import replace
+
+    from loom.formats import DEFAULT_SPAWN
+
+    braced = replace(DEFAULT_SPAWN, join_child="<Result {{child}} {i}> {message}")
+    text = good.replace("<Result of Sub Search 1>", "<Result {child} 1>").replace(
+        "<Result of Sub Search 2>", "<Result {child} 2>"
+    )
+    assert spawn_ok(text, braced)
 
 
 # ---------------------------------------------------------------- efficiency (AdaSR eq. 7)
@@ -225,6 +235,18 @@ def test_reflection_fixed_and_running_quantile():
     assert reflection(ctx, {"d_q": "running", "stat_key": "k", "q": 0.2})[0] == pytest.approx(
         d / 0.021 - 1, rel=0.05
     )
+
+
+def test_reflection_density_is_in_one_unit_with_or_without_think_tags():
+    # with token ids the whole trace is measured in real tokens; the thinking part must be too (it was
+    # divided by approximate word tokens instead: the same text scored -0.62 untagged and 0.0 tagged)
+    body = "step " * 20 + "wait"
+    tagged = Trajectory(id="a", group_id="g", text=f"<think>{body}</think>", completion_ids=[0] * 3000)
+    plain = Trajectory(id="b", group_id="g", text=body, completion_ids=[0] * 3000)
+    ctx = ctx_of(trajs=[tagged, plain])
+    r_tagged, r_plain = reflection(ctx, {"fixed_value": 0.01})
+    assert r_plain == pytest.approx(1 / 3000 / 0.01 - 1)
+    assert r_tagged < -0.5 and r_tagged == pytest.approx(r_plain, rel=0.2)
 
 
 def test_zero_variance_group_components_are_constant():

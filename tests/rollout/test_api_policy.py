@@ -194,3 +194,50 @@ def test_groups_in_flight_catch_up_one_at_a_time_and_never_load_an_older_version
 
     asyncio.run(three())
     assert loads == [str(store.path_of(2))] and engine.policy_version == 2
+
+
+@pytest.mark.parametrize("ids", [[99999], [-3], [10**30], [5, 6, 10**6]])
+def test_prompt_ids_outside_the_vocabulary_are_422_naming_the_field(client: Any, ids: list[int]) -> None:
+    c, engine = client
+    r = c.post("/v1/rollouts", json={"prompt_ids": ids, "sampling": {"max_tokens": 4}})
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["error"] == "invalid_prompt" and body["field"] == "prompt_ids"
+    assert f"prompt_ids[{len(ids) - 1}]" in body["detail"] and f"[0, {engine.vocab_size})" in body["detail"]
+
+
+def test_a_prompt_the_context_cannot_hold_is_422_naming_the_field(client: Any) -> None:
+    c, engine = client
+    limit = engine.max_model_len
+    r = c.post("/v1/rollouts", json={"prompt_ids": [5] * limit, "sampling": {"max_tokens": 1}})
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "prompt_ids" and f"context holds {limit}" in r.json()["detail"]
+    r = c.post("/v1/rollouts", json={"prompt": "a" * (limit + 10), "sampling": {"max_tokens": 1}})
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "prompt" and r.json()["error"] == "invalid_prompt"
+
+
+def test_generation_stops_at_the_end_of_the_context_with_finish_reason_length(client: Any) -> None:
+    """max_tokens is capped at the room the context leaves (vLLM would answer 400 instead)."""
+    c, engine = client
+    room = 3
+    body = {
+        "prompt_ids": [5] * (engine.max_model_len - room),
+        "sampling": {"n": 4, "max_tokens": 8, "seed": 3},
+    }
+    r = c.post("/v1/rollouts", json=body)
+    assert r.status_code == 200, r.text
+    trajectories = Group.model_validate(r.json()).trajectories
+    assert all(len(t.completion_ids) <= room for t in trajectories)
+    full = [t for t in trajectories if len(t.completion_ids) == room]
+    assert full and all(t.finish_reason == "length" for t in full)
+
+
+def test_a_policy_path_that_is_not_a_checkpoint_is_422(client: Any, tmp_path: Path) -> None:
+    c, _ = client
+    for path in (str(tmp_path), str(tmp_path / "missing"), "../../etc"):
+        r = c.post("/v1/policy", json={"path": path})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"] == "load_failed" and "could not load policy" in r.json()["detail"]
+    r = c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 2}})
+    assert r.status_code == 200  # the engine still serves its model

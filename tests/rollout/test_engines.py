@@ -123,3 +123,37 @@ def test_group_layout_logprobs_match_teacher_forced_pass(
         assert c.logprobs == pytest.approx(ref, abs=ATOL)
         plain_ref = teacher_forced_logprobs(reference_model, ids + c.token_ids, len(ids))
         assert c.logprobs != pytest.approx(plain_ref, abs=ATOL)  # the layout really changes the model's view
+
+
+def test_the_context_caps_generation_and_refuses_prompts_it_cannot_hold(local_engine: Any, arun: Any) -> None:
+    """Batched and single-request (layout) paths alike; the typed error crosses the process pipe."""
+    from rollout_svc.engines.base import InvalidPrompt
+
+    limit = local_engine.max_model_len
+    assert limit == 1024 and local_engine.vocab_size > 0  # the test model's config
+    ids = [5] * (limit - 2)
+    params = SamplingParams(n=3, max_tokens=8, seed=4)
+    for layout in (None, Layout(groups=[0] * len(ids), gen_group=0)):
+        outs = arun(local_engine.generate(ids, params, layout))
+        assert all(len(c.token_ids) <= 2 for c in outs)
+        assert all(c.finish_reason == "length" for c in outs if len(c.token_ids) == 2)
+    with pytest.raises(InvalidPrompt, match=f"context holds {limit}") as e:
+        arun(local_engine.generate([5] * limit, params))
+    assert e.value.field == "prompt_ids"
+    for bad in (-1, local_engine.vocab_size, 10**30):
+        with pytest.raises(InvalidPrompt, match=r"prompt_ids\[1\] = .* outside the model's vocabulary"):
+            arun(local_engine.generate([5, bad], params))
+    assert len(arun(local_engine.generate([5, 6], SamplingParams(max_tokens=2, seed=1)))) == 1
+
+
+def test_loom_engine_refuses_a_prompt_the_model_cannot_read_with_400(vllm_engine: Any, arun: Any) -> None:
+    """The server's 400 is the vllm client's EngineRequestError (422 at the API, never retried);
+    generation past the context is capped there too, as on the torch engine in-process."""
+    from rollout_svc.engines.base import EngineRequestError
+
+    with pytest.raises(EngineRequestError, match="HTTP 400.*vocabulary"):
+        arun(vllm_engine.generate([99999], SamplingParams(max_tokens=2)))
+    with pytest.raises(EngineRequestError, match="HTTP 400.*context holds 1024"):
+        arun(vllm_engine.generate([5] * 1024, SamplingParams(max_tokens=2)))
+    outs = arun(vllm_engine.generate([5] * 1022, SamplingParams(n=2, max_tokens=8, seed=4)))
+    assert all(len(c.token_ids) <= 2 for c in outs)

@@ -130,6 +130,10 @@ def test_streaming_latency_is_accounted_at_the_reading_speed(
         ("streaming", {"sentences": SENTENCES, "layout": "diagonal"}, "layout"),
         ("streaming", {"sentences": SENTENCES, "segment_cap": 0}, "segment_cap"),
         ("streaming", {"sentences": SENTENCES, "typo": 1}, "typo"),
+        ("streaming", {"sentences": SENTENCES, "reading_wpm": 0}, "reading_wpm must be a finite number > 0"),
+        ("streaming", {"sentences": SENTENCES, "reading_wpm": -150}, "reading_wpm"),
+        ("streaming", {"sentences": SENTENCES, "deep_max_tokens": 0}, "deep_max_tokens must be in"),
+        ("streaming", {"sentences": SENTENCES, "answer_max_tokens": -5}, "answer_max_tokens must be in"),
         ("plain", {"sentences": SENTENCES}, "plain takes no mode_params"),
     ],
 )

@@ -23,7 +23,14 @@ import pytest
 import torch
 
 from loom.schemas import PolicyVersion, SamplingParams
-from rollout_svc.engines.base import EngineTimeout, EngineUnavailable, UnsupportedCapability
+from rollout_svc.engines.base import (
+    EngineRequestError,
+    EngineTimeout,
+    EngineUnavailable,
+    InvalidPrompt,
+    PolicyLoadError,
+    UnsupportedCapability,
+)
 from rollout_svc.engines.process import ProcessEngine
 from rollout_svc.engines.torch_engine import load_model, teacher_forced_logprobs
 
@@ -103,6 +110,20 @@ def test_errors_keep_their_type(own_engine: Any, arun: Any) -> None:
     with pytest.raises(ValueError, match="layout has 1 groups for 3 prompt tokens"):
         arun(own_engine.generate([5, 6, 7], SamplingParams(max_tokens=2), Layout(groups=[0])))
     # the engine still serves after both
+    assert len(arun(own_engine.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=1)))) == 1
+
+
+def test_bad_input_is_typed_bad_input_across_the_pipe(own_engine: Any, arun: Any, tmp_path: Path) -> None:
+    """A prompt outside the vocabulary and a path that is no checkpoint come back as the engine's
+    request errors (422 at the API, no retry in a task), not as IndexError / ValueError."""
+    with pytest.raises(InvalidPrompt, match="vocabulary") as e:
+        arun(own_engine.generate([99999], SamplingParams(max_tokens=2)))
+    assert e.value.field == "prompt_ids" and isinstance(e.value, EngineRequestError)
+    before = own_engine.policy_version
+    with pytest.raises(PolicyLoadError, match="could not load policy"):
+        arun(own_engine.load_policy(PolicyVersion(version=before + 1, path=str(tmp_path))))
+    assert own_engine.policy_version == before
+    assert own_engine.vocab_size is not None and own_engine.max_model_len == 1024  # the child's model
     assert len(arun(own_engine.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=1)))) == 1
 
 

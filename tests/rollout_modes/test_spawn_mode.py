@@ -156,3 +156,36 @@ def test_bad_spawn_params_are_mode_errors():
         SpawnConfig.from_request(_request(max_kids=2))
     with pytest.raises(ModeError, match="max_children"):
         SpawnConfig.from_request(_request(max_children=0))
+    with pytest.raises(ModeError, match="max_message_chars"):
+        SpawnConfig.from_request(_request(max_message_chars=-1))
+    with pytest.raises(ModeError, match=r"must not be blank: \['spawn_open'\]"):
+        SpawnConfig.from_request(_request(spawn_open=""))
+
+
+@pytest.mark.parametrize(
+    ("mode_params", "needle"),
+    [
+        (
+            {"child_template": "[child] {message}{x}\n"},
+            r"child_template may only use the placeholders \{message\}",
+        ),
+        ({"join_child": "<Result of Sub Search {i}> {message} {0}"}, r"join_child may only use .*\{i\}"),
+        ({"child_template": "{message!r}"}, "got {message!r}"),
+        ({"child_template": "{message:>999999999}"}, "got {message:>999999999}"),
+        ({"child_template": "{message.__class__}"}, "placeholders"),
+        ({"join_child": "{i} {message"}, "literal braces"),
+        ({"child_template": "{{message}}"}, "must contain {message}"),
+    ],
+)
+def test_spawn_templates_are_checked_before_the_first_spawn(mode_params, needle):
+    """str.format would raise KeyError / IndexError (a 500) only once a child is spawned."""
+    with pytest.raises(ModeError, match=needle):
+        SpawnConfig.from_request(_request(**mode_params))
+
+
+def test_spawn_templates_may_hold_literal_braces():
+    cfg = SpawnConfig.from_request(
+        _request(child_template="{{child}} {message}\n", join_child="[{i}] {message} {{}}")
+    )
+    assert cfg.child_template.format(message="m") == "{child} m\n"
+    assert join_text(["m"], cfg.syntax).splitlines()[2] == "[0] m {}"

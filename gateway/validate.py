@@ -1,0 +1,52 @@
+"""What the gateway checks at submission beyond the schema: each item's mode parameters (as the
+rollout service will parse them) and the reward spec (as the reward service will). A job or run that
+would fail in every worker is a 422 naming the field, not a 201 followed by a failed job."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.models import TaskItem
+from gateway.runs import to_request
+from loom.settings import Settings
+
+MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in dataset's items differ
+# only in their sentences, so the first ones stand for the rest)
+
+
+def submission_problem(
+    items: Sequence[TaskItem], req: Any, settings: Settings, per_item_loc: str | None
+) -> dict[str, Any] | None:
+    """The 422 body for the first problem found, or None. ``per_item_loc``: the body field the items
+    came from (``tasks``), so an item's own mode_params are reported at their index."""
+    from reward_svc.core import RequestError, check_spec
+    from rollout_svc.modes import ModeError
+    from rollout_svc.modes.check import check_mode_params
+
+    try:
+        check_spec(req.reward, loc=("body", "reward"))
+    except RequestError as exc:
+        return exc.body()
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        request = to_request(item, req)
+        key = repr(sorted(request.mode_params.items()))
+        if key in seen:
+            continue
+        if len(seen) >= MAX_CHECKED:
+            break
+        seen.add(key)
+        try:
+            check_mode_params(
+                request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
+            )
+        except ModeError as exc:
+            loc: list[str | int] = ["body", "mode_params"]
+            if per_item_loc is not None and item.mode_params:
+                loc = ["body", per_item_loc, i, "mode_params"]
+            return {
+                "error": "validation_error",
+                "detail": [{"loc": loc, "msg": str(exc), "type": "mode_error"}],
+            }
+    return None
