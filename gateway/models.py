@@ -12,6 +12,7 @@ from loom.schemas import (
     Group,
     LossSpec,
     Mode,
+    Params,
     RewardResult,
     RewardSpec,
     SamplingParams,
@@ -48,7 +49,7 @@ class TaskItem(Contract):
     prompt: str = Field(min_length=1, max_length=100_000)
     label: str | None = None
     task: TaskKind | None = None
-    mode_params: dict[str, Any] = Field(
+    mode_params: Params = Field(
         default_factory=dict, description="per-item mode parameters (e.g. streaming sentences)"
     )
 
@@ -60,7 +61,7 @@ class JobRequest(Contract):
     )
     tasks: list[TaskItem] | None = Field(default=None, max_length=4096)
     mode: Mode = "plain"
-    mode_params: dict[str, Any] = Field(default_factory=dict)
+    mode_params: Params = Field(default_factory=dict)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     reward: RewardSpec = Field(default_factory=RewardSpec)
     adaptive: AdaptiveParams | None = None
@@ -183,12 +184,12 @@ class RunRequest(Contract):
     run_key: str | None = Field(default=None, max_length=200, description="client idempotency key")
     dataset: DatasetSpec
     mode: Mode = "plain"
-    mode_params: dict[str, Any] = Field(default_factory=dict)
+    mode_params: Params = Field(default_factory=dict)
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(n=4))
     reward: RewardSpec = Field(default_factory=RewardSpec)
     adaptive: AdaptiveParams | None = None
     estimator: Estimator = "grpo"
-    estimator_params: dict[str, Any] = Field(default_factory=dict)
+    estimator_params: Params = Field(default_factory=dict)
     loss: LossSpec = Field(default_factory=LossSpec)
     schedule: Schedule = Field(default_factory=Schedule)
     reflect: bool = False

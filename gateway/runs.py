@@ -134,7 +134,8 @@ class RunLoop:
     # ------------------------------------------------------------------------------------------ loop
     def run(self) -> str:
         """Drive the run to its end (or until ``stop``); returns the final status."""
-        self.state.set_run(self.run_id, status="running", error=None)
+        if not self.state.start_run(self.run_id):  # cancelled before its loop started
+            return "cancelled"
         self._rewrite_jsonl()
         sched = self.req.schedule
         gen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gen-{self.run_id}")

@@ -172,6 +172,16 @@ class GatewayState:
         with self.tx() as db:
             db.execute(f"UPDATE runs SET {cols} WHERE id=?", (*fields.values(), run_id))  # noqa: S608
 
+    def start_run(self, run_id: str) -> bool:
+        """Mark the run running unless it was cancelled meanwhile (atomically); False if cancelled."""
+        with self.tx() as db:
+            cur = db.execute(
+                "UPDATE runs SET status='running', error=NULL, updated_at=? "
+                "WHERE id=? AND status != 'cancelled'",
+                (time.time(), run_id),
+            )
+            return cur.rowcount > 0
+
     def plan(self, run_id: str, step: int, batch_size: int, gen_version: int) -> tuple[int, int]:
         """The (batch size, generation policy version) of ``step``: the first plan recorded wins, so a
         resumed gateway regenerates exactly the same prompts with the same task keys."""

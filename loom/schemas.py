@@ -9,9 +9,18 @@ Rules that keep them growable:
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 SCHEMA_VERSION = "1.0"
 
@@ -22,6 +31,24 @@ RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid"]
 Estimator = Literal["grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "rea", "apr"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 TaskKind = Literal["math", "choice", "countdown", "arithmetic"]
+
+
+def _finite_numbers(value: Any, path: str = "") -> Any:
+    """Refuse NaN and infinity anywhere inside a free-form parameter dict (typed float fields are
+    checked by ``allow_inf_nan``; ``dict[str, Any]`` values are not)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path or 'value'} must be a finite number, got {value}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _finite_numbers(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _finite_numbers(v, f"{path}[{i}]")
+    return value
+
+
+Params = Annotated[dict[str, Any], AfterValidator(_finite_numbers)]
+"""A free-form parameter dict (mode, estimator, component parameters) of finite numbers only."""
 
 
 class Contract(BaseModel):
@@ -158,7 +185,7 @@ class RolloutRequest(Contract):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     label: str | None = None
     task: TaskKind | None = None
-    mode_params: dict[str, Any] = Field(default_factory=dict)
+    mode_params: Params = Field(default_factory=dict)
     policy_version: int | None = Field(
         default=None,
         ge=0,
@@ -180,7 +207,7 @@ class RolloutRequest(Contract):
 class RewardComponent(Contract):
     name: str = Field(min_length=1, max_length=64)
     weight: float = Field(default=1.0, ge=-1e6, le=1e6)
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: Params = Field(default_factory=dict)
 
 
 class RewardSpec(Contract):
@@ -256,7 +283,7 @@ class TrainBatch(Contract):
     groups: list[Group] = Field(min_length=1)
     rewards: list[RewardResult] = Field(min_length=1)
     estimator: Estimator = "grpo"
-    estimator_params: dict[str, Any] = Field(default_factory=dict)
+    estimator_params: Params = Field(default_factory=dict)
     loss: LossSpec = Field(default_factory=LossSpec)
 
 

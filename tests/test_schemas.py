@@ -55,6 +55,9 @@ def test_nan_and_infinite_numbers_are_refused_with_their_field():
     assert err.value.errors()[0]["loc"] == ("logprobs", 1)
     with pytest.raises(ValidationError):
         LossSpec(lr=float("inf"))
+    # free-form parameter dicts too, at any depth
+    with pytest.raises(ValidationError, match=r"a\[1\]\.b must be a finite number"):
+        RolloutRequest(prompt="p", mode="tree", mode_params={"a": [1, {"b": float("nan")}]})
 
 
 def test_rollout_request_needs_exactly_one_prompt():

@@ -10,6 +10,7 @@ attention scores; a mode that needs one calls ``require`` and gets a typed ``Uns
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -151,6 +152,22 @@ class Engine(ABC):
     def max_model_len(self) -> int | None:
         """Positions the model holds, prompt and generated tokens together; None: unknown here."""
         return None
+
+    def room(self, prompt_ids: list[int], layout: Layout | None = None) -> int | None:
+        """Tokens the context leaves for generation after ``prompt_ids`` (0: full; None: unknown).
+        Under a group layout positions are numbered per group: generated tokens continue
+        ``gen_group``'s, and no group may outgrow the context. A mode that extends its own sequence
+        (streaming rounds, a spawn parent after its join) asks this before each call and ends the
+        sample with finish_reason "length" at 0, as a single call does at the context's end."""
+        limit = self.max_model_len
+        if limit is None:
+            return None
+        if layout is None:
+            return max(0, limit - len(prompt_ids))
+        counts = Counter(layout.groups)
+        if counts and max(counts.values()) > limit:
+            return 0
+        return max(0, limit - counts.get(layout.gen_group, 0))
 
     def require(self, capability: Capability, hint: str = "") -> None:
         if capability not in self.capabilities:

@@ -449,14 +449,12 @@ class TorchEngine(Engine):
             room = check_prompt(prompt_ids, self.vocab_size, limit)
         else:
             check_prompt(prompt_ids, self.vocab_size, None)
-            counts = Counter(layout.groups)
-            held = counts.get(layout.gen_group, 0)
-            if limit is not None and (max(counts.values()) > limit or held >= limit):
+            room = self.room(prompt_ids, layout)
+            if room == 0:
                 raise InvalidPrompt(
-                    f"a group of the prompt's layout takes {max(counts.values())} positions; "
-                    f"the model's context holds {limit} (and at least one generated token)"
+                    f"a group of the prompt's layout takes {max(Counter(layout.groups).values())} "
+                    f"positions; the model's context holds {limit} (and at least one generated token)"
                 )
-            room = None if limit is None else limit - held
         if room is not None and params.max_tokens > room:
             return params.model_copy(update={"max_tokens": room})
         return params

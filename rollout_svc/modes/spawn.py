@@ -266,6 +266,9 @@ async def spawn(
         t0 = time.perf_counter()
         while True:
             budget = min(max_tokens - len(call.ids), ro.budget)
+            room = engine.room(call.prompt_ids + call.ids)  # a parent after its join may fill the context
+            if room is not None:
+                budget = min(budget, room)
             if budget <= 0:
                 finish = "length"
                 break

@@ -187,6 +187,14 @@ async def streaming(
         seq = _Sequence(len(prompt_ids), list(prompt_ids), [SOURCE] * len(prompt_ids))
         clock, gen_s, latency_tokens = 0.0, 0.0, 0
 
+        def layout_of(groups: list[int]) -> Layout | None:
+            return Layout(groups=groups, gen_group=TARGET) if cfg.layout == "group_positions" else None
+
+        def full_with(extra: list[int], group: int) -> bool:
+            """Would ``extra`` (of ``group``) leave the context no room for a generated token? Nothing
+            is appended past the context: the sample ends there with finish_reason "length"."""
+            return engine.room(seq.ids + extra, layout_of(seq.groups + [group] * len(extra))) == 0
+
         async def step(stop_ids: list[int], max_tokens: int, round_: int) -> tuple[Completion, float]:
             params = sampling.model_copy(
                 update={
@@ -197,16 +205,24 @@ async def streaming(
                     "seed": sample_seed(sampling.seed, i, round_),
                 }
             )
-            layout = (
-                Layout(groups=list(seq.groups), gen_group=TARGET) if cfg.layout == "group_positions" else None
-            )
             t0 = time.perf_counter()
-            c = (await engine.generate(seq.ids, params, layout))[0]
+            c = (await engine.generate(seq.ids, params, layout_of(list(seq.groups))))[0]
             return c, time.perf_counter() - t0
+
+        def force(c: Completion, marker: int, needed: bool) -> list[int] | None:
+            """The forced end marker after ``c`` ([] when none is needed), None when ``c`` and the
+            marker would leave the context no room for a later round (the sample ends after ``c``)."""
+            marker_ids = [marker] if needed else []
+            if full_with(list(c.token_ids) + marker_ids, TARGET):
+                return None
+            return marker_ids
 
         finish: Literal["stop", "length"] = "stop"
         ended = None
         for t, obs in enumerate(observations):
+            if full_with(obs, SOURCE):
+                finish, ended = "length", "context"
+                break
             seq.observe(obs, t)
             c, dt = await step([eot, skip], cfg.segment_cap, t)
             clock = max(clock, arrivals[t]) + dt
@@ -214,22 +230,31 @@ async def streaming(
             if t == len(observations) - 1:
                 latency_tokens += len(c.token_ids)
             eos = _ended_by_eos(c, [eot, skip])
-            forced = [eot] if not eos and (c.finish_reason == "length" or c.stop_reason == skip) else []
-            seq.generated(c, "stream", t, forced, {"skipped": c.stop_reason == skip})
+            forced = force(c, eot, not eos and (c.finish_reason == "length" or c.stop_reason == skip))
+            seq.generated(c, "stream", t, forced or [], {"skipped": c.stop_reason == skip})
             if eos:
                 ended = "stream"
                 break
+            if forced is None:
+                finish, ended = "length", "context"
+                break
         answer_at = None
         if ended is None:
-            seq.observe(connector, len(observations), {"connector": True})
-            c, dt = await step([eor], cfg.deep_max_tokens, len(observations))
-            clock = max(clock, arrivals[-1]) + dt
-            gen_s += dt
-            latency_tokens += len(c.token_ids)
-            eos = _ended_by_eos(c, [eor])
-            seq.generated(c, "deep", 0, [eor] if c.finish_reason == "length" else [], {})
-            if eos:
-                ended = "deep"
+            if full_with(connector, SOURCE):
+                finish, ended = "length", "context"
+            else:
+                seq.observe(connector, len(observations), {"connector": True})
+                c, dt = await step([eor], cfg.deep_max_tokens, len(observations))
+                clock = max(clock, arrivals[-1]) + dt
+                gen_s += dt
+                latency_tokens += len(c.token_ids)
+                eos = _ended_by_eos(c, [eor])
+                forced = force(c, eor, c.finish_reason == "length")
+                seq.generated(c, "deep", 0, forced or [], {})
+                if eos:
+                    ended = "deep"
+                elif forced is None:
+                    finish, ended = "length", "context"
         if ended is None:
             c, dt = await step([eoa], cfg.answer_max_tokens, len(observations) + 1)
             gen_s += dt

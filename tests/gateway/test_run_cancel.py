@@ -90,3 +90,15 @@ def test_a_cancelled_run_stays_cancelled_when_its_step_then_fails(tmp_path) -> N
     assert out["status"] == "cancelled"
     row = state.run(run_id)
     assert row is not None and row["status"] == "cancelled" and row["error"] is None
+
+
+def test_a_run_cancelled_before_its_loop_starts_stays_cancelled(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    state = GatewayState(tmp_path / "gw.sqlite")
+    req = RunRequest.model_validate({"dataset": {"builtin": "arith", "size": 8}, "schedule": {"steps": 2}})
+    run_id, _ = state.create_run("me", None, req.model_dump(mode="json"), 2, 0, 8)
+    stages = BlockingStages()
+    loop = RunLoop(run_id, state, stages, tmp_path)  # type: ignore[arg-type]
+    state.set_run(run_id, status="cancelled")
+    assert loop.run() == "cancelled"
+    row = state.run(run_id)
+    assert row is not None and row["status"] == "cancelled" and not stages.generating.is_set()

@@ -165,3 +165,42 @@ def test_streaming_on_the_shipped_tiny_checkpoint_is_token_exact(arun: Any) -> N
     for t in group.trajectories:
         assert_exact(t, engine.model)
         assert t.segments[0].kind == "observation" and t.segments[1].kind == "stream"
+
+
+def test_streaming_ends_a_sample_at_the_context_instead_of_failing_the_group(
+    tmp_path: Any, arun: Any
+) -> None:
+    """A stream step capped by the context (finish "length") is followed by more observations: the
+    next call would not fit, so the sample ends there ("length", ended_early "context"); it used to
+    be refused with InvalidPrompt and take the whole group down."""
+    import json
+    from collections import Counter
+
+    from rollout_svc.engines.torch_engine import TorchEngine
+    from tests.rollout.conftest import build_model_dir
+
+    d = build_model_dir(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    engine = TorchEngine(d, cache_entries=4)
+    for layout in ("interleaved", "group_positions"):
+        request = streaming_request(layout, segment_cap=40)
+        request.sampling = request.sampling.model_copy(update={"max_tokens": 200})
+        group = run_group(arun, engine, engine.tokenizer, request)
+        for t in group.trajectories:
+            groups = [0] * len(t.prompt_ids) + t.meta.get("completion_groups", [0] * len(t.completion_ids))
+            assert max(Counter(groups).values()) <= 96  # nothing appended past the context
+            if t.meta.get("ended_early") == "context":
+                assert t.finish_reason == "length"
+        assert any(t.meta.get("ended_early") == "context" for t in group.trajectories), layout
+
+
+def test_room_is_what_the_context_leaves(local_engine: Any) -> None:
+    engine = local_engine
+    limit = engine.max_model_len
+    assert engine.room([1] * 10) == limit - 10
+    assert engine.room([1] * (limit + 5)) == 0
+    layout = Layout(groups=[0] * 10 + [1] * 3, gen_group=1)
+    assert engine.room([1] * 13, layout) == limit - 3  # positions count per group
+    assert engine.room([1] * (limit + 1), Layout(groups=[0] * (limit + 1), gen_group=1)) == 0
