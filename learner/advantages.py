@@ -184,6 +184,8 @@ def treerl(nodes: Sequence[TreeNode], leaf_values: Mapping[str, float]) -> dict[
             depth[nid] = d
         return depth[nid]
 
+    for n in nodes:  # every node's chain is checked first: a cycle or an unknown parent is a ValueError
+        depth_of(n.id)
     leaf_of: dict[str, str] = {}  # trajectory -> its deepest node
     for n in nodes:
         if n.trajectory_id in leaf_values:

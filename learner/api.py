@@ -10,9 +10,10 @@ the policy), returns schemas.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException
+from celery.exceptions import TimeoutError as CeleryTimeout
+from fastapi import FastAPI, HTTPException, Query
 from pydantic import Field, model_validator
 
 from learner.assign import assign_batch
@@ -20,11 +21,18 @@ from loom.schemas import Contract, StepResult, TrainBatch
 from loom.service import add_ping_route, broker_check, create_app
 from loom.settings import Settings
 
+MAX_STEPS = 4096
+
 
 class AttentionRequest(Contract):
-    token_ids: list[int] = Field(min_length=2, max_length=65536, description="prompt + response tokens")
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        min_length=2, max_length=65536, description="prompt + response tokens"
+    )
     steps: list[tuple[int, int]] = Field(
-        min_length=2, description="[start, end) token spans; steps[0] is the prompt, steps[1] the first step"
+        min_length=2,
+        max_length=MAX_STEPS,
+        description="[start, end) token spans; steps[0] is the prompt, steps[1] the first step "
+        f"(at most {MAX_STEPS}: the scorer keeps a steps x steps matrix per layer and head)",
     )
     delta: int = Field(default=4, ge=1)
     zero_from: int | None = Field(default=None, ge=0, description="steps from this index on score 0")
@@ -49,7 +57,7 @@ def _run(celery_app: Any, name: str, kwargs: dict[str, Any], timeout: float) -> 
         return result.get(timeout=timeout, interval=0.05)
     except ValueError as exc:
         raise HTTPException(422, {"error": "invalid_batch", "detail": str(exc)}) from exc
-    except TimeoutError as exc:
+    except (TimeoutError, CeleryTimeout) as exc:  # Celery's is not the built-in one
         detail = f"{name} took longer than {timeout} s"
         raise HTTPException(504, {"error": "timeout", "detail": detail}) from exc
 
@@ -69,11 +77,13 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
     add_ping_route(app, celery_app, ("learner",))
 
     @app.post("/v1/train_step", response_model=StepResult, tags=["learner"])
-    async def train_step(batch: TrainBatch, timeout: float = 1800.0) -> StepResult:
-        try:
-            assign_batch(batch)  # pure and cheap: rejects a batch the worker could not train on
-        except ValueError as exc:
-            raise HTTPException(422, {"error": "invalid_batch", "detail": str(exc)}) from exc
+    async def train_step(batch: TrainBatch, timeout: float = Query(1800.0, gt=0.0, le=86400.0)) -> StepResult:
+        try:  # pure: rejects a batch the worker could not train on (off the event loop: trees can be big)
+            await asyncio.to_thread(assign_batch, batch)
+        except (ValueError, TypeError, AttributeError) as exc:  # TypeError: e.g. estimator_params.eps=[1]
+            raise HTTPException(
+                422, {"error": "invalid_batch", "detail": f"{type(exc).__name__}: {exc}"}
+            ) from exc
         kwargs = {"batch": batch.model_dump(mode="json")}
         body = await asyncio.to_thread(_run, celery_app, "learner.train_step", kwargs, timeout)
         return StepResult.model_validate(body)

@@ -51,8 +51,10 @@ def score_attention(
 ) -> dict[str, Any]:
     """FCI scores of the steps of ``token_ids`` under the current policy (AttnRL eq. 6-7)."""
     from learner.attention import fci_scores
+    from learner.train import check_vocabulary
 
     learner = get_learner()
+    check_vocabulary(learner.model, [token_ids])
     with _lock:
         scores = fci_scores(
             learner.model, token_ids, [(int(a), int(b)) for a, b in steps], delta=delta, zero_from=zero_from

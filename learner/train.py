@@ -12,7 +12,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -160,6 +160,10 @@ class Learner:
                 policy=self.record,
             )
         t0 = time.perf_counter()
+        check_vocabulary(
+            self.model,
+            (ids for g in batch.groups for t in g.trajectories for ids in (t.prompt_ids, t.completion_ids)),
+        )
         assigned = assign_batch(batch, drop_zero=self.cfg.drop_zero)
         metrics: dict[str, float] = {
             "groups": float(assigned.n_groups),
@@ -383,6 +387,16 @@ class Learner:
         if spec.kl_coef == 0:
             out.pop("kl")
         return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}
+
+
+def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:
+    """ValueError (a 422 at the API, never a crash in the embedding lookup) for a token id outside
+    the model's vocabulary."""
+    size = int(model.get_input_embeddings().num_embeddings)
+    for ids in sequences:
+        bad = next((t for t in ids if not 0 <= t < size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {size})")
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:

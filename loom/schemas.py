@@ -96,8 +96,8 @@ class Segment(Contract):
 class Trajectory(Contract):
     id: str = Field(min_length=1, max_length=200)
     group_id: str = Field(min_length=1, max_length=200)
-    prompt_ids: list[int] = Field(default_factory=list)
-    completion_ids: list[int] = Field(default_factory=list)
+    prompt_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    completion_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     logprobs: list[float] | None = Field(
         default=None, description="behaviour log-prob of each completion token"
     )

@@ -39,18 +39,76 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResp
     )
 
 
+# the boolean request flags /v1/completions reads or accepts; each must be a JSON boolean (or null)
+_BOOL_FLAGS = (
+    "stream",
+    "echo",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+)
+
+
+async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
+    """The request's body as a JSON object, else a 400 (vLLM answers 400 for a malformed body)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "body is not valid JSON")
+    if not isinstance(body, dict):
+        return _error(400, f"body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _int_field(body: dict[str, Any], key: str, default: int, minimum: int) -> int:
+    """``body[key]`` as an integer >= ``minimum`` (a JSON integer: no bool, no float); absent or null
+    gives ``default``."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+
+
+def _check_flags(body: dict[str, Any]) -> None:
+    for key in _BOOL_FLAGS:
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise ValueError(f"{key} must be a boolean, got {body[key]!r}")
+
+
 def _params(body: dict[str, Any]) -> SamplingParams:
-    stop = body.get("stop") or []
+    _check_flags(body)
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and (
+        not isinstance(stop_token_ids, list)
+        or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_token_ids)
+    ):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}")
     return SamplingParams(
-        n=int(body.get("n") or 1),
-        max_tokens=int(body.get("max_tokens") or 16),
+        n=_int_field(body, "n", 1, 1),
+        max_tokens=_int_field(body, "max_tokens", 16, 1),
         temperature=float(body["temperature"]) if body.get("temperature") is not None else 1.0,
         top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
         top_k=int(body["top_k"]) if body.get("top_k") not in (None, 0) else -1,
         seed=body.get("seed"),
-        stop=[stop] if isinstance(stop, str) else list(stop),
-        stop_token_ids=list(body.get("stop_token_ids") or []),
-        logprobs=int(body.get("logprobs") or 0),
+        stop=_stop(body),
+        stop_token_ids=list(stop_token_ids or []),
+        logprobs=_int_field(body, "logprobs", 0, 0),
     )
 
 
@@ -117,10 +175,13 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "body is not JSON")
+            params = _params(body)
+        except (ValidationError, ValueError, TypeError) as exc:
+            return _error(400, f"invalid sampling parameters: {exc}")
         if body.get("stream"):
             return _error(400, "stream=true is not supported by loom engine")
         prompt = body.get("prompt")
@@ -128,12 +189,12 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
             prompt = prompt[0]
         if isinstance(prompt, str) and tokenizer is not None:
             prompt = tokenizer.encode(prompt, add_special_tokens=False)
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             return _error(400, "prompt must be one non-empty list of token ids")
-        try:
-            params = _params(body)
-        except (ValidationError, ValueError, TypeError) as exc:
-            return _error(400, f"invalid sampling parameters: {exc}")
         before = engine.stats.cached_tokens
         try:
             outs = await engine.generate(prompt, params)
@@ -159,31 +220,36 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
             }
         )
 
-    async def _load(policy: PolicyVersion) -> JSONResponse | None:
+    async def _load(path: str, kind: str) -> JSONResponse | None:
         try:
+            policy = _policy_at(path, kind, engine.policy_version + 1)
             await engine.load_policy(policy)
         except (EngineError, OSError, ValueError) as exc:
-            return _error(400, f"could not load {policy.path}: {exc}")
+            return _error(400, f"could not load {path}: {exc}")
         return None
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> Any:
-        body = await request.json()
-        if not body.get("lora_name") or not body.get("lora_path"):
-            return _error(400, "lora_name and lora_path are required")
-        policy = _policy_at(body["lora_path"], "lora", engine.policy_version + 1)
-        err = await _load(policy)
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return _error(400, "lora_name and lora_path are required, as non-empty strings")
+        err = await _load(path, "lora")
         return err or JSONResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> Any:
-        body = await request.json()
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
         if body.get("method") != RELOAD_METHOD:
             return _error(400, f"loom engine supports only method {RELOAD_METHOD!r}")
         args = body.get("args") or []
-        if len(args) != 1 or not isinstance(args[0], str):
+        if not isinstance(args, list) or len(args) != 1 or not isinstance(args[0], str):
             return _error(400, f"{RELOAD_METHOD} takes one argument: the checkpoint path")
-        err = await _load(_policy_at(args[0], "full", engine.policy_version + 1))
+        err = await _load(args[0], "full")
         return err or JSONResponse({"results": [engine.policy_version]})
 
     @app.post("/reset_prefix_cache")

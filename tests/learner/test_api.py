@@ -52,3 +52,55 @@ def test_train_step_and_attention_through_the_worker(broker_env, loom_worker, mo
         scores = r.json()["scores"]
         assert len(scores) == 6 and scores[0] == scores[1] == 0.0 and max(scores) > 0
         assert r.json()["policy_version"] == 2
+
+
+def test_hostile_batches_are_422_and_a_timeout_is_504(tmp_path, batch_parts):
+    from loom.schemas import TreeNode
+
+    settings = Settings(data_dir=tmp_path / "d")
+    app = build_app(settings, make_celery("learner", settings))
+    groups, rewards = batch_parts()
+    with TestClient(app, raise_server_exceptions=False) as client:
+
+        def post(batch: TrainBatch, **params: object):  # type: ignore[no-untyped-def]
+            return client.post("/v1/train_step", json=batch.model_dump(mode="json"), params=params)
+
+        g0 = groups[0]
+        t0, t1 = g0.trajectories[0].id, g0.trajectories[1].id
+        for tree in (
+            [
+                TreeNode(id="a", parent="b", trajectory_id=t0, start=0, end=2),
+                TreeNode(id="b", parent="a", trajectory_id=t1, start=0, end=2),
+            ],
+            [TreeNode(id="a", parent="a", trajectory_id=t0, start=0, end=2)],
+            [TreeNode(id="a", parent="zz", trajectory_id=t0, start=0, end=2)],
+        ):  # a cycle hung the API (and grew its memory); an unknown parent was a 500
+            tg = g0.model_copy(update={"tree": tree})
+            r = post(TrainBatch(step=0, groups=[tg], rewards=rewards[:1], estimator="treerl"))
+            assert r.status_code == 422 and ("cycle" in r.text or "unknown parent" in r.text), r.text
+        for params in ({"eps": [1]}, {"names": [1]}, {"beta": {}}):
+            r = post(
+                TrainBatch(step=0, groups=groups, rewards=rewards, estimator="hrpo", estimator_params=params)
+            )
+            assert r.status_code == 422, (params, r.text)
+        body = TrainBatch(step=0, groups=groups, rewards=rewards).model_dump(mode="json")
+        body["groups"][0]["trajectories"][0]["prompt_ids"][0] = -5
+        r = client.post("/v1/train_step", json=body)
+        assert r.status_code == 422 and "prompt_ids" in r.text
+        r = post(TrainBatch(step=0, groups=groups, rewards=rewards), timeout=-1)
+        assert r.status_code == 422
+        r = post(TrainBatch(step=0, groups=groups, rewards=rewards), timeout=0.5)  # no worker: it waits
+        assert r.status_code == 504 and r.json()["error"] == "timeout"
+        steps = [[i, i + 1] for i in range(4097)]
+        r = client.post("/v1/score/attention", json={"token_ids": list(range(4098)), "steps": steps})
+        assert r.status_code == 422
+
+
+def test_token_ids_outside_the_vocabulary_are_a_value_error(model_dir, tmp_path, batch_parts):
+    from learner.train import Learner, LearnerConfig
+
+    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    groups, rewards = batch_parts()
+    groups[0].trajectories[0].completion_ids[0] = 10**6
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        learner.train_step(TrainBatch(step=0, groups=groups, rewards=rewards))

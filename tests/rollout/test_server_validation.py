@@ -1,0 +1,74 @@
+"""``loom engine``'s HTTP routes answer a malformed request with a vLLM-style 400, never a 500."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+BAD_COMPLETIONS: list[Any] = [
+    [1, 2],
+    "hi",
+    None,
+    {"prompt": [True, False]},
+    {"prompt": [[1, True]]},
+    {"prompt": [1, 2], "skip_special_tokens": "no"},
+    {"prompt": [1, 2], "echo": 1},
+    {"prompt": [1, 2], "return_token_ids": "yes"},
+    {"prompt": [1, 2], "n": 0},
+    {"prompt": [1, 2], "n": 2.7},
+    {"prompt": [1, 2], "n": True},
+    {"prompt": [1, 2], "max_tokens": 0},
+    {"prompt": [1, 2], "max_tokens": 4.0},
+    {"prompt": [1, 2], "stop": {"a": 1}},
+    {"prompt": [1, 2], "stop": ["a", 3]},
+    {"prompt": [1, 2], "logprobs": True},
+]
+BAD_CONTROL: list[tuple[str, Any]] = [
+    ("/v1/load_lora_adapter", "{not json"),
+    ("/v1/load_lora_adapter", []),
+    ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": 5}),
+    ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "bad\x00path"}),
+    ("/collective_rpc", "{not json"),
+    ("/collective_rpc", []),
+    ("/collective_rpc", {"method": "loom_reload_weights", "args": 5}),
+]
+
+
+def _post(url: str, body: Any) -> httpx.Response:
+    if isinstance(body, str) and body.startswith("{not"):
+        return httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(url, json=body, timeout=60)
+
+
+def _assert_400(r: httpx.Response) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError" and err["message"]
+
+
+@pytest.mark.parametrize("body", BAD_COMPLETIONS, ids=repr)
+def test_completions_rejects_malformed_body(engine_server: str, body: Any) -> None:
+    _assert_400(_post(f"{engine_server}/v1/completions", body))
+
+
+@pytest.mark.parametrize(("route", "body"), BAD_CONTROL, ids=repr)
+def test_control_routes_reject_malformed_body(engine_server: str, route: str, body: Any) -> None:
+    _assert_400(_post(f"{engine_server}{route}", body))
+
+
+def test_completions_defaults_and_valid_flags(engine_server: str) -> None:
+    body = {
+        "prompt": [1, 2, 3],
+        "n": None,
+        "max_tokens": 3,
+        "stop": None,
+        "skip_special_tokens": False,
+        "return_token_ids": True,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{engine_server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 1 and 1 <= len(choices[0]["token_ids"]) <= 3
