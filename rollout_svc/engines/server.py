@@ -127,8 +127,13 @@ def _choice(index: int, c: Completion, prompt_ids: list[int], body: dict[str, An
 
     logprobs = None
     if body.get("logprobs") is not None:
+        offsets, at = [], 0
+        for t in c.token_ids:  # vLLM's text_offset: each token's first character in the text
+            offsets.append(at)
+            if tokenizer is not None:
+                at += len(tokenizer.decode([t], skip_special_tokens=False))
         logprobs = {
-            "text_offset": list(range(len(c.token_ids))),
+            "text_offset": offsets,
             "token_logprobs": c.logprobs,
             "tokens": [tok(t) for t in c.token_ids],
             "top_logprobs": [{tok(k): v for k, v in d.items()} for d in c.top_logprobs]

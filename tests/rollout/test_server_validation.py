@@ -72,3 +72,32 @@ def test_completions_defaults_and_valid_flags(engine_server: str) -> None:
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert len(choices) == 1 and 1 <= len(choices[0]["token_ids"]) <= 3
+
+
+def test_text_offset_is_each_tokens_first_character_in_the_text(engine_server: str) -> None:
+    # it held token indices (0, 1, 2, ...); vLLM's are character offsets into the choice's text
+    body = {"prompt": [5, 6, 7], "max_tokens": 12, "seed": 3, "logprobs": 0, "skip_special_tokens": False}
+    r = httpx.post(f"{engine_server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert offsets[0] == 0 and len(offsets) == len(tokens) and offsets == sorted(offsets)
+    text = choice["text"]
+    # the test tokenizer's token strings are their text: each one sits at its offset
+    assert all(text[o : o + len(t)] == t for o, t in zip(offsets, tokens, strict=True)), (
+        text,
+        offsets,
+        tokens,
+    )
+    assert offsets[-1] + len(tokens[-1]) == len(text)
+
+
+def test_text_offset_counts_characters_not_tokens(tokenizer: Any) -> None:
+    from rollout_svc.engines.base import Completion
+    from rollout_svc.engines.server import _choice
+
+    ids = tokenizer.convert_tokens_to_ids(["<ignore>", "a", "b"])
+    c = Completion(token_ids=ids, logprobs=[-1.0, -1.0, -1.0])
+    choice = _choice(0, c, [1], {"logprobs": 0, "skip_special_tokens": False}, tokenizer)
+    assert choice["text"] == "<ignore>ab"
+    assert choice["logprobs"]["text_offset"] == [0, 8, 9]  # token indices would read [0, 1, 2]
