@@ -110,6 +110,7 @@ class Completion:
     finish_reason: Literal["stop", "length"] = "stop"
     stop_reason: str | int | None = None  # the stop string / stop token id; None for EOS or length
     top_logprobs: list[dict[int, float]] | None = None
+    cached_tokens: int = 0  # prompt tokens of its request served from the prefix cache (same on all n)
 
 
 @dataclass

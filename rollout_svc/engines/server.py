@@ -200,14 +200,13 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
             return _error(400, "prompt must be one non-empty list of token ids")
-        before = engine.stats.cached_tokens
         try:
             outs = await engine.generate(prompt, params)
         except ValueError as exc:
             return _error(400, str(exc))
         except EngineError as exc:
             return _error(400, str(exc))
-        cached = engine.stats.cached_tokens - before
+        cached = outs[0].cached_tokens if outs else 0  # this request's own (not the engine's since)
         n_out = sum(len(c.token_ids) for c in outs)
         return JSONResponse(
             {

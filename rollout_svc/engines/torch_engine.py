@@ -479,8 +479,10 @@ class TorchEngine(Engine):
         n = params.n
         gen = self._generator(params)
         stop_ids = set(params.stop_token_ids)
-        cache, logits = self._prefill_rows(key, groups, masked, n)
+        cache, logits, reuse = self._prefill_rows(key, groups, masked, n)
         out = self._outputs(params)
+        for c in out:
+            c.cached_tokens = reuse
         rows = list(range(n))  # sample index of each live batch row
         seq_groups = groups
         for step in range(params.max_tokens):
@@ -612,12 +614,16 @@ class TorchEngine(Engine):
         req.gen = self._generator(params)
         req.out = self._outputs(params)
         req.live = params.n
-        return self._prefill_rows(req.key, [0] * len(ids), False, params.n)
+        cache, logits, reuse = self._prefill_rows(req.key, [0] * len(ids), False, params.n)
+        for c in req.out:
+            c.cached_tokens = reuse
+        return cache, logits
 
     def _prefill_rows(
         self, key: list[tuple[int, int]], groups: list[int], masked: bool, n: int
-    ) -> tuple[Any, torch.Tensor]:
-        """Prefill ``key`` past its longest cached prefix; the cache and next-token logits as n rows."""
+    ) -> tuple[Any, torch.Tensor, int]:
+        """Prefill ``key`` past its longest cached prefix; the cache and next-token logits as n rows,
+        and how many of its tokens the cache served."""
         cache, reuse = self._take_prefix(key)
         self.stats.requests += 1
         self.stats.cached_tokens += reuse
@@ -627,7 +633,7 @@ class TorchEngine(Engine):
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits = logits.expand(n, -1)
-        return cache, logits
+        return cache, logits, reuse
 
     def _join(self, batch: _Batch, req: _Request, cache: Any, logits: torch.Tensor) -> None:
         """Add the request's prefilled rows to the batch: left-pad the shorter side, stack the rows."""

@@ -51,11 +51,12 @@ def test_streaming_rounds_compute_every_token_once(torch_engine: Any, arun: Any)
 def test_repeated_prompt_recomputes_only_the_last_token(torch_engine: Any, arun: Any, tokenizer: Any) -> None:
     engine = fresh(torch_engine)
     ids = tokenizer.encode("a shared prefix of some length", add_special_tokens=False)
-    arun(engine.generate(ids, SamplingParams(max_tokens=3, seed=0)))
+    first = arun(engine.generate(ids, SamplingParams(max_tokens=3, seed=0)))
     assert engine.stats.prefill_tokens == len(ids)
-    arun(engine.generate(ids, SamplingParams(max_tokens=3, seed=0)))
+    again = arun(engine.generate(ids, SamplingParams(max_tokens=3, seed=0)))
     assert engine.stats.prefill_tokens == len(ids) + 1
     assert engine.stats.cached_tokens == len(ids) - 1
+    assert first[0].cached_tokens == 0 and again[0].cached_tokens == len(ids) - 1  # per request
 
 
 def test_a_branch_copies_the_shared_prefix_and_keeps_the_original(
@@ -94,3 +95,26 @@ def test_loom_engine_reports_cached_prompt_tokens(
     after = httpx.get(f"{engine_server}/loom/stats").json()
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(ids) + 1
     assert after["cached_tokens"] - before["cached_tokens"] == len(ids) - 1
+
+
+def test_loom_engine_reports_each_requests_own_cached_tokens(engine_server: str, tokenizer: Any) -> None:
+    """usage.prompt_tokens_details.cached_tokens was the engine's counter difference over the call, so
+    a request reported the cache hits of requests batched beside it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    long = tokenizer.encode("a long prefix the cache will hold " * 4, add_special_tokens=False)
+    short = tokenizer.encode("xq", add_special_tokens=False) + [7, 9]
+
+    def post(ids: list[int]) -> int:
+        body = {"prompt": ids, "max_tokens": 4, "seed": 1}
+        r = httpx.post(f"{engine_server}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    httpx.post(f"{engine_server}/reset_prefix_cache", timeout=30)
+    post(long)  # now cached
+    with ThreadPoolExecutor(6) as pool:
+        longs = [pool.submit(post, long) for _ in range(5)]
+        mine = pool.submit(post, short)
+        assert all(f.result() == len(long) - 1 for f in longs)
+        assert mine.result() < len(short)
