@@ -26,6 +26,7 @@ from learner.losses import LossParts, hrpo_loss, policy_loss
 from loom.clients.learner import adaptive_batch_size
 from loom.schemas import LossSpec, PolicyVersion, StepResult, TrainBatch
 from loom.store import PolicyStore
+from loom.vocab import outside_vocabulary
 
 log = logging.getLogger("loom.learner")
 
@@ -394,9 +395,8 @@ def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:
     the model's vocabulary."""
     size = int(model.get_input_embeddings().num_embeddings)
     for ids in sequences:
-        bad = next((t for t in ids if not 0 <= t < size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {size})")
+        if (i := outside_vocabulary(ids, size)) is not None:
+            raise ValueError(f"token id {ids[i]} is outside the model's vocabulary [0, {size})")
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:

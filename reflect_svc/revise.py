@@ -32,6 +32,7 @@ from loom.schemas import (
     Trajectory,
     TrajectoryReward,
 )
+from loom.vocab import outside_vocabulary
 from reflect_svc.chunking import Thinking, chunk_thinking
 from reflect_svc.detectors import (
     Detection,
@@ -101,21 +102,14 @@ class Tokenizer(Protocol):
 # --------------------------------------------------------------------------------------- pure steps
 
 
-def check_input(group: Group, params: ReflectParams, vocab_size: int) -> None:
-    """Raise ``InputError`` for what no work should start on: token ids the policy's tokenizer does
-    not have, chunk bounds that cross, blank keywords (they match at every word boundary)."""
-    if params.min_chunk_tokens > params.max_chunk_tokens:
-        raise InputError(
-            ["params", "max_chunk_tokens"], f"must be >= min_chunk_tokens ({params.min_chunk_tokens})"
-        )
-    for k, word in enumerate(params.keywords):
-        if not word.strip():
-            raise InputError(["params", "keywords", k], "a keyword must not be blank")
+def check_input(group: Group, vocab_size: int) -> None:
+    """Raise ``InputError`` for token ids the policy's tokenizer does not have (the schemas already
+    refuse crossed chunk bounds and blank keywords)."""
     for i, t in enumerate(group.trajectories):
         for name in ("prompt_ids", "completion_ids"):
             ids: list[int] = getattr(t, name)
-            if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-                j = next(j for j, v in enumerate(ids) if not 0 <= v < vocab_size)
+            j = outside_vocabulary(ids, vocab_size)
+            if j is not None:
                 raise InputError(
                     ["group", "trajectories", i, name, j],
                     f"token id {ids[j]} is outside the tokenizer's vocabulary [0, {vocab_size})",
@@ -242,7 +236,7 @@ def revise_group(
     ``InputError`` before any work for bad input; ``ServiceError`` when the rollout or the reward
     service fails (the verifier and the reflection model fail per trajectory, as a status).
     """
-    check_input(group, params, len(tokenizer))
+    check_input(group, len(tokenizer))
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

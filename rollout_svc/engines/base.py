@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from loom.schemas import PolicyVersion, SamplingParams
+from loom.vocab import outside_vocabulary
 
 Capability = Literal["group_positions", "attention_scores", "prefix_cache", "lora"]
 
@@ -68,12 +69,10 @@ def check_prompt(
     room for (None: unknown). Like vLLM, a prompt must leave room for at least one generated token."""
     if not prompt_ids:
         raise InvalidPrompt(f"{field} must not be empty", field)
-    if vocab_size is not None:
-        for i, t in enumerate(prompt_ids):
-            if not 0 <= t < vocab_size:
-                where = f"{field}[{i}]" if field == "prompt_ids" else f"token {i} of {field}"
-                msg = f"{where} = {t} is outside the model's vocabulary [0, {vocab_size})"
-                raise InvalidPrompt(msg, field)
+    if vocab_size is not None and (i := outside_vocabulary(prompt_ids, vocab_size)) is not None:
+        where = f"{field}[{i}]" if field == "prompt_ids" else f"token {i} of {field}"
+        msg = f"{where} = {prompt_ids[i]} is outside the model's vocabulary [0, {vocab_size})"
+        raise InvalidPrompt(msg, field)
     if max_model_len is None:
         return None
     if len(prompt_ids) >= max_model_len:
