@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from loom.schemas import (
     Contract,
@@ -17,6 +17,7 @@ from loom.schemas import (
     RewardSpec,
     SamplingParams,
     TaskKind,
+    check_estimator_params,
 )
 
 MAX_VERSION = 2**53  # policy versions and step numbers: exact in JSON and in SQLite's 64-bit integers
@@ -194,6 +195,12 @@ class RunRequest(Contract):
     schedule: Schedule = Field(default_factory=Schedule)
     reflect: bool = False
     initial_policy_version: int = Field(default=0, ge=0, le=MAX_VERSION)
+
+    @field_validator("estimator_params")
+    @classmethod
+    def _known_estimator_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        check_estimator_params(info.data.get("estimator", "grpo"), v)
+        return v
 
 
 class RunView(Contract):

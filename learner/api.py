@@ -17,11 +17,9 @@ from fastapi import FastAPI, HTTPException, Query
 from pydantic import Field, model_validator
 
 from learner.assign import assign_batch
-from loom.schemas import Contract, StepResult, TrainBatch
+from loom.schemas import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
 from loom.service import add_ping_route, broker_check, create_app
 from loom.settings import Settings
-
-MAX_STEPS = 4096
 
 
 class AttentionRequest(Contract):
@@ -30,9 +28,9 @@ class AttentionRequest(Contract):
     )
     steps: list[tuple[int, int]] = Field(
         min_length=2,
-        max_length=MAX_STEPS,
+        max_length=MAX_ATTENTION_STEPS,
         description="[start, end) token spans; steps[0] is the prompt, steps[1] the first step "
-        f"(at most {MAX_STEPS}: the scorer keeps a steps x steps matrix per layer and head)",
+        f"(at most {MAX_ATTENTION_STEPS}: the scorer keeps a steps x steps matrix per layer and head)",
     )
     delta: int = Field(default=4, ge=1)
     zero_from: int | None = Field(default=None, ge=0, description="steps from this index on score 0")

@@ -163,7 +163,7 @@ class Learner:
         t0 = time.perf_counter()
         check_vocabulary(
             self.model,
-            (ids for g in batch.groups for t in g.trajectories for ids in (t.prompt_ids, t.completion_ids)),
+            (t.prompt_ids + t.completion_ids for g in batch.groups for t in g.trajectories),
         )
         assigned = assign_batch(batch, drop_zero=self.cfg.drop_zero)
         metrics: dict[str, float] = {
@@ -392,11 +392,15 @@ class Learner:
 
 def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:
     """ValueError (a 422 at the API, never a crash in the embedding lookup) for a token id outside
-    the model's vocabulary."""
+    the model's vocabulary, or a sequence longer than its context (``max_position_embeddings``). On
+    CUDA either would be a device-side assert that leaves the learner's CUDA context unusable."""
     size = int(model.get_input_embeddings().num_embeddings)
+    context = getattr(model.config, "max_position_embeddings", None)
     for ids in sequences:
         if (i := outside_vocabulary(ids, size)) is not None:
             raise ValueError(f"token id {ids[i]} is outside the model's vocabulary [0, {size})")
+        if context is not None and len(ids) > int(context):
+            raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's context {context}")
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:

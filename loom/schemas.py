@@ -10,6 +10,7 @@ Rules that keep them growable:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -23,12 +24,36 @@ from pydantic import (
 )
 
 SCHEMA_VERSION = "1.0"
+# steps per attention-scoring call (loom.fci): the scorer keeps a steps x steps matrix per layer and head
+MAX_ATTENTION_STEPS = 4096
 
 Mode = Literal["plain", "streaming", "tree", "spawn"]
 SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid"]
 Estimator = Literal["grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "rea", "apr"]
+# the estimator_params each estimator reads (learner.assign, learner.train); any other key is refused,
+# so a misspelt parameter cannot silently fall back to its default. ``threshold``: the adaptive
+# sampling threshold, which the gateway records beside a run's batches.
+ESTIMATOR_PARAMS_COMMON = frozenset(
+    {"eps", "reward_key", "batch_size", "target_groups", "batch_lambda", "threshold"}
+)
+ESTIMATOR_PARAMS: dict[str, frozenset[str]] = {
+    "global_baseline": frozenset({"std"}),
+    "hrpo": frozenset({"names", "beta", "w_acc", "w_fmt", "mask_length_by_format"}),
+}
+
+
+def check_estimator_params(estimator: str, params: Mapping[str, Any]) -> None:
+    """ValueError naming the keys ``estimator`` does not read."""
+    known = ESTIMATOR_PARAMS_COMMON | ESTIMATOR_PARAMS.get(estimator, frozenset())
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(
+            f"estimator_params {unknown} are not read by estimator {estimator!r}; it reads {sorted(known)}"
+        )
+
+
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 TaskKind = Literal["math", "choice", "countdown", "arithmetic"]
 
@@ -285,6 +310,12 @@ class TrainBatch(Contract):
     estimator: Estimator = "grpo"
     estimator_params: Params = Field(default_factory=dict)
     loss: LossSpec = Field(default_factory=LossSpec)
+
+    @field_validator("estimator_params")
+    @classmethod
+    def _known_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        check_estimator_params(info.data.get("estimator", "grpo"), v)
+        return v
 
 
 class StepResult(Contract):

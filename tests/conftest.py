@@ -12,7 +12,8 @@
       Skipped (with the reason) only when 127.0.0.1:5672 does not accept connections.
 
     ``broker_env.env`` holds the ``LOOM_*`` variables (visibility timeout 3 s, so an embedded
-    redelivery after ``kill -9`` takes seconds); ``broker_env.settings`` the matching ``Settings``;
+    redelivery after ``kill -9`` takes seconds; ``LOOM_DEVICE`` from ``LOOM_TEST_DEVICE``, default
+    cpu); ``broker_env.settings`` the matching ``Settings``;
     ``broker_env.app(service)`` a Celery app for the test process (closed at teardown);
     ``broker_env.process_env()`` a full environment for a subprocess;
     ``broker_env.apply(monkeypatch)`` puts the variables into ``os.environ`` of the test process and
@@ -154,6 +155,8 @@ def broker_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broke
         "LOOM_DATA_DIR": str(data_dir),
         "LOOM_EMBEDDED_VISIBILITY_TIMEOUT": str(TEST_VISIBILITY_TIMEOUT),
         "LOOM_TORCH_THREADS": "1",
+        # the workers' torch device (rollout engine, learner): LOOM_TEST_DEVICE=cuda on a GPU host
+        "LOOM_DEVICE": os.environ.get("LOOM_TEST_DEVICE", "cpu"),
     }
     if kind == "embedded":
         env.update(LOOM_BROKER_URL="embedded", LOOM_RESULT_BACKEND="embedded")

@@ -84,6 +84,26 @@ def check_prompt(
     return max_model_len - len(prompt_ids)
 
 
+def check_scored(
+    token_ids: list[int], n_steps: int, vocab_size: int | None, max_model_len: int | None, max_steps: int
+) -> None:
+    """Refuse a sequence the attention scorer cannot read (``InvalidPrompt``): ids outside the
+    vocabulary, more tokens than the context, more steps than the scorer's bound. Checked before the
+    model sees it: on CUDA an out-of-range index is a device-side assert that leaves the process's
+    CUDA context unusable for every later request."""
+    if not token_ids:
+        raise InvalidPrompt("token_ids must not be empty", "token_ids")
+    if vocab_size is not None and (i := outside_vocabulary(token_ids, vocab_size)) is not None:
+        msg = f"token_ids[{i}] = {token_ids[i]} is outside the model's vocabulary [0, {vocab_size})"
+        raise InvalidPrompt(msg, "token_ids")
+    if max_model_len is not None and len(token_ids) > max_model_len:
+        raise InvalidPrompt(
+            f"token_ids has {len(token_ids)} tokens; the model's context holds {max_model_len}", "token_ids"
+        )
+    if n_steps > max_steps:
+        raise InvalidPrompt(f"{n_steps} steps; the scorer takes at most {max_steps}", "steps")
+
+
 class UnsupportedCapability(EngineError):
     """A mode asked for something this engine cannot do (e.g. group positions on vLLM)."""
 

@@ -156,6 +156,18 @@ def _choice(index: int, c: Completion, prompt_ids: list[int], body: dict[str, An
 def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) -> FastAPI:
     app = FastAPI(title="Loom engine (vLLM-compatible)")
     app.state.engine = engine
+    served = {model_name}  # the served name and every LoRA adapter loaded under its own name
+
+    def unknown_model(body: dict[str, Any]) -> JSONResponse | None:
+        """vLLM's answer to a request naming a model it does not serve (a missing name is the served one)."""
+        name = body.get("model")
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            return _error(400, "model must be a string")
+        if name in served:
+            return None
+        return _error(404, f"The model `{name}` does not exist.", "NotFoundError")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -183,6 +195,8 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
         body = await _json_object(request)
         if isinstance(body, JSONResponse):
             return body
+        if (missing := unknown_model(body)) is not None:
+            return missing
         try:
             params = _params(body)
         except (ValidationError, ValueError, TypeError) as exc:
@@ -241,7 +255,10 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             return _error(400, "lora_name and lora_path are required, as non-empty strings")
         err = await _load(path, "lora")
-        return err or JSONResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+        if err is not None:
+            return err
+        served.add(name)
+        return JSONResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> Any:

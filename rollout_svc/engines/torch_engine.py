@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch
 
 from loom.layout import group_positions, group_visibility
-from loom.schemas import PolicyVersion, SamplingParams
+from loom.schemas import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from rollout_svc.engines.base import (
     Completion,
     Engine,
@@ -55,6 +55,7 @@ from rollout_svc.engines.base import (
     PolicyLoadError,
     UnsupportedCapability,
     check_prompt,
+    check_scored,
 )
 
 log = logging.getLogger("loom.rollout.torch")
@@ -214,8 +215,12 @@ class TorchEngine(Engine):
     ) -> None:
         super().__init__()
         self.model_path = Path(model_path)
-        self.device = device
-        self.model = model if model is not None else load_model(self.model_path, device)
+        if model is not None:  # a model handed in decides the device (its inputs must live beside it)
+            self.model = model
+            self.device = str(next(model.parameters()).device)
+        else:
+            self.device = device
+            self.model = load_model(self.model_path, device)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.cache_entries = cache_entries
         self.logprobs_kind = logprobs_mode
@@ -299,6 +304,7 @@ class TorchEngine(Engine):
         """FCI scores (AttnRL eq. 5-6) by loom.fci's streaming pass, serialised with generation."""
         from loom.fci import fci_scores
 
+        check_scored(list(token_ids), len(steps), self.vocab_size, self.max_model_len, MAX_ATTENTION_STEPS)
         with self._exclusive():
             return fci_scores(self.model, token_ids, steps, delta=delta, zero_from=zero_from)
 

@@ -192,6 +192,7 @@ def test_work_that_would_fail_in_every_worker_is_422_at_submission(client: TestC
         ({**run, "schedule": {"min_batch": 9, "max_batch": 2}}, ["body", "schedule"]),
         ({**run, "mode": "spawn", "mode_params": {"child_template": "{x}"}}, ["body", "mode_params"]),
         ({**run, "loss": {"lr": 1e300}}, ["body", "loss", "lr"]),
+        ({**run, "estimator": "hrpo", "estimator_params": {"betta": 0.1}}, ["body", "estimator_params"]),
     ]
     for body, loc in cases:
         r = client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))

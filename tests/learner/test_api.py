@@ -104,3 +104,27 @@ def test_token_ids_outside_the_vocabulary_are_a_value_error(model_dir, tmp_path,
     groups[0].trajectories[0].completion_ids[0] = 10**6
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         learner.train_step(TrainBatch(step=0, groups=groups, rewards=rewards))
+    # longer than the model's context (512 positions): refused before the model sees it (on CUDA an
+    # out-of-range position or id is a device-side assert that ends the process's CUDA context)
+    groups, rewards = batch_parts()
+    t = groups[0].trajectories[0]
+    groups[0].trajectories[0] = t.model_copy(
+        update={"completion_ids": [1] * 509, "loss_mask": [1] * 509, "logprobs": None, "segments": []}
+    )
+    with pytest.raises(ValueError, match="longer than the model's context 512"):
+        learner.train_step(TrainBatch(step=0, groups=groups, rewards=rewards))
+    assert learner.version == 0
+
+
+def test_estimator_params_an_estimator_does_not_read_are_refused(batch_parts):
+    from pydantic import ValidationError
+
+    groups, rewards = batch_parts()
+    for estimator, params in (("grpo", {"epsilon": 1e-6}), ("hrpo", {"betta": 0.1}), ("grpo", {"std": True})):
+        with pytest.raises(ValidationError, match="not read by estimator"):
+            TrainBatch(step=0, groups=groups, rewards=rewards, estimator=estimator, estimator_params=params)
+    ok = {"grpo": {"eps": 1e-6, "batch_size": 4, "target_groups": 2}, "hrpo": {"beta": 0.1, "w_fmt": 1.0}}
+    for estimator, params in ok.items():
+        TrainBatch(step=0, groups=groups, rewards=rewards, estimator=estimator, estimator_params=params)
+    baseline = {"std": 1, "reward_key": "total"}
+    TrainBatch(step=0, groups=groups, rewards=rewards, estimator="global_baseline", estimator_params=baseline)

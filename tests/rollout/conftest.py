@@ -3,6 +3,9 @@
 
 ``engine`` is parametrized ``[torch, vllm]``: every test that takes it runs once on the torch engine
 in-process and once through the vLLM protocol client against ``loom engine``.
+
+``LOOM_TEST_DEVICE`` (default ``cpu``) is the device of these engines: ``LOOM_TEST_DEVICE=cuda`` runs
+the same contract on a GPU host (the reference pass then runs on the engine's own weights there).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from loom.formats import DEFAULT_MARKERS
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
+DEVICE = os.environ.get("LOOM_TEST_DEVICE", "cpu")
 
 
 def free_port() -> int:
@@ -103,7 +107,7 @@ def arun(loop: asyncio.AbstractEventLoop) -> Any:
 def torch_engine(model_dir: Path) -> Any:
     from rollout_svc.engines.torch_engine import TorchEngine
 
-    return TorchEngine(model_dir, cache_entries=16)
+    return TorchEngine(model_dir, cache_entries=16, device=DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -151,7 +155,7 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="session")
 def engine_server(model_dir: Path) -> Iterator[str]:
-    proc, url = start_engine_server(["--model", str(model_dir)])
+    proc, url = start_engine_server(["--model", str(model_dir), "--device", DEVICE])
     try:
         yield url
     finally:
@@ -172,7 +176,7 @@ def process_engine(model_dir: Path) -> Iterator[Any]:
     """The torch engine in its own process (the default LOOM_ENGINE_PROCESS=true)."""
     from rollout_svc.engines.process import ProcessEngine
 
-    engine = ProcessEngine(model_dir, cache_entries=16)
+    engine = ProcessEngine(model_dir, cache_entries=16, device=DEVICE)
     yield engine
     engine.close_sync()
 

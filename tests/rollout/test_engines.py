@@ -55,7 +55,7 @@ def test_greedy_picks_the_argmax_of_the_reference_pass(
     (c,) = arun(engine.generate(ids, SamplingParams(max_tokens=12, temperature=0.0)))
     seq = ids + c.token_ids
     with torch.no_grad():
-        logits = reference_model(torch.tensor([seq])).logits[0]
+        logits = reference_model(torch.tensor([seq], device=reference_model.device)).logits[0]
     expected = logits[len(ids) - 1 : len(seq) - 1].argmax(-1).tolist()
     assert c.token_ids == expected[: len(c.token_ids)]
 
@@ -90,7 +90,9 @@ def test_top_logprobs_include_the_sampled_token_and_the_best(
     assert c.top_logprobs is not None and len(c.top_logprobs) == len(c.token_ids)
     seq = ids + c.token_ids
     with torch.no_grad():
-        logp = torch.log_softmax(reference_model(torch.tensor([seq])).logits[0].float(), -1)
+        logp = torch.log_softmax(
+            reference_model(torch.tensor([seq], device=reference_model.device)).logits[0].float(), -1
+        )
     for i, (t, top) in enumerate(zip(c.token_ids, c.top_logprobs, strict=True)):
         assert top[t] == pytest.approx(c.logprobs[i], abs=ATOL)
         best = logp[len(ids) - 1 + i].topk(3)

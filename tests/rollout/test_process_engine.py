@@ -37,6 +37,8 @@ from rollout_svc.engines.torch_engine import load_model, teacher_forced_logprobs
 REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
 
+DEVICE = os.environ.get("LOOM_TEST_DEVICE", "cpu")  # the conftest engines' device
+
 
 def ids_of(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -56,7 +58,7 @@ def wait_gone(pid: int, timeout: float = 20.0) -> bool:
 
 @pytest.fixture(scope="module")
 def own_engine(model_dir: Path) -> Any:
-    engine = ProcessEngine(model_dir, cache_entries=8)
+    engine = ProcessEngine(model_dir, cache_entries=8, device=DEVICE)
     yield engine
     engine.close_sync()
 
@@ -70,7 +72,7 @@ def test_stats_follow_the_child(own_engine: Any, model_dir: Path, arun: Any) -> 
         s = engine.stats
         return s.prefill_tokens, s.cached_tokens, s.decode_tokens, s.requests
 
-    local = TorchEngine(model_dir, cache_entries=8)
+    local = TorchEngine(model_dir, cache_entries=8, device=DEVICE)
     deltas = []
     for engine in (own_engine, local):
         arun(engine.reset_cache())

@@ -101,3 +101,17 @@ def test_text_offset_counts_characters_not_tokens(tokenizer: Any) -> None:
     choice = _choice(0, c, [1], {"logprobs": 0, "skip_special_tokens": False}, tokenizer)
     assert choice["text"] == "<ignore>ab"
     assert choice["logprobs"]["text_offset"] == [0, 8, 9]  # token indices would read [0, 1, 2]
+
+
+def test_an_unknown_model_is_a_404_as_on_vllm(engine_server: str) -> None:
+    # it was echoed back in the answer's "model" as though it were served
+    served = httpx.get(f"{engine_server}/v1/models", timeout=10).json()["data"][0]["id"]
+    base = {"prompt": [1, 2, 3], "max_tokens": 2}
+    r = httpx.post(f"{engine_server}/v1/completions", json={**base, "model": "no-such-model"}, timeout=60)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["type"] == "NotFoundError" and err["message"] == "The model `no-such-model` does not exist."
+    _assert_400(httpx.post(f"{engine_server}/v1/completions", json={**base, "model": ["x"]}, timeout=60))
+    for body in ({**base, "model": served}, base):  # the served name, or none: the served model
+        ok = httpx.post(f"{engine_server}/v1/completions", json=body, timeout=60)
+        assert ok.status_code == 200 and ok.json()["model"] == served, ok.text

@@ -1,8 +1,11 @@
 """Fixtures of the tree/spawn mode tests: Loom's tiny checkpoint in the real torch engine, and a small
-random-weight Llama (grouped-query attention) for the FCI scorer. Nothing is mocked."""
+random-weight Llama (grouped-query attention) for the FCI scorer. Nothing is mocked.
+
+``LOOM_TEST_DEVICE`` (default ``cpu``) is the tiny engine's device: ``cuda`` on a GPU host."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ def tiny_engine() -> Any:
     from loom.tiny import CHECKPOINT_DIR
     from rollout_svc.engines.torch_engine import TorchEngine
 
-    return TorchEngine(CHECKPOINT_DIR, cache_entries=64)
+    return TorchEngine(CHECKPOINT_DIR, cache_entries=64, device=os.environ.get("LOOM_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -164,16 +164,24 @@ def test_a_bad_request_fails_alone_and_nothing_hangs(
     ps = prompts(engine)
     good = [(ids, SamplingParams(max_tokens=20, temperature=0.0)) for ids in ps[:3]]
     want = tokens(alone(serial, good))
-    # a prefill failure (a token id outside the vocabulary) and a sampling failure, in one batch
-    real_sample = engine._sample
+    # a prefill failure and a sampling failure, in one batch. Both are injected: a real bad id never
+    # reaches the model (generate refuses it), and on CUDA one would end the process's CUDA context.
+    real_sample, real_prefill = engine._sample, engine._prefill_rows
+    bad_prompt = ps[0][:3]
 
     def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Any:
         if params.seed == 666:
             raise RuntimeError("sampling failed")
         return real_sample(logits, params, gen)
 
+    def prefill_rows(key: list[tuple[int, int]], *args: Any) -> Any:
+        if [t for t, _ in key] == bad_prompt:
+            raise IndexError("prefill failed")
+        return real_prefill(key, *args)
+
     monkeypatch.setattr(engine, "_sample", sample)
-    bad_ids = (ps[0][:3] + [10**6], SamplingParams(max_tokens=20))
+    monkeypatch.setattr(engine, "_prefill_rows", prefill_rows)
+    bad_ids = (bad_prompt, SamplingParams(max_tokens=20))
     bad_sampling = (ps[1], SamplingParams(max_tokens=20, seed=666, n=2))
     futs = submit_together(engine, [good[0], bad_ids, good[1], bad_sampling, good[2]])
     with pytest.raises(IndexError):

@@ -10,7 +10,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from loom.fci import fci_scores, fci_scores_eager, zero_rules
-from rollout_svc.engines.base import UnsupportedCapability
+from rollout_svc.engines.base import InvalidPrompt, UnsupportedCapability
 from rollout_svc.engines.server import create_engine_app
 from rollout_svc.engines.vllm import VLLMEngine
 
@@ -71,6 +71,21 @@ def test_torch_engine_and_loom_engine_route_score_attention(tiny_engine):
     assert r.json()["scores"] == pytest.approx(direct, abs=1e-6)
     bad = client.post("/v1/score/attention", json={"token_ids": ids, "steps": [[5, 5]]})
     assert bad.status_code == 400
+    # what the model cannot read is refused before it sees it (was a 500 here; on CUDA a device-side
+    # assert that left the engine's CUDA context unusable for every later request)
+    vocab, context = tiny_engine.vocab_size, tiny_engine.max_model_len
+    long_ids = [5] * (context + 1)
+    for body, field in (
+        ({"token_ids": ids[:30] + [vocab] + ids[31:], "steps": steps}, "token_ids[30]"),
+        ({"token_ids": long_ids, "steps": [(0, 10), (10, context + 1)]}, "context holds"),
+        ({"token_ids": ids, "steps": [(i, i + 1) for i in range(60)] * 69}, "at most 4096"),
+    ):
+        r = client.post("/v1/score/attention", json=body)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    with pytest.raises(InvalidPrompt, match="vocabulary"):
+        run(tiny_engine.score_attention([vocab + 7, 1, 2], [(0, 1), (1, 3)], 2, None))
+    again = client.post("/v1/score/attention", json={"token_ids": ids, "steps": steps, "delta": 2})
+    assert again.status_code == 200 and again.json()["scores"] == pytest.approx(direct, abs=1e-6)
 
 
 def test_vllm_engine_has_no_attention_capability():
