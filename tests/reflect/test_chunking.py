@@ -99,15 +99,23 @@ def test_no_think_tag_means_the_whole_completion_is_thinking(tok):
 
 
 def prefix_starts(ids, dec):
-    """The reference: every token's offset from decoding every prefix (the old quadratic path)."""
+    """The reference, from decoding every prefix: each token's offset where the tokens decode one by
+    one into the text; otherwise how much of the text each prefix has fixed (the longest prefix of
+    the text that it agrees with, trailing U+FFFD not counted: they may be pending bytes), never
+    decreasing, and the text's length after the last token."""
     text = dec(list(ids))
     pieces = [dec([t]) for t in ids]
     if "".join(pieces) == text:
         return text, [0, *itertools.accumulate(len(p) for p in pieces)]
-    return text, [0] + [len(dec(list(ids[:k]))) for k in range(1, len(ids) + 1)]
+    starts = [0]
+    for k in range(1, len(ids)):
+        head = dec(list(ids[:k])).rstrip("\ufffd")
+        agree = next((i for i, (a, b) in enumerate(zip(head, text, strict=False)) if a != b), None)
+        starts.append(max(starts[-1], min(len(head), len(text)) if agree is None else agree))
+    return text, [*starts, len(text)]
 
 
-def test_offsets_equal_prefix_decoding_on_multibyte_and_broken_utf8(tok):
+def test_offsets_equal_the_prefix_reference_on_multibyte_and_broken_utf8(tok):
     dec = decoder(tok)
 
     def strip_first_space(ids):  # a decoder that treats the first token apart (SentencePiece-like)
@@ -148,6 +156,62 @@ def test_a_split_multibyte_character_keeps_offsets_linear(tok):
     assert decoded <= 6 * len(ids)  # the prefixes were ~n²/2 = 38M tokens
     assert elapsed < 3.0
     assert token_starts(ids[:600], dec) == prefix_starts(ids[:600], dec)
+
+
+def byte_fallback_tokenizer():  # type: ignore[no-untyped-def]
+    """A real SentencePiece-style fast tokenizer: letters and digits as pieces, every other character
+    as its UTF-8 bytes (<0xNN>), decoded with ByteFallback: one U+FFFD per pending byte (Llama 2,
+    Mistral). A 4-byte character is 4 tokens whose prefixes decode as 1, 2, 3 U+FFFD, then 1 char."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for ch in ["▁", *string.ascii_letters, *string.digits, *".,?!=+-<>/"]:
+        vocab.setdefault(ch, len(vocab))
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    model.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    return fast, lambda ids: fast.decode(ids)
+
+
+def test_byte_fallback_tokenizers_keep_offsets_exact_and_linear():
+    """Each pending byte of a byte-fallback decoder is its own U+FFFD, and a byte run decodes as a
+    whole, so the windows took the second byte of a 3- or 4-byte character for a final boundary:
+    every prefix was decoded instead (1171 tokens: 0.18 s, quadratic), and the offsets of the
+    bytes inside a character went up and down (a cut found from them could split the character)."""
+    fast, dec = byte_fallback_tokenizer()
+    rng = random.Random(1)
+    alphabet = [*"ab .\n7", "π", "😀", "中文", "\ufffd", "é", "🇫🇷"]
+    for _ in range(300):
+        ids = fast.encode("".join(rng.choices(alphabet, k=rng.randrange(1, 25))), add_special_tokens=False)
+        for case in (ids, ids[rng.randrange(len(ids)) :], [rng.randrange(3, 259) for _ in range(20)]):
+            assert token_starts(case, dec) == prefix_starts(case, dec), case
+    ids = fast.encode("<think> So the answer is 12. 😀 Wait, check. " * 300, add_special_tokens=False)
+    decoded = 0
+
+    def counting(part):  # type: ignore[no-untyped-def]
+        nonlocal decoded
+        decoded += len(part)
+        return dec(part)
+
+    text, starts = token_starts(ids, counting)
+    assert len(ids) > 10_000 and text == dec(ids) and starts[-1] == len(text)
+    assert decoded <= 12 * len(ids)  # every prefix: ~n^2/2 = 60M tokens
+    assert token_starts(ids[:700], dec) == prefix_starts(ids[:700], dec)
+    # a byte run that never settles (U+FFFD after U+FFFD): windows are bounded, offsets stay ordered
+    ids = fast.encode("\ufffd" * 3000 + " a", add_special_tokens=False)
+    decoded = 0
+    text, starts = token_starts(ids, counting)
+    assert text == dec(ids) and starts[-1] == len(text) and starts == sorted(starts)
+    assert decoded <= 40 * len(ids)
 
 
 def test_crossed_chunk_bounds_are_refused(tok):
