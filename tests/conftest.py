@@ -29,6 +29,12 @@
     process, ``kill_group()``, ``stop(grace)`` = SIGTERM then SIGKILL). Every worker is killed at
     teardown (SIGKILL of its process group and of any remaining descendant): no orphans.
 
+``private_rabbit`` (function scope) -> :class:`PrivateRabbit`
+    A RabbitMQ node of the test's own (own ports and data directory, from the installed server),
+    so that it can be crashed (``kill()``: SIGKILL) and restarted (``start()``); ``.env`` is the
+    BrokerEnv of Loom processes that use it. Skipped, with the reason, where the server is not
+    installed or the node does not start.
+
 ``free_port()``: a free TCP port on 127.0.0.1 (bind to port 0).
 """
 
@@ -174,6 +180,114 @@ def broker_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broke
         yield benv
     finally:
         benv.close()
+
+
+RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")  # runs as the calling user
+
+
+@dataclass
+class PrivateRabbit:
+    """A RabbitMQ node of this test's own (its ports, its data directory), so that it can be crashed
+    and restarted; the shared server on 5672 is never touched. ``env`` is a :class:`BrokerEnv` whose
+    Loom processes use it (results in Redis DB 3, as for the shared broker)."""
+
+    root: Path
+    port: int
+    dist_port: int
+    env: BrokerEnv
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def _environ(self) -> dict[str, str]:
+        r = self.root
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")},
+            "HOME": str(r),  # the Erlang cookie
+            "RABBITMQ_NODENAME": f"loomtest{self.port}@localhost",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(r / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(r / "log"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(r / "enabled_plugins"),
+            "RABBITMQ_CONFIG_FILE": str(r / "rabbitmq"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(r / "advanced.config"),
+            "RABBITMQ_PID_FILE": str(r / "pid"),
+        }
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Start the node on its data directory (a restart keeps what it had persisted)."""
+        from kombu import Connection
+
+        log = open(self.root / "server.log", "ab")  # noqa: SIM115 (the node outlives this call)
+        self.proc = subprocess.Popen(
+            [str(RABBITMQ_SERVER)],
+            env=self._environ(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with Connection(self.url, connect_timeout=1) as conn:
+                    conn.ensure_connection(max_retries=1, timeout=1)
+                return
+            except Exception:
+                time.sleep(0.5)
+        tail = (self.root / "server.log").read_text(errors="replace")[-2000:]
+        self.kill()
+        pytest.skip(f"a private RabbitMQ node did not start here: {tail}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Stop the node: SIGKILL is a crash (nothing flushed after it), SIGTERM a clean shutdown."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+        deadline = time.monotonic() + 30
+        while _reachable("127.0.0.1", self.port, 0.2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def private_rabbit(tmp_path: Path) -> Iterator[PrivateRabbit]:
+    """A started :class:`PrivateRabbit` (skipped, with the reason, where RabbitMQ's server is not
+    installed or will not start); killed and its namespace's results dropped at teardown."""
+    if not RABBITMQ_SERVER.exists():
+        pytest.skip(f"RabbitMQ's server is not installed here ({RABBITMQ_SERVER})")
+    root = tmp_path / "rabbit"
+    root.mkdir()
+    (root / "enabled_plugins").write_text("[].\n")
+    (root / "rabbitmq.conf").write_text("")
+    port, dist_port = free_port(), free_port()
+    env = {
+        "LOOM_DATA_DIR": str(tmp_path / "loom-data"),
+        "LOOM_TORCH_THREADS": "1",
+        "LOOM_DEVICE": os.environ.get("LOOM_TEST_DEVICE", "cpu"),
+        "LOOM_BROKER_URL": f"amqp://guest:guest@127.0.0.1:{port}//",
+        "LOOM_RESULT_BACKEND": REDIS_RESULTS_URL,
+        "LOOM_QUEUE_NAMESPACE": f"loomtest-{SESSION_ID}-{next(_namespace_counter)}-",
+    }
+    rabbit = PrivateRabbit(root, port, dist_port, BrokerEnv(kind="rabbitmq-private", tmp=tmp_path, env=env))
+    rabbit.start()
+    try:
+        yield rabbit
+    finally:
+        rabbit.env.close()
+        rabbit.kill()
 
 
 @dataclass
