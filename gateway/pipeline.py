@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from celery import states
+from kombu.exceptions import OperationalError
 
 from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, merge_group, run_rounds, select
 from loom.results import ResultWaiter
@@ -60,12 +61,27 @@ class CeleryStages:
     poll: float = 0.02
     stop: threading.Event = field(default_factory=threading.Event)
 
+    publish_timeout: float = 300.0  # how long a publish waits for an unreachable broker to come back
+
     def _send(self, name: str, key: str, *args: Any) -> Any:
         result = self.app.AsyncResult(key)
         # A task already started or finished under this key is awaited, not published again.
         if result.state in ("STARTED", "SUCCESS", "RETRY"):
             return result
-        return self.app.send_task(name, args=list(args), task_id=key)
+        # The broker may be restarting: publish again until it is back (the task's key makes a
+        # duplicate harmless: a task whose key has a result returns it, loom.queue.LoomTask).
+        deadline = time.monotonic() + self.publish_timeout
+        wait = 0.25
+        while True:
+            try:
+                return self.app.send_task(name, args=list(args), task_id=key)
+            except OperationalError as exc:
+                if time.monotonic() + wait > deadline:
+                    raise StageError(f"broker unreachable for {self.publish_timeout:.0f} s: {exc}") from exc
+                log.warning("publishing %s[%s] failed (%s); again in %.2f s", name, key, exc, wait)
+                if self.stop.wait(wait):
+                    raise Cancelled("stopped") from exc
+                wait = min(2 * wait, 5.0)
 
     def _wait_all(self, pending: dict[int, Any], on_ready: Callable[[int, Any], None]) -> None:
         """Hand each result to ``on_ready`` as soon as it is ready (loom.results.ResultWaiter: one batched

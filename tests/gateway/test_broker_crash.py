@@ -1,0 +1,93 @@
+"""A job the gateway accepted survives a RabbitMQ crash in the middle of it, and a job submitted while
+the broker is down runs once it is back: the real gateway process, real rollout and reward workers
+(the tiny model), on a private RabbitMQ node that the test SIGKILLs while the job runs and starts
+again a few seconds later (``private_rabbit``). The gateway publishes again until the broker is
+back (``CeleryStages.publish_timeout``); before, the job failed with the broker's connection error."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import API_KEYS, JOBS_KEY, GatewayProcess  # noqa: E402
+
+from loom.tiny import plain_prompt, tiny_problems  # noqa: E402
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_job_survives_a_broker_crash_mid_job(private_rabbit, loom_worker, tmp_path):
+    env = private_rabbit.env
+    env.extra_env["LOOM_API_KEYS"] = API_KEYS
+    workers = [loom_worker(s, env, wait=False) for s in ("rollout", "reward")]
+    for w in workers:
+        w.wait_ready()
+    gateway = GatewayProcess(env.process_env(), _free_port(), tmp_path / "gateway.log")
+    gateway.start()
+    try:
+        problems = tiny_problems("arith", 8, seed=3)
+        body = {
+            "job_key": "broker-crash",
+            "tasks": [{"prompt": plain_prompt(p), "label": p.gold, "task": "arithmetic"} for p in problems],
+            "sampling": {"n": 4, "max_tokens": 96, "seed": 1},
+        }
+        r = gateway.post("/v1/jobs", JOBS_KEY, body)
+        assert r.status_code in (200, 201, 202), r.text
+        job_id = r.json()["id"]
+        time.sleep(1.0)  # the job is under way: groups published, some generating
+        private_rabbit.kill()
+        # a job submitted while the broker is down is accepted too, and runs once it is back
+        late = gateway.post("/v1/jobs", JOBS_KEY, {**body, "job_key": "during-outage"})
+        assert late.status_code in (200, 201, 202), late.text
+        time.sleep(3.0)
+        private_rabbit.start()
+        for jid in (job_id, late.json()["id"]):
+            deadline = time.monotonic() + 240
+            view = gateway.get(f"/v1/jobs/{jid}", JOBS_KEY).json()
+            while view["status"] in ("queued", "running") and time.monotonic() < deadline:
+                time.sleep(0.5)
+                view = gateway.get(f"/v1/jobs/{jid}", JOBS_KEY).json()
+            assert view["status"] == "succeeded", (view.get("error"), gateway.log_path.read_text()[-3000:])
+            assert view["n_done"] == len(problems) and len(view["groups"]) == len(problems)
+            assert all(len(g["group"]["trajectories"]) == 4 for g in view["groups"])
+    finally:
+        gateway.kill()
+
+
+def test_a_publish_waits_for_an_unreachable_broker_then_fails_typed_or_stops(tmp_path, caplog):
+    """Deterministic half of the above: nothing listens on the broker's port."""
+    import threading
+
+    from gateway.pipeline import SCORE, Cancelled, CeleryStages, StageError
+    from loom.queue import make_celery
+    from loom.settings import Settings
+
+    closed = _free_port()
+    url = f"amqp://guest:guest@127.0.0.1:{closed}//"
+    settings = Settings(data_dir=tmp_path / "d", broker_url=url, result_backend="embedded")
+    app = make_celery("gateway", settings)
+    try:
+        with caplog.at_level("WARNING", logger="loom.gateway.pipeline"):
+            with pytest.raises(StageError, match="broker unreachable"):
+                CeleryStages(app, publish_timeout=2.0)._send(SCORE, "k-timeout", {})
+        assert sum("publishing reward.score_group[k-timeout] failed" in m for m in caplog.messages) >= 2
+        stop = threading.Event()
+        timer = threading.Timer(1.0, stop.set)
+        timer.start()
+        with pytest.raises(Cancelled):  # a cancelled job does not wait out the broker
+            CeleryStages(app, publish_timeout=600.0, stop=stop)._send(SCORE, "k-cancel", {})
+        timer.join()
+    finally:
+        app.close()
