@@ -1,5 +1,5 @@
-"""A job the gateway accepted survives a RabbitMQ crash in the middle of it, and a job submitted while
-the broker is down runs once it is back: the real gateway process, real rollout and reward workers
+"""A job the gateway accepted survives a RabbitMQ crash in the middle of it, a job submitted while
+the broker is down runs once it is back, and an RL run finishes its steps across a crash: the real gateway process, real rollout and reward workers
 (the tiny model), on a private RabbitMQ node that the test SIGKILLs while the job runs and starts
 again a few seconds later (``private_rabbit``). The gateway publishes again until the broker is
 back (``CeleryStages.publish_timeout``); before, the job failed with the broker's connection error."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, JOBS_KEY, GatewayProcess  # noqa: E402
+from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess  # noqa: E402
 
 from loom.tiny import plain_prompt, tiny_problems  # noqa: E402
 
@@ -91,3 +91,40 @@ def test_a_publish_waits_for_an_unreachable_broker_then_fails_typed_or_stops(tmp
         timer.join()
     finally:
         app.close()
+
+
+def test_an_rl_run_survives_a_broker_crash_between_its_steps(private_rabbit, loom_worker, tmp_path):
+    env = private_rabbit.env
+    env.extra_env["LOOM_API_KEYS"] = API_KEYS
+    workers = [loom_worker(s, env, wait=False) for s in ("rollout", "reward", "learner")]
+    for w in workers:
+        w.wait_ready()
+    gateway = GatewayProcess(env.process_env(), _free_port(), tmp_path / "gateway.log")
+    gateway.start()
+    try:
+        body = {
+            "dataset": {"builtin": "arith", "size": 16},
+            "sampling": {"n": 4, "max_tokens": 64, "temperature": 1.0},
+            "schedule": {"steps": 4, "batch_size": 4},
+            "loss": {"lr": 1e-4},
+        }
+        r = gateway.post("/v1/runs", RUNS_KEY, body)
+        assert r.status_code in (200, 201, 202), r.text
+        run_id = r.json()["id"]
+        deadline = time.monotonic() + 120
+        view = gateway.get(f"/v1/runs/{run_id}", RUNS_KEY).json()
+        while view["completed_steps"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            view = gateway.get(f"/v1/runs/{run_id}", RUNS_KEY).json()
+        assert view["status"] == "running" and view["completed_steps"] >= 1, view
+        private_rabbit.kill()
+        time.sleep(3.0)
+        private_rabbit.start()
+        deadline = time.monotonic() + 300
+        while view["status"] in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            view = gateway.get(f"/v1/runs/{run_id}", RUNS_KEY).json()
+        assert view["status"] == "succeeded", (view.get("error"), gateway.log_path.read_text()[-3000:])
+        assert view["completed_steps"] == 4 and view["policy_version"] == 4
+    finally:
+        gateway.kill()
