@@ -1,8 +1,9 @@
 """A job the gateway accepted survives a RabbitMQ crash in the middle of it, a job submitted while
-the broker is down runs once it is back, and an RL run finishes its steps across a crash: the real gateway process, real rollout and reward workers
-(the tiny model), on a private RabbitMQ node that the test SIGKILLs while the job runs and starts
-again a few seconds later (``private_rabbit``). The gateway publishes again until the broker is
-back (``CeleryStages.publish_timeout``); before, the job failed with the broker's connection error."""
+the broker is down runs once it is back, and an RL run finishes its steps across a crash. The real
+gateway process and real workers (the tiny model) run on a private RabbitMQ node that the test
+SIGKILLs and starts again a few seconds later (``private_rabbit``). The gateway publishes again
+until the broker is back (``CeleryStages.publish_timeout``); before, the job or run failed with the
+broker's connection error."""
 
 from __future__ import annotations
 
