@@ -23,7 +23,7 @@ from celery import states
 from kombu.exceptions import OperationalError
 
 from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, merge_group, run_rounds, select
-from loom.results import ResultWaiter
+from loom.results import STORE_UNREACHABLE, ResultWaiter
 from loom.schemas import Group, RewardResult, RewardSpec, RolloutRequest, StepResult, TrainBatch
 
 GENERATE = "rollout.generate_group"
@@ -32,6 +32,7 @@ REFLECT = "reflect.revise_group"
 TRAIN = "learner.train_step"
 
 log = logging.getLogger("loom.gateway.pipeline")
+_UNREACHABLE: tuple[type[BaseException], ...] = (OperationalError, *STORE_UNREACHABLE)  # both come back
 
 
 class Cancelled(RuntimeError):
@@ -64,20 +65,21 @@ class CeleryStages:
     publish_timeout: float = 300.0  # how long a publish waits for an unreachable broker to come back
 
     def _send(self, name: str, key: str, *args: Any) -> Any:
-        result = self.app.AsyncResult(key)
-        # A task already started or finished under this key is awaited, not published again.
-        if result.state in ("STARTED", "SUCCESS", "RETRY"):
-            return result
-        # The broker may be restarting: publish again until it is back (the task's key makes a
-        # duplicate harmless: a task whose key has a result returns it, loom.queue.LoomTask).
+        # The broker or the result store may be restarting: try again until it is back (the task's
+        # key makes a duplicate harmless: a task whose key has a result returns it, LoomTask).
         deadline = time.monotonic() + self.publish_timeout
         wait = 0.25
         while True:
             try:
+                result = self.app.AsyncResult(key)
+                # A task already started or finished under this key is awaited, not published again.
+                if result.state in ("STARTED", "SUCCESS", "RETRY"):
+                    return result
                 return self.app.send_task(name, args=list(args), task_id=key)
-            except OperationalError as exc:
+            except _UNREACHABLE as exc:
+                what = "broker" if isinstance(exc, OperationalError) else "result store"
                 if time.monotonic() + wait > deadline:
-                    raise StageError(f"broker unreachable for {self.publish_timeout:.0f} s: {exc}") from exc
+                    raise StageError(f"{what} unreachable for {self.publish_timeout:.0f} s: {exc}") from exc
                 log.warning("publishing %s[%s] failed (%s); again in %.2f s", name, key, exc, wait)
                 if self.stop.wait(wait):
                     raise Cancelled("stopped") from exc
@@ -95,7 +97,14 @@ class CeleryStages:
                 if left <= 0:
                     raise StageError(f"{len(pending)} tasks still pending after {self.timeout:.0f} s")
                 ids = {res.id: i for i, res in pending.items()}
-                for tid, meta in waiter.wait(list(ids), timeout=min(left, 0.25)).items():
+                try:
+                    ready = waiter.wait(list(ids), timeout=min(left, 0.25))
+                except STORE_UNREACHABLE as exc:  # a restarting result store: read again soon
+                    log.warning("result store unreachable (%s); reading again in 1 s", exc)
+                    if self.stop.wait(1.0):
+                        raise Cancelled("stopped") from exc
+                    continue
+                for tid, meta in ready.items():
                     i = ids[tid]
                     del pending[i]
                     if meta["status"] != states.SUCCESS:

@@ -21,8 +21,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from celery import states
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 MetaMap = dict[str, dict[str, Any]]
+# the result store is down (a Redis restart): a reader waits and reads again
+STORE_UNREACHABLE: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError)
 
 
 class ResultWaiter:

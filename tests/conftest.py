@@ -291,6 +291,61 @@ def private_rabbit(tmp_path: Path) -> Iterator[PrivateRabbit]:
 
 
 @dataclass
+class PrivateRedis:
+    """A redis-server of this test's own (its port, its data directory, append-only file fsynced on
+    every write), so that it can be crashed (``kill()``: SIGKILL) and restarted on its data (``start()``)."""
+
+    root: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 30.0) -> None:
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.root)]
+        argv += ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
+        log = open(self.root / "redis.log", "ab")  # noqa: SIM115 (the server outlives this call)
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if _reachable("127.0.0.1", self.port, 0.2):
+                return
+            time.sleep(0.1)
+        tail = (self.root / "redis.log").read_text(errors="replace")[-2000:]
+        self.kill()
+        pytest.skip(f"a private redis-server did not start here: {tail}")
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """A started :class:`PrivateRedis` (skipped, with the reason, where redis-server is missing)."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed here")
+    root = tmp_path / "redis"
+    root.mkdir()
+    redis = PrivateRedis(root, free_port())
+    redis.start()
+    try:
+        yield redis
+    finally:
+        redis.kill()
+
+
+@dataclass
 class Worker:
     service: str
     proc: subprocess.Popen[bytes]

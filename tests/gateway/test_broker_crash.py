@@ -129,3 +129,62 @@ def test_an_rl_run_survives_a_broker_crash_between_its_steps(private_rabbit, loo
         assert view["completed_steps"] == 4 and view["policy_version"] == 4
     finally:
         gateway.kill()
+
+
+def test_a_job_survives_a_result_store_crash_mid_job(private_redis, broker_env, loom_worker, tmp_path):
+    """Redis (the result store) SIGKILLed mid-job and restarted on its append-only file."""
+    if broker_env.kind != "embedded":
+        pytest.skip("one broker is enough: the result store is what crashes")
+    broker_env.env["LOOM_RESULT_BACKEND"] = private_redis.url
+    broker_env.extra_env["LOOM_API_KEYS"] = API_KEYS
+    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward")]
+    for w in workers:
+        w.wait_ready()
+    gateway = GatewayProcess(broker_env.process_env(), _free_port(), tmp_path / "gateway.log")
+    gateway.start()
+    try:
+        problems = tiny_problems("arith", 8, seed=4)
+        body = {
+            "job_key": "redis-crash",
+            "tasks": [{"prompt": plain_prompt(p), "label": p.gold, "task": "arithmetic"} for p in problems],
+            "sampling": {"n": 4, "max_tokens": 96, "seed": 2},
+        }
+        r = gateway.post("/v1/jobs", JOBS_KEY, body)
+        assert r.status_code in (200, 201, 202), r.text
+        job_id = r.json()["id"]
+        time.sleep(1.0)
+        private_redis.kill()
+        time.sleep(3.0)
+        private_redis.start()
+        deadline = time.monotonic() + 240
+        view = gateway.get(f"/v1/jobs/{job_id}", JOBS_KEY).json()
+        while view["status"] in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            view = gateway.get(f"/v1/jobs/{job_id}", JOBS_KEY).json()
+        assert view["status"] == "succeeded", (view.get("error"), gateway.log_path.read_text()[-3000:])
+        assert view["n_done"] == len(problems) and len(view["groups"]) == len(problems)
+    finally:
+        gateway.kill()
+
+
+def test_a_result_finished_while_the_store_is_down_lands_when_back(private_redis, broker_env, loom_worker):
+    """The worker's store of a result waits out the restart (Celery's Redis client retries the
+    connection) instead of losing the result of a task whose message is acknowledged."""
+    from loom.queue import send
+
+    if broker_env.kind != "embedded":
+        pytest.skip("one broker is enough: the result store is what crashes")
+    broker_env.env["LOOM_RESULT_BACKEND"] = private_redis.url
+    loom_worker("reward", broker_env)
+    app = broker_env.app("gateway")
+    key = "stored-after-restart"
+    send(app, "reward.ping", delay=2.0, key=key)
+    deadline = time.monotonic() + 30
+    while app.AsyncResult(key).state != "STARTED" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert app.AsyncResult(key).state == "STARTED"
+    private_redis.kill()  # the task finishes (2 s) while the store is down
+    time.sleep(4.0)
+    private_redis.start()
+    value = app.AsyncResult(key).get(timeout=60, interval=0.1)
+    assert value["task_id"] == key
