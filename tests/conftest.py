@@ -185,66 +185,46 @@ def broker_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broke
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")  # runs as the calling user
 
 
-@dataclass
-class PrivateRabbit:
-    """A RabbitMQ node of this test's own (its ports, its data directory), so that it can be crashed
-    and restarted; the shared server on 5672 is never touched. ``env`` is a :class:`BrokerEnv` whose
-    Loom processes use it (results in Redis DB 3, as for the shared broker)."""
+class PrivateServer:
+    """A server of one test's own (its port, its data directory ``root``), in its own session, so that
+    the test can crash it (``kill()``: SIGKILL) and start it again on its data (``start()``). A
+    subclass gives its command line, environment and readiness probe."""
 
-    root: Path
-    port: int
-    dist_port: int
-    env: BrokerEnv
-    proc: subprocess.Popen[bytes] | None = None
+    name = "server"
+    start_timeout = 30.0
 
-    @property
-    def url(self) -> str:
-        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+    def __init__(self, root: Path, port: int) -> None:
+        self.root, self.port = root, port
+        self.proc: subprocess.Popen[bytes] | None = None
 
-    def _environ(self) -> dict[str, str]:
-        r = self.root
-        return {
-            **{k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")},
-            "HOME": str(r),  # the Erlang cookie
-            "RABBITMQ_NODENAME": f"loomtest{self.port}@localhost",
-            "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "RABBITMQ_MNESIA_BASE": str(r / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(r / "log"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(r / "enabled_plugins"),
-            "RABBITMQ_CONFIG_FILE": str(r / "rabbitmq"),
-            "RABBITMQ_ADVANCED_CONFIG_FILE": str(r / "advanced.config"),
-            "RABBITMQ_PID_FILE": str(r / "pid"),
-        }
+    def argv(self) -> list[str]:
+        raise NotImplementedError
 
-    def start(self, timeout: float = 90.0) -> None:
-        """Start the node on its data directory (a restart keeps what it had persisted)."""
-        from kombu import Connection
+    def environ(self) -> dict[str, str]:
+        return dict(os.environ)
 
-        log = open(self.root / "server.log", "ab")  # noqa: SIM115 (the node outlives this call)
-        self.proc = subprocess.Popen(
-            [str(RABBITMQ_SERVER)],
-            env=self._environ(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                with Connection(self.url, connect_timeout=1) as conn:
-                    conn.ensure_connection(max_retries=1, timeout=1)
+    def ready(self) -> bool:
+        return _reachable("127.0.0.1", self.port, 0.2)
+
+    def start(self) -> None:
+        """Start it on its data directory (a restart keeps what it had persisted); a skip with its
+        log's tail when it does not come up."""
+        log_path = self.root / f"{self.name}.log"
+        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                self.argv(), env=self.environ(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if self.ready():
                 return
-            except Exception:
-                time.sleep(0.5)
-        tail = (self.root / "server.log").read_text(errors="replace")[-2000:]
+            time.sleep(0.2)
+        tail = log_path.read_text(errors="replace")[-2000:]
         self.kill()
-        pytest.skip(f"a private RabbitMQ node did not start here: {tail}")
+        pytest.skip(f"a private {self.name} did not start here: {tail}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Stop the node: SIGKILL is a crash (nothing flushed after it), SIGTERM a clean shutdown."""
+        """Stop its process group: SIGKILL is a crash (nothing flushed after it)."""
         if self.proc is None:
             return
         try:
@@ -260,6 +240,51 @@ class PrivateRabbit:
         deadline = time.monotonic() + 30
         while _reachable("127.0.0.1", self.port, 0.2) and time.monotonic() < deadline:
             time.sleep(0.2)
+
+
+class PrivateRabbit(PrivateServer):
+    """A RabbitMQ node of this test's own; the shared server on 5672 is never touched. ``env`` is a
+    :class:`BrokerEnv` whose Loom processes use it (results in Redis DB 3, as for the shared broker)."""
+
+    name = "RabbitMQ node"
+    start_timeout = 90.0
+
+    def __init__(self, root: Path, port: int, dist_port: int, env: BrokerEnv) -> None:
+        super().__init__(root, port)
+        self.dist_port, self.env = dist_port, env
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def argv(self) -> list[str]:
+        return [str(RABBITMQ_SERVER)]
+
+    def environ(self) -> dict[str, str]:
+        r = self.root
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")},
+            "HOME": str(r),  # the Erlang cookie
+            "RABBITMQ_NODENAME": f"loomtest{self.port}@localhost",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(r / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(r / "log"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(r / "enabled_plugins"),
+            "RABBITMQ_CONFIG_FILE": str(r / "rabbitmq"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(r / "advanced.config"),
+            "RABBITMQ_PID_FILE": str(r / "pid"),
+        }
+
+    def ready(self) -> bool:  # the port opens before the node takes AMQP connections
+        from kombu import Connection
+
+        try:
+            with Connection(self.url, connect_timeout=1) as conn:
+                conn.ensure_connection(max_retries=1, timeout=1)
+            return True
+        except Exception:
+            return False
 
 
 @pytest.fixture
@@ -290,42 +315,18 @@ def private_rabbit(tmp_path: Path) -> Iterator[PrivateRabbit]:
         rabbit.kill()
 
 
-@dataclass
-class PrivateRedis:
-    """A redis-server of this test's own (its port, its data directory, append-only file fsynced on
-    every write), so that it can be crashed (``kill()``: SIGKILL) and restarted on its data (``start()``)."""
+class PrivateRedis(PrivateServer):
+    """A redis-server of this test's own, its append-only file fsynced on every write."""
 
-    root: Path
-    port: int
-    proc: subprocess.Popen[bytes] | None = None
+    name = "redis-server"
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 30.0) -> None:
+    def argv(self) -> list[str]:
         argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.root)]
-        argv += ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
-        log = open(self.root / "redis.log", "ab")  # noqa: SIM115 (the server outlives this call)
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if _reachable("127.0.0.1", self.port, 0.2):
-                return
-            time.sleep(0.1)
-        tail = (self.root / "redis.log").read_text(errors="replace")[-2000:]
-        self.kill()
-        pytest.skip(f"a private redis-server did not start here: {tail}")
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
-        self.proc = None
+        return argv + ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
 
 
 @pytest.fixture

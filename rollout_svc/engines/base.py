@@ -62,17 +62,22 @@ class PolicyLoadError(EngineRequestError):
     kind = "load_failed"
 
 
+def _check_ids(ids: list[int], vocab_size: int | None, field: str) -> None:
+    """``InvalidPrompt`` for no ids or an id outside the vocabulary; ``field`` names the request field
+    (a list of ids is indexed, ``token i of prompt`` for a text the engine tokenized)."""
+    if not ids:
+        raise InvalidPrompt(f"{field} must not be empty", field)
+    if vocab_size is not None and (i := outside_vocabulary(ids, vocab_size)) is not None:
+        where = f"{field}[{i}]" if field.endswith("_ids") else f"token {i} of {field}"
+        raise InvalidPrompt(f"{where} = {ids[i]} is outside the model's vocabulary [0, {vocab_size})", field)
+
+
 def check_prompt(
     prompt_ids: list[int], vocab_size: int | None, max_model_len: int | None, field: str = "prompt_ids"
 ) -> int | None:
     """Refuse a prompt the model cannot read (``InvalidPrompt``); return how many tokens it leaves
     room for (None: unknown). Like vLLM, a prompt must leave room for at least one generated token."""
-    if not prompt_ids:
-        raise InvalidPrompt(f"{field} must not be empty", field)
-    if vocab_size is not None and (i := outside_vocabulary(prompt_ids, vocab_size)) is not None:
-        where = f"{field}[{i}]" if field == "prompt_ids" else f"token {i} of {field}"
-        msg = f"{where} = {prompt_ids[i]} is outside the model's vocabulary [0, {vocab_size})"
-        raise InvalidPrompt(msg, field)
+    _check_ids(prompt_ids, vocab_size, field)
     if max_model_len is None:
         return None
     if len(prompt_ids) >= max_model_len:
@@ -91,11 +96,7 @@ def check_scored(
     vocabulary, more tokens than the context, more steps than the scorer's bound. Checked before the
     model sees it: on CUDA an out-of-range index is a device-side assert that leaves the process's
     CUDA context unusable for every later request."""
-    if not token_ids:
-        raise InvalidPrompt("token_ids must not be empty", "token_ids")
-    if vocab_size is not None and (i := outside_vocabulary(token_ids, vocab_size)) is not None:
-        msg = f"token_ids[{i}] = {token_ids[i]} is outside the model's vocabulary [0, {vocab_size})"
-        raise InvalidPrompt(msg, "token_ids")
+    _check_ids(token_ids, vocab_size, "token_ids")
     if max_model_len is not None and len(token_ids) > max_model_len:
         raise InvalidPrompt(
             f"token_ids has {len(token_ids)} tokens; the model's context holds {max_model_len}", "token_ids"

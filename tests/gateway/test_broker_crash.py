@@ -29,40 +29,63 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_job_survives_a_broker_crash_mid_job(private_rabbit, loom_worker, tmp_path):
-    env = private_rabbit.env
+N_PROMPTS = 8
+
+
+def _stack(env, loom_worker, services, tmp_path) -> GatewayProcess:  # type: ignore[no-untyped-def]
+    """Real workers of ``services`` and a gateway process on ``env`` (the gateway is killed by the
+    caller)."""
     env.extra_env["LOOM_API_KEYS"] = API_KEYS
-    workers = [loom_worker(s, env, wait=False) for s in ("rollout", "reward")]
-    for w in workers:
+    for w in [loom_worker(s, env, wait=False) for s in services]:
         w.wait_ready()
     gateway = GatewayProcess(env.process_env(), _free_port(), tmp_path / "gateway.log")
     gateway.start()
+    return gateway
+
+
+def _job_body(key: str, seed: int) -> dict:
+    problems = tiny_problems("arith", N_PROMPTS, seed=seed)
+    return {
+        "job_key": key,
+        "tasks": [{"prompt": plain_prompt(p), "label": p.gold, "task": "arithmetic"} for p in problems],
+        "sampling": {"n": 4, "max_tokens": 96, "seed": seed},
+    }
+
+
+def _submit(gateway: GatewayProcess, path: str, key: str, body: dict) -> str:
+    r = gateway.post(path, key, body)
+    assert r.status_code in (200, 201, 202), r.text
+    return str(r.json()["id"])
+
+
+def _finished(gateway: GatewayProcess, path: str, key: str, timeout: float = 240.0) -> dict:
+    """The view of job or run ``path`` once it is no longer queued or running."""
+    deadline = time.monotonic() + timeout
+    view = gateway.get(path, key).json()
+    while view["status"] in ("queued", "running") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        view = gateway.get(path, key).json()
+    return dict(view)
+
+
+def _assert_job_done(gateway: GatewayProcess, view: dict) -> None:
+    assert view["status"] == "succeeded", (view.get("error"), gateway.log_path.read_text()[-3000:])
+    assert view["n_done"] == N_PROMPTS and len(view["groups"]) == N_PROMPTS
+    assert all(len(g["group"]["trajectories"]) == 4 for g in view["groups"])
+
+
+def test_a_job_survives_a_broker_crash_mid_job(private_rabbit, loom_worker, tmp_path):
+    gateway = _stack(private_rabbit.env, loom_worker, ("rollout", "reward"), tmp_path)
     try:
-        problems = tiny_problems("arith", 8, seed=3)
-        body = {
-            "job_key": "broker-crash",
-            "tasks": [{"prompt": plain_prompt(p), "label": p.gold, "task": "arithmetic"} for p in problems],
-            "sampling": {"n": 4, "max_tokens": 96, "seed": 1},
-        }
-        r = gateway.post("/v1/jobs", JOBS_KEY, body)
-        assert r.status_code in (200, 201, 202), r.text
-        job_id = r.json()["id"]
+        job_id = _submit(gateway, "/v1/jobs", JOBS_KEY, _job_body("broker-crash", seed=3))
         time.sleep(1.0)  # the job is under way: groups published, some generating
         private_rabbit.kill()
         # a job submitted while the broker is down is accepted too, and runs once it is back
-        late = gateway.post("/v1/jobs", JOBS_KEY, {**body, "job_key": "during-outage"})
-        assert late.status_code in (200, 201, 202), late.text
+        late_id = _submit(gateway, "/v1/jobs", JOBS_KEY, _job_body("during-outage", seed=3))
         time.sleep(3.0)
         private_rabbit.start()
-        for jid in (job_id, late.json()["id"]):
-            deadline = time.monotonic() + 240
-            view = gateway.get(f"/v1/jobs/{jid}", JOBS_KEY).json()
-            while view["status"] in ("queued", "running") and time.monotonic() < deadline:
-                time.sleep(0.5)
-                view = gateway.get(f"/v1/jobs/{jid}", JOBS_KEY).json()
-            assert view["status"] == "succeeded", (view.get("error"), gateway.log_path.read_text()[-3000:])
-            assert view["n_done"] == len(problems) and len(view["groups"]) == len(problems)
-            assert all(len(g["group"]["trajectories"]) == 4 for g in view["groups"])
+        for jid in (job_id, late_id):
+            _assert_job_done(gateway, _finished(gateway, f"/v1/jobs/{jid}", JOBS_KEY))
     finally:
         gateway.kill()
 
@@ -95,13 +118,7 @@ def test_a_publish_waits_for_an_unreachable_broker_then_fails_typed_or_stops(tmp
 
 
 def test_an_rl_run_survives_a_broker_crash_between_its_steps(private_rabbit, loom_worker, tmp_path):
-    env = private_rabbit.env
-    env.extra_env["LOOM_API_KEYS"] = API_KEYS
-    workers = [loom_worker(s, env, wait=False) for s in ("rollout", "reward", "learner")]
-    for w in workers:
-        w.wait_ready()
-    gateway = GatewayProcess(env.process_env(), _free_port(), tmp_path / "gateway.log")
-    gateway.start()
+    gateway = _stack(private_rabbit.env, loom_worker, ("rollout", "reward", "learner"), tmp_path)
     try:
         body = {
             "dataset": {"builtin": "arith", "size": 16},
@@ -109,71 +126,45 @@ def test_an_rl_run_survives_a_broker_crash_between_its_steps(private_rabbit, loo
             "schedule": {"steps": 4, "batch_size": 4},
             "loss": {"lr": 1e-4},
         }
-        r = gateway.post("/v1/runs", RUNS_KEY, body)
-        assert r.status_code in (200, 201, 202), r.text
-        run_id = r.json()["id"]
+        path = f"/v1/runs/{_submit(gateway, '/v1/runs', RUNS_KEY, body)}"
         deadline = time.monotonic() + 120
-        view = gateway.get(f"/v1/runs/{run_id}", RUNS_KEY).json()
+        view = gateway.get(path, RUNS_KEY).json()
         while view["completed_steps"] < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-            view = gateway.get(f"/v1/runs/{run_id}", RUNS_KEY).json()
+            view = gateway.get(path, RUNS_KEY).json()
         assert view["status"] == "running" and view["completed_steps"] >= 1, view
         private_rabbit.kill()
         time.sleep(3.0)
         private_rabbit.start()
-        deadline = time.monotonic() + 300
-        while view["status"] in ("queued", "running") and time.monotonic() < deadline:
-            time.sleep(0.5)
-            view = gateway.get(f"/v1/runs/{run_id}", RUNS_KEY).json()
+        view = _finished(gateway, path, RUNS_KEY, timeout=300)
         assert view["status"] == "succeeded", (view.get("error"), gateway.log_path.read_text()[-3000:])
         assert view["completed_steps"] == 4 and view["policy_version"] == 4
     finally:
         gateway.kill()
 
 
+@pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)  # the result store is what crashes
 def test_a_job_survives_a_result_store_crash_mid_job(private_redis, broker_env, loom_worker, tmp_path):
     """Redis (the result store) SIGKILLed mid-job and restarted on its append-only file."""
-    if broker_env.kind != "embedded":
-        pytest.skip("one broker is enough: the result store is what crashes")
     broker_env.env["LOOM_RESULT_BACKEND"] = private_redis.url
-    broker_env.extra_env["LOOM_API_KEYS"] = API_KEYS
-    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward")]
-    for w in workers:
-        w.wait_ready()
-    gateway = GatewayProcess(broker_env.process_env(), _free_port(), tmp_path / "gateway.log")
-    gateway.start()
+    gateway = _stack(broker_env, loom_worker, ("rollout", "reward"), tmp_path)
     try:
-        problems = tiny_problems("arith", 8, seed=4)
-        body = {
-            "job_key": "redis-crash",
-            "tasks": [{"prompt": plain_prompt(p), "label": p.gold, "task": "arithmetic"} for p in problems],
-            "sampling": {"n": 4, "max_tokens": 96, "seed": 2},
-        }
-        r = gateway.post("/v1/jobs", JOBS_KEY, body)
-        assert r.status_code in (200, 201, 202), r.text
-        job_id = r.json()["id"]
+        job_id = _submit(gateway, "/v1/jobs", JOBS_KEY, _job_body("redis-crash", seed=4))
         time.sleep(1.0)
         private_redis.kill()
         time.sleep(3.0)
         private_redis.start()
-        deadline = time.monotonic() + 240
-        view = gateway.get(f"/v1/jobs/{job_id}", JOBS_KEY).json()
-        while view["status"] in ("queued", "running") and time.monotonic() < deadline:
-            time.sleep(0.5)
-            view = gateway.get(f"/v1/jobs/{job_id}", JOBS_KEY).json()
-        assert view["status"] == "succeeded", (view.get("error"), gateway.log_path.read_text()[-3000:])
-        assert view["n_done"] == len(problems) and len(view["groups"]) == len(problems)
+        _assert_job_done(gateway, _finished(gateway, f"/v1/jobs/{job_id}", JOBS_KEY))
     finally:
         gateway.kill()
 
 
+@pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
 def test_a_result_finished_while_the_store_is_down_lands_when_back(private_redis, broker_env, loom_worker):
     """The worker's store of a result waits out the restart (Celery's Redis client retries the
     connection) instead of losing the result of a task whose message is acknowledged."""
     from loom.queue import send
 
-    if broker_env.kind != "embedded":
-        pytest.skip("one broker is enough: the result store is what crashes")
     broker_env.env["LOOM_RESULT_BACKEND"] = private_redis.url
     loom_worker("reward", broker_env)
     app = broker_env.app("gateway")
