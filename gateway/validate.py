@@ -1,6 +1,7 @@
 """What the gateway checks at submission beyond the schema: each item's mode parameters (as the
-rollout service will parse them) and the reward spec (as the reward service will). A job or run that
-would fail in every worker is a 422 naming the field, not a 201 followed by a failed job."""
+rollout service will parse them), the reward spec (as the reward service will) and the policy version
+asked for (as a rollout replica will look it up in the policy store). A job or run that would fail in
+every worker is a 422 naming the field, not a 201 followed by a failed job."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from gateway.models import TaskItem
 from gateway.runs import to_request
 from loom.settings import Settings
+from loom.store import PolicyStore
 
 MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in dataset's items differ
 # only in their sentences, so the first ones stand for the rest)
@@ -28,6 +30,10 @@ def submission_problem(
         check_spec(req.reward, loc=("body", "reward"))
     except RequestError as exc:
         return exc.body()
+    field = "policy_version" if hasattr(req, "policy_version") else "initial_policy_version"
+    problem = policy_version_problem(getattr(req, field), field, settings)
+    if problem is not None:
+        return problem
     seen: set[str] = set()
     for i, item in enumerate(items):
         request = to_request(item, req)
@@ -50,3 +56,21 @@ def submission_problem(
                 "detail": [{"loc": loc, "msg": str(exc), "type": "mode_error"}],
             }
     return None
+
+
+def policy_version_problem(version: int | None, field: str, settings: Settings) -> dict[str, Any] | None:
+    """The 422 body when no rollout replica could serve ``version``: a replica loads that version, or
+    the newest stored one above it (``rollout_svc.rollout.catch_up``), and version 0 is the base model
+    every engine starts from. So a version above the store's newest is refused here. The gateway reads
+    the same store as the rollout replicas (``LOOM_POLICY_STORE``; docker-compose mounts it)."""
+    if not version:
+        return None
+    latest = PolicyStore(settings.policy_store_path, create=False).latest()
+    if latest is not None and latest.version >= version:
+        return None
+    newest = "none is" if latest is None else f"the newest is {latest.version}"
+    msg = f"policy version {version} is not in the policy store ({newest})"
+    return {
+        "error": "validation_error",
+        "detail": [{"loc": ["body", field], "msg": msg, "type": "unknown_policy_version"}],
+    }

@@ -20,9 +20,11 @@ from loom.schemas import PolicyVersion
 
 
 class PolicyStore:
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, *, create: bool = True) -> None:
+        """``create=False``: a reader that never makes the folder (the gateway's submission check)."""
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
 
     def path_of(self, version: int) -> Path:
         return self.root / f"v{version}"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from httpx import Response
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, RUNS_KEY, auth  # noqa: E402
@@ -17,6 +18,7 @@ from gateway.api import build_app  # noqa: E402
 from gateway.keys import KeyRing, hash_key, main, parse_keys  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
 from loom.settings import Settings  # noqa: E402
+from loom.store import PolicyStore  # noqa: E402
 
 
 def make_client(tmp_path: Path, **overrides: object) -> TestClient:
@@ -207,3 +209,36 @@ def test_work_that_would_fail_in_every_worker_is_422_at_submission(client: TestC
     assert r.status_code == 422 and "distinct countdown problems" in r.json()["detail"]["detail"]
     r = client.get("/v1/runs/x/metrics", params={"after": 10**20}, headers=auth(RUNS_KEY))
     assert r.status_code == 422 and ["query", "after"] in _locs(r)
+
+
+def test_a_policy_version_no_replica_could_load_is_422_at_submission(tmp_path: Path) -> None:
+    """A rollout replica loads the version asked for, or the newest stored one above it; version 0 is
+    the base model. Before, a job naming version 3 on an empty store was accepted (201) and then failed
+    in the rollout worker (a ModeError from ``rollout_svc.rollout.catch_up``)."""
+    with make_client(tmp_path) as client:
+
+        def submit(key: str, version: int) -> Response:
+            body = {**JOB, "job_key": key, "policy_version": version}
+            return client.post("/v1/jobs", json=body, headers=auth(JOBS_KEY))
+
+        def run(version: int) -> Response:
+            body = {"dataset": {"builtin": "arith", "size": 4}, "initial_policy_version": version}
+            return client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))
+
+        r = submit("v3-empty", 3)
+        assert r.status_code == 422 and ["body", "policy_version"] in _locs(r)
+        assert r.json()["detail"][0]["type"] == "unknown_policy_version"
+        assert "none is" in r.json()["detail"][0]["msg"]
+        assert not (tmp_path / "policy").exists()  # the check only reads
+        r = run(1)
+        assert r.status_code == 422 and ["body", "initial_policy_version"] in _locs(r)
+        assert submit("v0", 0).status_code == 201 and run(0).status_code == 201
+
+        store = PolicyStore(tmp_path / "policy")  # the gateway's LOOM_POLICY_STORE default
+        for version in (1, 2):
+            store.publish(version, lambda d: (d / "weights").write_text("w"))
+        assert submit("v2", 2).status_code == 201
+        assert submit("v1", 1).status_code == 201  # a replica may serve 2 for it
+        r = submit("v3", 3)
+        assert r.status_code == 422 and "the newest is 2" in r.json()["detail"][0]["msg"]
+        assert run(2).status_code == 201 and run(3).status_code == 422
