@@ -59,15 +59,16 @@ def submission_problem(
 
 
 def policy_version_problem(version: int | None, field: str, settings: Settings) -> dict[str, Any] | None:
-    """The 422 body when no rollout replica could serve ``version``: a replica loads that version, or
-    the newest stored one above it (``rollout_svc.rollout.catch_up``), and version 0 is the base model
-    every engine starts from. So a version above the store's newest is refused here. The gateway reads
-    the same store as the rollout replicas (``LOOM_POLICY_STORE``; docker-compose mounts it)."""
+    """The 422 body when no rollout replica could serve ``version`` (``PolicyStore.serving``, as
+    ``rollout_svc.rollout.catch_up`` loads it; version 0 is the base model every engine starts from).
+    The gateway reads the same store as the rollout replicas (``LOOM_POLICY_STORE``; docker-compose
+    mounts it)."""
     if not version:
         return None
-    latest = PolicyStore(settings.policy_store_path, create=False).latest()
-    if latest is not None and latest.version >= version:
+    store = PolicyStore(settings.policy_store_path, create=False)
+    if store.serving(version) is not None:
         return None
+    latest = store.latest()
     newest = "none is" if latest is None else f"the newest is {latest.version}"
     msg = f"policy version {version} is not in the policy store ({newest})"
     return {

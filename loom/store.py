@@ -44,6 +44,16 @@ class PolicyStore:
         vs = self.versions()
         return self.get(vs[-1]) if vs else None
 
+    def serving(self, version: int) -> PolicyVersion | None:
+        """What a replica asked for ``version`` loads: that version, or the newest one above it when
+        it is gone (pruned); None when the store holds neither (rollout's catch-up, the gateway's
+        submission check)."""
+        found = self.get(version)
+        if found is None:
+            latest = self.latest()
+            found = latest if latest is not None and latest.version >= version else None
+        return found
+
     def get(self, version: int) -> PolicyVersion | None:
         meta = self.path_of(version) / "policy.json"
         if not meta.exists():

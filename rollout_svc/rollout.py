@@ -93,12 +93,9 @@ async def catch_up(engine: Engine, wanted: int | None, settings: Settings) -> No
 
 async def _load_at_least(engine: Engine, wanted: int, settings: Settings) -> None:
     store = PolicyStore(settings.policy_store_path)
-    policy = store.get(wanted)
+    policy = store.serving(wanted)
     if policy is None:
-        latest = store.latest()
-        if latest is None or latest.version < wanted:
-            raise ModeError(f"policy version {wanted} is not in the policy store at {store.root}")
-        policy = latest
+        raise ModeError(f"policy version {wanted} is not in the policy store at {store.root}")
     await engine.load_policy(policy)
 
 

@@ -27,3 +27,15 @@ def test_failed_write_leaves_no_visible_version(tmp_path):
         pass
     assert store.versions() == []
     assert store.latest() is None
+
+
+def test_serving_is_the_version_or_the_newest_above_it(tmp_path):
+    """What a replica loads for a requested version (rollout's catch-up, the gateway's check)."""
+    reader = PolicyStore(tmp_path / "store", create=False)
+    assert reader.serving(1) is None and not (tmp_path / "store").exists()
+    store = PolicyStore(tmp_path / "store")
+    for version in (1, 2, 3):
+        store.publish(version, lambda d: (d / "model.safetensors").write_bytes(b"x"))
+    store.prune(keep=1)  # 1 and 2 are gone
+    found = [reader.serving(v) for v in (1, 3, 4)]
+    assert [p.version if p else None for p in found] == [3, 3, None]

@@ -25,6 +25,15 @@ API_KEYS = ",".join(
 )
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bind to port 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

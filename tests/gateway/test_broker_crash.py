@@ -14,19 +14,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess  # noqa: E402
+from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess, free_port  # noqa: E402
 
 from loom.tiny import plain_prompt, tiny_problems  # noqa: E402
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 N_PROMPTS = 8
@@ -38,7 +30,7 @@ def _stack(env, loom_worker, services, tmp_path) -> GatewayProcess:  # type: ign
     env.extra_env["LOOM_API_KEYS"] = API_KEYS
     for w in [loom_worker(s, env, wait=False) for s in services]:
         w.wait_ready()
-    gateway = GatewayProcess(env.process_env(), _free_port(), tmp_path / "gateway.log")
+    gateway = GatewayProcess(env.process_env(), free_port(), tmp_path / "gateway.log")
     gateway.start()
     return gateway
 
@@ -103,7 +95,7 @@ def test_a_publish_waits_for_an_unreachable_broker_then_fails_typed_or_stops(tmp
     from loom.queue import make_celery
     from loom.settings import Settings
 
-    closed = _free_port()
+    closed = free_port()
     url = f"amqp://guest:guest@127.0.0.1:{closed}//"
     settings = Settings(data_dir=tmp_path / "d", broker_url=url, result_backend="embedded")
     app = make_celery("gateway", settings)

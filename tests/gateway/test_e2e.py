@@ -20,17 +20,9 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, JOBS_KEY, REPO, RUNS_KEY, GatewayProcess  # noqa: E402
+from helpers import API_KEYS, JOBS_KEY, REPO, RUNS_KEY, GatewayProcess, free_port  # noqa: E402
 
 HERE = Path(__file__).parent
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
@@ -101,7 +93,7 @@ def stack(broker_env: Any, tmp_path: Path) -> Iterator[Callable[[], GatewayProce
             time.sleep(0.1)
 
         def gateway() -> GatewayProcess:
-            gw = GatewayProcess(env, _free_port(), tmp_path / "gateway.log")
+            gw = GatewayProcess(env, free_port(), tmp_path / "gateway.log")
             gateways.append(gw)
             return gw
 

@@ -17,7 +17,7 @@ import pytest
 from loom.store import PolicyStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, RUNS_KEY, GatewayProcess  # noqa: E402
+from helpers import API_KEYS, RUNS_KEY, GatewayProcess, free_port  # noqa: E402
 
 STEPS = 4
 RUN = {
@@ -31,14 +31,6 @@ RUN = {
     "loss": {"lr": 1e-4},
     "schedule": {"steps": STEPS, "batch_size": 2, "staleness": 1},
 }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -58,7 +50,7 @@ def test_killed_gateway_resumes_a_run_of_real_services(
 ) -> None:
     broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
     workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
-    gw = GatewayProcess(broker_env.process_env(), _free_port(), tmp_path / "gateway.log")
+    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
     try:
         gw.start()
         for w in workers:
