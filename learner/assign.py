@@ -71,8 +71,17 @@ def kind_mask(t: Trajectory, kind: str) -> list[int]:
     return out
 
 
-def _reward_map(results: Sequence[RewardResult]) -> dict[str, TrajectoryReward]:
-    return {r.trajectory_id: r for res in results for r in res.rewards}
+def _reward_map(results: Sequence[RewardResult]) -> dict[tuple[str, str], TrajectoryReward]:
+    """Rewards by (group id, trajectory id): trajectory ids are unique within a group only (every
+    rollout numbers its own ``t0, t1, ...``), so an id alone would give one group another's rewards."""
+    return {(res.group_id, r.trajectory_id): r for res in results for r in res.rewards}
+
+
+def _group_rewards(
+    rewards: Mapping[tuple[str, str], TrajectoryReward], group: Group
+) -> dict[str, TrajectoryReward]:
+    """The rewards of ``group``'s trajectories, by trajectory id."""
+    return {t.id: rewards[(group.id, t.id)] for t in group.trajectories if (group.id, t.id) in rewards}
 
 
 def _value(r: TrajectoryReward, key: str | None) -> float:
@@ -230,7 +239,7 @@ def assign_batch(batch: TrainBatch, *, drop_zero: bool = True) -> Assigned:
     rewards = _reward_map(batch.rewards)
     out = Assigned(n_groups=len(batch.groups))
     for g in batch.groups:
-        samples = assign_group(g, rewards, batch.estimator, batch.estimator_params)
+        samples = assign_group(g, _group_rewards(rewards, g), batch.estimator, batch.estimator_params)
         kept = [s for s in samples if not s.is_zero] if drop_zero else samples
         for s in samples:
             s.group_id = g.id

@@ -317,6 +317,37 @@ class TrainBatch(Contract):
         check_estimator_params(info.data.get("estimator", "grpo"), v)
         return v
 
+    @field_validator("groups")
+    @classmethod
+    def _unique_ids(cls, groups: list[Group]) -> list[Group]:
+        """A reward is matched to its trajectory by (group id, trajectory id): either repeated would
+        give one trajectory another's reward."""
+        seen_groups: set[str] = set()
+        for g in groups:
+            if g.id in seen_groups:
+                raise ValueError(f"group id {g.id!r} appears more than once in the batch")
+            seen_groups.add(g.id)
+            seen: set[str] = set()
+            for t in g.trajectories:
+                if t.id in seen:
+                    raise ValueError(f"trajectory id {t.id!r} appears more than once in group {g.id!r}")
+                seen.add(t.id)
+        return groups
+
+    @field_validator("rewards")
+    @classmethod
+    def _one_reward_each(cls, rewards: list[RewardResult]) -> list[RewardResult]:
+        seen: set[tuple[str, str]] = set()
+        for res in rewards:
+            for r in res.rewards:
+                key = (res.group_id, r.trajectory_id)
+                if key in seen:
+                    raise ValueError(
+                        f"trajectory {r.trajectory_id!r} of group {res.group_id!r} has more than one reward"
+                    )
+                seen.add(key)
+        return rewards
+
 
 class StepResult(Contract):
     step: int
