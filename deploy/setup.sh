@@ -18,3 +18,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! .venv/bin/python -c
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
+# Trainers whose reward client code tests/interop drives but whose pinned dependencies (transformers,
+# deepspeed, flash-attn) cannot share this environment: installed without their dependencies; the
+# imports their reward paths need come with the dev extra above.
+if ! .venv/bin/python - <<'PY' 2>/dev/null
+from importlib.metadata import version
+assert version("verl") == "0.9.1" and version("openrlhf") == "0.11.2"
+PY
+then
+  .venv/bin/python -m pip install -q --no-deps "verl==0.9.1" "openrlhf==0.11.2"
+fi
