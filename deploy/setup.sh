@@ -28,3 +28,11 @@ PY
 then
   .venv/bin/python -m pip install -q --no-deps "verl==0.9.1" "openrlhf==0.11.2"
 fi
+# Both wheels also ship a top-level "tests" package, which would shadow this repository's tests/
+# (tests.rollout.conftest and the like): a "tests" in site-packages is never ours, so it goes.
+.venv/bin/python - <<'PY'
+import pathlib, shutil, sysconfig
+stray = pathlib.Path(sysconfig.get_paths()["purelib"]) / "tests"
+if stray.is_dir():
+    shutil.rmtree(stray)
+PY
