@@ -25,7 +25,7 @@ RewardFunc = Callable[..., list[float | None]]
 _TRAINER_KWARGS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
 
 
-class MissingLabelColumn(KeyError):
+class MissingLabelColumn(LookupError):
     """The dataset has no column named ``label_column``: scoring would give every completion 0."""
 
 
