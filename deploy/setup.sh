@@ -18,3 +18,21 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! .venv/bin/python -c
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
+# Trainers whose reward client code tests/interop drives but whose pinned dependencies (transformers,
+# deepspeed, flash-attn) cannot share this environment: installed without their dependencies; the
+# imports their reward paths need come with the dev extra above.
+if ! .venv/bin/python - <<'PY' 2>/dev/null
+from importlib.metadata import version
+assert version("verl") == "0.9.1" and version("openrlhf") == "0.11.2"
+PY
+then
+  .venv/bin/python -m pip install -q --no-deps "verl==0.9.1" "openrlhf==0.11.2"
+fi
+# Both wheels also ship a top-level "tests" package, which would shadow this repository's tests/
+# (tests.rollout.conftest and the like): a "tests" in site-packages is never ours, so it goes.
+.venv/bin/python - <<'PY'
+import pathlib, shutil, sysconfig
+stray = pathlib.Path(sysconfig.get_paths()["purelib"]) / "tests"
+if stray.is_dir():
+    shutil.rmtree(stray)
+PY

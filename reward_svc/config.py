@@ -23,7 +23,11 @@ class RewardSettings(BaseSettings):
     )
     mem_limit_mb: int = Field(default=2048, ge=0, description="address-space headroom per worker (0 = none)")
     max_items: int = Field(default=4096, ge=1, description="trajectories per request; more is a 413")
-    max_chars: int = Field(default=200_000, ge=1, description="characters per text field; more is a 422")
+    max_chars: int = Field(
+        default=200_000,
+        ge=1,
+        description="characters per text field; a longer one is its item's invalid status",
+    )
 
 
 @lru_cache(maxsize=1)

@@ -1,7 +1,8 @@
 """Scoring a group: plan accuracy, verify math items (in the pool), compose components.
 
 Pure: no HTTP, no Celery. The API awaits the pool, the Celery task blocks on it; both call
-``plan_group`` then ``finish_group``. ``check_request`` enforces the request limits.
+``plan_group`` then ``finish_group``. ``check_request`` enforces the request-level limit; ``oversized``,
+``without`` and ``with_refused`` give an over-long item its own status instead of failing the batch.
 """
 
 from __future__ import annotations
@@ -57,24 +58,57 @@ def check_spec(spec: RewardSpec, loc: Sequence[str | int] = ("body", "spec")) ->
         raise RequestError(422, [*loc, "components"], "each component may appear once")
 
 
-def check_request(groups: Sequence[Group], max_items: int, max_chars: int) -> None:
+def check_request(groups: Sequence[Group], max_items: int) -> None:
+    """The request-level limit: more trajectories than ``max_items`` is a 413 (a batch to split)."""
     n = sum(len(g.trajectories) for g in groups)
     if n > max_items:
         raise RequestError(
             413, ["body", "groups"], f"{n} trajectories exceed the limit of {max_items} per request"
         )
-    for gi, g in enumerate(groups):
-        for name in ("prompt", "label"):
-            value = getattr(g, name)
-            if value is not None and len(value) > max_chars:
-                raise RequestError(422, ["body", "groups", gi, name], f"longer than {max_chars} characters")
-        for ti, t in enumerate(g.trajectories):
-            if t.text is not None and len(t.text) > max_chars:
-                raise RequestError(
-                    422,
-                    ["body", "groups", gi, "trajectories", ti, "text"],
-                    f"longer than {max_chars} characters",
-                )
+
+
+Refused = dict[int, str]  # trajectory index in its group -> why it is not scored
+
+
+def oversized(group: Group, max_chars: int) -> Refused:
+    """Trajectories not scored for their size: a text over ``max_chars``, or every one of the group
+    when its prompt or label is. One long item never fails the batch (docs/interop-reward.md)."""
+    for name in ("prompt", "label"):
+        value = getattr(group, name)
+        if value is not None and len(value) > max_chars:
+            why = f"{name} longer than {max_chars} characters (LOOM_REWARD_MAX_CHARS)"
+            return dict.fromkeys(range(len(group.trajectories)), why)
+    return {
+        i: f"text longer than {max_chars} characters (LOOM_REWARD_MAX_CHARS)"
+        for i, t in enumerate(group.trajectories)
+        if t.text is not None and len(t.text) > max_chars
+    }
+
+
+def without(group: Group, refused: Refused) -> Group:
+    """The group less its refused trajectories (group-relative components see the rest)."""
+    if not refused:
+        return group
+    kept = [t for i, t in enumerate(group.trajectories) if i not in refused]
+    return group.model_copy(update={"trajectories": kept})
+
+
+def with_refused(result: RewardResult, group: Group, refused: Refused, spec: RewardSpec) -> RewardResult:
+    """``result`` (of ``without(group, refused)``) with each refused trajectory back in its place:
+    total and every component 0, status ``invalid``, the reason in ``detail``."""
+    if not refused:
+        return result
+    scored = iter(result.rewards)
+    zero = {c.name: 0.0 for c in spec.components}
+    rewards = [
+        TrajectoryReward(
+            trajectory_id=t.id, total=0.0, components=dict(zero), status="invalid", detail=refused[i]
+        )
+        if i in refused
+        else next(scored)
+        for i, t in enumerate(group.trajectories)
+    ]
+    return result.model_copy(update={"rewards": rewards})
 
 
 @dataclass

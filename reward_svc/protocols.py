@@ -1,8 +1,15 @@
-"""Trainer wire protocols translated to and from Loom's groups (shared/notes/protocols.md).
+"""Trainer wire protocols translated to and from Loom's groups (docs/interop-reward.md).
 
-- OpenRLHF remote reward: ``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``;
-- slime remote reward: ``{"prompt", "response", "label"}`` -> JSON with a ``reward`` field.
-Unknown fields are ignored here (peers add fields over time); Loom's own extras are optional.
+- OpenRLHF remote reward (``openrlhf/utils/agent.py``, ``SingleTurnAgentExecutor``):
+  ``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``;
+- slime remote reward (``slime/rollout/rm_hub/__init__.py``, ``remote_rm``): ``{"prompt", "response",
+  "label"}`` -> the reply's JSON is the reward itself, so the default route answers a bare number and
+  ``/components`` the dict (for ``--reward-key reward``).
+
+An item's content never fails the request: a label of any JSON type is coerced (``loom.interop``), and
+one that cannot be read, or a text over the size limit, is that item's ``invalid`` status with reward 0.
+Only a wrong JSON shape is a 422. Unknown fields are ignored (peers add fields over time); Loom's own
+extras (``spec``, ``task``) are optional.
 """
 
 from __future__ import annotations
@@ -11,7 +18,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loom.interop import LabelError, label_text, message_text
 from loom.schemas import Group, RewardResult, RewardSpec, TaskKind, Trajectory
+from reward_svc.core import Refused
+
+# a chat prompt: slime's ``Sample.prompt: str | list[dict]``
+Prompt = str | list[dict[str, Any]]
 
 
 class _Peer(BaseModel):
@@ -20,8 +32,8 @@ class _Peer(BaseModel):
 
 class OpenRLHFRequest(_Peer):
     query: list[str] = Field(min_length=1)
-    prompts: list[str] | None = None
-    labels: list[str | None] | None = None
+    prompts: list[Prompt] | None = None
+    labels: list[Any] | None = Field(default=None, description="any JSON value per query (label_text)")
     spec: RewardSpec | None = None
     task: TaskKind | None = None
 
@@ -42,9 +54,9 @@ class OpenRLHFResponse(BaseModel):
 
 
 class SlimeRequest(_Peer):
-    prompt: str = ""
+    prompt: Prompt = ""
     response: str
-    label: str | None = None
+    label: Any = Field(default=None, description="any JSON value (label_text)")
     spec: RewardSpec | None = None
     task: TaskKind | None = None
 
@@ -59,22 +71,36 @@ def response_part(query: str, prompt: str) -> str:
     return query[at + len(prompt) :] if at >= 0 else query
 
 
-def openrlhf_groups(req: OpenRLHFRequest) -> tuple[list[Group], list[tuple[int, int]]]:
+def _label(value: Any) -> tuple[str | None, str | None]:
+    """(label text, why the item is refused)."""
+    try:
+        return label_text(value), None
+    except LabelError as exc:
+        return None, f"label: {exc}"
+
+
+def openrlhf_groups(req: OpenRLHFRequest) -> tuple[list[Group], list[tuple[int, int]], list[Refused]]:
     """One group per distinct (prompt, label), so group-relative components see the prompt's samples.
-    Returns the groups and, per query, its (group index, trajectory index)."""
-    prompts = req.prompts or [""] * len(req.query)
+    Returns the groups, per query its (group index, trajectory index), and per group the trajectories
+    refused for an unreadable label."""
+    prompts = [message_text(p) for p in req.prompts] if req.prompts else [""] * len(req.query)
     labels = req.labels or [None] * len(req.query)
     keys: dict[tuple[str, str | None], int] = {}
     groups: list[Group] = []
+    refused: list[Refused] = []
     where: list[tuple[int, int]] = []
-    for i, (q, p, lab) in enumerate(zip(req.query, prompts, labels, strict=True)):
+    for i, (q, p, raw) in enumerate(zip(req.query, prompts, labels, strict=True)):
+        lab, why = _label(raw)
         gi = keys.setdefault((p, lab), len(groups))
         if gi == len(groups):
             groups.append(Group(id=f"openrlhf-{gi}", prompt=p, label=lab, task=req.task))
+            refused.append({})
         g = groups[gi]
+        if why:
+            refused[gi][len(g.trajectories)] = why
         g.trajectories.append(Trajectory(id=f"q{i}", group_id=g.id, text=response_part(q, p)))
         where.append((gi, len(g.trajectories) - 1))
-    return groups, where
+    return groups, where, refused
 
 
 def openrlhf_response(results: list[RewardResult], where: list[tuple[int, int]]) -> OpenRLHFResponse:
@@ -91,22 +117,27 @@ def openrlhf_response(results: list[RewardResult], where: list[tuple[int, int]])
     return OpenRLHFResponse(rewards=rewards, scores=scores, extra_logs=logs)
 
 
-def slime_group(req: SlimeRequest) -> Group:
-    return Group(
+def slime_group(req: SlimeRequest) -> tuple[Group, Refused]:
+    lab, why = _label(req.label)
+    group = Group(
         id="slime",
-        prompt=req.prompt,
-        label=req.label,
+        prompt=message_text(req.prompt),
+        label=lab,
         task=req.task,
         trajectories=[Trajectory(id="response", group_id="slime", text=req.response)],
     )
+    return group, ({0: why} if why else {})
 
 
-def slime_response(result: RewardResult) -> dict[str, Any]:
+def slime_components(result: RewardResult) -> dict[str, Any]:
+    """The dict reply: ``reward``, ``status`` (``--log-reward-category status`` logs its shares),
+    ``detail`` and every component, also flat (a component is a valid ``--reward-key``)."""
     r = result.rewards[0]
     return {
+        **r.components,
         "reward": r.total,
         "score": r.total,
         "status": r.status,
+        "detail": r.detail,
         "components": r.components,
-        **{k: v for k, v in r.components.items() if k not in ("reward", "score", "status", "components")},
     }

@@ -36,13 +36,20 @@ class RewardClient(ServiceClient):
         return [RewardResult.model_validate(r) for r in data["results"]]
 
     def openrlhf(
-        self, query: list[str], prompts: list[str] | None = None, labels: list[str | None] | None = None
+        self, query: list[str], prompts: list[str] | None = None, labels: list[Any] | None = None
     ) -> dict[str, Any]:
-        """``POST /get_reward`` (OpenRLHF protocol)."""
+        """``POST /get_reward`` (OpenRLHF protocol); labels of any JSON type (``loom.interop``)."""
         return dict(self.post("/get_reward", json={"query": query, "prompts": prompts, "labels": labels}))
 
-    def slime(self, prompt: str, response: str, label: str | None = None) -> dict[str, Any]:
-        """``POST /v1/slime/reward`` (slime protocol)."""
-        return dict(
+    def slime(self, prompt: str | list[dict[str, Any]], response: str, label: Any = None) -> float:
+        """``POST /v1/slime/reward`` (slime protocol): the reward alone, as slime reads it."""
+        return float(
             self.post("/v1/slime/reward", json={"prompt": prompt, "response": response, "label": label})
         )
+
+    def slime_components(
+        self, prompt: str | list[dict[str, Any]], response: str, label: Any = None
+    ) -> dict[str, Any]:
+        """``POST /v1/slime/reward/components``: reward, status, detail and every component."""
+        body = {"prompt": prompt, "response": response, "label": label}
+        return dict(self.post("/v1/slime/reward/components", json=body))

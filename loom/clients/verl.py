@@ -1,54 +1,55 @@
 """verl custom reward functions that score through Loom's reward service over HTTP.
 
-In a verl config::
+verl 0.9.1 (docs/interop-reward.md)::
 
-    custom_reward_function:
-      path: <site-packages>/loom/clients/verl.py
-      name: compute_score          # or compute_score_batch with the batch reward manager
+    reward.custom_reward_function.path=pkg://loom.clients.verl
+    reward.custom_reward_function.name=compute_score
+    reward.reward_manager.name=naive            # or remote: the same function, in Ray worker processes
 
-The service URL is ``LOOM_REWARD_URL``; the components are ``LOOM_REWARD_COMPONENTS`` (JSON list of
-``{name, weight, params}``; default accuracy). The result is a dict: ``score`` is the reward, the other
-keys (every component, ``status_ok``) are logged by verl.
+The service URL is ``LOOM_REWARD_URL`` or the reward kwarg ``loom_url``; the components are
+``LOOM_REWARD_COMPONENTS`` (JSON list of ``{name, weight, params}``) or the reward kwarg
+``loom_components``; default accuracy. Reward kwargs (``reward.custom_reward_function.reward_kwargs``)
+reach every Ray worker, environment variables only where Ray passes them on. The result is a dict:
+``score`` is the reward, the other keys (every component, ``status_ok``) are logged by verl, the same
+keys for every sample (verl stacks them into arrays).
+
+``compute_score_batch`` is the batch form (verl's legacy ``BatchRewardManager``): samples sharing
+``extra_info["uid"]`` form one group, scored in one HTTP call. verl passes numpy object arrays.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from loom.clients.reward import RewardClient
-from loom.schemas import Group, RewardSpec, Trajectory
+from loom.clients.reward import RewardClient, default_url
+from loom.interop import LabelError, label_text, plain
+from loom.schemas import Group, RewardResult, RewardSpec, TaskKind, Trajectory
 
-_client: RewardClient | None = None
-
-
-def _get_client() -> RewardClient:
-    global _client
-    if _client is None:
-        _client = RewardClient()
-    return _client
+_clients: dict[str, RewardClient] = {}
 
 
-def _spec() -> RewardSpec:
-    raw = os.environ.get("LOOM_REWARD_COMPONENTS")
-    return RewardSpec(components=json.loads(raw)) if raw else RewardSpec()
+def _get_client(url: str | None) -> RewardClient:
+    url = url or default_url()
+    if url not in _clients:
+        _clients[url] = RewardClient(url)
+    return _clients[url]
 
 
-def _label(ground_truth: Any) -> str:
-    return ground_truth if isinstance(ground_truth, str) else json.dumps(ground_truth)
+def _spec(components: Any) -> RewardSpec:
+    raw = components if components is not None else os.environ.get("LOOM_REWARD_COMPONENTS")
+    if raw is None:
+        return RewardSpec()
+    return RewardSpec(components=json.loads(raw) if isinstance(raw, str) else plain(raw))
 
 
-def _task(data_source: str, extra_info: dict[str, Any] | None) -> str | None:
-    task = (extra_info or {}).get("task")
+def _task(data_source: Any, extra_info: Any) -> TaskKind | None:
+    task = extra_info.get("task") if isinstance(extra_info, dict) else None
     if task:
-        return str(task)
-    ds = (data_source or "").lower()
-    return "countdown" if "countdown" in ds else None
-
-
-def _as_dict(total: float, components: dict[str, float], status: str) -> dict[str, Any]:
-    return {"score": total, **components, "status_ok": float(status == "ok")}
+        return str(task)  # type: ignore[return-value]
+    return "countdown" if "countdown" in str(data_source or "").lower() else None
 
 
 def compute_score(
@@ -56,38 +57,64 @@ def compute_score(
     solution_str: str,
     ground_truth: Any,
     extra_info: dict[str, Any] | None = None,
+    *,
+    loom_url: str | None = None,
+    loom_components: Any = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """verl's per-sample reward function."""
-    return compute_score_batch([data_source], [solution_str], [ground_truth], [extra_info])[0]
+    """verl's per-sample reward function (the ``naive`` and ``remote`` reward managers)."""
+    return compute_score_batch(
+        [data_source],
+        [solution_str],
+        [ground_truth],
+        [extra_info],
+        loom_url=loom_url,
+        loom_components=loom_components,
+    )[0]
 
 
 def compute_score_batch(
-    data_sources: list[str],
-    solution_strs: list[str],
-    ground_truths: list[Any],
-    extra_infos: list[dict[str, Any] | None] | None = None,
+    data_sources: Sequence[Any],
+    solution_strs: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[Any] | None = None,
+    *,
+    loom_url: str | None = None,
+    loom_components: Any = None,
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """verl's batch reward function: samples sharing ``extra_info["uid"]`` (verl's prompt id) form one
-    group, so group-relative components see the whole group; one HTTP call for the batch."""
-    infos = extra_infos or [None] * len(solution_strs)
+    """verl's batch reward function: any sequences (numpy object arrays included). Samples sharing
+    ``extra_info["uid"]`` (verl's prompt id) form one group, so group-relative components see the
+    whole group; one HTTP call for the batch. A label no component can read scores 0 (``status_ok``
+    0), the rest of the batch as usual."""
+    spec = _spec(loom_components)
+    n = len(solution_strs)
+    infos = list(extra_infos) if extra_infos is not None else [None] * n
     groups: dict[str, Group] = {}
-    where: list[tuple[str, int]] = []
-    for i, (ds, sol, gt, info) in enumerate(
-        zip(data_sources, solution_strs, ground_truths, infos, strict=True)
-    ):
-        key = str((info or {}).get("uid", f"sample-{i}"))
+    where: list[tuple[str, int] | None] = []
+    rows = zip(data_sources, solution_strs, ground_truths, infos, strict=True)
+    for i, (ds, sol, gt, info) in enumerate(rows):
+        try:
+            label = label_text(gt)
+        except LabelError:
+            where.append(None)
+            continue
+        uid = info.get("uid") if isinstance(info, dict) else None
+        key = f"uid:{uid}" if uid is not None else f"sample:{i}"
         if key not in groups:
-            gid = f"verl-{len(groups)}"
-            groups[key] = Group(id=gid, label=_label(gt), task=_task(ds, info))  # type: ignore[arg-type]
+            groups[key] = Group(id=f"verl-{len(groups)}", label=label, task=_task(ds, info))
         g = groups[key]
-        g.trajectories.append(Trajectory(id=f"s{i}", group_id=g.id, text=sol))
+        g.trajectories.append(Trajectory(id=f"s{i}", group_id=g.id, text=str(sol)))
         where.append((key, len(g.trajectories) - 1))
     keys = list(groups)
-    results = dict(zip(keys, _get_client().score([groups[k] for k in keys], _spec()), strict=True))
+    scored = _get_client(loom_url).score([groups[k] for k in keys], spec) if keys else []
+    results: dict[str, RewardResult] = dict(zip(keys, scored, strict=True))
+    zero = {"score": 0.0, **{c.name: 0.0 for c in spec.components}, "status_ok": 0.0}
     out = []
-    for key, ti in where:
-        r = results[key].rewards[ti]
-        out.append(_as_dict(r.total, r.components, r.status))
+    for w in where:
+        if w is None:
+            out.append(dict(zero))
+            continue
+        r = results[w[0]].rewards[w[1]]
+        out.append({"score": r.total, **r.components, "status_ok": float(r.status == "ok")})
     return out

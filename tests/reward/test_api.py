@@ -69,24 +69,36 @@ def test_openrlhf_answer_comes_from_the_response_not_the_prompt(client):
 
 
 def test_slime_protocol(client):
-    r = client.post("/v1/slime/reward", json={"prompt": "p", "response": "\\boxed{42}", "label": "42"}).json()
-    assert r["reward"] == 1.0 and r["status"] == "ok"
+    r = client.post("/v1/slime/reward", json={"prompt": "p", "response": "\\boxed{42}", "label": "42"})
+    assert r.status_code == 200 and r.json() == 1.0
+    body = {"prompt": "p", "response": "\\boxed{42}", "label": "42"}
+    r = client.post("/v1/slime/reward/components", json=body).json()
+    assert r["reward"] == 1.0 and r["status"] == "ok" and r["accuracy"] == 1.0
 
 
-def test_limits_give_413_and_422_with_the_field_path(client, monkeypatch):
+def test_limits_413_for_the_request_and_a_status_for_an_item(client, monkeypatch):
     from reward_svc import api
 
     monkeypatch.setattr(api._settings, "max_items", 3)
     monkeypatch.setattr(api._settings, "max_chars", 100)
     r = client.post("/v1/rewards", json={"groups": [group(["a"] * 4)]})
     assert r.status_code == 413 and r.json()["error"] == "payload_too_large"
-    r = client.post("/v1/rewards", json={"groups": [group(["a", "b" * 101])]})
-    assert r.status_code == 422
-    assert r.json()["detail"][0]["loc"] == ["body", "groups", 0, "trajectories", 1, "text"]
-    r = client.post("/get_reward", json={"query": ["x" * 101]})
-    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "query", 0]
-    r = client.post("/v1/slime/reward", json={"prompt": "p", "response": "r", "label": "4" * 101})
-    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "label"]
+    r = client.post("/get_reward", json={"query": ["q"] * 4})
+    assert r.status_code == 413 and r.json()["detail"][0]["loc"] == ["body", "query"]
+    # one text over max_chars: that item is invalid with reward 0, the others score
+    r = client.post("/v1/rewards", json={"groups": [group(["\\boxed{42}", "b" * 101, "\\boxed{42}"])]})
+    assert r.status_code == 200
+    rows = r.json()["results"][0]["rewards"]
+    assert [x["status"] for x in rows] == ["ok", "invalid", "ok"]
+    assert [x["total"] for x in rows] == [1.0, 0.0, 1.0]
+    assert "longer than 100 characters" in rows[1]["detail"]
+    r = client.post("/v1/rewards", json={"groups": [group(["\\boxed{4}"], label="4" * 101)]})
+    assert r.status_code == 200 and r.json()["results"][0]["rewards"][0]["status"] == "invalid"
+    r = client.post("/get_reward", json={"query": ["x" * 101, "\\boxed{7}"], "labels": ["7", "7"]})
+    assert r.status_code == 200
+    assert r.json()["rewards"] == [0.0, 1.0] and r.json()["extra_logs"]["status_ok"] == [0.0, 1.0]
+    r = client.post("/v1/slime/reward/components", json={"prompt": "p", "response": "r", "label": "4" * 101})
+    assert r.status_code == 200 and r.json()["status"] == "invalid" and r.json()["reward"] == 0.0
     r = client.post("/v1/rewards/match", json={"label": "4" * 101, "texts": ["4"]})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "label"]
 
@@ -129,7 +141,8 @@ def test_hostile_numbers_and_labels_are_statuses_not_500(client):
     body = {"query": ["\\boxed{" + huge + "}"], "labels": ["3"], "task": "arithmetic"}
     r = client.post("/get_reward", json=body)
     assert r.status_code == 200 and r.json()["rewards"] == [0.0]
-    r = client.post("/v1/slime/reward", json={"response": "\\boxed{3}", "label": huge, "task": "arithmetic"})
+    body = {"response": "\\boxed{3}", "label": huge, "task": "arithmetic"}
+    r = client.post("/v1/slime/reward/components", json=body)
     assert r.status_code == 200 and r.json()["status"] == "invalid"
 
 
@@ -205,6 +218,7 @@ _spec = st.fixed_dictionaries(
     },
     optional={"timeout_s": st.integers(-1, 3)},
 )
+_chat = st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _text}), max_size=3)
 _requests = st.one_of(
     st.tuples(
         st.just("/v1/rewards"),
@@ -216,13 +230,19 @@ _requests = st.one_of(
             {"query": st.lists(_text, max_size=3)},
             optional={
                 "prompts": st.lists(_text, max_size=3),
-                "labels": st.lists(st.none() | st.text(max_size=5), max_size=3),
+                "labels": st.lists(_json, max_size=3),
             },
         ),
     ),
     st.tuples(
-        st.just("/v1/slime/reward"),
-        st.fixed_dictionaries({"response": _text}, optional={"prompt": _text, "label": st.text(max_size=5)}),
+        st.sampled_from(["/v1/slime/reward", "/v1/slime/reward/components"]),
+        st.fixed_dictionaries(
+            {"response": _text},
+            optional={
+                "prompt": _text | _chat,
+                "label": _json,
+            },
+        ),
     ),
     st.tuples(st.sampled_from(["/v1/rewards", "/get_reward", "/v1/slime/reward"]), _json),
 )
