@@ -327,9 +327,9 @@ def logprobs_count(value: Any, key: str, vocab_size: int | None) -> int | None:
         raise OpenAIError(f"`{key}` must be a positive value or -1.", key)
     asked = vocab_size if value == -1 and vocab_size is not None else value
     if asked > MAX_LOGPROBS or value == -1:
-        kind = "prompt" if key == "prompt_logprobs" else "sample"
+        kind, param = ("prompt", key) if key == "prompt_logprobs" else ("sample", "logprobs")
         raise OpenAIError(
-            f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}", key
+            f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}", param
         )
     return value
 
@@ -583,17 +583,13 @@ def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int | 
     if max_model_len is not None:
         if prompt_len > max_model_len:
             raise OpenAIError(
-                f"The decoder prompt (length {prompt_len}) is longer than the maximum model length of "
-                f"{max_model_len}. Make sure that `max_model_len` is no smaller than the number of "
-                "text tokens."
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                f"contains at least {prompt_len} input tokens, which exceeds this limit even without any "
+                "output tokens. Please reduce the length of the input prompt.",
+                "input_tokens",
             )
-        if prompt_len == max_model_len:
-            raise OpenAIError(
-                f"The decoder prompt (length {prompt_len}) plus the number of requested output tokens "
-                f"(at least 1) is longer than the maximum model length of {max_model_len}. Make sure "
-                "that `max_model_len` is no smaller than the number of text tokens (prompt + requested "
-                "output tokens)."
-            )
+        if prompt_len == max_model_len:  # no room for one token: vLLM's own words for it
+            raise OpenAIError("max_tokens must be at least 1, got 0.", key)
         if requested is not None and requested > max_model_len:
             raise OpenAIError(
                 f"{key}={requested} cannot be greater than max_model_len={max_model_len}. "
@@ -668,7 +664,12 @@ def render_chat(body: Body, conv: list[dict[str, Any]], tokenizer: Any) -> tuple
     add_generation = body.boolean("add_generation_prompt", True)
     continue_final = body.boolean("continue_final_message", False)
     if add_generation and continue_final:
-        raise OpenAIError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        raise OpenAIError(
+            "continue_final_message and add_generation_prompt are not compatible. Use "
+            "continue_final_message when you want the model to continue the final message, and "
+            "add_generation_prompt when you want to add a header that will prompt it to start a new "
+            "assistant message instead."
+        )
     kwargs: dict[str, Any] = dict(body.get("chat_template_kwargs", {}))
     if not isinstance(body.get("chat_template_kwargs", {}), dict):
         raise OpenAIError("chat_template_kwargs must be an object", "chat_template_kwargs")
