@@ -1422,7 +1422,14 @@ def _no_weight_transfer(route: str) -> Callable[[], Awaitable[JSONResponse]]:
 
 
 def basic_routes(router: APIRouter, served: Served) -> None:
-    """``/health`` and ``/v1/models`` for a mount that has none of its own (the rollout service)."""
+    """``/health``, ``/v1/models`` and ``/reset_prefix_cache`` (TRL calls it after a weight sync) for a
+    mount that has none of its own (the rollout service)."""
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        engine = await served.engine()
+        await engine.reset_cache()
+        return JSONResponse({"success": True})  # vLLM 0.32's answer
 
     @router.get("/health")
     async def health() -> JSONResponse:
