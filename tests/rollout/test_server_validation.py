@@ -93,7 +93,7 @@ def test_text_offset_is_each_tokens_first_character_in_the_text(engine_server: s
 
 
 def test_text_offset_counts_characters_not_tokens(tokenizer: Any) -> None:
-    from rollout_svc.engines.openai_api import Text, completion_logprobs
+    from rollout_svc.engines.openai_protocol import Text, completion_logprobs
 
     ids = tokenizer.convert_tokens_to_ids(["<ignore>", "a", "b"])
     t = Text(tokenizer, skip_special=False)

@@ -14,13 +14,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from rollout_svc.engines.openai_api import (
+from rollout_svc.engines.openai_api import engine_router
+from rollout_svc.engines.openai_protocol import (
     CHAT_ONLY,
     COMPLETION_ONLY,
     NO_EFFECT,
     REFUSED,
     SAMPLING,
-    engine_router,
     generation_defaults,
 )
 from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
