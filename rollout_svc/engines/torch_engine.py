@@ -22,9 +22,13 @@
 - Limits: a prompt with a token id outside the vocabulary, or one that fills the model's context
   (``max_position_embeddings``), is refused with ``InvalidPrompt``; ``max_tokens`` is capped at the
   room the context leaves (finish_reason "length" there), where vLLM would refuse the request.
-- Sampling: temperature / top-k / top-p with a seeded generator; the reported log-prob of a sampled
+- Sampling: temperature / top-k / top-p with a seeded generator, and vLLM's logits processors in
+  vLLM's order (``process_logits``: allowed ids, min_tokens, logit bias, repetition / frequency /
+  presence penalties; min_p after the temperature); the reported log-prob of a sampled
   token is the raw model log-prob (``logprobs_mode="raw"``, vLLM's default) or the log-prob under the
   processed (tempered, truncated) distribution (``"processed"``).
+- ``stream`` gives every token as it is sampled (the OpenAI routes' ``stream=true``);
+  ``prompt_logprobs`` scores a prompt in one forward pass (vLLM's ``prompt_logprobs``).
 """
 
 from __future__ import annotations
