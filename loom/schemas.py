@@ -100,6 +100,22 @@ class SamplingParams(Contract):
     )
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     logprobs: int = Field(default=0, ge=0, le=20, description="top-k log-probs per token (0 = sampled only)")
+    # vLLM's logits processors, applied in vLLM's order (docs/interop-engine.md): the neutral defaults
+    # leave sampling exactly as without them
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="drop tokens below min_p * max prob")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=100.0, description="on prompt and output tokens (1 = none)"
+    )
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="on output tokens")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="per occurrence in the output")
+    min_tokens: int = Field(default=0, ge=0, description="no EOS, stop id or stop string before this many")
+    ignore_eos: bool = False
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+        default_factory=dict, max_length=1024, description="token id -> value added to its logit"
+    )
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=1, description="sample only these tokens (None = all)"
+    )
 
 
 class Segment(Contract):

@@ -3,14 +3,19 @@
 ``POST /v1/rollouts`` runs one RolloutRequest on this process's engine and returns the Group (meant
 for small synchronous requests; bulk work goes through the ``rollout.generate_group`` task).
 ``POST /v1/policy`` loads a policy version from the policy store into this process's engine.
+``/engine/...``: the same engine behind vLLM's OpenAI surface (rollout_svc/engines/openai_api.py):
+``/engine/v1/completions``, ``/engine/v1/chat/completions``, TRL's ``/engine/server_info`` ... so
+TRL's ``VLLMClient(base_url=".../engine")`` or ``openai.OpenAI(base_url=".../engine/v1")`` generate here.
 Mode and engine limits are 422 naming the limit (a prompt the model cannot read names its field); a
 checkpoint that cannot be loaded is 422; an unreachable engine is 503.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import asyncio
+from typing import Any, Literal
 
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
@@ -19,11 +24,14 @@ from loom.service import add_ping_route, broker_check, create_app
 from loom.store import PolicyStore
 from rollout_svc.engines import get_engine_async, get_tokenizer
 from rollout_svc.engines.base import (
+    Engine,
     EngineError,
     EngineRequestError,
     InvalidPrompt,
     UnsupportedCapability,
 )
+from rollout_svc.engines.openai_api import Served, basic_routes, create_router, generation_defaults
+from rollout_svc.engines.torch_engine import resolve_model_path
 from rollout_svc.modes import ModeError
 from rollout_svc.rollout import generate_group
 from rollout_svc.tasks import celery_app
@@ -34,6 +42,28 @@ app = create_app(
     description="Generation: engines (vLLM server, torch) and rollout modes.",
 )
 add_ping_route(app, celery_app, ("rollout",))
+
+
+def _engine_routes() -> APIRouter:
+    """This process's engine (the one ``/v1/rollouts`` uses) behind vLLM's routes, under /engine."""
+    settings = app.state.settings
+    local = not (settings.engine == "vllm" or settings.engine_url)  # the torch engine: its model here
+    path = str(resolve_model_path(settings.model)) if local else None
+
+    async def engine() -> Engine:
+        return await get_engine_async(settings)
+
+    async def tokenizer() -> Any:
+        return await asyncio.to_thread(get_tokenizer, settings)
+
+    served = Served(engine, tokenizer, settings.model, {settings.model}, path, generation_defaults(path))
+    router = APIRouter(prefix="/engine", tags=["engine"])
+    basic_routes(router, served)
+    router.include_router(create_router(served))
+    return router
+
+
+app.include_router(_engine_routes())
 
 
 class PolicyRequest(Contract):

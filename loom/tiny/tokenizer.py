@@ -17,6 +17,18 @@ from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, Markers, SpawnSyntax
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 VOCAB_SIZE = 512
+# The chat template (saved as chat_template.jinja): a message is a prompt line ("[plain] Compute
+# 47+85." gets its newline), an assistant turn a completion ended by eos, and nothing is added for
+# the generation prompt, so a chat request renders exactly the prompts of loom/tiny/traces.py.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'assistant' -%}\n"
+    "{{ message['content'] }}{{ eos_token }}\n"
+    "{%- else -%}\n"
+    "{{ message['content'] }}{{ '' if message['content'].endswith('\\n') else '\\n' }}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+)
 
 
 def marker_tokens(markers: Markers = DEFAULT_MARKERS, syntax: SpawnSyntax = DEFAULT_SPAWN) -> list[str]:
@@ -43,7 +55,7 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreT
     # markers become added tokens afterwards: keep them out of the learned merges
     tok.train_from_iterator((_strip(text, markers) for text in corpus), trainer=trainer)
     tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -52,6 +64,8 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreT
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def _strip(text: str, markers: list[str]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -89,6 +90,19 @@ def check_prompt(
     return max_model_len - len(prompt_ids)
 
 
+def check_sampling(params: SamplingParams, vocab_size: int | None) -> None:
+    """Refuse sampling fields that name a token outside the vocabulary (``InvalidPrompt`` naming the
+    field): ``logit_bias``, ``allowed_token_ids``. (``stop_token_ids`` never index the logits.)"""
+    if vocab_size is None:
+        return
+    named = (("logit_bias", list(params.logit_bias)), ("allowed_token_ids", params.allowed_token_ids))
+    for name, ids in named:
+        if ids and (i := outside_vocabulary(ids, vocab_size)) is not None:
+            raise InvalidPrompt(
+                f"{name} names token {ids[i]}, outside the model's vocabulary [0, {vocab_size})", name
+            )
+
+
 def check_scored(
     token_ids: list[int], n_steps: int, vocab_size: int | None, max_model_len: int | None, max_steps: int
 ) -> None:
@@ -131,6 +145,21 @@ class Completion:
     stop_reason: str | int | None = None  # the stop string / stop token id; None for EOS or length
     top_logprobs: list[dict[int, float]] | None = None
     cached_tokens: int = 0  # prompt tokens of its request served from the prefix cache (same on all n)
+
+
+@dataclass
+class Progress:
+    """One step of a streamed sample: ``completion`` (the engine's own object, still growing) holds
+    ``tokens`` tokens (and as many log-probs) so far; ``ended``: it is complete, finish reason set."""
+
+    sample: int
+    completion: Completion
+    tokens: int
+    ended: bool
+
+
+Listener = Callable[[Progress], None]
+PromptLogprobs = list[dict[int, tuple[float, int]] | None]  # see Engine.prompt_logprobs
 
 
 @dataclass
@@ -199,6 +228,20 @@ class Engine(ABC):
         self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
     ) -> list[Completion]:
         """``params.n`` continuations of ``prompt_ids`` (never an empty prompt)."""
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Progress]:
+        """``generate`` as it happens: a ``Progress`` per sample per token where the engine can stream
+        (the torch engine); here, each sample once, whole (``ended``), when the call returns."""
+        for i, c in enumerate(await self.generate(prompt_ids, params)):
+            yield Progress(i, c, len(c.token_ids), True)
+
+    async def prompt_logprobs(self, token_ids: list[int], k: int) -> PromptLogprobs:
+        """vLLM's prompt log-probs: for each position after the first, ``{token id: (log-prob,
+        rank)}`` of the token there and of the ``k`` most likely ones (raw log-probs, rank 1 = most
+        likely); None at position 0. Needs the model's own forward pass (the torch engine)."""
+        raise UnsupportedCapability(
+            self.name, "prompt_logprobs", "prompt log-probs need the torch engine (`loom engine`)"
+        )
 
     @abstractmethod
     async def load_policy(self, policy: PolicyVersion) -> None:

@@ -57,6 +57,7 @@ from rollout_svc.engines.base import (
     EngineTimeout,
     EngineUnavailable,
     Layout,
+    PromptLogprobs,
 )
 from rollout_svc.engines.torch_engine import TorchEngine, load_tokenizer
 
@@ -292,6 +293,9 @@ class ProcessEngine(Engine):
         args = (list(token_ids), list(steps), delta, zero_from)
         return await self._ask("score_attention", *args, timeout=self.timeout_s)  # type: ignore[no-any-return]
 
+    async def prompt_logprobs(self, token_ids: list[int], k: int) -> PromptLogprobs:
+        return await self._ask("prompt_logprobs", list(token_ids), k, timeout=self.timeout_s)  # type: ignore[no-any-return]
+
     async def close(self) -> None:
         await asyncio.to_thread(self.close_sync)
 
@@ -350,7 +354,7 @@ async def _serve(conn: Connection, engine: Any) -> None:
         finally:
             tasks.pop(rid, None)
 
-    methods = {"generate", "load_policy", "reset_cache", "score_attention"}
+    methods = {"generate", "load_policy", "reset_cache", "score_attention", "prompt_logprobs"}
     while True:
         try:
             rid, method, args = await loop.run_in_executor(None, conn.recv)

@@ -1,7 +1,7 @@
 """``loom engine``: the torch engine behind the same HTTP protocol as a vLLM 0.11.0 server.
 
 Routes (vLLM's names and shapes, so the ``vllm`` engine client is exercised against it):
-``POST /v1/completions`` (token-id prompts, ``return_token_ids``, ``stop_token_ids``, log-probs),
+the OpenAI surface of openai_api.py (``/v1/completions``, ``/v1/chat/completions``, TRL's routes),
 ``GET /v1/models``, ``GET /health``, ``POST /v1/load_lora_adapter``, ``POST /collective_rpc``
 (method ``loom_reload_weights``), ``POST /reset_prefix_cache``; plus ``GET /loom/stats`` (prefill
 accounting) and ``POST /v1/score/attention`` (FCI scores; the learner's route and body).
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -22,10 +21,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
-from loom.schemas import PolicyVersion, SamplingParams
-from rollout_svc.engines.base import Completion, Engine, EngineError
+from loom.schemas import PolicyVersion
+from rollout_svc.engines.base import Engine, EngineError
+from rollout_svc.engines.openai_api import engine_router
 from rollout_svc.engines.vllm import RELOAD_METHOD
 
 log = logging.getLogger("loom.engine.server")
@@ -39,17 +38,6 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResp
     )
 
 
-# the boolean request flags /v1/completions reads or accepts; each must be a JSON boolean (or null)
-_BOOL_FLAGS = (
-    "stream",
-    "echo",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "return_token_ids",
-    "return_tokens_as_token_ids",
-)
-
-
 async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
     """The request's body as a JSON object, else a 400 (vLLM answers 400 for a malformed body)."""
     try:
@@ -61,113 +49,11 @@ async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
     return body
 
 
-def _int_field(body: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    """``body[key]`` as an integer >= ``minimum`` (a JSON integer: no bool, no float); absent or null
-    gives ``default``."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value}")
-    return value
-
-
-def _stop(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return list(stop)
-    raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-
-
-def _check_flags(body: dict[str, Any]) -> None:
-    for key in _BOOL_FLAGS:
-        if body.get(key) is not None and not isinstance(body[key], bool):
-            raise ValueError(f"{key} must be a boolean, got {body[key]!r}")
-
-
-def _params(body: dict[str, Any]) -> SamplingParams:
-    _check_flags(body)
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and (
-        not isinstance(stop_token_ids, list)
-        or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_token_ids)
-    ):
-        raise ValueError(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}")
-    return SamplingParams(
-        n=_int_field(body, "n", 1, 1),
-        max_tokens=_int_field(body, "max_tokens", 16, 1),
-        temperature=float(body["temperature"]) if body.get("temperature") is not None else 1.0,
-        top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
-        top_k=int(body["top_k"]) if body.get("top_k") not in (None, 0) else -1,
-        seed=body.get("seed"),
-        stop=_stop(body),
-        stop_token_ids=list(stop_token_ids or []),
-        logprobs=_int_field(body, "logprobs", 0, 0),
-    )
-
-
-def _choice(index: int, c: Completion, prompt_ids: list[int], body: dict[str, Any], tokenizer: Any) -> dict:
-    text = ""
-    if tokenizer is not None:
-        text = tokenizer.decode(c.token_ids, skip_special_tokens=body.get("skip_special_tokens", True))
-        if isinstance(c.stop_reason, str) and not body.get("include_stop_str_in_output"):
-            text = text[: text.find(c.stop_reason)] if c.stop_reason in text else text
-    as_ids = bool(body.get("return_tokens_as_token_ids"))
-
-    def tok(t: int) -> str:
-        if as_ids or tokenizer is None:
-            return f"token_id:{t}"
-        return str(tokenizer.convert_ids_to_tokens(t))
-
-    logprobs = None
-    if body.get("logprobs") is not None:
-        offsets, at = [], 0
-        for t in c.token_ids:  # vLLM's text_offset: each token's first character in the text
-            offsets.append(at)
-            if tokenizer is not None:
-                at += len(tokenizer.decode([t], skip_special_tokens=False))
-        logprobs = {
-            "text_offset": offsets,
-            "token_logprobs": c.logprobs,
-            "tokens": [tok(t) for t in c.token_ids],
-            "top_logprobs": [{tok(k): v for k, v in d.items()} for d in c.top_logprobs]
-            if c.top_logprobs is not None
-            else None,
-        }
-    choice: dict[str, Any] = {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    }
-    if body.get("return_token_ids"):
-        choice["token_ids"] = c.token_ids
-        choice["prompt_token_ids"] = prompt_ids
-    return choice
-
-
 def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) -> FastAPI:
     app = FastAPI(title="Loom engine (vLLM-compatible)")
     app.state.engine = engine
     served = {model_name}  # the served name and every LoRA adapter loaded under its own name
-
-    def unknown_model(body: dict[str, Any]) -> JSONResponse | None:
-        """vLLM's answer to a request naming a model it does not serve (a missing name is the served one)."""
-        name = body.get("model")
-        if name is None:
-            return None
-        if not isinstance(name, str):
-            return _error(400, "model must be a string")
-        if name in served:
-            return None
-        return _error(404, f"The model `{name}` does not exist.", "NotFoundError")
+    app.include_router(engine_router(engine, model_name, tokenizer, served))  # openai_api.py
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -189,54 +75,6 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
     @app.get("/loom/stats")
     async def stats() -> dict[str, Any]:
         return {"engine": engine.name, "policy_version": engine.policy_version, **asdict(engine.stats)}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        body = await _json_object(request)
-        if isinstance(body, JSONResponse):
-            return body
-        if (missing := unknown_model(body)) is not None:
-            return missing
-        try:
-            params = _params(body)
-        except (ValidationError, ValueError, TypeError) as exc:
-            return _error(400, f"invalid sampling parameters: {exc}")
-        if body.get("stream"):
-            return _error(400, "stream=true is not supported by loom engine")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-            prompt = prompt[0]
-        if isinstance(prompt, str) and tokenizer is not None:
-            prompt = tokenizer.encode(prompt, add_special_tokens=False)
-        if (
-            not isinstance(prompt, list)
-            or not prompt
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            return _error(400, "prompt must be one non-empty list of token ids")
-        try:
-            outs = await engine.generate(prompt, params)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        except EngineError as exc:
-            return _error(400, str(exc))
-        cached = outs[0].cached_tokens if outs else 0  # this request's own (not the engine's since)
-        n_out = sum(len(c.token_ids) for c in outs)
-        return JSONResponse(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": body.get("model") or model_name,
-                "choices": [_choice(i, c, prompt, body, tokenizer) for i, c in enumerate(outs)],
-                "usage": {
-                    "prompt_tokens": len(prompt),
-                    "completion_tokens": n_out,
-                    "total_tokens": len(prompt) + n_out,
-                    "prompt_tokens_details": {"cached_tokens": cached},
-                },
-            }
-        )
 
     async def _load(path: str, kind: str) -> JSONResponse | None:
         try:

@@ -22,9 +22,13 @@
 - Limits: a prompt with a token id outside the vocabulary, or one that fills the model's context
   (``max_position_embeddings``), is refused with ``InvalidPrompt``; ``max_tokens`` is capped at the
   room the context leaves (finish_reason "length" there), where vLLM would refuse the request.
-- Sampling: temperature / top-k / top-p with a seeded generator; the reported log-prob of a sampled
+- Sampling: temperature / top-k / top-p with a seeded generator, and vLLM's logits processors in
+  vLLM's order (``process_logits``: allowed ids, min_tokens, logit bias, repetition / frequency /
+  presence penalties; min_p after the temperature); the reported log-prob of a sampled
   token is the raw model log-prob (``logprobs_mode="raw"``, vLLM's default) or the log-prob under the
   processed (tempered, truncated) distribution (``"processed"``).
+- ``stream`` gives every token as it is sampled (the OpenAI routes' ``stream=true``);
+  ``prompt_logprobs`` scores a prompt in one forward pass (vLLM's ``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import threading
 import time
 import weakref
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,9 +56,13 @@ from rollout_svc.engines.base import (
     Engine,
     InvalidPrompt,
     Layout,
+    Listener,
     PolicyLoadError,
+    Progress,
+    PromptLogprobs,
     UnsupportedCapability,
     check_prompt,
+    check_sampling,
     check_scored,
 )
 
@@ -113,6 +121,60 @@ def teacher_forced_logprobs(
     return logp.gather(1, x[0, start:, None]).squeeze(1).tolist()
 
 
+def has_logits_processors(params: SamplingParams) -> bool:
+    return bool(
+        params.allowed_token_ids is not None
+        or params.min_tokens
+        or params.logit_bias
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty
+        or params.frequency_penalty
+    )
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    outputs: list[list[int]],
+    stop_ids: set[int],
+) -> torch.Tensor:
+    """vLLM's logits processors that run before the temperature, in vLLM's order (0.32,
+    vllm/v1/sample/sampler.py): the allowed-token whitelist; ``min_tokens`` (a row with fewer than
+    ``min_tokens`` outputs cannot sample ``stop_ids``: EOS and the stop token ids); the logit bias;
+    then the penalties: repetition (tokens of the prompt or the output: a positive logit divided by
+    it, a negative one multiplied), frequency (times the count in the output) and presence (once per
+    token seen in the output). Row r of ``logits`` continues ``prompt_ids + outputs[r]``."""
+    x = logits.clone()
+    device = x.device
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(x.shape[-1], dtype=torch.bool, device=device)
+        keep[torch.tensor(params.allowed_token_ids, device=device)] = True
+        x.masked_fill_(~keep, float("-inf"))
+    if params.min_tokens and stop_ids:
+        short = [r for r, out in enumerate(outputs) if len(out) < params.min_tokens]
+        if short:
+            rows = torch.tensor(short, device=device)[:, None]
+            x[rows, torch.tensor(sorted(stop_ids), device=device)[None, :]] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=device)
+        x[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=x.dtype, device=device)
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        counts = torch.zeros_like(x)
+        for r, out in enumerate(outputs):
+            if out:
+                counts[r].index_add_(0, torch.tensor(out, device=device), torch.ones(len(out), device=device))
+        in_output = counts > 0
+        if params.repetition_penalty != 1.0:
+            seen = in_output.clone()
+            if prompt_ids:
+                seen[:, torch.tensor(prompt_ids, device=device)] = True
+            p = params.repetition_penalty
+            x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+        x -= params.frequency_penalty * counts + params.presence_penalty * in_output
+    return x
+
+
 @dataclass
 class _Entry:
     key: list[tuple[int, int]]  # (token id, group) of every position held in ``cache``
@@ -157,6 +219,7 @@ class _Request:
     out: list[Completion] = field(default_factory=list)
     gen: torch.Generator | None = None
     live: int = 0  # rows of this request still decoding
+    listener: Listener | None = None  # told of every accepted token (``TorchEngine.stream``)
 
 
 @dataclass
@@ -257,6 +320,62 @@ class TorchEngine(Engine):
             params = self._fit(prompt_ids, params, layout)
             return await asyncio.wrap_future(self._submit(prompt_ids, params))
         return await asyncio.to_thread(self.generate_sync, prompt_ids, params, layout)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Progress]:
+        """Every accepted token as it is sampled (the batching scheduler tells the request's listener,
+        on the scheduler thread; the events cross to this loop in order)."""
+        if not self.batching:
+            async for progress in super().stream(prompt_ids, params):
+                yield progress
+            return
+        params = self._fit(prompt_ids, params, None)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Progress] = asyncio.Queue()
+
+        def listener(progress: Progress) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, progress)
+
+        fut = self._submit(prompt_ids, params, listener)
+        done: asyncio.Future[list[Completion]] = asyncio.wrap_future(fut)
+        ended = 0
+        try:
+            while ended < params.n:
+                if done.done() and events.empty():
+                    done.result()  # the request failed: its error; else every event has been read
+                    return
+                get: asyncio.Future[Progress] = asyncio.ensure_future(events.get())
+                await asyncio.wait((get, done), return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    continue
+                progress = get.result()
+                ended += progress.ended
+                yield progress
+        finally:
+            fut.cancel()  # a client that went away: drop the request if it has not started
+
+    async def prompt_logprobs(self, token_ids: list[int], k: int) -> PromptLogprobs:
+        return await asyncio.to_thread(self.prompt_logprobs_sync, token_ids, k)
+
+    def prompt_logprobs_sync(self, token_ids: list[int], k: int) -> PromptLogprobs:
+        """One forward pass over ``token_ids`` (no prefix cache), serialised with generation."""
+        check_scored(list(token_ids), 0, self.vocab_size, self.max_model_len, 0)
+        with self._exclusive(), torch.no_grad():
+            logits = self.model(torch.tensor([token_ids], device=self.device)).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        actual = torch.tensor(token_ids[1:], device=logp.device)
+        lp = logp.gather(1, actual[:, None])
+        ranks = (logp > lp).sum(dim=-1) + 1
+        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1) if k > 0 else None
+        out: PromptLogprobs = [None]
+        for i, (t, v, rank) in enumerate(zip(token_ids[1:], lp[:, 0].tolist(), ranks.tolist(), strict=True)):
+            d = {t: (v, rank)}
+            if top is not None:
+                ids, values = top.indices[i].tolist(), top.values[i].tolist()
+                for j, (tid, tv) in enumerate(zip(ids, values, strict=True)):
+                    d.setdefault(tid, (tv, j + 1))
+            out.append(d)
+        return out
 
     @property
     def vocab_size(self) -> int:
@@ -374,15 +493,31 @@ class TorchEngine(Engine):
         return self.model(ids, **kwargs).logits[:, -1, :].float()
 
     def _sample(
-        self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        gen: torch.Generator,
+        prompt_ids: list[int] | None = None,
+        outputs: list[list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, their log-probs, the log-prob table the top-k log-probs are read from)."""
+        """(tokens, their log-probs, the log-prob table the top-k log-probs are read from).
+
+        ``outputs[r]`` are the tokens row r has generated so far and ``prompt_ids`` its prompt: the
+        penalties and ``min_tokens`` read them (``process_logits``)."""
         raw = torch.log_softmax(logits, dim=-1)
+        if has_logits_processors(params):
+            stop = self.eos_ids | set(params.stop_token_ids)
+            logits = process_logits(logits, params, prompt_ids or [], outputs or [[]] * len(logits), stop)
         if params.temperature == 0.0:
             tokens = logits.argmax(dim=-1)
-            table = raw
+            # vLLM's processed log-probs of a greedy request: after the processors, no temperature
+            table = raw if self.logprobs_kind == "raw" else torch.log_softmax(logits, dim=-1)
         else:
             scaled = logits / params.temperature
+            if params.min_p > 0.0:  # vLLM applies it after the temperature, before top-k / top-p
+                probs = torch.softmax(scaled, dim=-1)
+                floor = probs.amax(dim=-1, keepdim=True) * params.min_p
+                scaled = scaled.masked_fill(probs < floor, float("-inf"))
             if params.top_k > 0 and params.top_k < scaled.shape[-1]:
                 kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -395,13 +530,13 @@ class TorchEngine(Engine):
             processed = torch.log_softmax(scaled, dim=-1)
             tokens = torch.multinomial(processed.exp(), 1, generator=gen).squeeze(1)
             table = raw if self.logprobs_kind == "raw" else processed
-        if self.logprobs_kind == "processed" and params.temperature == 0.0:
-            table = raw
         return tokens, table.gather(1, tokens[:, None]).squeeze(1), table
 
-    def _stop_string(self, gen_ids: list[int], stops: list[str]) -> str | None:
+    def _stop_string(self, gen_ids: list[int], stops: list[str], start: int = 0) -> str | None:
+        """The stop string in the text of the last tokens, looking no earlier than token ``start``
+        (``min_tokens``: vLLM searches only the text after it)."""
         width = max(len(s) for s in stops) + 2
-        tail = self.tokenizer.decode(gen_ids[-width:], skip_special_tokens=True)
+        tail = self.tokenizer.decode(gen_ids[max(start, len(gen_ids) - width) :], skip_special_tokens=True)
         for s in stops:
             if s in tail:
                 return s
@@ -432,9 +567,13 @@ class TorchEngine(Engine):
             c.top_logprobs.append(d)
         if t in stop_ids:
             c.finish_reason, c.stop_reason = "stop", t
-        elif t in self.eos_ids:
+        elif t in self.eos_ids and not params.ignore_eos:
             c.finish_reason, c.stop_reason = "stop", None
-        elif params.stop and (s := self._stop_string(c.token_ids, params.stop)) is not None:
+        elif (
+            params.stop
+            and len(c.token_ids) > params.min_tokens
+            and (s := self._stop_string(c.token_ids, params.stop, params.min_tokens)) is not None
+        ):
             c.finish_reason, c.stop_reason = "stop", s
         elif len(c.token_ids) >= params.max_tokens:
             c.finish_reason = "length"
@@ -450,6 +589,7 @@ class TorchEngine(Engine):
         are numbered per group, and the generated tokens continue ``gen_group``'s."""
         if layout is not None and len(layout.groups) != len(prompt_ids):
             raise ValueError(f"layout has {len(layout.groups)} groups for {len(prompt_ids)} prompt tokens")
+        check_sampling(params, self.vocab_size)
         limit = self.max_model_len
         if layout is None:
             room = check_prompt(prompt_ids, self.vocab_size, limit)
@@ -492,7 +632,8 @@ class TorchEngine(Engine):
         rows = list(range(n))  # sample index of each live batch row
         seq_groups = groups
         for step in range(params.max_tokens):
-            tokens, lps, table = self._sample(logits, params, gen)
+            outputs = [out[i].token_ids for i in rows]
+            tokens, lps, table = self._sample(logits, params, gen, prompt_ids, outputs)
             top = torch.topk(table, params.logprobs, dim=-1) if params.logprobs else None
             done: list[int] = []
             for r, i in enumerate(rows):
@@ -524,9 +665,11 @@ class TorchEngine(Engine):
     # ---------------------------------------------------------------------------------------------
     # batching: one scheduler thread decodes every concurrent layout-free request in one batch
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> Future[list[Completion]]:
+    def _submit(
+        self, prompt_ids: list[int], params: SamplingParams, listener: Listener | None = None
+    ) -> Future[list[Completion]]:
         fut: Future[list[Completion]] = Future()
-        req = _Request(list(prompt_ids), params, fut)
+        req = _Request(list(prompt_ids), params, fut, listener=listener)
         with self._cv:
             self._pending.append(req)
             if self._worker is None:
@@ -685,16 +828,21 @@ class TorchEngine(Engine):
                     if idx[-1] - idx[0] + 1 == len(idx)
                     else batch.logits[idx]
                 )
-                tokens, lps, table = self._sample(sel, params, req.gen)
+                outputs = [req.out[batch.rows[b].sample].token_ids for b in idx]
+                tokens, lps, table = self._sample(sel, params, req.gen, req.prompt_ids, outputs)
                 top = torch.topk(table, params.logprobs, dim=-1) if params.logprobs else None
                 toks, lp_list = tokens.tolist(), lps.tolist()
                 stop_ids = set(params.stop_token_ids)
                 ended: list[int] = []
                 for r, b in enumerate(idx):
                     next_tokens[b] = toks[r]
-                    c = req.out[batch.rows[b].sample]
-                    if self._accept(c, toks[r], lp_list[r], top, r, params, stop_ids):
+                    sample = batch.rows[b].sample
+                    c = req.out[sample]
+                    end = self._accept(c, toks[r], lp_list[r], top, r, params, stop_ids)
+                    if end:
                         ended.append(b)
+                    if req.listener is not None:
+                        req.listener(Progress(sample, c, len(c.token_ids), end))
             except Exception as e:  # this request only: drop its rows, keep decoding the others
                 self._fail(req, e)
                 drop.update(idx)

@@ -61,7 +61,24 @@ def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -
     }
     if params.top_k > 0:
         body["top_k"] = params.top_k
+    # the logits processors, under vLLM's own names, only where set (their defaults are vLLM's)
+    defaults = SamplingParams()
+    for name in PROCESSOR_FIELDS:
+        if getattr(params, name) != getattr(defaults, name):
+            body[name] = getattr(params, name)
     return body
+
+
+PROCESSOR_FIELDS = (
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "logit_bias",
+    "allowed_token_ids",
+)
 
 
 def parse_choice(choice: dict[str, Any]) -> Completion:

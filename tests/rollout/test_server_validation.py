@@ -93,14 +93,13 @@ def test_text_offset_is_each_tokens_first_character_in_the_text(engine_server: s
 
 
 def test_text_offset_counts_characters_not_tokens(tokenizer: Any) -> None:
-    from rollout_svc.engines.base import Completion
-    from rollout_svc.engines.server import _choice
+    from rollout_svc.engines.openai_protocol import Text, completion_logprobs
 
     ids = tokenizer.convert_tokens_to_ids(["<ignore>", "a", "b"])
-    c = Completion(token_ids=ids, logprobs=[-1.0, -1.0, -1.0])
-    choice = _choice(0, c, [1], {"logprobs": 0, "skip_special_tokens": False}, tokenizer)
-    assert choice["text"] == "<ignore>ab"
-    assert choice["logprobs"]["text_offset"] == [0, 8, 9]  # token indices would read [0, 1, 2]
+    t = Text(tokenizer, skip_special=False)
+    logprobs = completion_logprobs(ids, [-1.0, -1.0, -1.0], [None, None, None], t)
+    assert t.decode(ids) == "<ignore>ab"
+    assert logprobs["text_offset"] == [0, 8, 9]  # token indices would read [0, 1, 2]
 
 
 def test_an_unknown_model_is_a_404_as_on_vllm(engine_server: str) -> None:
@@ -110,7 +109,9 @@ def test_an_unknown_model_is_a_404_as_on_vllm(engine_server: str) -> None:
     r = httpx.post(f"{engine_server}/v1/completions", json={**base, "model": "no-such-model"}, timeout=60)
     assert r.status_code == 404, r.text
     err = r.json()["error"]
-    assert err["type"] == "NotFoundError" and err["message"] == "The model `no-such-model` does not exist."
+    assert err["type"] == "NotFoundError" and err["param"] == "model"
+    # vLLM 0.32 names the served models
+    assert err["message"] == f"The model `no-such-model` does not exist. Valid aliases: {served}."
     _assert_400(httpx.post(f"{engine_server}/v1/completions", json={**base, "model": ["x"]}, timeout=60))
     for body in ({**base, "model": served}, base):  # the served name, or none: the served model
         ok = httpx.post(f"{engine_server}/v1/completions", json=body, timeout=60)

@@ -169,10 +169,10 @@ def test_a_bad_request_fails_alone_and_nothing_hangs(
     real_sample, real_prefill = engine._sample, engine._prefill_rows
     bad_prompt = ps[0][:3]
 
-    def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Any:
+    def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, *history: Any) -> Any:
         if params.seed == 666:
             raise RuntimeError("sampling failed")
-        return real_sample(logits, params, gen)
+        return real_sample(logits, params, gen, *history)
 
     def prefill_rows(key: list[tuple[int, int]], *args: Any) -> Any:
         if [t for t, _ in key] == bad_prompt:
