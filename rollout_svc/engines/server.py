@@ -1,10 +1,11 @@
-"""``loom engine``: the torch engine behind the same HTTP protocol as a vLLM 0.11.0 server.
+"""``loom engine``: the torch engine behind the same HTTP protocol as a vLLM 0.32 server.
 
 Routes (vLLM's names and shapes, so the ``vllm`` engine client is exercised against it):
-``POST /v1/completions`` (token-id prompts, ``return_token_ids``, ``stop_token_ids``, log-probs),
-``GET /v1/models``, ``GET /health``, ``POST /v1/load_lora_adapter``, ``POST /collective_rpc``
-(method ``loom_reload_weights``), ``POST /reset_prefix_cache``; plus ``GET /loom/stats`` (prefill
-accounting) and ``POST /v1/score/attention`` (FCI scores; the learner's route and body).
+``POST /v1/completions`` (token-id prompts, ``return_token_ids``, ``stop_token_ids``, log-probs);
+the control plane (``/health``, ``/v1/models``, LoRA loading, the dev-mode routes: ``control.py``,
+answered as vLLM answers, dev mode and LoRA updating gated by vLLM's own environment variables);
+plus ``GET /loom/stats`` (prefill accounting) and ``POST /v1/score/attention`` (FCI scores; the
+learner's route and body).
 ``--simulate-ms-per-token`` serves the SIMULATED engine instead (replica-scaling bench only).
 Bind it to a private network: like vLLM's dev routes, the control routes have no auth.
 """
@@ -17,16 +18,15 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from loom.schemas import PolicyVersion, SamplingParams
+from loom.schemas import SamplingParams
 from rollout_svc.engines.base import Completion, Engine, EngineError
-from rollout_svc.engines.vllm import RELOAD_METHOD
+from rollout_svc.engines.control import attach_control_routes
 
 log = logging.getLogger("loom.engine.server")
 
@@ -153,10 +153,14 @@ def _choice(index: int, c: Completion, prompt_ids: list[int], body: dict[str, An
     return choice
 
 
-def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) -> FastAPI:
+def create_engine_app(
+    engine: Engine, model_name: str, tokenizer: Any = None, model_path: str | None = None
+) -> FastAPI:
+    """``model_path``: the checkpoint served (``/v1/models`` root; reloads are checked against it)."""
     app = FastAPI(title="Loom engine (vLLM-compatible)")
     app.state.engine = engine
     served = {model_name}  # the served name and every LoRA adapter loaded under its own name
+    attach_control_routes(app, engine, model_name, model_path or model_name, served)
 
     def unknown_model(body: dict[str, Any]) -> JSONResponse | None:
         """vLLM's answer to a request naming a model it does not serve (a missing name is the served one)."""
@@ -168,23 +172,6 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
         if name in served:
             return None
         return _error(404, f"The model `{name}` does not exist.", "NotFoundError")
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({})
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "loom",
-            "root": model_name,
-            "loom_engine": engine.name,
-            "loom_policy_version": engine.policy_version,
-        }
-        return {"object": "list", "data": [card]}
 
     @app.get("/loom/stats")
     async def stats() -> dict[str, Any]:
@@ -238,46 +225,6 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
             }
         )
 
-    async def _load(path: str, kind: str) -> JSONResponse | None:
-        try:
-            policy = _policy_at(path, kind, engine.policy_version + 1)
-            await engine.load_policy(policy)
-        except (EngineError, OSError, ValueError) as exc:
-            return _error(400, f"could not load {path}: {exc}")
-        return None
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora(request: Request) -> Any:
-        body = await _json_object(request)
-        if isinstance(body, JSONResponse):
-            return body
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            return _error(400, "lora_name and lora_path are required, as non-empty strings")
-        err = await _load(path, "lora")
-        if err is not None:
-            return err
-        served.add(name)
-        return JSONResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    @app.post("/collective_rpc")
-    async def collective_rpc(request: Request) -> Any:
-        body = await _json_object(request)
-        if isinstance(body, JSONResponse):
-            return body
-        if body.get("method") != RELOAD_METHOD:
-            return _error(400, f"loom engine supports only method {RELOAD_METHOD!r}")
-        args = body.get("args") or []
-        if not isinstance(args, list) or len(args) != 1 or not isinstance(args[0], str):
-            return _error(400, f"{RELOAD_METHOD} takes one argument: the checkpoint path")
-        err = await _load(args[0], "full")
-        return err or JSONResponse({"results": [engine.policy_version]})
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        await engine.reset_cache()
-        return JSONResponse({})
-
     @app.post("/v1/score/attention")
     async def score_attention(request: Request) -> JSONResponse:
         """FCI scores (loom.fci), same body and answer as the learner's route of the same name."""
@@ -298,14 +245,6 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
         return JSONResponse({"scores": scores, "policy_version": engine.policy_version})
 
     return app
-
-
-def _policy_at(path: str, kind: str, default_version: int) -> PolicyVersion:
-    """The policy-store record next to a checkpoint, else a record with the next version number."""
-    meta = Path(path) / "policy.json"
-    if meta.exists():
-        return PolicyVersion.model_validate_json(meta.read_text())
-    return PolicyVersion(version=default_version, path=path, kind=kind)  # type: ignore[arg-type]
 
 
 def build_app(
@@ -332,7 +271,7 @@ def build_app(
         cache_entries=settings.engine_prefix_cache_entries,
         logprobs_mode=settings.engine_logprobs_mode,
     )
-    return create_engine_app(engine, model or settings.model, engine.tokenizer)
+    return create_engine_app(engine, model or settings.model, engine.tokenizer, str(path))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
