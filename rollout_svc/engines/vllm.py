@@ -430,8 +430,10 @@ class VLLMEngine(Engine):
             resp = await self._request("POST", "/v1/completions", json=body)
             choices = sorted(resp["choices"], key=lambda c: c["index"])
             if any(c.get("finish_reason") == "abort" for c in choices):
-                # cut by /pause?mode=abort for a policy update: sent again, on the new weights
+                # cut by /pause?mode=abort for a policy update: sent again once the update is done
                 self.stats.extra["aborted_requests"] = self.stats.extra.get("aborted_requests", 0.0) + 1
+                async with self._lock():
+                    pass
                 continue
             break
         else:
@@ -489,11 +491,12 @@ class VLLMEngine(Engine):
             reply = await self._dev("POST", "/update_weight_version", json={"new_version": label})
             if not (isinstance(reply, dict) and reply.get("success") is True):
                 raise EngineUnavailable(f"/update_weight_version answered {reply!r}")
+            # before /resume: a request held by the pause ends on the new weights, and is labelled so
+            self._adopt_full(policy)
         finally:
             reply = await self._dev("POST", "/resume")
             if not (isinstance(reply, dict) and reply.get("status") == "resumed"):
                 raise EngineUnavailable(f"/resume answered {reply!r}: the server may still be paused")
-        self._adopt_full(policy)
         log.info("vLLM %s serves policy version %d (%s)", self.base_url, policy.version, policy.path)
 
     def _adopt_full(self, policy: PolicyVersion) -> None:

@@ -74,7 +74,6 @@ def vllm_command(
         "--enable-prompt-tokens-details",
         "--uvicorn-log-level",
         "warning",
-        "--disable-log-stats",
     ]
     if eager:
         cmd.append("--enforce-eager")  # starts in ~1 min on CPU instead of ~2.5 (no compilation)
