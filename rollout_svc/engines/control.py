@@ -181,7 +181,7 @@ def attach_control_routes(
                 "loom_policy_version": engine.policy_version,
             }
 
-        cards = [card(model_name, state.weights_path, None)]
+        cards = [card(model_name, model_path, None)]  # vLLM: the --model path, whatever was reloaded since
         cards += [card(name, path, model_name) for name, path in adapters.items()]
         return JSONResponse({"object": "list", "data": cards})
 
