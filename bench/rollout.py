@@ -18,9 +18,16 @@
 3. Replica scaling: throughput of 1, 2, 4, 8 rollout workers, each with its own ``loom engine
    --simulate-ms-per-token`` server (SIMULATION: fixed per-token latency, random tokens), on
    RabbitMQ (+ Redis results) when reachable, else the embedded broker. Target >= 0.85x linear at 8.
+4. The real vLLM (``--only vllm``; its environment from deploy/vllm-setup.sh, docs/vllm.md): the
+   orchestration overhead of benchmark 1 with a vLLM 0.32 server as the engine (direct vLLM calls
+   by the vllm client against the same calls through the queue and a rollout worker; target <= 5 %),
+   then vLLM's decode tokens/s against the torch engine's (``loom engine``, as many torch threads as
+   the machine has cores, as vLLM's CPU backend uses) at 4 and 16 requests in flight, the same
+   client and requests against each server, back to back.
 
-Usage: ``loom bench rollout [--quick] [--only overhead,prefill,scaling] [--engines process,in-process,server]
-[--concurrency 1,4] [--brokers embedded,rabbitmq] [--ready N]``. Model: LOOM_MODEL (tiny).
+Usage: ``loom bench rollout [--quick] [--only overhead,prefill,scaling,vllm]
+[--engines process,in-process,server] [--concurrency 1,4] [--brokers embedded,rabbitmq] [--ready N]
+[--vllm-eager]``. Model: LOOM_MODEL (tiny).
 """
 
 from __future__ import annotations
@@ -198,6 +205,7 @@ def bench_overhead(
     concurrency: int = 1,
     engine_kind: str = "process",
     ready: int = -1,
+    vllm_eager: bool = False,
 ) -> dict[str, float]:
     """Direct and queued runs alternate (A/B per round) so machine noise hits both alike. ``rabbit``:
     RabbitMQ + Redis (the deployed broker), else the embedded SQLite broker. ``concurrency`` c: the
@@ -207,7 +215,8 @@ def bench_overhead(
     ``loom engine`` process (the deployed shape: vLLM on a GPU host) that the direct leg calls with
     the vLLM client, and the worker (``LOOM_ENGINE_URL``) with the same client; ``process``, each leg
     has its own ``ProcessEngine`` (the model in a child process of the bench process / of the
-    worker); ``in-process``, each leg runs the torch engine in its own process."""
+    worker); ``in-process``, each leg runs the torch engine in its own process; ``vllm``, as
+    ``server`` with a real vLLM server."""
     from rollout_svc.engines.process import ProcessEngine
     from rollout_svc.engines.torch_engine import TorchEngine, load_tokenizer, resolve_model_path
     from rollout_svc.engines.vllm import VLLMEngine
@@ -216,8 +225,11 @@ def bench_overhead(
     settings = get_settings()
     path = resolve_model_path(settings.model)
     procs = Procs()
-    server = engine_kind == "server"
-    url = start_engine_server(procs, tmp, [], LOOM_MODEL=str(path)) if server else ""
+    server = engine_kind in ("server", "vllm")
+    vllm = start_vllm(tmp, path, eager=vllm_eager) if engine_kind == "vllm" else None
+    url = vllm.url if vllm is not None else ""
+    if engine_kind == "server":
+        url = start_engine_server(procs, tmp, [], LOOM_MODEL=str(path))
     entries = settings.engine_prefix_cache_entries
     engine: Any
     if server:
@@ -279,6 +291,8 @@ def bench_overhead(
         loop.close()
     finally:
         procs.close()
+        if vllm is not None:
+            vllm.stop()
     groups = rounds * len(reqs)
     return {
         "groups": groups,
@@ -300,6 +314,65 @@ def bench_overhead(
         "same_tokens": float(tok_direct == tok_queue),
         "tokens": tok_direct,
     }
+
+
+def start_vllm(tmp: Path, model: Path, eager: bool = False) -> Any:
+    """A real vLLM 0.32 server on ``model`` (rollout_svc.engines.vllm_launch; docs/vllm.md)."""
+    from rollout_svc.engines.vllm_launch import VLLMServer, vllm_command, vllm_env, vllm_python
+
+    python = vllm_python(get_settings().vllm_python)
+    if not python.exists():
+        raise SystemExit(f"no vLLM environment at {python}: run `bash deploy/vllm-setup.sh`")
+    cmd = vllm_command(python, model, free_port(), served_name="tiny", eager=eager)
+    t0 = time.perf_counter()
+    server = VLLMServer(cmd, vllm_env(), tmp / "vllm.log").start(timeout_s=900)
+    print(f"  vLLM {'eager' if eager else 'compiled'} started in {time.perf_counter() - t0:.0f} s")
+    return server
+
+
+def bench_vllm_throughput(quick: bool, tmp: Path, eager: bool = False) -> dict[str, float]:
+    """Decode tokens/s of a vLLM server and of ``loom engine`` (the torch engine) on the same model,
+    the same requests from the same client, at 4 and 16 requests in flight; each pair back to back,
+    the order alternating. Requests: 16 prompts x n=8 samples, 96 tokens, temperature 1."""
+    from rollout_svc.engines.torch_engine import load_tokenizer, resolve_model_path
+    from rollout_svc.engines.vllm import VLLMEngine
+
+    path = resolve_model_path(get_settings().model)
+    tok = load_tokenizer(path)
+    reqs = plain_requests(tok, 8 if quick else 16, 48 if quick else 96)
+    params = [r.sampling.model_copy(update={"n": 8}) for r in reqs]
+    threads = str(os.cpu_count() or 1)
+    procs = Procs()
+    vllm = start_vllm(tmp, path, eager=eager)
+    out: dict[str, float] = {"torch_threads": float(threads)}
+    try:
+        torch_url = start_engine_server(procs, tmp, ["--model", str(path)], LOOM_TORCH_THREADS=threads)
+
+        async def measure(url: str, in_flight: int) -> float:
+            engine = VLLMEngine(url, timeout=600)
+            slots = asyncio.Semaphore(in_flight)
+
+            async def one(r: RolloutRequest, sp: SamplingParams) -> int:
+                async with slots:
+                    outs = await engine.generate(list(r.prompt_ids or []), sp)
+                    return sum(len(c.token_ids) for c in outs)
+
+            await one(reqs[0], params[0].model_copy(update={"max_tokens": 8}))  # warm
+            t0 = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(one(r, sp) for r, sp in zip(reqs, params, strict=True))))
+            elapsed = time.perf_counter() - t0
+            await engine.close()
+            return tokens / elapsed
+
+        for k, in_flight in enumerate((4, 16)):
+            order = [("vllm", vllm.url), ("torch", torch_url)]
+            for name, url in order if k % 2 == 0 else order[::-1]:
+                out[f"{name}_{in_flight}"] = asyncio.run(measure(url, in_flight))
+            out[f"ratio_{in_flight}"] = out[f"vllm_{in_flight}"] / out[f"torch_{in_flight}"]
+    finally:
+        procs.close()
+        vllm.stop()
+    return out
 
 
 def bench_prefill(quick: bool) -> dict[str, float]:
@@ -409,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         help="LOOM_ROLLOUT_READY of the worker (-1: its default, as many as run with an engine server "
         "or process, none in-process)",
     )
+    p.add_argument("--vllm-eager", action="store_true", help="start vLLM with --enforce-eager (faster start)")
     args = p.parse_args(argv)
     configure_process()
     only = set(args.only.split(","))
@@ -457,6 +531,34 @@ def main(argv: list[str] | None = None) -> int:
                         f" {100 * o['engine_ratio']:+.1f} % (same tokens: machine noise)",
                         f"{100 * o['orchestration']:+.1f} %",
                         "<= 5 %",
+                    )
+                )
+        if "vllm" in only:
+            wanted = args.brokers.split(",")
+            brokers = [("embedded", False)] if "embedded" in wanted else []
+            brokers += [("RabbitMQ", True)] if "rabbitmq" in wanted and reachable(5672) else []
+            for (label, rabbit), conc in [(b, int(c)) for c in args.concurrency.split(",") for b in brokers]:
+                o = bench_overhead(
+                    args.quick, tmp, rabbit, "threads", conc, "vllm", args.ready, args.vllm_eager
+                )
+                rows.append(
+                    (
+                        f"orchestration overhead (plain, vLLM 0.32, {label}, {conc} in flight)",
+                        f"direct {o['direct_s']:.2f}s | queue {o['queue_s']:.2f}s ({o['groups']} groups,"
+                        f" {int(o['tokens'])} tok, same tokens: {bool(o['same_tokens'])})",
+                        f"{100 * o['overhead']:+.1f} % (median pair {100 * o['median_overhead']:+.1f} %)",
+                        "<= 5 %",
+                    )
+                )
+            t = bench_vllm_throughput(args.quick, tmp, args.vllm_eager)
+            for n in (4, 16):
+                rows.append(
+                    (
+                        f"vLLM / torch engine tokens/s, {n} in flight",
+                        f"vLLM {t[f'vllm_{n}']:.0f} tok/s | torch ({int(t['torch_threads'])} threads) "
+                        f"{t[f'torch_{n}']:.0f} tok/s",
+                        f"{t[f'ratio_{n}']:.2f}x",
+                        "-",
                     )
                 )
         if "prefill" in only:

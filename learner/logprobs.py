@@ -16,6 +16,7 @@ budget, longest first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +192,18 @@ def recompute(
         else:
             out.append(mb)
     return out
+
+
+def behaviour_matches(t: Trajectory, temperature: float) -> bool:
+    """Whether ``t``'s behaviour log-probs are what the learner computes at ``temperature`` (the
+    log-softmax of logits / temperature, no top-p or top-k): 'raw' ones at temperature 1, 'processed'
+    ones whose recorded processing is this temperature alone. Only these may enter the ratio."""
+    if t.logprobs is None:
+        return False
+    if t.logprobs_kind == "raw":
+        return temperature == 1.0
+    p = t.logprobs_processing
+    return p is not None and math.isclose(p.temperature, temperature) and p.top_p >= 1.0 and p.top_k <= 0
 
 
 def mismatch(behaviour: Tensor, recomputed: Tensor, mask: Tensor) -> dict[str, float]:

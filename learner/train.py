@@ -273,7 +273,7 @@ class Learner:
         autocast = torch.bfloat16 if (self.device.type == "cuda" and self.cfg.bf16) else None
         ref = self.reference_model() if spec.kl_coef > 0 else None
         totals = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
-        mism = {"d_abs": 0.0, "d_max": 0.0, "k3": 0.0, "n": 0.0, "rows": 0.0}
+        mism = {"d_abs": 0.0, "d_max": 0.0, "k3": 0.0, "n": 0.0, "rows": 0.0, "unmatched": 0.0}
         adv_abs = 0.0
         all_seq_lens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
 
@@ -283,11 +283,10 @@ class Learner:
             width = mb.logp.shape[1]
             dev = mb.logp.device
             mask = _pad([s.mask for s in rows], width, dev)
-            behaviour_known = [
-                s.trajectory.logprobs is not None
-                and (s.trajectory.logprobs_kind == "processed" or spec.temperature == 1.0)
-                for s in rows
-            ]
+            behaviour_known = [lp.behaviour_matches(s.trajectory, spec.temperature) for s in rows]
+            mism["unmatched"] += float(
+                sum(s.trajectory.logprobs is not None for s in rows) - sum(behaviour_known)
+            )
             old = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
             detached = mb.logp.detach()
             stand_in = detached.clone()
@@ -378,6 +377,9 @@ class Learner:
                 "logprob_mismatch_max": mism["d_max"],
                 "logprob_mismatch_k3": mism["k3"] / n,
                 "behaviour_logprobs_used": mism["rows"] / max(n_seqs, 1.0),
+                # rows whose behaviour log-probs are of another processing (raw at T != 1, another
+                # temperature, top-p/top-k, unknown): clipped against the first pass instead
+                "behaviour_logprobs_unmatched": mism["unmatched"] / max(n_seqs, 1.0),
                 "adv_abs_mean": adv_abs / max(n_tokens, 1.0),
                 "n_tokens": n_tokens,
                 "seq_tokens": float(all_seq_lens),

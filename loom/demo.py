@@ -58,6 +58,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, default=900.0, help="seconds before the run is cancelled")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/demo-<time>)")
     p.add_argument("--url", default=None, help="use a running gateway instead of starting a stack")
+    p.add_argument(
+        "--engine",
+        choices=("torch", "vllm"),
+        default="torch",
+        help="the rollout engine of the stack it starts: Loom's torch engine, or a real vLLM server it "
+        "starts beside it (deploy/vllm-setup.sh; docs/vllm.md)",
+    )
     p.add_argument("--api-key", default=os.environ.get("LOOM_API_KEY"), help="key for --url")
     return p.parse_args(list(argv))
 
@@ -188,7 +195,8 @@ def main(argv: Sequence[str] = ()) -> int:
     # A fresh data dir per demo: its own embedded broker, run state and policy store.
     settings = Settings(data_dir=out / "state")
     print(f"starting the embedded stack (logs in {settings.data_dir / 'logs'}) ...", flush=True)
-    # behaviour log-probs of the tempered policy the learner trains (vLLM: --logprobs-mode processed_logprobs)
+    # behaviour log-probs of the tempered policy the learner trains (vLLM: --logprobs-mode processed_logprobs,
+    # and the vllm client reads it from the server)
     # two groups in flight per rollout worker: the torch engine batches them, using the core the
     # learner leaves idle while it waits for the next batch
     env = {
@@ -196,10 +204,44 @@ def main(argv: Sequence[str] = ()) -> int:
         "LOOM_ENGINE_LOGPROBS_MODE": "processed",
         "LOOM_ROLLOUT_CONCURRENCY": os.environ.get("LOOM_ROLLOUT_CONCURRENCY", "2"),
     }
-    with Stack(settings, env=env) as stack:
+    extra, ready_timeout = [], 120.0
+    if args.engine == "vllm":
+        spec, url = vllm_spec(settings)
+        extra, ready_timeout = [spec], 900.0  # vLLM starts in 30-150 s on 2 cores
+        # the rollout worker's groups only wait on HTTP: more in flight lets vLLM batch them
+        env.update(
+            LOOM_ENGINE="vllm",
+            LOOM_ENGINE_URL=url,
+            LOOM_ROLLOUT_CONCURRENCY=os.environ.get("LOOM_ROLLOUT_CONCURRENCY", "8"),
+        )
+    with Stack(settings, env=env, extra=extra, ready_timeout=ready_timeout) as stack:
         print(stack.describe(), flush=True)
         client = GatewayClient(stack.urls()["gateway"], api_key=stack.api_key, timeout=120.0)
         return _drive(client, args, out, t0)
+
+
+def vllm_spec(settings: Any) -> tuple[Any, str]:
+    """The vLLM server of ``loom demo --engine vllm`` (rollout_svc.engines.vllm_launch): the demo's
+    model with processed log-probs (the learner trains the tempered policy), dev mode for the
+    full-checkpoint updates every learner step publishes, eager start-up."""
+    import socket
+
+    from loom.stack import ProcSpec
+    from rollout_svc.engines.torch_engine import resolve_model_path
+    from rollout_svc.engines.vllm_launch import vllm_command, vllm_env, vllm_python
+
+    python = vllm_python(settings.vllm_python)
+    if not python.exists():
+        raise SystemExit(f"no vLLM environment at {python}: run `bash deploy/vllm-setup.sh` (docs/vllm.md)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    model = resolve_model_path(settings.model)
+    cmd = vllm_command(python, model, port, served_name=settings.model, logprobs_mode="processed")
+    # vLLM's CPU backend sizes its own threads: the stack's one-thread default is for Loom's processes
+    env = {**vllm_env(base={}), "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    url = f"http://127.0.0.1:{port}"
+    return ProcSpec("vllm", cmd, ready_url=f"{url}/health", env=env), url
 
 
 def _drive(client: Any, args: argparse.Namespace, out: Path, t0: float) -> int:

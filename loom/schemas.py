@@ -24,6 +24,8 @@ from pydantic import (
 )
 
 SCHEMA_VERSION = "1.0"
+# the highest sampling temperature: vLLM 0.32 refuses more (400), so every engine is held to it
+MAX_TEMPERATURE = 2.0
 # steps per attention-scoring call (loom.fci): the scorer keeps a steps x steps matrix per layer and head
 MAX_ATTENTION_STEPS = 4096
 
@@ -91,7 +93,9 @@ class Contract(BaseModel):
 class SamplingParams(Contract):
     n: int = Field(default=1, ge=1, le=1024)
     max_tokens: int = Field(default=256, ge=1, le=131072)
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    temperature: float = Field(
+        default=1.0, ge=0.0, le=MAX_TEMPERATURE, description="at most 2, as vLLM accepts (a 400 there)"
+    )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
@@ -116,6 +120,15 @@ class SamplingParams(Contract):
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None, min_length=1, description="sample only these tokens (None = all)"
     )
+
+
+class LogprobsProcessing(Contract):
+    """The sampling transforms behind 'processed' behaviour log-probs (vLLM's processed_logprobs):
+    log-softmax of the logits divided by ``temperature`` after top-k and top-p masking."""
+
+    temperature: float = Field(ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
 
 
 class Segment(Contract):
@@ -143,6 +156,11 @@ class Trajectory(Contract):
         default=None, description="behaviour log-prob of each completion token"
     )
     logprobs_kind: Literal["raw", "processed"] = "raw"
+    logprobs_processing: LogprobsProcessing | None = Field(
+        default=None,
+        description="for 'processed' log-probs: the temperature, top-p and top-k applied to them "
+        "(None: unknown, and the learner does not use them)",
+    )
     loss_mask: list[int] | None = Field(default=None, description="1 = trained; None = all tokens trained")
     segments: list[Segment] = Field(default_factory=list)
     finish_reason: FinishReason = "stop"
@@ -303,11 +321,13 @@ class LossSpec(Contract):
     temperature: float = Field(
         default=1.0,
         gt=0.0,
-        le=10.0,
+        le=MAX_TEMPERATURE,
         description="divide the logits by this when recomputing log-probs: set it to the rollout's "
         "sampling temperature to train the policy that was sampled (verl's convention). Behaviour "
-        "log-probs are used for the ratio only when they are of that policy: 'processed' ones, or "
-        "'raw' ones at temperature 1; otherwise the ratio is taken against the current policy",
+        "log-probs are used for the ratio only when they are what the learner computes: 'raw' ones "
+        "at temperature 1, or 'processed' ones of this temperature with no top-p/top-k (the learner "
+        "applies neither); otherwise the ratio is taken against the current policy (metrics "
+        "behaviour_logprobs_used / behaviour_logprobs_unmatched)",
     )
     updates_per_batch: int = Field(
         default=1,
@@ -416,7 +436,7 @@ class ReflectParams(Contract):
     max_removed_fraction: float = Field(default=0.5, ge=0.0, le=0.5, description="of the thinking tokens")
     forced_ending: str = Field(default="\n</think>\n\n**Final Answer:**\n\n", max_length=1000)
     max_tokens: int = Field(default=256, ge=1, le=131072, description="budget of the policy's completion")
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     reward: RewardSpec = Field(default_factory=RewardSpec, description="scores originals and revisions")
     keep_discarded: bool = Field(default=False, description="return discarded revisions too (for analysis)")

@@ -111,7 +111,25 @@ class Settings(BaseSettings):
     )
     engine_retries: int = Field(default=3, ge=0, description="engine retries on connection errors / 5xx")
     engine_prefix_cache_entries: int = Field(default=32, ge=0, description="torch engine prefix-KV entries")
-    engine_logprobs_mode: Literal["raw", "processed"] = "raw"
+    engine_logprobs_mode: Literal["raw", "processed"] = Field(
+        default="raw",
+        description="behaviour log-probs the engine returns: raw (the model's) or processed (after "
+        "temperature, top-k, top-p). The torch engine follows it; a vLLM server's --logprobs-mode "
+        "decides for vLLM (the client reads it and reports that)",
+    )
+    vllm_pause_mode: Literal["wait", "abort"] = Field(
+        default="wait",
+        description="vLLM policy updates: 'wait' lets in-flight requests finish on the old weights; "
+        "'abort' cuts them (the client sends them again, on the new weights)",
+    )
+    vllm_lora_keep: int = Field(
+        default=2, ge=1, description="LoRA adapters kept loaded on vLLM (the newest); older ones are unloaded"
+    )
+    vllm_python: str = Field(
+        default="",
+        description="Python of the vLLM environment (deploy/vllm-setup.sh); empty = .venv-vllm/bin/python "
+        "in the repository. Used where Loom starts vLLM itself (loom demo --engine vllm, tests, bench)",
+    )
     engine_process: bool = Field(
         default=True,
         description="run the torch engine in its own process (rollout_svc.engines.process): the "

@@ -192,6 +192,7 @@ def build_revision(
         completion_ids=ids,
         logprobs=logprobs,
         logprobs_kind=generated.logprobs_kind,
+        logprobs_processing=generated.logprobs_processing,
         loss_mask=loss_mask,
         segments=segments,
         finish_reason=generated.finish_reason,

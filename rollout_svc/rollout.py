@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from loom.schemas import Group, RolloutRequest
+from loom.schemas import Group, LogprobsProcessing, RolloutRequest, SamplingParams
 from loom.settings import Settings
 from loom.store import PolicyStore
 from rollout_svc.engines.base import Engine, check_prompt
@@ -54,7 +54,20 @@ async def generate_group(
             request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
         )
         group = await streaming(request, prompt_ids, group_id, engine, tokenizer(), cfg)
-    return with_text(group, tokenizer)
+    return with_text(with_processing(group, request.sampling), tokenizer)
+
+
+def with_processing(group: Group, sampling: SamplingParams) -> Group:
+    """Record on each trajectory with 'processed' log-probs the processing behind them: every mode
+    samples with the request's temperature, top-p and top-k (the learner uses the log-probs only
+    when that processing is its own: learner.logprobs.behaviour_matches)."""
+    processing = LogprobsProcessing(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
+    )
+    for t in group.trajectories:
+        if t.logprobs_kind == "processed" and t.logprobs_processing is None:
+            t.logprobs_processing = processing
+    return group
 
 
 T = TypeVar("T")

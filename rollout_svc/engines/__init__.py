@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loom.settings import Settings, get_settings
-from rollout_svc.engines.base import Engine
+if TYPE_CHECKING:  # imported lazily: vLLM's worker imports rollout_svc.engines.vllm_worker with its
+    # own Python, which runs this file and must not need Loom's dependencies
+    from loom.settings import Settings
+    from rollout_svc.engines.base import Engine
 
 _engine: Engine | None = None
 _lock = threading.Lock()
@@ -26,7 +28,13 @@ def make_engine(settings: Settings) -> Engine:
         from rollout_svc.engines.vllm import VLLMEngine
 
         return VLLMEngine(
-            settings.engine_url, timeout=settings.engine_timeout_s, retries=settings.engine_retries
+            settings.engine_url,
+            timeout=settings.engine_timeout_s,
+            retries=settings.engine_retries,
+            logprobs_mode=settings.engine_logprobs_mode,
+            policy_store=settings.policy_store_path,
+            pause_mode=settings.vllm_pause_mode,
+            lora_keep=settings.vllm_lora_keep,
         )
     from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
 
@@ -44,6 +52,8 @@ def make_engine(settings: Settings) -> Engine:
 
 
 def get_engine(settings: Settings | None = None) -> Engine:
+    from loom.settings import get_settings
+
     global _engine
     with _lock:
         if _engine is None:
@@ -78,6 +88,7 @@ def get_tokenizer(settings: Settings | None = None) -> object:
         return engine_tok
     with _lock:
         if _tokenizer is None:
+            from loom.settings import get_settings
             from rollout_svc.engines.torch_engine import load_tokenizer, resolve_model_path
 
             _tokenizer = load_tokenizer(resolve_model_path((settings or get_settings()).model))

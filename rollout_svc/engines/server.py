@@ -1,10 +1,11 @@
-"""``loom engine``: the torch engine behind the same HTTP protocol as a vLLM 0.11.0 server.
+"""``loom engine``: the torch engine behind the same HTTP protocol as a vLLM 0.32 server.
 
 Routes (vLLM's names and shapes, so the ``vllm`` engine client is exercised against it):
-the OpenAI surface of openai_api.py (``/v1/completions``, ``/v1/chat/completions``, TRL's routes),
-``GET /v1/models``, ``GET /health``, ``POST /v1/load_lora_adapter``, ``POST /collective_rpc``
-(method ``loom_reload_weights``), ``POST /reset_prefix_cache``; plus ``GET /loom/stats`` (prefill
-accounting) and ``POST /v1/score/attention`` (FCI scores; the learner's route and body).
+the OpenAI surface of ``openai_api.py`` (``/v1/completions``, ``/v1/chat/completions``, TRL's routes);
+the control plane (``/health``, ``/v1/models``, LoRA loading, the dev-mode routes: ``control.py``,
+answered as vLLM answers, dev mode and LoRA updating gated by vLLM's own environment variables);
+plus ``GET /loom/stats`` (prefill accounting) and ``POST /v1/score/attention`` (FCI scores; the
+learner's route and body).
 ``--simulate-ms-per-token`` serves the SIMULATED engine instead (replica-scaling bench only).
 Bind it to a private network: like vLLM's dev routes, the control routes have no auth.
 """
@@ -13,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from loom.schemas import PolicyVersion
 from rollout_svc.engines.base import Engine, EngineError
+from rollout_svc.engines.control import attach_control_routes
 from rollout_svc.engines.openai_api import engine_router
-from rollout_svc.engines.vllm import RELOAD_METHOD
 
 log = logging.getLogger("loom.engine.server")
 
@@ -38,83 +36,20 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResp
     )
 
 
-async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
-    """The request's body as a JSON object, else a 400 (vLLM answers 400 for a malformed body)."""
-    try:
-        body = await request.json()
-    except ValueError:
-        return _error(400, "body is not valid JSON")
-    if not isinstance(body, dict):
-        return _error(400, f"body must be a JSON object, not {type(body).__name__}")
-    return body
-
-
-def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) -> FastAPI:
+def create_engine_app(
+    engine: Engine, model_name: str, tokenizer: Any = None, model_path: str | None = None
+) -> FastAPI:
+    """``model_path``: the checkpoint served (``/v1/models`` root; reloads are checked against it)."""
     app = FastAPI(title="Loom engine (vLLM-compatible)")
     app.state.engine = engine
     served = {model_name}  # the served name and every LoRA adapter loaded under its own name
+    # the control plane first: its /health, /v1/models and /server_info answer as vLLM's do (control.py)
+    attach_control_routes(app, engine, model_name, model_path or model_name, served)
     app.include_router(engine_router(engine, model_name, tokenizer, served))  # openai_api.py
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({})
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "loom",
-            "root": model_name,
-            "loom_engine": engine.name,
-            "loom_policy_version": engine.policy_version,
-        }
-        return {"object": "list", "data": [card]}
 
     @app.get("/loom/stats")
     async def stats() -> dict[str, Any]:
         return {"engine": engine.name, "policy_version": engine.policy_version, **asdict(engine.stats)}
-
-    async def _load(path: str, kind: str) -> JSONResponse | None:
-        try:
-            policy = _policy_at(path, kind, engine.policy_version + 1)
-            await engine.load_policy(policy)
-        except (EngineError, OSError, ValueError) as exc:
-            return _error(400, f"could not load {path}: {exc}")
-        return None
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora(request: Request) -> Any:
-        body = await _json_object(request)
-        if isinstance(body, JSONResponse):
-            return body
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            return _error(400, "lora_name and lora_path are required, as non-empty strings")
-        err = await _load(path, "lora")
-        if err is not None:
-            return err
-        served.add(name)
-        return JSONResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    @app.post("/collective_rpc")
-    async def collective_rpc(request: Request) -> Any:
-        body = await _json_object(request)
-        if isinstance(body, JSONResponse):
-            return body
-        if body.get("method") != RELOAD_METHOD:
-            return _error(400, f"loom engine supports only method {RELOAD_METHOD!r}")
-        args = body.get("args") or []
-        if not isinstance(args, list) or len(args) != 1 or not isinstance(args[0], str):
-            return _error(400, f"{RELOAD_METHOD} takes one argument: the checkpoint path")
-        err = await _load(args[0], "full")
-        return err or JSONResponse({"results": [engine.policy_version]})
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        await engine.reset_cache()
-        return JSONResponse({})
 
     @app.post("/v1/score/attention")
     async def score_attention(request: Request) -> JSONResponse:
@@ -136,14 +71,6 @@ def create_engine_app(engine: Engine, model_name: str, tokenizer: Any = None) ->
         return JSONResponse({"scores": scores, "policy_version": engine.policy_version})
 
     return app
-
-
-def _policy_at(path: str, kind: str, default_version: int) -> PolicyVersion:
-    """The policy-store record next to a checkpoint, else a record with the next version number."""
-    meta = Path(path) / "policy.json"
-    if meta.exists():
-        return PolicyVersion.model_validate_json(meta.read_text())
-    return PolicyVersion(version=default_version, path=path, kind=kind)  # type: ignore[arg-type]
 
 
 def build_app(
@@ -170,7 +97,7 @@ def build_app(
         cache_entries=settings.engine_prefix_cache_entries,
         logprobs_mode=settings.engine_logprobs_mode,
     )
-    return create_engine_app(engine, model or settings.model, engine.tokenizer)
+    return create_engine_app(engine, model or settings.model, engine.tokenizer, str(path))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

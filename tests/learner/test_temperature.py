@@ -13,6 +13,7 @@ from learner import logprobs as lp
 from learner.train import Learner, LearnerConfig
 from loom.schemas import (
     Group,
+    LogprobsProcessing,
     LossSpec,
     RewardResult,
     SamplingParams,
@@ -26,7 +27,9 @@ from rollout_svc.engines.torch_engine import TorchEngine
 T = 1.3
 
 
-def _group(kind: str) -> tuple[Group, RewardResult]:
+def _group(
+    kind: str, processing: LogprobsProcessing | None = LogprobsProcessing(temperature=T)
+) -> tuple[Group, RewardResult]:
     engine = TorchEngine(CHECKPOINT_DIR, logprobs_mode=kind, cache_entries=0)  # type: ignore[arg-type]
     tok = engine.tokenizer
     prob = make_problems("arith", 1, seed=3)[0]
@@ -40,6 +43,7 @@ def _group(kind: str) -> tuple[Group, RewardResult]:
             completion_ids=c.token_ids,
             logprobs=c.logprobs,
             logprobs_kind=kind,  # type: ignore[arg-type]
+            logprobs_processing=processing if kind == "processed" else None,
         )
         for i, c in enumerate(outs)
     ]
@@ -63,17 +67,29 @@ def test_recompute_at_the_sampling_temperature_equals_the_engines_processed_logp
 
 
 @pytest.mark.parametrize(
-    ("kind", "temperature", "used"),
-    [("processed", T, 1.0), ("raw", T, 0.0), ("raw", 1.0, 1.0)],
+    ("kind", "processing", "temperature", "used"),
+    [
+        ("processed", LogprobsProcessing(temperature=T), T, 1.0),
+        ("raw", None, T, 0.0),
+        ("raw", None, 1.0, 1.0),
+        # processed at another temperature than the learner's
+        ("processed", LogprobsProcessing(temperature=T), 1.0, 0.0),
+        # top-p / top-k shape the processed log-probs; the learner applies neither
+        ("processed", LogprobsProcessing(temperature=T, top_p=0.8), T, 0.0),
+        ("processed", LogprobsProcessing(temperature=T, top_k=20), T, 0.0),
+        # processed, but nobody said how: not trusted
+        ("processed", None, T, 0.0),
+    ],
 )
-def test_behaviour_logprobs_are_used_only_when_they_are_of_the_trained_policy(
-    tmp_path, kind, temperature, used
+def test_behaviour_logprobs_are_used_only_when_they_match_the_learners_processing(
+    tmp_path, kind, processing, temperature, used
 ):
-    group, result = _group(kind)
+    group, result = _group(kind, processing)
     learner = Learner(LearnerConfig(model=CHECKPOINT_DIR, store=tmp_path / "store"))
     loss = LossSpec(temperature=temperature, lr=1e-5)
     out = learner.train_step(TrainBatch(step=0, groups=[group], rewards=[result], loss=loss))
     assert out.metrics["behaviour_logprobs_used"] == used
+    assert out.metrics["behaviour_logprobs_unmatched"] == 1.0 - used  # every row carries log-probs
     if used:  # the same policy, recomputed: ratio 1 up to float error before the update
         assert out.metrics["logprob_mismatch_max"] < 1e-4
 

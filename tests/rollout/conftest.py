@@ -120,7 +120,15 @@ def start_engine_server(
     args: list[str], env_extra: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "LOOM_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env = {
+        **os.environ,
+        "LOOM_TORCH_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        # the control routes Loom's vllm client uses exist only with these, as on vLLM (docs/vllm.md)
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        **(env_extra or {}),
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "loom.cli", "engine", "--port", str(port), *args],
         cwd=REPO,

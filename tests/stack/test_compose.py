@@ -118,6 +118,24 @@ def test_vllm_serves_runtime_loras(compose: dict[str, Any]) -> None:
     assert vllm["command"][0].startswith("${LOOM_MODEL"), "the model comes from the environment"
 
 
+def test_vllm_runs_the_version_and_flags_loom_drives(compose: dict[str, Any]) -> None:
+    """docs/vllm.md: vLLM 0.32, dev mode, Loom's worker extension on PYTHONPATH, the log-prob mode
+    and cached-token counts."""
+    from rollout_svc.engines.vllm import VLLM_VERSION
+    from rollout_svc.engines.vllm_launch import WORKER_EXTENSION
+
+    vllm = compose["services"]["vllm"]
+    assert vllm["image"] == f"vllm/vllm-openai:v{VLLM_VERSION}"
+    assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert f"--worker-extension-cls={WORKER_EXTENSION}" in vllm["command"]
+    assert any(c.startswith("--logprobs-mode=") for c in vllm["command"])
+    assert "--enable-prompt-tokens-details" in vllm["command"]
+    root = vllm["environment"]["PYTHONPATH"]
+    assert any(
+        v.startswith("./rollout_svc:") and v.split(":")[1] == f"{root}/rollout_svc" for v in vllm["volumes"]
+    )
+
+
 def test_healthchecks_and_dependency_conditions(
     compose: dict[str, Any], loom_services: dict[str, Any]
 ) -> None:

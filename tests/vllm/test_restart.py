@@ -1,0 +1,84 @@
+"""A vLLM server that goes away mid-run, and one started without dev mode.
+
+Restart: the client's requests fail as ``EngineUnavailable`` while it is down (a Celery task retries
+those); the restarted server holds its base weights under vLLM's ``default`` label, and the client,
+which had loaded version 1, notices and loads version 1 again before generating.
+Without dev mode (vLLM's default): the dev routes do not exist (404, as ``loom engine`` answers:
+tests/rollout/test_control.py), LoRA policies still load (no dev route needed), and a full-checkpoint
+update is a clear error naming ``VLLM_SERVER_DEV_MODE``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from loom.schemas import SamplingParams
+from loom.store import PolicyStore
+from rollout_svc.engines.base import EngineRequestError, EngineUnavailable
+from rollout_svc.engines.vllm import VLLMEngine
+from tests.rollout.control_cases import DEV_ROUTES
+from tests.vllm.conftest import TINY, changed_checkpoint, max_diff, reference_logprobs, write_lora
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> PolicyStore:
+    s = PolicyStore(tmp_path_factory.mktemp("restart-policy"))
+    s.publish(1, lambda d: changed_checkpoint(d, seed=21) and None)
+    s.publish(2, lambda d: write_lora(d, seed=22) and None, kind="lora")
+    return s
+
+
+def test_a_restarted_server_is_brought_back_to_the_clients_version(
+    vllm: Any, arun: Any, store: PolicyStore, prompt_ids: list[int]
+) -> None:
+    engine = VLLMEngine(vllm.ensure("raw"), policy_store=store.root, retries=1, backoff=0.05)
+    v1 = store.get(1)
+    assert v1 is not None
+    params = SamplingParams(n=2, max_tokens=16, seed=4)
+    try:
+        arun(engine.load_policy(v1))
+        arun(engine.generate(prompt_ids, params))
+        vllm.stop()
+        with pytest.raises(EngineUnavailable):
+            arun(engine.generate(prompt_ids, params))
+        vllm.restart()
+        assert httpx.get(f"{vllm.url}/weight_info", timeout=10).json() == {"weight_version": "default"}
+        outs = arun(engine.generate(prompt_ids, params))
+        assert engine.policy_version == 1
+        for c in outs:
+            assert max_diff(c.logprobs, reference_logprobs(v1.path, prompt_ids, c.token_ids)) < ATOL
+    finally:
+        arun(engine.close())
+
+
+def test_without_dev_mode_loras_load_and_full_updates_say_what_is_missing(
+    vllm: Any, arun: Any, store: PolicyStore, prompt_ids: list[int]
+) -> None:
+    url = vllm.ensure("raw", dev=False)
+    try:
+        for method, path in DEV_ROUTES:
+            r = httpx.request(method, f"{url}{path}", timeout=10)
+            assert (r.status_code, r.json()) == (404, {"detail": "Not Found"}), path
+        engine = VLLMEngine(url, policy_store=store.root)
+        try:
+            outs = arun(engine.generate(prompt_ids, SamplingParams(max_tokens=8, seed=1)))  # served model
+            assert engine.policy_version == 0
+            assert max_diff(outs[0].logprobs, reference_logprobs(TINY, prompt_ids, outs[0].token_ids)) < ATOL
+            lora = store.get(2)
+            assert lora is not None
+            arun(engine.load_policy(lora))
+            assert engine.policy_version == 2 and arun(
+                engine.generate(prompt_ids, SamplingParams(max_tokens=4))
+            )
+            full = store.get(1)
+            assert full is not None
+            with pytest.raises(EngineRequestError, match="VLLM_SERVER_DEV_MODE"):
+                arun(engine.load_policy(full))
+        finally:
+            arun(engine.close())
+    finally:
+        vllm.ensure("raw")  # back to the layer's usual server for the tests that follow
