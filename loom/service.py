@@ -352,7 +352,13 @@ def create_app(
             content={"status": "ready" if ready else "not_ready", "service": service, "checks": checks},
         )
 
-    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus"}
+        },
+    )
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
