@@ -54,13 +54,13 @@ def builtin_item(problem: Any, mode: str) -> TaskItem:
     return TaskItem(prompt=prompt, label=label, task=kind, mode_params=mode_params)  # type: ignore[arg-type]
 
 
-def _check_line(raw: bytes, lineno: int) -> bool:
+def _check_line(line: str, lineno: int) -> bool:
     """Whether line ``lineno`` holds an item (False: blank); DatasetError naming the line if it is not a
     JSON object with a non-empty string ``prompt`` (and an optional ``answer``)."""
-    if not raw.strip():
+    if not line.strip():
         return False
     try:
-        row = json.loads(raw)
+        row = json.loads(line)
         prompt = row["prompt"]
         row.get("answer")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
@@ -90,33 +90,45 @@ class DatasetWriter:
         self._lineno = 0
 
     def feed(self, chunk: bytes) -> None:
+        """The complete lines of ``chunk`` (after what is left of the previous one) are checked and
+        written; an unfinished last line waits for the next chunk."""
         if self.max_bytes is not None and self._written + len(self._rest) + len(chunk) > self.max_bytes:
             self.abort()
             raise DatasetError(f"the dataset exceeds {self.max_bytes} bytes")
         data = self._rest + chunk
-        lines = data.split(b"\n")
-        self._rest = lines.pop()
-        for line in lines:
-            self._line(line)
+        cut = data.rfind(b"\n") + 1
+        self._rest = data[cut:]
+        if cut:
+            self._lines(data[:cut])
 
-    def _line(self, line: bytes) -> None:
-        self._lineno += 1
+    def _lines(self, data: bytes) -> None:
         try:
-            has_item = _check_line(line, self._lineno)
-        except DatasetError:
+            text = data.decode("utf-8")  # whole lines: a newline never splits a UTF-8 sequence
+        except UnicodeDecodeError as exc:
             self.abort()
-            raise
-        if has_item:
-            self._offsets.append(self._written)
-            out = line.rstrip(b"\r") + b"\n"
-            self._file.write(out)
-            self._hash.update(out)
-            self._written += len(out)
+            lineno = self._lineno + data.count(b"\n", 0, exc.start) + 1
+            raise DatasetError(f"jsonl line {lineno}: not valid UTF-8") from None
+        kept: list[str] = []
+        for line in text[:-1].split("\n"):  # ``data`` ends with its last line's newline
+            self._lineno += 1
+            try:
+                has_item = _check_line(line, self._lineno)
+            except DatasetError:
+                self.abort()
+                raise
+            if has_item:
+                self._offsets.append(self._written)
+                row = line.rstrip("\r") + "\n"
+                self._written += len(row.encode())
+                kept.append(row)
+        out = "".join(kept).encode()
+        self._file.write(out)
+        self._hash.update(out)
 
     def finish(self) -> tuple[str, int]:
-        if self._rest:
+        if self._rest:  # a last line without a newline
             rest, self._rest = self._rest, b""
-            self._line(rest)
+            self._lines(rest + b"\n")
         self._file.close()
         if not self._offsets:
             self.abort()
