@@ -132,6 +132,15 @@ class CountedStream(StreamingResponse):
             self.release()
 
 
+# ``POST /v1/datasets``'s body as OpenAPI can say it: the rows of the JSONL, one object a line
+JSONL_ROWS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {"prompt": {"type": "string", "minLength": 1, "maxLength": 100_000}, "answer": {}},
+    },
+}
 STREAM_POLL_S = 0.2  # how often an event stream looks for a change of the database
 STREAM_FULL_READ_S = 2.0  # and reads its job even without one (a change made on its own connection)
 
@@ -327,7 +336,7 @@ def build_app(
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+                "content": {"application/x-ndjson": {"schema": JSONL_ROWS}},
                 "description": "JSONL: one {prompt, answer} object a line",
             }
         },
