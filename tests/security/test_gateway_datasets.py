@@ -100,3 +100,17 @@ def test_a_dataset_over_its_limit_is_413(tmp_path: Path) -> None:
     with _client(tmp_path, gateway_dataset_max_bytes=100_000) as c:
         r = _upload(c, _jsonl())
         assert r.status_code == 413 and r.json()["error"] == "payload_too_large", r.text
+
+
+def test_the_gateway_client_streams_rows_and_cancels_jobs(tmp_path: Path) -> None:
+    from loom.clients.gateway import GatewayClient
+
+    with _client(tmp_path) as c:
+        c.headers.update(auth(RUNS_KEY))
+        gc = GatewayClient("http://testserver")
+        gc.http = c  # TestClient is an httpx.Client: the typed client drives the in-process app
+        rows = ({"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(5000))  # read lazily
+        info = gc.upload_dataset(rows, chunk_rows=700)
+        assert info["n_items"] == 5000 and info["id"].startswith("ds-")
+        job = gc.submit_job({"job_key": "client", "prompts": ["p"]})
+        assert gc.cancel_job(job)["status"] == "cancelled" and gc.job(job)["status"] == "cancelled"
