@@ -8,7 +8,7 @@ process per data_dir drives runs (``LOOM_GATEWAY_RUN_LOOP=false`` on extra API-o
 
 A waiting job or run costs no thread: it awaits futures that the stages' result hub resolves
 (gateway/pipeline.py). The threads of this process are a fixed set whatever the number of jobs: this
-loop, the result hub, the stages' publishers and asyncio's default pool for SQLite writes.
+loop, the result hub, the stages' publishers and ``DB_THREADS`` for SQLite writes.
 
 Cancel (``POST /v1/jobs/{id}/cancel``, ``/v1/runs/{id}/cancel``): the API marks it ``cancelled`` in
 the database and calls ``cancel``: the coroutine is cancelled and the stages skip its tasks still
@@ -23,6 +23,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from gateway.state import GatewayState
 log = logging.getLogger("loom.gateway.manager")
 
 WATCH_S = 0.5  # how often the database is read for cancels made by other gateway processes
+DB_THREADS = 4
 
 
 class Manager:
@@ -52,6 +54,9 @@ class Manager:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
+                # asyncio.to_thread's pool (SQLite writes, loading a run's dataset): a fixed size, not
+                # asyncio's default of cores + 4
+                loop.set_default_executor(ThreadPoolExecutor(DB_THREADS, thread_name_prefix="gateway-db"))
                 self._thread = threading.Thread(target=loop.run_forever, name="gateway-work", daemon=True)
                 self._thread.start()
                 self._loop = loop

@@ -1,6 +1,6 @@
-"""``POST /v1/jobs/{id}/cancel`` stops a job's remaining work (issue 24, item 5): after the answer no
-group of it starts generating or scoring (tasks already queued are skipped by key: a worker that
-receives one returns at once), and the job's status is ``cancelled``. A real gateway process and a
+"""``POST /v1/jobs/{id}/cancel`` stops a job's remaining work (issue 24, item 5): when it answers, the
+job's status is ``cancelled`` and no more of its groups start generating or scoring (tasks already
+queued are skipped by key: a worker that receives one returns at once). A real gateway process and a
 real Celery worker running the SIMPLE STAGE TASKS (tests/gateway/stage_tasks.py) on both brokers; the
 worker logs when each group's work starts. Before, there was no such route (404)."""
 
@@ -58,8 +58,10 @@ def test_a_cancelled_job_starts_no_group_after_the_answer(broker_env: Any, tmp_p
             assert time.monotonic() < deadline, "the cancelled job's queued tasks were never consumed"
             time.sleep(0.2)
         time.sleep(1.5)  # a task received just now would have started by now
-        late = [row for row in _started(task_log) if row[0] > answered + 1.0]
-        assert late == [], f"work started more than 1 s after the cancel: {late}"
+        # At most the one task the worker (one slot) may have let through its key check just before the
+        # skip was stored can start after the answer; every other queued task was skipped.
+        late = [row for row in _started(task_log) if row[0] > answered]
+        assert len(late) <= 1, f"work started after the cancel: {late}"
         generated = {gid for _, task, gid in _started(task_log) if task == "generate"}
         assert len(generated) < N_PROMPTS  # the rest was skipped, not merely finished before the cancel
         after = gw.get(f"/v1/jobs/{job_id}", JOBS_KEY).json()
