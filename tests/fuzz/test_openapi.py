@@ -56,7 +56,7 @@ CHECKS = [
     response_headers_conformance,
     response_schema_conformance,
 ]
-REQUEST_TIMEOUT_S = 120  # a loaded machine; no operation here waits on anything unbounded
+REQUEST_TIMEOUT_S = 300  # a loaded machine; every wait of an operation here is capped (``_small``)
 ADMIN_KEY = "loom_fuzz_admin_key"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 FUZZ = settings(
@@ -72,7 +72,7 @@ def _small(body: Any) -> Any:
     """Cap what a valid request may ask the tiny model or the verifier to do (sizes and timeouts)."""
     if isinstance(body, dict):
         out = {k: _small(v) for k, v in body.items()}
-        for key, cap in (("n", 2), ("max_tokens", 8), ("timeout_s", 2), ("timeout", 2.0)):
+        for key, cap in (("n", 2), ("max_tokens", 8), ("timeout_s", 2), ("timeout", 120.0)):
             if isinstance(out.get(key), int | float) and not isinstance(out.get(key), bool):
                 out[key] = min(out[key], cap)
         return out
@@ -106,7 +106,7 @@ def _serve(app: Any) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """LOOM_* settings of every app here (read when each app module is imported)."""
+    """LOOM_* settings of every app and worker here."""
     from loom.settings import get_settings
 
     data = tmp_path_factory.mktemp("fuzz")
@@ -136,10 +136,24 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         get_settings.cache_clear()
 
 
-def _app(package: str) -> Any:
-    """``<package>.api:app`` built afresh with the current environment."""
-    module = importlib.import_module(f"{package}.api")
-    return importlib.reload(module).app
+@pytest.fixture(scope="module")
+def loom_settings(env: dict[str, str]) -> Any:
+    from loom.settings import Settings
+
+    return Settings()
+
+
+@contextlib.contextmanager
+def _module_app(package: str, settings: Any) -> Iterator[Any]:
+    """``<package>.api:app`` as uvicorn imports it, with this module's settings while the test runs
+    (its routes read ``app.state.settings``; the module is not reloaded: other tests share it)."""
+    app = importlib.import_module(f"{package}.api").app
+    saved = app.state.settings
+    app.state.settings = settings
+    try:
+        yield app
+    finally:
+        app.state.settings = saved
 
 
 def _schema(app: Any, **headers: str) -> Any:
@@ -165,6 +179,8 @@ def fuzz(schema: Any, headers: dict[str, str] | None = None) -> tuple[int, list[
             def one(case: Any) -> None:
                 nonlocal sent
                 case.body = _small(case.body)
+                if isinstance(case.query, dict):
+                    case.query = _small(case.query)
                 sent += 1
                 case.call_and_validate(checks=CHECKS, headers=headers, timeout=REQUEST_TIMEOUT_S)
 
@@ -179,52 +195,61 @@ def fuzz(schema: Any, headers: dict[str, str] | None = None) -> tuple[int, list[
 
 
 @pytest.fixture(scope="module")
-def gateway_schema(env: dict[str, str]) -> Any:
-    return _schema(_app("gateway"), **AUTH)
+def gateway_schema(loom_settings: Any) -> Any:
+    from gateway.api import build_app
+    from loom.queue import make_celery
+
+    return _schema(build_app(loom_settings, celery_app=make_celery("gateway", loom_settings)), **AUTH)
 
 
 @pytest.fixture(scope="module")
-def reward_schema(env: dict[str, str]) -> Iterator[Any]:
-    app = _app("reward_svc")
-    yield _schema(app)
+def reward_schema(loom_settings: Any) -> Iterator[Any]:
+    with _module_app("reward_svc", loom_settings) as app:
+        yield _schema(app)
     importlib.import_module("reward_svc.api")._close_pool()
 
 
 @pytest.fixture(scope="module")
-def rollout_schema(env: dict[str, str]) -> Any:
+def rollout_schema(loom_settings: Any) -> Iterator[Any]:
     from fastapi.testclient import TestClient
 
-    app = _app("rollout_svc")
-    warm = TestClient(app).post("/v1/rollouts", json={"prompt": "1+1=", "sampling": {"max_tokens": 2}})
-    assert warm.status_code == 200, warm.text  # the engine is loaded before the clock of any request
-    return _schema(app)
+    with _module_app("rollout_svc", loom_settings) as app:
+        warm = TestClient(app).post("/v1/rollouts", json={"prompt": "1+1=", "sampling": {"max_tokens": 2}})
+        assert warm.status_code == 200, warm.text  # the engine is loaded before the clock of any request
+        yield _schema(app)
 
 
 @pytest.fixture(scope="module")
-def learner_schema(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def learner_schema(
+    env: dict[str, str], loom_settings: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    from learner.api import build_app
+    from loom.queue import make_celery
+
     worker = start_worker(
         BrokerEnv(kind="embedded", tmp=tmp_path_factory.mktemp("learner"), env=env), "learner"
     )
     try:
-        yield _schema(_app("learner"))
+        yield _schema(build_app(loom_settings, celery_app=make_celery("learner", loom_settings)))
     finally:
         worker.kill_group()
 
 
 @pytest.fixture(scope="module")
-def reflect_schema(env: dict[str, str]) -> Iterator[Any]:
+def reflect_schema(loom_settings: Any) -> Iterator[Any]:
     """The reflect service over HTTP to the rollout and reward apps (served here by uvicorn)."""
     from reflect_svc.config import get_reflect_settings
 
-    rollout_app, reward_app = _app("rollout_svc"), _app("reward_svc")
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(contextlib.contextmanager(_serve)(a)) for a in (rollout_app, reward_app)]
+        apps = [stack.enter_context(_module_app(p, loom_settings)) for p in ("rollout_svc", "reward_svc")]
+        urls = [stack.enter_context(contextlib.contextmanager(_serve)(a)) for a in apps]
         os.environ.update(
             LOOM_REFLECT_TRANSPORT="http", LOOM_REFLECT_ROLLOUT_URL=urls[0], LOOM_REFLECT_REWARD_URL=urls[1]
         )
         get_reflect_settings.cache_clear()
         try:
-            yield _schema(_app("reflect_svc"))
+            with _module_app("reflect_svc", loom_settings) as app:
+                yield _schema(app)
         finally:
             for k in ("LOOM_REFLECT_TRANSPORT", "LOOM_REFLECT_ROLLOUT_URL", "LOOM_REFLECT_REWARD_URL"):
                 os.environ.pop(k, None)
