@@ -11,6 +11,7 @@ GatewayState (SQLite) and metrics code run; only the Stages are simulated.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import tempfile
@@ -37,10 +38,10 @@ class SimulatedStages:
     def __init__(self, gen_s: float, train_s: float) -> None:
         self.gen_s, self.train_s, self.version = gen_s, train_s, 0
 
-    def generate_and_score(
+    async def generate_and_score(
         self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
     ) -> list[tuple[Group, RewardResult]]:
-        time.sleep(self.gen_s)
+        await asyncio.sleep(self.gen_s)
         out = []
         for key, req in items:
             rng = random.Random(key)
@@ -52,8 +53,8 @@ class SimulatedStages:
             out.append((Group(id=key, trajectories=trajs), RewardResult(group_id=key, rewards=rws)))
         return out
 
-    def train(self, key: str, batch: TrainBatch) -> StepResult:
-        time.sleep(self.train_s)
+    async def train(self, key: str, batch: TrainBatch) -> StepResult:
+        await asyncio.sleep(self.train_s)
         self.version += 1
         return StepResult(step=batch.step, policy_version=self.version)
 
@@ -74,7 +75,7 @@ def run_once(tmp: Path, staleness: int, args: argparse.Namespace) -> tuple[float
     )
     run_id, _ = state.create_run("bench", None, req.model_dump(mode="json"), args.steps, 0, 8)
     t0 = time.perf_counter()
-    status = RunLoop(run_id, state, SimulatedStages(args.gen_s, args.train_s), tmp).run()
+    status = asyncio.run(RunLoop(run_id, state, SimulatedStages(args.gen_s, args.train_s), tmp).run())
     wall = time.perf_counter() - t0
     assert status == "succeeded", status
     return wall, state.run_steps(run_id)

@@ -148,18 +148,21 @@ def celery_for(env: dict[str, str]) -> Any:
 def run_through_queue(app: Any, requests: list[RolloutRequest]) -> tuple[float, int, float]:
     """Seconds to get every group back, the completion tokens they hold, and the engine's own seconds
     (the groups' ``generate_s``). Results are awaited the way the gateway awaits its stages
-    (``gateway.pipeline.CeleryStages._wait_all``), so the overhead measured is the one a run sees."""
+    (``gateway.pipeline.CeleryStages._result``), so the overhead measured is the one a run sees."""
     from gateway.pipeline import CeleryStages
     from loom.queue import send
 
     stages = CeleryStages(app)
     t0 = time.perf_counter()
-    pending = {
-        i: send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id)
-        for i, r in enumerate(requests)
-    }
-    groups: dict[int, Any] = {}
-    stages._wait_all(pending, groups.__setitem__)
+    pending = [
+        send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id) for r in requests
+    ]
+
+    async def wait_all() -> list[Any]:
+        return list(await asyncio.gather(*(stages._result(p.id) for p in pending)))
+
+    groups = dict(enumerate(asyncio.run(wait_all())))
+    stages.close()
     elapsed = time.perf_counter() - t0
     tokens = sum(len(t["completion_ids"]) for g in groups.values() for t in g["trajectories"])
     engine_s = sum(g["trajectories"][0]["timing"]["generate_s"] for g in groups.values())

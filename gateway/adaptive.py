@@ -145,29 +145,37 @@ class AdaptiveCounters:
 Sampler = Callable[[list[int], int], list[list[tuple[float, T]]]]
 
 
-def run_rounds(
-    n_prompts: int, sample: Sampler[T], cfg: AdaptiveConfig
-) -> tuple[list[Pool[T]], AdaptiveCounters]:
-    """Phase 1 of Algorithm 1: successive elimination over at most R rounds."""
-    pools: list[Pool[T]] = [Pool() for _ in range(n_prompts)]
-    counters = AdaptiveCounters(prompts=n_prompts)
-    active = list(range(n_prompts))
-    for rnd in range(cfg.max_rounds):
-        if not active:
-            break
-        batches = sample(active, rnd)
+class Rounds(Generic[T]):
+    """Phase 1 of Algorithm 1 as steps: while not ``done``, the ``active`` prompts get M new (reward,
+    item) pairs each (``add``); ``finish`` gives the pools. The caller samples (``run_rounds`` with a
+    callback; the gateway's pipeline awaits its stages between the steps)."""
+
+    def __init__(self, n_prompts: int, cfg: AdaptiveConfig) -> None:
+        self.cfg = cfg
+        self.pools: list[Pool[T]] = [Pool() for _ in range(n_prompts)]
+        self.counters = AdaptiveCounters(prompts=n_prompts)
+        self.active = list(range(n_prompts))
+        self.round = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.active or self.round >= self.cfg.max_rounds
+
+    def add(self, batches: list[list[tuple[float, T]]]) -> None:
+        """This round's batch of every active prompt, in ``active`` order."""
+        active, counters, rnd = self.active, self.counters, self.round
         if len(batches) != len(active):
             raise ValueError(f"sampler returned {len(batches)} batches for {len(active)} active prompts")
         still: list[int] = []
         exited = 0
         for idx, batch in zip(active, batches, strict=True):
-            pool = pools[idx]
+            pool = self.pools[idx]
             for reward, item in batch:
                 pool.rewards.append(float(reward))
                 pool.items.append(item)
             pool.rounds += 1
             counters.samples += len(batch)
-            if exit_met(pool.rewards, cfg):
+            if exit_met(pool.rewards, self.cfg):
                 pool.exited_round = rnd
                 exited += 1
             else:
@@ -175,9 +183,22 @@ def run_rounds(
         counters.rounds_used = rnd + 1
         counters.exited_per_round.append(exited)
         counters.exited += exited
-        active = still
-    counters.fallback = len(active)
-    return pools, counters
+        self.active = still
+        self.round += 1
+
+    def finish(self) -> tuple[list[Pool[T]], AdaptiveCounters]:
+        self.counters.fallback = len(self.active)
+        return self.pools, self.counters
+
+
+def run_rounds(
+    n_prompts: int, sample: Sampler[T], cfg: AdaptiveConfig
+) -> tuple[list[Pool[T]], AdaptiveCounters]:
+    """Phase 1 of Algorithm 1: successive elimination over at most R rounds."""
+    rounds: Rounds[T] = Rounds(n_prompts, cfg)
+    while not rounds.done:
+        rounds.add(sample(rounds.active, rounds.round))
+    return rounds.finish()
 
 
 def select(

@@ -1,14 +1,28 @@
-"""Run datasets: Loom's built-in synthetic tasks (loom.tiny.tasks) or uploaded JSONL of {prompt, answer}."""
+"""Run datasets: Loom's built-in synthetic tasks (loom.tiny.tasks) or uploaded JSONL of {prompt, answer}.
+
+Uploaded JSONL is never held whole in memory: ``DatasetWriter`` takes it in chunks (the stream of
+``POST /v1/datasets``, or a run's inline ``jsonl`` text), checks each line as it comes and writes it to
+``<data_dir>/datasets/<id>.jsonl`` with an index of line offsets (``<id>.idx``); the id is the SHA-256
+of the content, so the same upload is the same dataset. A run reads the rows of each step from the
+file (``StoredDataset``): a 150k-line dataset costs the gateway its index (8 bytes a line), not
+150k parsed items.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
-from typing import Any
+import tempfile
+from array import array
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
 
-from pydantic import ValidationError
+from gateway.models import DATASET_ID, KNOBS, DatasetSpec, TaskItem
 
-from gateway.models import KNOBS, DatasetSpec, TaskItem
+MAX_PROMPT_CHARS = 100_000  # TaskItem.prompt's limit
 
 BUILTIN_TASK_KIND = {"arith": "arithmetic", "countdown": "countdown"}
 
@@ -40,8 +54,143 @@ def builtin_item(problem: Any, mode: str) -> TaskItem:
     return TaskItem(prompt=prompt, label=label, task=kind, mode_params=mode_params)  # type: ignore[arg-type]
 
 
-def load_dataset(spec: DatasetSpec, mode: str = "plain") -> list[TaskItem]:
-    """The run's items. Built-in tasks come formatted for ``mode`` in the tiny model's prompt format."""
+def _check_line(line: str, lineno: int) -> bool:
+    """Whether line ``lineno`` holds an item (False: blank); DatasetError naming the line if it is not a
+    JSON object with a non-empty string ``prompt`` (and an optional ``answer``)."""
+    if not line.strip():
+        return False
+    try:
+        row = json.loads(line)
+        prompt = row["prompt"]
+        row.get("answer")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise DatasetError(f"jsonl line {lineno}: expected an object with 'prompt' and 'answer'") from exc
+    if not isinstance(prompt, str) or not prompt:
+        raise DatasetError(f"jsonl line {lineno}: 'prompt' must be a non-empty string")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise DatasetError(f"jsonl line {lineno}: 'prompt' is longer than {MAX_PROMPT_CHARS} characters")
+    return True
+
+
+class DatasetWriter:
+    """JSONL in chunks -> a stored dataset (see the module docstring). ``feed`` each chunk, then
+    ``finish()`` -> (id, items); a bad line raises DatasetError naming it (nothing is stored)."""
+
+    def __init__(self, root: Path, max_bytes: int | None = None) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        root.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=root, prefix=".upload-", suffix=".jsonl")
+        self._file = os.fdopen(fd, "wb")
+        self._tmp = Path(name)
+        self._hash = hashlib.sha256()
+        self._offsets = array("q")
+        self._rest = b""
+        self._written = 0
+        self._lineno = 0
+
+    def feed(self, chunk: bytes) -> None:
+        """The complete lines of ``chunk`` (after what is left of the previous one) are checked and
+        written; an unfinished last line waits for the next chunk."""
+        if self.max_bytes is not None and self._written + len(self._rest) + len(chunk) > self.max_bytes:
+            self.abort()
+            raise DatasetError(f"the dataset exceeds {self.max_bytes} bytes")
+        data = self._rest + chunk
+        cut = data.rfind(b"\n") + 1
+        self._rest = data[cut:]
+        if cut:
+            self._lines(data[:cut])
+
+    def _lines(self, data: bytes) -> None:
+        try:
+            text = data.decode("utf-8")  # whole lines: a newline never splits a UTF-8 sequence
+        except UnicodeDecodeError as exc:
+            self.abort()
+            lineno = self._lineno + data.count(b"\n", 0, exc.start) + 1
+            raise DatasetError(f"jsonl line {lineno}: not valid UTF-8") from None
+        kept: list[str] = []
+        for line in text[:-1].split("\n"):  # ``data`` ends with its last line's newline
+            self._lineno += 1
+            try:
+                has_item = _check_line(line, self._lineno)
+            except DatasetError:
+                self.abort()
+                raise
+            if has_item:
+                self._offsets.append(self._written)
+                row = line.rstrip("\r") + "\n"
+                self._written += len(row.encode())
+                kept.append(row)
+        out = "".join(kept).encode()
+        self._file.write(out)
+        self._hash.update(out)
+
+    def finish(self) -> tuple[str, int]:
+        if self._rest:  # a last line without a newline
+            rest, self._rest = self._rest, b""
+            self._lines(rest + b"\n")
+        self._file.close()
+        if not self._offsets:
+            self.abort()
+            raise DatasetError("the dataset is empty")
+        dataset_id = "ds-" + self._hash.hexdigest()[:24]
+        data, index = self.root / f"{dataset_id}.jsonl", self.root / f"{dataset_id}.idx"
+        with open(index.with_suffix(".idx.tmp"), "wb") as f:
+            self._offsets.tofile(f)
+        os.replace(index.with_suffix(".idx.tmp"), index)  # the index first: a data file implies one
+        os.replace(self._tmp, data)
+        return dataset_id, len(self._offsets)
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+def store_jsonl(text: str, root: Path) -> tuple[str, int]:
+    """A run's inline JSONL text as a stored dataset (the same checks and id as an upload)."""
+    writer = DatasetWriter(root)
+    data = text.encode()
+    for i in range(0, len(data), 1 << 20):
+        writer.feed(data[i : i + (1 << 20)])
+    return writer.finish()
+
+
+class StoredDataset(Sequence[TaskItem]):
+    """The items of a stored dataset, read from its file row by row."""
+
+    def __init__(self, root: Path, dataset_id: str, task: Any = None) -> None:
+        self.path = root / f"{dataset_id}.jsonl"
+        self.task = task
+        if not DATASET_ID.fullmatch(dataset_id) or not self.path.exists():
+            raise DatasetError(f"no dataset {dataset_id} (POST /v1/datasets stores one)")
+        self._offsets = array("q")
+        with open(root / f"{dataset_id}.idx", "rb") as f:
+            self._offsets.frombytes(f.read())
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    @overload
+    def __getitem__(self, i: int) -> TaskItem: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[TaskItem]: ...
+    def __getitem__(self, i: int | slice) -> TaskItem | list[TaskItem]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        with open(self.path, "rb") as f:
+            f.seek(self._offsets[i])
+            row = json.loads(f.readline())
+        answer = row.get("answer")
+        return TaskItem(prompt=row["prompt"], label=None if answer is None else str(answer), task=self.task)
+
+    def __iter__(self) -> Iterator[TaskItem]:
+        return (self[i] for i in range(len(self)))
+
+
+def load_dataset(spec: DatasetSpec, mode: str = "plain", data_dir: Path | None = None) -> Sequence[TaskItem]:
+    """The run's items. Built-in tasks come formatted for ``mode`` in the tiny model's prompt format;
+    uploaded ones are read from ``<data_dir>/datasets`` (inline ``jsonl`` is stored there first)."""
     if spec.builtin is not None:
         from loom.tiny.tasks import TINY_KNOBS, make_problems
 
@@ -54,27 +203,19 @@ def load_dataset(spec: DatasetSpec, mode: str = "plain") -> list[TaskItem]:
         except ValueError as exc:  # too few distinct problems for ``size`` under these knobs
             raise DatasetError(str(exc)) from None
         return [builtin_item(p, mode) for p in problems]
-    items: list[TaskItem] = []
-    for lineno, line in enumerate((spec.jsonl or "").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompt, answer = row["prompt"], row.get("answer")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise DatasetError(f"jsonl line {lineno}: expected an object with 'prompt' and 'answer'") from exc
-        if not isinstance(prompt, str) or not prompt:
-            raise DatasetError(f"jsonl line {lineno}: 'prompt' must be a non-empty string")
-        try:
-            items.append(
-                TaskItem(prompt=prompt, label=None if answer is None else str(answer), task=spec.task)
-            )
-        except ValidationError as exc:
-            e = exc.errors()[0]
-            raise DatasetError(f"jsonl line {lineno}: {'.'.join(map(str, e['loc']))}: {e['msg']}") from None
-    if not items:
-        raise DatasetError("the dataset is empty")
-    return items
+    root = dataset_root(data_dir)
+    dataset_id = spec.id
+    if dataset_id is None:
+        dataset_id, _ = store_jsonl(spec.jsonl or "", root)
+    return StoredDataset(root, dataset_id, spec.task)
+
+
+def dataset_root(data_dir: Path | None) -> Path:
+    if data_dir is None:
+        from loom.settings import get_settings
+
+        data_dir = Path(get_settings().data_dir)
+    return Path(data_dir) / "datasets"
 
 
 def step_indices(n_items: int, batch_size: int, seed: int, step: int) -> list[int]:

@@ -1,25 +1,28 @@
-"""Jobs for external trainers: prompts in, scored groups out (stored one by one as they finish)."""
+"""Jobs for external trainers: prompts in, scored groups out (stored one by one as they finish).
+
+A job is a coroutine (gateway/manager.py runs it): up to ``parallel`` of its prompts are in the
+pipeline at once, and while it waits on its tasks it holds futures, not threads.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gateway.models import JobRequest
-from gateway.pipeline import Cancelled, Stages, collect
+from gateway.pipeline import Cancelled, Stages, collect, gather_all
 from gateway.runs import adaptive_config, to_request
 from gateway.state import GatewayState
 
 log = logging.getLogger("loom.gateway.jobs")
 
 
-def run_job(
-    job_id: str, state: GatewayState, stages: Stages, stop: threading.Event, parallel: int = 8
-) -> str:
-    """Run (or resume) a job: every prompt not yet stored goes through the pipeline; returns the status."""
+async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: int = 8) -> str:
+    """Run (or resume) a job: every prompt not yet stored goes through the pipeline; returns the status
+    (``interrupted`` when the gateway stops: the job stays ``running`` and is resumed at the next start).
+    A cancel (``POST /v1/jobs/{id}/cancel``) cancels this coroutine (gateway/manager.py)."""
     row = state.job(job_id)
     if row is None:
         raise KeyError(job_id)
@@ -27,49 +30,46 @@ def run_job(
     items = req.items()
     adaptive = adaptive_config(req)
     done = state.job_done_indices(job_id)
-    state.set_job(job_id, status="running")
+    if not await asyncio.to_thread(state.start_job, job_id):  # cancelled before it started
+        return str((state.job(job_id) or {}).get("status", "cancelled"))
     counters: dict[str, float] = json.loads(row["counters"] or "{}")
-    lock = threading.Lock()
+    slots = asyncio.Semaphore(parallel)
 
-    def one(i: int) -> None:
-        if stop.is_set():
-            raise Cancelled("gateway stopping")
-        got = collect(
-            stages,
-            f"{job_id}.p{i}",
-            [to_request(items[i], req)],
-            req.reward,
-            adaptive=adaptive,
-            policy_version=req.policy_version,
-            reflect=req.reflect,
-        )
+    async def one(i: int) -> None:
+        async with slots:
+            got = await collect(
+                stages,
+                f"{job_id}.p{i}",
+                [to_request(items[i], req)],
+                req.reward,
+                adaptive=adaptive,
+                policy_version=req.policy_version,
+                reflect=req.reflect,
+            )
         scored = got.groups[0]
         payload: dict[str, Any] = {"index": i, "group": None, "rewards": None}
         if scored is not None:
             payload["group"] = scored[0].model_dump(mode="json")
             payload["rewards"] = scored[1].model_dump(mode="json")
-        with lock:
-            for k, v in got.counters.items():
-                if k == "adaptive_rounds_used":
-                    counters[k] = max(counters.get(k, 0.0), v)
-                elif k != "adaptive_samples_per_prompt":
-                    counters[k] = counters.get(k, 0.0) + v
-            if counters.get("adaptive_prompts"):
-                counters["adaptive_samples_per_prompt"] = (
-                    counters["adaptive_samples"] / counters["adaptive_prompts"]
-                )
-        state.add_job_group(job_id, i, payload)
+        for k, v in got.counters.items():  # one event loop: no lock needed
+            if k == "adaptive_rounds_used":
+                counters[k] = max(counters.get(k, 0.0), v)
+            elif k != "adaptive_samples_per_prompt":
+                counters[k] = counters.get(k, 0.0) + v
+        if counters.get("adaptive_prompts"):
+            per_prompt = counters["adaptive_samples"] / counters["adaptive_prompts"]
+            counters["adaptive_samples_per_prompt"] = per_prompt
+        await asyncio.to_thread(state.add_job_group, job_id, i, payload)
 
-    todo = [i for i in range(len(items)) if i not in done]
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(todo) or 1))) as pool:
-            for f in [pool.submit(one, i) for i in todo]:
-                f.result()
+        await gather_all(one(i) for i in range(len(items)) if i not in done)
     except Cancelled:
         return "interrupted"
     except Exception as exc:
         log.exception("job %s failed", job_id)
-        state.set_job(job_id, status="failed", error=f"{type(exc).__name__}: {exc}", counters=counters)
+        error = f"{type(exc).__name__}: {exc}"
+        await asyncio.to_thread(state.finish, "jobs", job_id, "failed", error=error, counters=counters)
         return "failed"
-    state.set_job(job_id, status="succeeded", counters=counters)
-    return "succeeded"
+    if await asyncio.to_thread(state.finish, "jobs", job_id, "succeeded", counters=counters):
+        return "succeeded"
+    return str((state.job(job_id) or {}).get("status", "cancelled"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -20,6 +21,7 @@ from loom.schemas import (
     check_estimator_params,
 )
 
+DATASET_ID = re.compile(r"ds-[0-9a-f]{24}")  # a stored dataset (gateway/datasets.py)
 MAX_VERSION = 2**53  # policy versions and step numbers: exact in JSON and in SQLite's 64-bit integers
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -132,7 +134,8 @@ KNOBS: dict[str, type[Contract]] = {"arith": ArithKnobs, "countdown": CountdownK
 
 
 class DatasetSpec(Contract):
-    """``builtin`` synthetic tasks (loom.tiny.tasks) or uploaded ``jsonl`` / ``items`` of {prompt, answer}."""
+    """``builtin`` synthetic tasks (loom.tiny.tasks), a stored dataset ``id`` (``POST /v1/datasets``), or
+    inline ``jsonl`` text (small datasets; stored the same way at submission) of {prompt, answer}."""
 
     builtin: Literal["arith", "countdown"] | None = None
     size: int = Field(default=256, ge=1, le=100_000)
@@ -143,12 +146,15 @@ class DatasetSpec(Contract):
         "distribution the tiny model was trained on",
     )
     jsonl: str | None = Field(default=None, description="uploaded JSONL text, one {prompt, answer} a line")
+    id: str | None = Field(
+        default=None, pattern=DATASET_ID.pattern, description="a dataset stored by POST /v1/datasets"
+    )
     task: TaskKind | None = Field(default=None, description="task kind of uploaded items")
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
-        if (self.builtin is None) == (self.jsonl is None):
-            raise ValueError("give exactly one of builtin or jsonl")
+        if sum(x is not None for x in (self.builtin, self.jsonl, self.id)) != 1:
+            raise ValueError("give exactly one of builtin, jsonl or id")
         if self.knobs:
             if self.builtin is None:
                 raise ValueError("knobs apply to builtin datasets only")
@@ -212,6 +218,11 @@ class RunView(Contract):
     batch_size: int
     error: str | None = None
     last_metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class DatasetInfo(Contract):
+    id: str = Field(description="the dataset's id, for a run's dataset.id (the SHA-256 of its content)")
+    n_items: int
 
 
 class Created(Contract):

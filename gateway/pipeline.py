@@ -1,38 +1,49 @@
 """Pipelines over the queues: rollout -> reward -> optional reflection -> (adaptive rounds) -> learner.
 
 Orchestration is explicit (not a Celery canvas): the gateway publishes each stage's task BY NAME with
-a deterministic idempotency key, polls the result backend, and publishes the next stage as soon as a
-group is ready (a group's reward task starts while other groups still generate). Deterministic keys make
+a deterministic idempotency key, awaits its result, and publishes the group's next stage as soon as it
+is ready (a group's reward task starts while other groups still generate). Deterministic keys make
 every stage restartable: a re-published task whose key already has a result returns that result
 (loom.queue.LoomTask), so a restarted gateway re-walks a step without re-generating or re-training.
 
-``Stages`` is the seam: ``CeleryStages`` talks to the real workers; anything with the same methods can
-stand in (benchmarks with simulated latencies).
+Every stage is a coroutine: a job or run waiting on its tasks holds futures, not threads. Results are
+read for the whole process by one ``loom.results.ResultHub`` thread; publishing (blocking broker I/O)
+runs on a small pool of ``publishers`` threads. Every task key begins with its job's or run's id and
+a dot (``scope_of``): ``CeleryStages.cancel(scope)`` marks the scope's published, unfinished tasks as
+done with a ``SKIPPED`` result, so a worker that receives one returns at once (LoomTask's idempotency
+read) instead of generating or scoring for a cancelled job.
+
+``Stages`` is the seam: ``CeleryStages`` talks to the real workers; anything with the same coroutine
+methods can stand in (benchmarks with simulated latencies, tests).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from celery import states
 from kombu.exceptions import OperationalError
 
-from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, merge_group, run_rounds, select
-from loom.results import STORE_UNREACHABLE, ResultWaiter
+from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, Rounds, merge_group, select
+from loom.results import STORE_UNREACHABLE, ResultHub
 from loom.schemas import Group, RewardResult, RewardSpec, RolloutRequest, StepResult, TrainBatch
 
 GENERATE = "rollout.generate_group"
 SCORE = "reward.score_group"
 REFLECT = "reflect.revise_group"
 TRAIN = "learner.train_step"
+SKIPPED = {"loom_skipped": "cancelled"}  # the result a cancelled job's unfinished tasks are given
 
 log = logging.getLogger("loom.gateway.pipeline")
 _UNREACHABLE: tuple[type[BaseException], ...] = (OperationalError, *STORE_UNREACHABLE)  # both come back
+R = TypeVar("R")
 
 
 class Cancelled(RuntimeError):
@@ -43,14 +54,39 @@ class StageError(RuntimeError):
     pass
 
 
+def scope_of(key: str) -> str:
+    """The job or run a task key belongs to (its keys are ``<id>.<...>``)."""
+    return key.split(".", 1)[0]
+
+
+async def gather_all(aws: Iterable[Awaitable[R]]) -> list[R]:
+    """``asyncio.gather`` that cancels the others when one fails (and re-raises that failure as it is,
+    not wrapped in an ExceptionGroup as a TaskGroup would)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+
+
 class Stages(Protocol):
-    def generate_and_score(
+    async def generate_and_score(
         self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
     ) -> list[tuple[Group, RewardResult]]:
         """Generate, score (and revise) one group per (key, request); results in input order."""
         ...
 
-    def train(self, key: str, batch: TrainBatch) -> StepResult: ...
+    async def train(self, key: str, batch: TrainBatch) -> StepResult: ...
+
+    async def cancel(self, scope: str) -> int:
+        """Skip the work of job or run ``scope`` still queued; returns how many tasks."""
+        ...
+
+    def forget(self, scope: str) -> None:
+        """``scope`` has ended: drop what was kept for ``cancel``."""
+        ...
 
 
 @dataclass
@@ -58,116 +94,122 @@ class CeleryStages:
     """Stages backed by the services' Celery tasks (sent by name: no service package is imported)."""
 
     app: Any  # celery.Celery
-    timeout: float = 3600.0
+    timeout: float = 3600.0  # how long one task's result is awaited
     poll: float = 0.02
     stop: threading.Event = field(default_factory=threading.Event)
-
     publish_timeout: float = 300.0  # how long a publish waits for an unreachable broker to come back
+    publishers: int = 4  # threads that publish (blocking broker I/O) for every job and run
 
-    def _send(self, name: str, key: str, *args: Any) -> Any:
-        # The broker or the result store may be restarting: try again until it is back (the task's
-        # key makes a duplicate harmless: a task whose key has a result returns it, LoomTask).
+    def __post_init__(self) -> None:
+        self.hub = ResultHub(self.app, poll=self.poll, name="gateway-results")
+        self._pool = ThreadPoolExecutor(self.publishers, thread_name_prefix="gateway-publish")
+        self._published: dict[str, set[str]] = {}  # scope -> keys published, result not read yet
+
+    async def _blocking(self, fn: Callable[..., R], *args: Any) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _publish(self, name: str, key: str, args: tuple[Any, ...]) -> None:
+        # A task already started or finished under this key is awaited, not published again.
+        if self.app.AsyncResult(key).state in ("STARTED", "SUCCESS", "RETRY"):
+            return
+        self.app.send_task(name, args=list(args), task_id=key)
+
+    async def _send(self, name: str, key: str, *args: Any) -> str:
+        """Publish task ``name`` under ``key``. The broker or the result store may be restarting: try
+        again until it is back, the last time at or after ``publish_timeout`` s, so a failed publish has
+        always been tried at least twice however long one try takes (the task's key makes a duplicate
+        harmless: a task whose key has a result returns it, LoomTask)."""
         deadline = time.monotonic() + self.publish_timeout
-        wait = 0.25
+        wait, tries = 0.25, 0
         while True:
+            tries += 1
             try:
-                result = self.app.AsyncResult(key)
-                # A task already started or finished under this key is awaited, not published again.
-                if result.state in ("STARTED", "SUCCESS", "RETRY"):
-                    return result
-                return self.app.send_task(name, args=list(args), task_id=key)
+                self._published.setdefault(scope_of(key), set()).add(key)
+                await self._blocking(self._publish, name, key, args)
+                return key
             except _UNREACHABLE as exc:
                 what = "broker" if isinstance(exc, OperationalError) else "result store"
-                if time.monotonic() + wait > deadline:
-                    raise StageError(f"{what} unreachable for {self.publish_timeout:.0f} s: {exc}") from exc
-                log.warning("publishing %s[%s] failed (%s); again in %.2f s", name, key, exc, wait)
-                if self.stop.wait(wait):
-                    raise Cancelled("stopped") from exc
+                left = deadline - time.monotonic()
+                if left <= 0 and tries > 1:
+                    raise StageError(
+                        f"{what} unreachable for {self.publish_timeout:.0f} s ({tries} tries): {exc}"
+                    ) from exc
+                pause = min(wait, max(left, 0.0))
+                log.warning("publishing %s[%s] failed (%s); again in %.2f s", name, key, exc, pause)
+                await self._pause(pause)
                 wait = min(2 * wait, 5.0)
 
-    def _wait_all(self, pending: dict[int, Any], on_ready: Callable[[int, Any], None]) -> None:
-        """Hand each result to ``on_ready`` as soon as it is ready (loom.results.ResultWaiter: one batched
-        read per change signal of the result store, not a read per task every ``poll``)."""
-        deadline = time.monotonic() + self.timeout
-        with ResultWaiter(self.app, poll=self.poll) as waiter:
-            while pending:
-                if self.stop.is_set():
-                    raise Cancelled("stopped")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StageError(f"{len(pending)} tasks still pending after {self.timeout:.0f} s")
-                ids = {res.id: i for i, res in pending.items()}
-                try:
-                    ready = waiter.wait(list(ids), timeout=min(left, 0.25))
-                except STORE_UNREACHABLE as exc:  # a restarting result store: read again soon
-                    log.warning("result store unreachable (%s); reading again in 1 s", exc)
-                    if self.stop.wait(1.0):
-                        raise Cancelled("stopped") from exc
-                    continue
-                for tid, meta in ready.items():
-                    i = ids[tid]
-                    del pending[i]
-                    if meta["status"] != states.SUCCESS:
-                        err = meta.get("result")
-                        raise StageError(f"task {tid} {meta['status'].lower()}: {type(err).__name__}: {err}")
-                    on_ready(i, meta["result"])
+    async def _pause(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            if self.stop.is_set():
+                raise Cancelled("stopped")
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, 0.1))
 
-    def generate_and_score(
+    async def _result(self, key: str) -> Any:
+        """The result of task ``key`` once it is ready (StageError for a failed task or after
+        ``timeout`` s)."""
+        try:
+            meta = await asyncio.wait_for(self.hub.wait(key), self.timeout)
+        except TimeoutError:
+            raise StageError(f"task {key} still pending after {self.timeout:.0f} s") from None
+        published = self._published.get(scope_of(key))
+        if published is not None:
+            published.discard(key)
+            if not published:
+                del self._published[scope_of(key)]
+        if meta["status"] != states.SUCCESS:
+            err = meta.get("result")
+            raise StageError(f"task {key} {meta['status'].lower()}: {type(err).__name__}: {err}")
+        return meta["result"]
+
+    async def _call(self, name: str, key: str, *args: Any) -> Any:
+        await self._send(name, key, *args)
+        return await self._result(key)
+
+    async def generate_and_score(
         self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
     ) -> list[tuple[Group, RewardResult]]:
         spec_d = spec.model_dump(mode="json")
-        groups: dict[int, Group] = {}
-        out: dict[int, tuple[Group, RewardResult]] = {}
-        gen = {
-            i: self._send(GENERATE, key, req.model_dump(mode="json")) for i, (key, req) in enumerate(items)
-        }
-        score: dict[int, Any] = {}
 
-        def generated(i: int, value: Any) -> None:
-            group = Group.model_validate(value)
-            groups[i] = group
-            score[i] = self._send(SCORE, f"{items[i][0]}.score", group.model_dump(mode="json"), spec_d)
+        async def one(key: str, req: RolloutRequest) -> tuple[Group, RewardResult]:
+            group = Group.model_validate(await self._call(GENERATE, key, req.model_dump(mode="json")))
+            g = group.model_dump(mode="json")
+            result = RewardResult.model_validate(await self._call(SCORE, f"{key}.score", g, spec_d))
+            if reflect:  # optional stage: reflect.revise_group(group) -> revisions added, then re-scored
+                group = Group.model_validate(await self._call(REFLECT, f"{key}.reflect", g))
+                g = group.model_dump(mode="json")
+                result = RewardResult.model_validate(await self._call(SCORE, f"{key}.rescore", g, spec_d))
+            return group, result
 
-        self._wait_all(gen, generated)
+        return await gather_all(one(key, req) for key, req in items)
 
-        def scored(i: int, value: Any) -> None:
-            out[i] = (groups[i], RewardResult.model_validate(value))
+    async def train(self, key: str, batch: TrainBatch) -> StepResult:
+        return StepResult.model_validate(await self._call(TRAIN, key, batch.model_dump(mode="json")))
 
-        self._wait_all(score, scored)
-        if reflect:
-            out = self._reflect(items, out, spec_d)
-        return [out[i] for i in range(len(items))]
+    async def cancel(self, scope: str) -> int:
+        """Give every task of ``scope`` published and not read back the ``SKIPPED`` result, so a worker
+        that receives it later returns at once; returns how many. A result already stored is kept (the
+        result stores never overwrite a SUCCESS), and a task already running finishes unread."""
+        keys = sorted(self._published.pop(scope, set()))
 
-    def _reflect(
-        self,
-        items: Sequence[tuple[str, RolloutRequest]],
-        scored: dict[int, tuple[Group, RewardResult]],
-        spec_d: dict[str, Any],
-    ) -> dict[int, tuple[Group, RewardResult]]:
-        """Optional stage: reflect.revise_group(group) -> Group with revisions added, then re-score."""
-        rev = {
-            i: self._send(REFLECT, f"{items[i][0]}.reflect", g.model_dump(mode="json"))
-            for i, (g, _) in scored.items()
-        }
-        revised: dict[int, Group] = {}
-        rescore: dict[int, Any] = {}
+        def mark() -> None:
+            for key in keys:
+                self.app.backend.store_result(key, SKIPPED, states.SUCCESS)
 
-        def done(i: int, value: Any) -> None:
-            revised[i] = Group.model_validate(value)
-            rescore[i] = self._send(
-                SCORE, f"{items[i][0]}.rescore", revised[i].model_dump(mode="json"), spec_d
-            )
+        if keys:
+            await self._blocking(mark)
+        return len(keys)
 
-        self._wait_all(rev, done)
-        out: dict[int, tuple[Group, RewardResult]] = {}
-        self._wait_all(rescore, lambda i, v: out.__setitem__(i, (revised[i], RewardResult.model_validate(v))))
-        return out
+    def forget(self, scope: str) -> None:
+        self._published.pop(scope, None)
 
-    def train(self, key: str, batch: TrainBatch) -> StepResult:
-        res = self._send(TRAIN, key, batch.model_dump(mode="json"))
-        box: dict[int, Any] = {}
-        self._wait_all({0: res}, lambda i, v: box.__setitem__(i, v))
-        return StepResult.model_validate(box[0])
+    def close(self) -> None:
+        self.hub.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,7 +236,7 @@ def rollout_request(
     return base.model_copy(update=update)
 
 
-def collect(
+async def collect(
     stages: Stages,
     key_prefix: str,
     requests: Sequence[RolloutRequest],
@@ -212,7 +254,7 @@ def collect(
             (f"{key_prefix}.p{i}", rollout_request(r, f"{key_prefix}.p{i}", r.sampling.n, policy_version))
             for i, r in enumerate(requests)
         ]
-        results = stages.generate_and_score(items, spec, reflect)
+        results = await stages.generate_and_score(items, spec, reflect)
         sampled.extend(results)
         counters = AdaptiveCounters(
             prompts=len(requests), samples=sum(len(g.trajectories) for g, _ in results)
@@ -220,24 +262,24 @@ def collect(
         return Collected(list(results), counters.as_dict(), sampled, time.perf_counter() - t0)
 
     per_prompt: list[list[tuple[Group, RewardResult]]] = [[] for _ in requests]
-
-    def sample(active: list[int], rnd: int) -> list[list[tuple[float, tuple[int, int]]]]:
+    rounds: Rounds[tuple[int, int]] = Rounds(len(requests), adaptive)
+    while not rounds.done:
+        active, rnd = rounds.active, rounds.round
         items = []
         for i in active:
             gid = f"{key_prefix}.p{i}.r{rnd}"
             items.append(
                 (gid, rollout_request(requests[i], gid, adaptive.samples_per_round, policy_version, rnd))
             )
-        results = stages.generate_and_score(items, spec, reflect)
+        results = await stages.generate_and_score(items, spec, reflect)
         batches = []
         for i, (group, result) in zip(active, results, strict=True):
             per_prompt[i].append((group, result))
             sampled.append((group, result))
             by_id = {r.trajectory_id: r.total for r in result.rewards}
             batches.append([(by_id.get(t.id, 0.0), (i, j)) for j, t in enumerate(group.trajectories)])
-        return batches
-
-    pools, counters = run_rounds(len(requests), sample, adaptive)
+        rounds.add(batches)
+    pools, counters = rounds.finish()
     chosen = select(pools, adaptive, counters)
     groups: list[tuple[Group, RewardResult] | None] = []
     for i, choice in enumerate(chosen):

@@ -10,16 +10,19 @@ step; each step's batch size and generation version are fixed in ``run_plans`` b
 every task key is derived from (run, step, prompt, round). A restarted gateway therefore re-walks the
 first uncompleted step with the same prompts and keys: finished rollouts and a finished train step
 return their stored results, nothing is trained twice and no step is skipped.
+
+The loop is a coroutine (gateway/manager.py runs it beside every other job and run on one event loop):
+waiting on generation or training holds futures, not threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,16 +91,18 @@ class RunLoop:
         if row is None:
             raise KeyError(run_id)
         self.req = RunRequest.model_validate(json.loads(row["config"]))
-        self.dataset = load_dataset(self.req.dataset, self.req.mode)
+        self.dataset: Sequence[TaskItem] = load_dataset(self.req.dataset, self.req.mode, data_dir)
         self.adaptive = adaptive_config(self.req)
         self.jsonl = data_dir / "runs" / run_id / "metrics.jsonl"
 
     # ---------------------------------------------------------------------------------------- stages
-    def generate(self, step: int, batch_size: int, gen_version: int) -> Generated:
-        batch_size, gen_version = self.state.plan(self.run_id, step, batch_size, gen_version)
+    async def generate(self, step: int, batch_size: int, gen_version: int) -> Generated:
+        batch_size, gen_version = await asyncio.to_thread(
+            self.state.plan, self.run_id, step, batch_size, gen_version
+        )
         rows = step_indices(len(self.dataset), batch_size, self.req.schedule.seed, step)
         requests = [to_request(self.dataset[i], self.req) for i in rows]
-        collected = collect(
+        collected = await collect(
             self.stages,
             f"{self.run_id}.s{step}",
             requests,
@@ -108,7 +113,7 @@ class RunLoop:
         )
         return Generated(step, batch_size, gen_version, collected)
 
-    def train(self, gen: Generated, version: int) -> tuple[int, dict[str, float]]:
+    async def train(self, gen: Generated, version: int) -> tuple[int, dict[str, float]]:
         """Train step ``gen.step``; returns the new policy version and the learner's metrics."""
         kept = [g for g in gen.collected.groups if g is not None]
         if not kept:  # every prompt dropped: no update, the policy stays
@@ -126,20 +131,19 @@ class RunLoop:
         )
         # No broadcast to the engines: the next step's requests name the new version, and each rollout
         # replica loads it from the policy store before generating (rollout_svc.rollout.catch_up).
-        result = self.stages.train(f"{self.run_id}.train.s{gen.step}", batch)
+        result = await self.stages.train(f"{self.run_id}.train.s{gen.step}", batch)
         metrics = {f"learner/{k}": float(v) for k, v in result.metrics.items()}
         metrics["train_tokens"] = float(result.n_tokens)
         return result.policy_version, metrics
 
     # ------------------------------------------------------------------------------------------ loop
-    def run(self) -> str:
+    async def run(self) -> str:
         """Drive the run to its end (or until ``stop``); returns the final status."""
-        if not self.state.start_run(self.run_id):  # cancelled before its loop started
+        if not await asyncio.to_thread(self.state.start_run, self.run_id):  # cancelled before it started
             return "cancelled"
-        self._rewrite_jsonl()
+        await asyncio.to_thread(self._rewrite_jsonl)
         sched = self.req.schedule
-        gen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gen-{self.run_id}")
-        inflight: dict[int, Future[Generated]] = {}
+        inflight: dict[int, asyncio.Task[Generated]] = {}
         try:
             while True:
                 row = self.state.run(self.run_id)
@@ -152,32 +156,33 @@ class RunLoop:
                     int(row["batch_size"]),
                 )
                 if step >= int(row["total_steps"]):
-                    self.state.set_run(self.run_id, status="succeeded")
+                    await asyncio.to_thread(self.state.finish, "runs", self.run_id, "succeeded")
                     return "succeeded"
                 if self.stop.is_set():
                     raise Cancelled("gateway stopping")
                 # Generation may run ahead up to `staleness` steps, with the newest version now.
                 for k in range(step, min(int(row["total_steps"]), step + sched.staleness + 1)):
                     if k not in inflight:
-                        inflight[k] = gen_pool.submit(self.generate, k, batch, version)
+                        inflight[k] = asyncio.ensure_future(self.generate(k, batch, version))
                 t_step = time.perf_counter()
-                gen_future = inflight.pop(step)
+                gen_task = inflight[step]  # in `inflight` until done: `finally` cancels what is left
                 while True:  # a cancel is seen within WAIT_POLL_S, not when the generation ends
-                    try:
-                        gen = gen_future.result(timeout=WAIT_POLL_S)
+                    done, _ = await asyncio.wait({gen_task}, timeout=WAIT_POLL_S)
+                    if done:
+                        del inflight[step]
+                        gen = gen_task.result()
                         break
-                    except FutureTimeout:
-                        if self._cancelled():
-                            return "cancelled"
-                        if self.stop.is_set():
-                            raise Cancelled("gateway stopping") from None
+                    if self._cancelled():
+                        return "cancelled"
+                    if self.stop.is_set():
+                        raise Cancelled("gateway stopping")
                 if self._cancelled():  # nothing is trained (nor published) for a cancelled run
                     return "cancelled"
                 staleness = version - gen.gen_version
                 if staleness > sched.staleness:  # cannot happen by construction; refuse rather than train
                     raise RuntimeError(f"step {step}: staleness {staleness} > bound {sched.staleness}")
                 t_train = time.perf_counter()
-                new_version, learner_metrics = self.train(gen, version)
+                new_version, learner_metrics = await self.train(gen, version)
                 train_seconds = time.perf_counter() - t_train
                 kept = gen.collected.groups
                 signal = sum(1 for g in kept if g is not None and has_signal(*g))
@@ -210,8 +215,10 @@ class RunLoop:
                     **gen.collected.counters,
                     **learner_metrics,
                 }
-                if self.state.complete_step(self.run_id, step, metrics, new_version, new_batch):
-                    self._append_jsonl(metrics)
+                if await asyncio.to_thread(
+                    self.state.complete_step, self.run_id, step, metrics, new_version, new_batch
+                ):
+                    await asyncio.to_thread(self._append_jsonl, metrics)
                     log.info("run %s step %d done: reward %.3f", self.run_id, step, metrics["reward_mean"])
         except Cancelled:
             return "interrupted"
@@ -219,10 +226,12 @@ class RunLoop:
             if self._cancelled():  # a cancel wins over the failure of the step it interrupted
                 return "cancelled"
             log.exception("run %s failed", self.run_id)
-            self.state.set_run(self.run_id, status="failed", error=f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            await asyncio.to_thread(self.state.finish, "runs", self.run_id, "failed", error=error)
             return "failed"
         finally:
-            gen_pool.shutdown(wait=False, cancel_futures=True)
+            for task in inflight.values():
+                task.cancel()
 
     def _cancelled(self) -> bool:
         row = self.state.run(self.run_id)

@@ -1,6 +1,10 @@
 """Durable gateway state in SQLite (``<data_dir>/gateway.sqlite``): jobs, their scored groups, runs,
 their step plans and completed steps. Every state change is one transaction, so a killed gateway
 leaves either the old or the new state, never half of a step.
+
+Each job and run records its cost (``samples``, ``tokens``: gateway/quotas.py); a submission is checked
+against its key's quotas in the same transaction that inserts it, so concurrent submissions cannot
+both slip under a limit.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from gateway.quotas import Cost, Quotas, over_quota
+
+ACTIVE = ("queued", "running")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -34,6 +42,8 @@ CREATE TABLE IF NOT EXISTS run_plans (
 CREATE TABLE IF NOT EXISTS run_steps (
   run_id TEXT NOT NULL, step INTEGER NOT NULL, metrics TEXT NOT NULL, PRIMARY KEY (run_id, step));
 """
+# columns added after the first release: added to an older database when it is opened
+COST_COLUMNS = ("samples INTEGER NOT NULL DEFAULT 0", "tokens INTEGER NOT NULL DEFAULT 0")
 
 
 class GatewayState:
@@ -41,7 +51,13 @@ class GatewayState:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        self._db().executescript(SCHEMA)
+        db = self._db()
+        db.executescript(SCHEMA)
+        for table in ("jobs", "runs"):
+            have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+            for column in COST_COLUMNS:
+                if column.split()[0] not in have:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -64,11 +80,39 @@ class GatewayState:
             raise
         db.execute("COMMIT")
 
+    def data_version(self) -> int:
+        """Changes when another connection commits (a cheap "anything new?" for event streams)."""
+        return int(self._db().execute("PRAGMA data_version").fetchone()[0])
+
+    def _check_quota(self, db: sqlite3.Connection, owner: str, kind: str, cost: Cost, quotas: Quotas) -> None:
+        """Raise QuotaExceeded when ``cost`` does not fit beside ``owner``'s queued and running work."""
+        marks = ",".join("?" * len(ACTIVE))
+        held = [0, 0, 0, 0]  # jobs, runs, samples, tokens
+        for i, table in enumerate(("jobs", "runs")):
+            row = db.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(samples), 0), COALESCE(SUM(tokens), 0) FROM {table} "  # noqa: S608
+                f"WHERE owner=? AND status IN ({marks})",
+                (owner, *ACTIVE),
+            ).fetchone()
+            held[i] = int(row[0])
+            held[2] += int(row[1])
+            held[3] += int(row[2])
+        problem = over_quota(kind, cost, quotas, jobs=held[0], runs=held[1], samples=held[2], tokens=held[3])
+        if problem is not None:
+            raise problem
+
     # ------------------------------------------------------------------------------------------ jobs
     def create_job(
-        self, owner: str, job_key: str, request: dict[str, Any], n_prompts: int
+        self,
+        owner: str,
+        job_key: str,
+        request: dict[str, Any],
+        n_prompts: int,
+        cost: Cost = Cost(0, 0),
+        quotas: Quotas | None = None,
     ) -> tuple[str, bool]:
-        """(job id, created); an existing (owner, job_key) returns its id and False."""
+        """(job id, created); an existing (owner, job_key) returns its id and False. A new job over one of
+        ``quotas`` (beside the owner's queued and running work) raises QuotaExceeded."""
         body = json.dumps(request, sort_keys=True)
         with self.tx() as db:
             row = db.execute(
@@ -78,12 +122,14 @@ class GatewayState:
                 if row["request"] != body:
                     raise KeyError(row["id"])
                 return str(row["id"]), False
+            if quotas is not None:
+                self._check_quota(db, owner, "job", cost, quotas)
             job_id = "job-" + uuid.uuid4().hex[:16]
             now = time.time()
             db.execute(
-                "INSERT INTO jobs (id, owner, job_key, status, request, n_prompts, created_at, updated_at)"
-                " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?)",
-                (job_id, owner, job_key, body, n_prompts, now, now),
+                "INSERT INTO jobs (id, owner, job_key, status, request, n_prompts, samples, tokens,"
+                " created_at, updated_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+                (job_id, owner, job_key, body, n_prompts, cost.samples, cost.tokens, now, now),
             )
             return job_id, True
 
@@ -103,6 +149,44 @@ class GatewayState:
         cols = ", ".join(f"{k}=?" for k in fields)
         with self.tx() as db:
             db.execute(f"UPDATE jobs SET {cols} WHERE id=?", (*fields.values(), job_id))  # noqa: S608
+
+    def start_job(self, job_id: str) -> bool:
+        """Mark the job running unless it ended meanwhile (a cancel); False if it did."""
+        with self.tx() as db:
+            cur = db.execute(
+                "UPDATE jobs SET status='running', updated_at=? "
+                "WHERE id=? AND status IN ('queued', 'running')",
+                (time.time(), job_id),
+            )
+            return cur.rowcount > 0
+
+    def finish(self, table: str, item_id: str, status: str, **fields: Any) -> bool:
+        """Set a final ``status`` of a job or run (``table``) that is still queued or running: a cancel
+        that came first is never overwritten by the end of the work it interrupted."""
+        fields = {"status": status, "updated_at": time.time(), **fields}
+        if "counters" in fields:
+            fields["counters"] = json.dumps(fields["counters"])
+        cols = ", ".join(f"{k}=?" for k in fields)
+        with self.tx() as db:
+            cur = db.execute(
+                f"UPDATE {table} SET {cols} WHERE id=? AND status IN ('queued', 'running')",  # noqa: S608
+                (*fields.values(), item_id),
+            )
+            return cur.rowcount > 0
+
+    def cancelled_among(self, ids: list[str]) -> set[str]:
+        """The jobs and runs among ``ids`` whose status is ``cancelled``."""
+        out: set[str] = set()
+        for i in range(0, len(ids), 500):
+            part = ids[i : i + 500]
+            marks = ",".join("?" * len(part))
+            for table in ("jobs", "runs"):
+                rows = self._db().execute(
+                    f"SELECT id FROM {table} WHERE status='cancelled' AND id IN ({marks})",  # noqa: S608
+                    part,
+                )
+                out.update(str(r["id"]) for r in rows)
+        return out
 
     def add_job_group(self, job_id: str, idx: int, payload: dict[str, Any]) -> None:
         with self.tx() as db:
@@ -129,7 +213,15 @@ class GatewayState:
 
     # ------------------------------------------------------------------------------------------ runs
     def create_run(
-        self, owner: str, run_key: str | None, config: dict[str, Any], total: int, version: int, batch: int
+        self,
+        owner: str,
+        run_key: str | None,
+        config: dict[str, Any],
+        total: int,
+        version: int,
+        batch: int,
+        cost: Cost = Cost(0, 0),
+        quotas: Quotas | None = None,
     ) -> tuple[str, bool]:
         body = json.dumps(config, sort_keys=True)
         with self.tx() as db:
@@ -141,12 +233,15 @@ class GatewayState:
                     if row["config"] != body:
                         raise KeyError(row["id"])
                     return str(row["id"]), False
+            if quotas is not None:
+                self._check_quota(db, owner, "run", cost, quotas)
             run_id = "run-" + uuid.uuid4().hex[:16]
             now = time.time()
             db.execute(
                 "INSERT INTO runs (id, owner, run_key, status, config, total_steps, policy_version,"
-                " batch_size, created_at, updated_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
-                (run_id, owner, run_key, body, total, version, batch, now, now),
+                " batch_size, samples, tokens, created_at, updated_at)"
+                " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, owner, run_key, body, total, version, batch, cost.samples, cost.tokens, now, now),
             )
             return run_id, True
 

@@ -71,6 +71,7 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
         settings=settings,
         ready_checks={"broker": broker_check(celery_app)},
         description="Advantages, losses, train steps and policy versions.",
+        errors=(504,),  # a step or a score that took longer than its timeout
     )
     add_ping_route(app, celery_app, ("learner",))
 

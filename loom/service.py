@@ -4,23 +4,31 @@
 dependencies), ``/metrics`` (Prometheus text), ``/version``; request-body size limit (413); validation
 errors as 422 with the field path; any unhandled error as a typed 500 body without a stack trace.
 Services add their routes to the returned app and stay thin.
+
+Every error body has one shape, ``ErrorBody``: ``{"error": <kind>, "detail": <text or the list of
+problems>, ...}`` (never ``detail.detail``), and every route's OpenAPI lists the error statuses it can
+answer with that schema (docs/security.md). A JSON body that is not UTF-8 or nests deeper than the
+parser goes is a 422 at ``body`` naming the problem; a dependency that is down (broker, result store)
+is a 503 ``dependency_unavailable``, not a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,25 +47,148 @@ class BodyTooLarge(Exception):
     pass
 
 
-class BodySizeLimit:
-    """Refuse bodies over ``limit`` bytes with 413, by Content-Length or while streaming."""
+# ------------------------------------------------------------------------------------------ errors
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+
+class Problem(BaseModel):
+    """One problem with a request: where (``loc``: ``body``/``query``/``path`` then the field path),
+    what (``msg``) and its kind (``type``)."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer of every Loom service. Some kinds carry more fields (e.g. ``limit`` and
+    ``requested`` on a quota refusal, ``queue_depth`` on backpressure)."""
+
+    model_config = ConfigDict(extra="allow")
+    error: str = Field(description="the kind: validation_error, unauthenticated, rate_limited, ...")
+    detail: str | list[Problem] = Field(description="what went wrong: a sentence, or the problems found")
+
+
+ERROR_TEXT: dict[int, str] = {
+    400: "The request could not be read",
+    401: "No API key, or an unknown one",
+    403: "The API key lacks the route's scope",
+    404: "Not found (or owned by another API key)",
+    405: "Method not allowed",
+    409: "The idempotency key names other work",
+    413: "The request body is too large",
+    422: "Invalid request: the problems, each with its field path",
+    429: "Too many requests, or over a quota: retry after Retry-After seconds",
+    500: "A bug of this service (the detail is a reference to its log)",
+    503: "A dependency (broker, result store, engine) is unavailable: retry later",
+    504: "A dependency did not answer in time",
+}
+ERROR_KINDS: dict[int, str] = {
+    400: "bad_request",
+    401: "unauthenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    422: "validation_error",
+    429: "rate_limited",
+    503: "dependency_unavailable",
+    504: "timeout",
+}
+COMMON_ERRORS: tuple[int, ...] = (400, 413, 422, 500, 503)
+
+
+def error_responses(statuses: Iterable[int]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries: ``ErrorBody`` for each status."""
+    return {s: {"model": ErrorBody, "description": ERROR_TEXT.get(s, "Error")} for s in sorted(set(statuses))}
+
+
+def error_body(status: int, detail: Any) -> dict[str, Any]:
+    """An HTTPException's detail as an ``ErrorBody``: a route's own typed dict is kept as it is (flat),
+    anything else becomes ``{"error": <kind of the status>, "detail": ...}``."""
+    if isinstance(detail, dict) and isinstance(detail.get("error"), str):
+        return {"detail": detail.get("detail", detail["error"]), **detail}
+    if not isinstance(detail, str | list):
+        detail = str(detail)
+    return {"error": ERROR_KINDS.get(status, "http_error"), "detail": detail}
+
+
+# A dependency that is down (not a bug): 503 with Retry-After. Imported lazily: not every process that
+# imports this module has a broker client loaded yet.
+def _dependency_down(exc: BaseException) -> str | None:
+    from kombu.exceptions import OperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if isinstance(exc, OperationalError):
+        return "the broker is unreachable"
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError):
+        return "the result store is unreachable"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ bodies
+
+JSON_NESTING_ERROR = "the body nests deeper than this server parses"
+
+
+def parse_json_body(body: bytes) -> Any:
+    """``json.loads`` with the two failures it reports badly turned into decode errors at ``body``:
+    bytes that are not UTF-8 (RFC 8259 8.1; ``json.loads`` would guess UTF-16/32 or raise
+    UnicodeDecodeError, a 400 without a field) and nesting deep enough to exhaust the parser's
+    recursion (a RecursionError)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        msg = f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason})"
+        raise json.JSONDecodeError(msg, "", exc.start) from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError(JSON_NESTING_ERROR, "", 0) from None
+
+
+class LoomRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = parse_json_body(await self.body())
+        return self._json
+
+
+class LoomRoute(APIRoute):
+    """Routes whose JSON bodies are parsed by ``parse_json_body`` (FastAPI's custom-route hook)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def loom_handler(request: Request) -> Response:
+            return await handler(LoomRequest(request.scope, request.receive))
+
+        return loom_handler
+
+
+class BodySizeLimit:
+    """Refuse bodies over ``limit`` bytes (``limits[path]`` on the paths named there) with 413, by
+    Content-Length or while streaming."""
+
+    def __init__(self, app: ASGIApp, limit: int, limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.limits = dict(limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limits.get(scope.get("path", ""), self.limit)
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
                     declared = 0
-                if declared > self.limit:
-                    await self._reject(send)
+                if declared > limit:
+                    await self._reject(send, limit)
                     return
         received = 0
         started = False
@@ -68,11 +199,11 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
+                if received > limit:
                     # Answer 413 now: FastAPI turns any error while reading a body into its own 400.
                     if not started and not rejected:
                         rejected = True
-                        await self._reject(send)
+                        await self._reject(send, limit)
                     raise BodyTooLarge()
             return message
 
@@ -88,10 +219,10 @@ class BodySizeLimit:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started and not rejected:
-                await self._reject(send)
+                await self._reject(send, limit)
 
-    async def _reject(self, send: Send) -> None:
-        body = b'{"error":"payload_too_large","detail":"request body exceeds %d bytes"}' % self.limit
+    async def _reject(self, send: Send, limit: int) -> None:
+        body = b'{"error":"payload_too_large","detail":"request body exceeds %d bytes"}' % limit
         await send(
             {
                 "type": "http.response.start",
@@ -111,14 +242,21 @@ def create_app(
     settings: Settings | None = None,
     ready_checks: dict[str, ReadyCheck] | None = None,
     description: str = "",
+    errors: Iterable[int] = (),
+    body_limits: dict[str, int] | None = None,
 ) -> FastAPI:
+    """The service's app; ``errors``: statuses every route may answer beyond ``COMMON_ERRORS`` (the
+    gateway's 401/403/429 of its key check), documented in the OpenAPI of every route;
+    ``body_limits``: paths whose bodies may be larger (or must be smaller) than ``max_body_bytes``."""
     settings = settings or get_settings()
     configure_process(settings)
     app = FastAPI(
         title=f"Loom {service}",
         version=f"{__version__} (schema {SCHEMA_VERSION})",
         description=description,
+        responses=error_responses((*COMMON_ERRORS, *errors)),
     )
+    app.router.route_class = LoomRoute
     app.state.settings = settings
     app.state.service = service
     app.state.ready_checks = dict(ready_checks or {})
@@ -131,6 +269,14 @@ def create_app(
     app.state.metrics_registry = registry
 
     def _internal_error(request: Request, exc: BaseException) -> JSONResponse:
+        down = _dependency_down(exc)
+        if down is not None:
+            log.warning("%s %s: %s (%s)", request.method, request.url.path, down, exc)
+            return JSONResponse(
+                status_code=503,
+                content={"error": "dependency_unavailable", "detail": down},
+                headers={"Retry-After": "5"},
+            )
         ref = uuid.uuid4().hex[:12]
         log.error("unhandled error %s on %s %s", ref, request.method, request.url.path, exc_info=exc)
         return JSONResponse(
@@ -153,25 +299,25 @@ def create_app(
         latency.labels(service, path).observe(time.perf_counter() - t0)
         return response
 
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, limits=body_limits)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
-        ]
+        errors = []
+        for e in exc.errors():
+            msg = str(e.get("msg", ""))
+            if e.get("type") == "json_invalid" and (e.get("ctx") or {}).get("error"):
+                msg = f"{msg}: {e['ctx']['error']}"  # what is wrong with the body, not only where
+            errors.append({"loc": list(e.get("loc", ())), "msg": msg, "type": e.get("type", "")})
         return JSONResponse(
             status_code=422, content={"error": "validation_error", "detail": jsonable_encoder(errors)}
         )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        detail = exc.detail
-        error = detail.get("error", "http_error") if isinstance(detail, dict) else "http_error"
         return JSONResponse(
             status_code=exc.status_code,
-            content={"error": error, "detail": detail},
+            content=jsonable_encoder(error_body(exc.status_code, exc.detail)),
             headers=getattr(exc, "headers", None),
         )
 
@@ -183,7 +329,12 @@ def create_app(
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "service": service}
 
-    @app.get("/readyz", tags=["ops"])
+    @app.get(
+        "/readyz",
+        tags=["ops"],
+        response_model=Readiness,
+        responses={503: {"model": Readiness, "description": "A dependency is not ready"}},
+    )
     async def readyz() -> JSONResponse:
         checks: dict[str, dict[str, Any]] = {}
         for name, check in app.state.ready_checks.items():
@@ -194,14 +345,20 @@ def create_app(
                     ok, detail = await asyncio.to_thread(check)  # type: ignore[arg-type]
             except Exception as exc:  # a failing check is a not-ready answer, not a 500
                 ok, detail = False, f"{type(exc).__name__}: {exc}"
-            checks[name] = {"ok": bool(ok), "detail": detail}
+            checks[name] = {"ok": bool(ok), "detail": str(detail)}
         ready = all(c["ok"] for c in checks.values())
         return JSONResponse(
             status_code=200 if ready else 503,
             content={"status": "ready" if ready else "not_ready", "service": service, "checks": checks},
         )
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus"}
+        },
+    )
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -210,6 +367,17 @@ def create_app(
         return VersionInfo(service=service, version=__version__)
 
     return app
+
+
+class ReadyCheckResult(BaseModel):
+    ok: bool
+    detail: str
+
+
+class Readiness(BaseModel):
+    status: str = Field(description="ready or not_ready")
+    service: str
+    checks: dict[str, ReadyCheckResult]
 
 
 def broker_check(celery_app: Any, ttl: float = 2.0) -> ReadyCheck:
@@ -233,6 +401,11 @@ class PingRequest(Contract):
     timeout: float = Field(default=30.0, gt=0.0, le=600.0)
 
 
+class PingResult(BaseModel):
+    ok: bool
+    queues: dict[str, dict[str, Any]] = Field(description="per queue: ok, seconds, worker or error")
+
+
 def add_ping_route(app: FastAPI, celery_app: Any, services: tuple[str, ...]) -> None:
     """``POST /v1/ping``: a round trip through the queues of ``services`` (a task each, awaited).
 
@@ -248,7 +421,12 @@ def add_ping_route(app: FastAPI, celery_app: Any, services: tuple[str, ...]) -> 
         except Exception as exc:
             return {"ok": False, "seconds": round(time.perf_counter() - t0, 4), "error": type(exc).__name__}
 
-    @app.post("/v1/ping", tags=["ops"])
+    @app.post(
+        "/v1/ping",
+        tags=["ops"],
+        response_model=PingResult,
+        responses={504: {"model": PingResult, "description": "A queue did not answer in time"}},
+    )
     async def ping(body: PingRequest) -> JSONResponse:
         results = await asyncio.gather(*(asyncio.to_thread(_one, s, body) for s in services))
         out = dict(zip(services, results, strict=True))

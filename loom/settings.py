@@ -70,6 +70,31 @@ class Settings(BaseSettings):
         default=1000, ge=0, description="submissions get 429 while a pipeline queue holds more messages"
     )
     gateway_run_loop: bool = Field(default=True, description="drive RL runs in this gateway process")
+    # --- gateway quotas per API key (docs/security.md): generous for a trainer's work, refuse the absurd
+    gateway_quota_jobs: int = Field(default=64, ge=1, description="queued + running jobs per key")
+    gateway_quota_runs: int = Field(default=4, ge=1, description="queued + running runs per key")
+    gateway_quota_samples: int = Field(
+        default=2**21,
+        ge=1,
+        description="completions in flight per key: a job's prompts x n (adaptive: x M x R), a run's "
+        "(staleness + 1) x batch x n",
+    )
+    gateway_quota_tokens: int = Field(
+        default=2**32, ge=1, description="completion tokens in flight per key: samples x max_tokens"
+    )
+    gateway_max_run_samples: int = Field(
+        default=2**30, ge=1, description="a run's samples over all its steps: steps x batch x n"
+    )
+    gateway_quota_streams: int = Field(default=32, ge=1, description="open event streams per key")
+    gateway_auth_fail_rate: float = Field(
+        default=1.0, gt=0.0, description="failed authentications/s per client address (token bucket)"
+    )
+    gateway_auth_fail_burst: int = Field(
+        default=20, ge=1, description="failed authentications a client address may make at once"
+    )
+    gateway_dataset_max_bytes: int = Field(
+        default=1024**3, ge=1, description="largest dataset upload (POST /v1/datasets)"
+    )
 
     # --- compute
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")

@@ -2,7 +2,9 @@
 
 ``Stack`` starts, for each service, its API (``loom api SVC``) and its worker(s) (``loom worker SVC``)
 as child processes, each in its own process group (so a Celery worker's prefork children are stopped
-with it), logging to ``<data_dir>/logs/<proc>.log``. It waits until every API answers ``/readyz`` and
+with it), logging to ``<data_dir>/logs/<proc>.log``; the logs of the previous ``keep_logs`` runs stay
+beside it as ``<proc>.log.1`` (the last run) to ``.log.<keep_logs>`` (a crash's log survives the
+restart that follows it). It waits until every API answers ``/readyz`` and
 every worker has logged that it consumes, and stops everything on exit: SIGTERM to each process,
 SIGKILL to its whole group after a grace period. Extra processes (``loom engine`` later) are
 ``ProcSpec`` entries passed as ``extra=``; they are started first and waited on the same way.
@@ -29,6 +31,7 @@ import psutil
 
 from loom.settings import SERVICES, Settings, get_settings
 
+LOG_KEEP = 5  # previous runs' logs kept per process
 WORKER_READY_LINE = " ready."  # Celery's worker logs "<hostname> ready." once it consumes its queue
 STACK_KEY_NAME = "loom-up"
 STACK_KEY_SCOPES = "jobs+runs+admin"
@@ -117,6 +120,19 @@ def _die_with_parent() -> None:
             pass
 
 
+def rotate(path: Path, keep: int = LOG_KEEP) -> None:
+    """``<name>.log`` becomes ``<name>.log.1``, ``.1`` becomes ``.2`` ... and the one past ``keep`` is
+    dropped (``keep`` = 0: the log is simply replaced)."""
+    if keep <= 0 or not path.exists():
+        return
+    older = [path.with_name(f"{path.name}.{i}") for i in range(1, keep + 1)]
+    older[-1].unlink(missing_ok=True)
+    for i in range(keep - 1, 0, -1):
+        if older[i - 1].exists():
+            older[i - 1].replace(older[i])
+    path.replace(older[0])
+
+
 def tail(path: Path, lines: int = 30) -> str:
     try:
         data = path.read_bytes()[-16384:]
@@ -139,8 +155,10 @@ class Stack:
         ready_timeout: float = 120.0,
         grace: float = 10.0,
         echo: bool = False,
+        keep_logs: int = LOG_KEEP,
     ) -> None:
         self.settings = settings or get_settings()
+        self.keep_logs = keep_logs
         self.services = tuple(services)
         self.workers = workers
         self.specs = [*extra, *service_specs(self.settings, self.services, workers)]
@@ -189,6 +207,7 @@ class Stack:
 
     def _spawn(self, spec: ProcSpec) -> Proc:
         log_path = self.log_dir / f"{spec.name}.log"
+        rotate(log_path, self.keep_logs)
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         popen = subprocess.Popen(
             spec.argv,
@@ -373,15 +392,28 @@ def up_main(argv: Sequence[str]) -> int:
     p.add_argument("--no-workers", action="store_true", help="start the APIs only")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for /readyz")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument(
+        "--keep-logs",
+        type=int,
+        default=LOG_KEEP,
+        help=f"previous runs' logs kept per process as <proc>.log.1 .. .N (default {LOG_KEEP})",
+    )
     args = p.parse_args(argv)
     if args.workers < 0:
         p.error("--workers must be >= 0")
+    if args.keep_logs < 0:
+        p.error("--keep-logs must be >= 0")
     workers = 0 if args.no_workers else args.workers
     if args.smoke and workers == 0:
         p.error("--smoke needs workers")
 
     stack = Stack(
-        services=args.only, workers=workers, ready_timeout=args.ready_timeout, grace=args.grace, echo=True
+        services=args.only,
+        workers=workers,
+        ready_timeout=args.ready_timeout,
+        grace=args.grace,
+        echo=True,
+        keep_logs=args.keep_logs,
     )
 
     def on_signal(signum: int, frame: object) -> None:

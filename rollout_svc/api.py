@@ -40,6 +40,7 @@ app = create_app(
     "rollout",
     ready_checks={"broker": broker_check(celery_app)},
     description="Generation: engines (vLLM server, torch) and rollout modes.",
+    errors=(404,),  # POST /v1/policy: no such version
 )
 add_ping_route(app, celery_app, ("rollout",))
 

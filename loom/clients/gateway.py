@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from loom.clients.base import ServiceClient
@@ -20,6 +20,10 @@ class GatewayClient(ServiceClient):
 
     def job(self, job_id: str) -> dict[str, Any]:
         return dict(self.get(f"/v1/jobs/{job_id}"))
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        """POST /v1/jobs/{id}/cancel: nothing more of the job is generated or scored; its view."""
+        return dict(self.post(f"/v1/jobs/{job_id}/cancel"))
 
     def wait_job(self, job_id: str, timeout: float = 600.0, poll: float = 0.5) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -43,7 +47,24 @@ class GatewayClient(ServiceClient):
                     if kind == "end":
                         return
 
-    # ---- runs
+    # ---- datasets and runs
+    def upload_dataset(self, rows: Iterable[dict[str, Any]], chunk_rows: int = 1000) -> dict[str, Any]:
+        """POST /v1/datasets: ``rows`` ({prompt, answer} dicts, any iterable: a file can be read
+        lazily) streamed as JSONL; returns ``{"id", "n_items"}`` (a run's ``dataset: {"id": ...}``)."""
+
+        def body() -> Iterator[bytes]:
+            buf: list[str] = []
+            for row in rows:
+                buf.append(json.dumps(row) + "\n")
+                if len(buf) >= chunk_rows:
+                    yield "".join(buf).encode()
+                    buf = []
+            if buf:
+                yield "".join(buf).encode()
+
+        headers = {"Content-Type": "application/x-ndjson"}
+        return dict(self.request("POST", "/v1/datasets", content=body(), headers=headers))
+
     def start_run(self, body: dict[str, Any]) -> str:
         """POST /v1/runs (idempotent by ``body['run_key']`` when given); returns the run id."""
         return str(self.post("/v1/runs", json=body)["id"])

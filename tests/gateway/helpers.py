@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,3 +90,36 @@ class GatewayProcess:
 
     def post(self, path: str, key: str, body: Any) -> httpx.Response:
         return httpx.post(self.url + path, headers=auth(key), json=body, timeout=10.0)
+
+
+def start_stage_workers(
+    env: dict[str, str], namespace: str, tmp_path: Path, concurrency: int = 1
+) -> list[subprocess.Popen[bytes]]:
+    """A Celery worker of the SIMPLE STAGE TASKS (tests/gateway/stage_tasks.py) on the rollout and reward
+    queues, ready when this returns; the caller kills its process group (``kill_group``)."""
+    here = Path(__file__).parent
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(REPO), str(here)])}
+    log_path = tmp_path / "worker-stages.log"
+    argv = [sys.executable, "-m", "celery", "-A", "stage_tasks", "worker"]
+    argv += ["-Q", f"{namespace}rollout,{namespace}reward", "-c", str(concurrency), "--pool", "prefork"]
+    argv += ["-l", "INFO", "--without-gossip", "--without-mingle", "-n", f"stages-{free_port()}@%h"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            argv, cwd=here, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + 60
+    while " ready." not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group(proc)
+            raise RuntimeError(f"stage worker did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return [proc]
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s process group (a Celery worker and its pool children)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(timeout=10)

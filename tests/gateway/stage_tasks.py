@@ -6,6 +6,8 @@ under the real task names, so the gateway's orchestration runs over a real broke
   ``policy_version`` is the version the request names (as the real rollout loads it from the store),
   or the one last loaded by ``rollout.load_policy`` when that is newer.
 - ``reward.score_group``: total 1.0 for a correct trajectory, else 0.0.
+- both append "<unix time> <task> <group id>" to ``$LOOM_TEST_TASK_LOG`` (when set) as they START
+  their work, so a test can tell which groups were generated or scored after a cancel.
 - ``learner.train_step``: appends "<step> <new version>" to ``$LOOM_TEST_STAGE_LOG`` (one line per
   execution, so a step trained twice shows twice), sleeps ``$LOOM_TEST_TRAIN_SECONDS``, returns the
   next policy version.
@@ -45,6 +47,13 @@ def _version_file() -> Path:
     return STATE.with_suffix(".version")
 
 
+def _started(task: str, gid: str) -> None:
+    path = os.environ.get("LOOM_TEST_TASK_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.time()} {task} {gid}\n")
+
+
 def _loaded_version() -> int:
     p = STATE.with_suffix(".loaded")
     return int(p.read_text()) if p.exists() else 0
@@ -54,6 +63,7 @@ def _loaded_version() -> int:
 def generate_group(request: dict[str, Any]) -> dict[str, Any]:
     req = RolloutRequest.model_validate(request)
     gid = req.group_id or "g"
+    _started("generate", gid)
     prompt = req.prompt or ""
     p = 0.0 if "impossible" in prompt else _unit(prompt)
     rng = random.Random(gid)
@@ -86,6 +96,7 @@ def load_policy(version: int | None = None, path: str | None = None, kind: str =
 @app.task(name="reward.score_group")
 def score_group(group: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
     g = Group.model_validate(group)
+    _started("score", g.id)
     rewards = [
         TrajectoryReward(
             trajectory_id=t.id,

@@ -4,6 +4,7 @@ in-process stand-ins (the loop's own logic is under test; test_e2e drives real w
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Sequence
@@ -30,11 +31,13 @@ class BlockingStages:
         self.trained: list[int] = []
         self.fail_after_release = fail_after_release
 
-    def generate_and_score(
+    async def generate_and_score(
         self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
     ) -> list[tuple[Group, RewardResult]]:
         self.generating.set()
-        self.release.wait(30)
+        deadline = time.monotonic() + 30
+        while not self.release.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         if self.fail_after_release:
             raise RuntimeError("the interrupted step failed")
         out = []
@@ -44,7 +47,7 @@ class BlockingStages:
             out.append((Group(id=key, trajectories=trajs), RewardResult(group_id=key, rewards=rewards)))
         return out
 
-    def train(self, key: str, batch: TrainBatch) -> StepResult:
+    async def train(self, key: str, batch: TrainBatch) -> StepResult:
         self.trained.append(batch.step)
         return StepResult(step=batch.step, policy_version=batch.step + 1)
 
@@ -60,7 +63,7 @@ def _run(tmp_path, stages: BlockingStages) -> tuple[GatewayState, str, dict[str,
     run_id, _ = state.create_run("me", None, req.model_dump(mode="json"), 5, 0, 2)
     out: dict[str, str] = {}
     loop = RunLoop(run_id, state, stages, tmp_path)  # type: ignore[arg-type]
-    thread = threading.Thread(target=lambda: out.setdefault("status", loop.run()), daemon=True)
+    thread = threading.Thread(target=lambda: out.setdefault("status", asyncio.run(loop.run())), daemon=True)
     thread.start()
     assert stages.generating.wait(30), "the first step never started generating"
     state.set_run(run_id, status="cancelled")
@@ -99,6 +102,6 @@ def test_a_run_cancelled_before_its_loop_starts_stays_cancelled(tmp_path) -> Non
     stages = BlockingStages()
     loop = RunLoop(run_id, state, stages, tmp_path)  # type: ignore[arg-type]
     state.set_run(run_id, status="cancelled")
-    assert loop.run() == "cancelled"
+    assert asyncio.run(loop.run()) == "cancelled"
     row = state.run(run_id)
     assert row is not None and row["status"] == "cancelled" and not stages.generating.is_set()

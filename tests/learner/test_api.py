@@ -20,7 +20,7 @@ def test_invalid_batch_is_422_before_any_queue(tmp_path, batch_parts):
     body = TrainBatch(step=0, groups=groups, rewards=rewards).model_dump(mode="json")
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/v1/train_step", json=body)
-        assert r.status_code == 422 and "has no reward" in r.json()["detail"]["detail"]
+        assert r.status_code == 422 and "has no reward" in r.json()["detail"]
         body["estimator"] = "nope"
         r = client.post("/v1/train_step", json=body)
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "estimator"

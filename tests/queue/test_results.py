@@ -3,6 +3,7 @@ thread stores results the way a worker's task would, through the backend's own `
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -47,23 +48,40 @@ def test_stages_hand_over_results_and_raise_on_a_failed_task(broker_env: Any) ->
     stages = CeleryStages(app)
     ok, bad = f"s-{uuid.uuid4().hex}", f"s-{uuid.uuid4().hex}"
     threads = [_store_later(app, ok, 0.1, [1, 2])]
-    got: dict[int, Any] = {}
-    stages._wait_all({0: app.AsyncResult(ok)}, got.__setitem__)
-    assert got == {0: [1, 2]}
-    threads.append(_store_later(app, bad, 0.1, ValueError("boom"), "FAILURE"))
-    with pytest.raises(StageError, match="ValueError: boom"):
-        stages._wait_all({0: app.AsyncResult(bad)}, got.__setitem__)
-    for t in threads:
-        t.join()
+    try:
+        assert asyncio.run(stages._result(ok)) == [1, 2]
+        threads.append(_store_later(app, bad, 0.1, ValueError("boom"), "FAILURE"))
+        with pytest.raises(StageError, match="ValueError: boom"):
+            asyncio.run(stages._result(bad))
+    finally:
+        for t in threads:
+            t.join()
+        stages.close()
 
 
-def test_stages_stop_waiting_when_stopped(broker_env: Any) -> None:
-    from gateway.pipeline import Cancelled
-
+def test_many_waiters_share_one_reading_thread_and_a_cancelled_one_is_forgotten(broker_env: Any) -> None:
+    """200 coroutines wait on 200 tasks: one hub thread reads for them all; a waiter cancelled (its job
+    was) leaves nothing behind."""
     app = broker_env.app("gateway")
     stages = CeleryStages(app)
-    threading.Timer(0.2, stages.stop.set).start()
-    t0 = time.monotonic()
-    with pytest.raises(Cancelled):
-        stages._wait_all({0: app.AsyncResult(f"never-{uuid.uuid4().hex}")}, lambda i, v: None)
-    assert time.monotonic() - t0 < 2
+    ids = [f"h-{uuid.uuid4().hex}" for _ in range(200)]
+
+    async def scenario() -> list[Any]:
+        waiters = [asyncio.ensure_future(stages._result(i)) for i in ids]
+        await asyncio.sleep(0.2)
+        hub_threads = [t for t in threading.enumerate() if t.name == "gateway-results"]
+        assert len(hub_threads) == 1 and stages.hub.pending() == 200
+        for n, i in enumerate(ids):
+            app.backend.store_result(i, n, "SUCCESS")
+        got = await asyncio.wait_for(asyncio.gather(*waiters), 30)
+        never = asyncio.ensure_future(stages._result(f"never-{uuid.uuid4().hex}"))
+        await asyncio.sleep(0.1)
+        never.cancel()
+        await asyncio.sleep(0.1)
+        assert stages.hub.pending() == 0
+        return got
+
+    try:
+        assert asyncio.run(scenario()) == list(range(200))
+    finally:
+        stages.close()

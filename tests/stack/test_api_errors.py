@@ -173,3 +173,40 @@ def test_chunked_body_over_the_limit_is_413(client: TestClient) -> None:
         assert "content-length" not in {k.lower() for k in r.request.headers}, "body was not chunked"
         assert r.status_code == 413, (path, r.status_code, r.text[:200])
         assert r.json()["error"] == "payload_too_large"
+
+
+def test_a_body_that_is_not_utf8_is_422_at_body_naming_the_problem(client: TestClient) -> None:
+    for method, path, _ in _json_body_routes(client.app):  # type: ignore[arg-type]
+        r = _send(
+            client, method, path, content=b'{"x": "\xff\xfe"}', headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 422, (path, r.status_code, r.text)
+        (problem,) = r.json()["detail"]
+        assert problem["loc"][0] == "body" and "not valid UTF-8" in problem["msg"], (path, r.text)
+
+
+def test_a_body_nested_100k_deep_is_422_at_body_naming_the_problem(client: TestClient) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for method, path, _ in _json_body_routes(client.app):  # type: ignore[arg-type]
+        r = _send(client, method, path, content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 422, (path, r.status_code, r.text)
+        (problem,) = r.json()["detail"]
+        assert problem["loc"][0] == "body" and "nests deeper" in problem["msg"], (path, r.text)
+
+
+def test_every_error_status_of_every_route_is_documented_with_the_one_error_body(client: TestClient) -> None:
+    """Each route's OpenAPI lists the error statuses it can answer, with the ErrorBody schema (the
+    same shape as the answers above), and never FastAPI's default HTTPValidationError (whose shape
+    Loom's 422 does not have)."""
+    spec = client.app.openapi()  # type: ignore[attr-defined]
+    assert "HTTPValidationError" not in spec.get("components", {}).get("schemas", {})
+    for path, methods in spec["paths"].items():
+        for method, op in methods.items():
+            responses = op["responses"]
+            for status in ("413", "422", "500", "503"):
+                assert status in responses, (method, path, status)
+            for status, resp in responses.items():
+                if not status.startswith(("4", "5")) or path == "/readyz" or path == "/v1/ping":
+                    continue
+                ref = resp["content"]["application/json"]["schema"]["$ref"]
+                assert ref.endswith("/ErrorBody"), (method, path, status, ref)

@@ -269,3 +269,36 @@ def test_stack_context_manager_round_trips_and_stops_its_processes(broker_env) -
         assert stack.urls() == {"reward": settings.service_url("reward")}
     _, alive = psutil.wait_procs(seen, timeout=5)
     assert [p for p in alive if _running(p)] == []
+
+
+def test_a_restarted_stack_keeps_the_previous_runs_logs(tmp_path: Path) -> None:
+    """Issue 24: ``loom up`` truncated every log at start, so the log of a crash was lost to the
+    restart after it. Now the last runs' logs stay as ``<proc>.log.1`` (newest) ... ``.N``."""
+    from loom.settings import Settings
+    from loom.stack import ProcSpec
+
+    def run(n: int, **kw: int) -> None:
+        line = f"run-{n}"
+        spec = ProcSpec(
+            "echo", [sys.executable, "-c", f"print({line!r}); import time; time.sleep(60)"], ready_log=line
+        )
+        with Stack(Settings(data_dir=tmp_path), services=(), extra=[spec], grace=2.0, **kw):
+            pass
+
+    logs = tmp_path / "logs"
+    run(1)
+    run(2)
+    assert "run-2" in (logs / "echo.log").read_text() and "run-1" in (logs / "echo.log.1").read_text()
+    from loom.stack import LOG_KEEP
+
+    for n in range(3, 3 + LOG_KEEP + 2):
+        run(n)
+    last = 2 + LOG_KEEP + 2
+    kept = sorted(p.name for p in logs.glob("echo.log*"))
+    assert kept == ["echo.log", *[f"echo.log.{i}" for i in range(1, LOG_KEEP + 1)]]
+    assert [(logs / f"echo.log.{i}").read_text().strip() for i in (1, LOG_KEEP)] == [
+        f"run-{last - 1}",
+        f"run-{last - LOG_KEEP}",
+    ]
+    run(last + 1, keep_logs=0)  # --keep-logs 0: the old behaviour, nothing rotated
+    assert (logs / "echo.log.1").read_text().strip() == f"run-{last - 1}"

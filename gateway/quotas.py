@@ -1,0 +1,157 @@
+"""Per-key quotas (docs/security.md "Quotas"): what a job or run costs, and whether it fits.
+
+A key's queued and running work holds at most ``jobs`` jobs and ``runs`` runs, and together at most
+``samples`` completions and ``tokens`` completion tokens (samples x ``max_tokens``) in flight. A job
+costs every sample it asks for (prompts x n; with adaptive sampling prompts x M x R, its worst case);
+a run costs the samples of the steps it may generate at once ((staleness + 1) x its largest batch x
+samples per prompt), and its whole length is bounded on its own by ``run_samples``.
+
+A submission that could never fit (over a limit on its own) is a 422 naming the limit; one that fits
+alone but not beside the key's other work is a 429 with Retry-After: it can be sent again once some of
+that work has ended. Pure: no HTTP, no database (gateway/state.py checks in its insert transaction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+RETRY_AFTER_S = 30  # a quota frees when work ends: minutes, not the token bucket's seconds
+
+
+@dataclass(frozen=True)
+class Cost:
+    samples: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Quotas:
+    jobs: int
+    runs: int
+    samples: int
+    tokens: int
+    run_samples: int
+    streams: int
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Quotas:
+        return cls(
+            jobs=settings.gateway_quota_jobs,
+            runs=settings.gateway_quota_runs,
+            samples=settings.gateway_quota_samples,
+            tokens=settings.gateway_quota_tokens,
+            run_samples=settings.gateway_max_run_samples,
+            streams=settings.gateway_quota_streams,
+        )
+
+
+SETTING = {
+    "jobs": "LOOM_GATEWAY_QUOTA_JOBS",
+    "runs": "LOOM_GATEWAY_QUOTA_RUNS",
+    "samples": "LOOM_GATEWAY_QUOTA_SAMPLES",
+    "tokens": "LOOM_GATEWAY_QUOTA_TOKENS",
+    "run_samples": "LOOM_GATEWAY_MAX_RUN_SAMPLES",
+    "streams": "LOOM_GATEWAY_QUOTA_STREAMS",
+}
+
+
+class QuotaExceeded(Exception):
+    """422 (never fits) or 429 (not beside the key's other work); ``body()`` is the answer."""
+
+    def __init__(self, status: int, quota: str, limit: int, requested: int, in_use: int, msg: str) -> None:
+        self.status, self.quota, self.limit = status, quota, limit
+        self.requested, self.in_use = requested, in_use
+        super().__init__(msg)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": "quota_exceeded",
+            "detail": str(self),
+            "quota": self.quota,
+            "limit": self.limit,
+            "requested": self.requested,
+            "in_use": self.in_use,
+        }
+
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+
+
+def samples_per_prompt(req: Any) -> int:
+    """Completions one prompt may cost: n, or M x R rounds with adaptive sampling."""
+    a = getattr(req, "adaptive", None)
+    if a is not None:
+        return int(a.samples_per_round * a.max_rounds)
+    return int(req.sampling.n)
+
+
+def job_cost(req: Any, n_prompts: int) -> Cost:
+    samples = n_prompts * samples_per_prompt(req)
+    return Cost(samples, samples * int(req.sampling.max_tokens))
+
+
+def run_cost(req: Any) -> tuple[Cost, int]:
+    """(the run's cost in flight, its samples over all its steps)."""
+    sched = req.schedule
+    largest = max(sched.batch_size, sched.max_batch) if sched.adaptive_batch else sched.batch_size
+    per_step = largest * samples_per_prompt(req)
+    samples = (sched.staleness + 1) * per_step
+    return Cost(samples, samples * int(req.sampling.max_tokens)), sched.steps * per_step
+
+
+def too_long(total_samples: int, quotas: Quotas) -> QuotaExceeded | None:
+    """A run longer than ``run_samples`` over all its steps: never accepted."""
+    if total_samples <= quotas.run_samples:
+        return None
+    return QuotaExceeded(
+        422,
+        "run_samples",
+        quotas.run_samples,
+        total_samples,
+        0,
+        f"the run asks for {total_samples} samples over its steps (steps x batch x samples per prompt); "
+        f"the limit is {quotas.run_samples} ({SETTING['run_samples']})",
+    )
+
+
+def over_quota(
+    kind: str, cost: Cost, quotas: Quotas, *, jobs: int, runs: int, samples: int, tokens: int
+) -> QuotaExceeded | None:
+    """The first quota ``cost`` breaks beside a key's ``jobs``/``runs`` and the ``samples``/``tokens``
+    they hold, or None."""
+    for quota, need, held in (("samples", cost.samples, samples), ("tokens", cost.tokens, tokens)):
+        limit = getattr(quotas, quota)
+        if need > limit:
+            what = "samples (prompts x samples per prompt)" if quota == "samples" else "tokens (x max_tokens)"
+            return QuotaExceeded(
+                422,
+                quota,
+                limit,
+                need,
+                held,
+                f"the {kind} asks for {need} {what} in flight; a key may hold at most {limit} "
+                f"({SETTING[quota]})",
+            )
+        if need + held > limit:
+            return QuotaExceeded(
+                429,
+                quota,
+                limit,
+                need,
+                held,
+                f"the {kind} asks for {need} {quota} while this key's queued and running work holds {held} "
+                f"of {limit} ({SETTING[quota]}); retry when some of it has ended",
+            )
+    count, limit, name = (jobs, quotas.jobs, "jobs") if kind == "job" else (runs, quotas.runs, "runs")
+    if count + 1 > limit:
+        return QuotaExceeded(
+            429,
+            name,
+            limit,
+            1,
+            count,
+            f"this key has {count} {name} queued or running, the most it may ({SETTING[name]}); "
+            f"retry when one has ended (or cancel one)",
+        )
+    return None
