@@ -17,7 +17,14 @@ from pydantic import BaseModel
 from loom.schemas import Group, RewardRequest, RewardResult, RewardSpec
 from loom.service import add_ping_route, broker_check, create_app
 from reward_svc.config import get_reward_settings
-from reward_svc.core import RequestError, check_request, check_spec, finish_group, plan_group
+from reward_svc.core import (
+    RequestError,
+    check_request,
+    check_spec,
+    check_timeout,
+    finish_group,
+    plan_group,
+)
 from reward_svc.match import MatchRequest, MatchResponse, finish_matches, plan_matches
 from reward_svc.pool import VerifierPool
 from reward_svc.protocols import (
@@ -51,12 +58,7 @@ def get_pool() -> VerifierPool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = VerifierPool(
-                _settings.workers,
-                max_items=_settings.max_items_per_worker,
-                max_rss_growth_mb=_settings.max_rss_growth_mb,
-                mem_limit_mb=_settings.mem_limit_mb,
-            )
+            _pool = VerifierPool.from_settings(_settings)
         return _pool
 
 
@@ -109,6 +111,7 @@ async def rewards(body: RewardRequest) -> RewardResponse:
 async def match(body: MatchRequest) -> MatchResponse:
     """Does each text state the gold answer? (reflect_svc's ``gold`` detector; same verifier pool.)"""
     _check_texts(body.texts, "texts")
+    check_timeout(body.timeout_s, ["body", "timeout_s"], _settings.max_timeout_s)
     if body.label is not None and len(body.label) > _settings.max_chars:
         raise RequestError(422, ["body", "label"], f"longer than {_settings.max_chars} characters")
     decided, math = plan_matches(body)
