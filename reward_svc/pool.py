@@ -22,7 +22,9 @@ Fairness (one request's hostile items must not hold up another request; docs/sec
   worker's pipe;
 - an item that has run ``slow_s`` marks its worker slow: the items waiting in that worker's pipe are
   taken back (a shared mark tells the worker to skip them) and scheduled elsewhere, so one request's
-  hostile items spread over the idle workers instead of queueing behind each other;
+  hostile items spread over the idle workers instead of queueing behind each other; the worker drops
+  to the lowest CPU priority (nice 19), so on few cores the slow item runs on what the others leave,
+  and it is replaced by a fresh one once the item is answered;
 - while any worker is slow, up to ``spare_workers`` more processes are forked, each for a request
   that has no slow item of its own and no spare yet: another request's items wait for a slow item at
   most ``slow_s`` (plus a fork). A request whose own item is slow keeps only the regular ``workers``.
@@ -55,6 +57,7 @@ log = logging.getLogger("loom.reward.pool")
 
 _PR_SET_PDEATHSIG = 1
 _NONE_TAKEN = 2**31 - 1  # a worker's mark while nothing in its pipe is taken back
+_SLOW_NICE = 19  # the lowest priority: a slow item runs on what the other workers leave
 
 
 def _page_kb() -> int:
@@ -134,9 +137,11 @@ _WARM = (
 
 
 def warm_up() -> None:
-    """Import math-verify and run its parser on fixed, trusted strings in this (parent) process, so
-    every forked worker starts with the grammar and sympy paths loaded (a cold worker pays ~0.5 s).
-    Never called on model text; timeouts are off because this may run outside a main thread."""
+    """Import math-verify and run its parser and verifier on fixed, trusted strings in this (parent)
+    process, so every forked worker starts with the grammar and sympy paths loaded: a cold worker pays
+    ~0.5 s, and with one verify only a fresh worker's first realistic item still took ~0.4 s (every
+    neighbouring pair verified: ~0.08 s; measured with reward_svc.corpus.realistic_mix). Never called
+    on model text; timeouts are off because this may run outside a main thread."""
     import math_verify.grader as mvg
     import math_verify.parser as mvp
     from math_verify import LatexExtractionConfig, parse, verify
@@ -146,7 +151,8 @@ def warm_up() -> None:
     mvp.TIMEOUT_WARNING_SHOWN = mvg.TIMEOUT_WARNING_SHOWN = True  # no "timeout disabled" warning
     try:
         parsed = [parse("\\boxed{" + s + "}", config, parsing_timeout=None) for s in _WARM]  # type: ignore[arg-type]
-        verify(parsed[0], parsed[1], timeout_seconds=None)
+        for a, b in zip(parsed, parsed[1:] + parsed[:1], strict=True):
+            verify(a, b, timeout_seconds=None)
     finally:
         mvp.TIMEOUT_WARNING_SHOWN, mvg.TIMEOUT_WARNING_SHOWN = shown
 
@@ -248,6 +254,7 @@ class VerifierPool:
         self._slots: list[_Worker | None] = [None] * (self.n_workers + self.n_spares)
         self._ready: deque[_Request] = deque()  # requests with queued jobs, in turn
         self._closed = False
+        self._fork_retry_at: float | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="verifier-scheduler", daemon=True)
@@ -344,7 +351,7 @@ class VerifierPool:
 
     def _run(self) -> None:
         for slot in range(self.n_workers):  # started eagerly: the first request finds them ready
-            self._fork(slot)
+            self._try_fork(slot)
         try:
             while not self._closed:
                 busy = [w for w in self._live() if w.pipe]
@@ -366,8 +373,9 @@ class VerifierPool:
         return [w for w in self._slots if w is not None]
 
     def _next_event(self) -> float | None:
-        """Seconds until the next deadline or slow mark of a running item (None: nothing runs)."""
-        at = None
+        """Seconds until the next deadline or slow mark of a running item, or a fork to try again
+        (None: nothing to wait for)."""
+        at = self._fork_retry_at if self._ready else None
         for w in self._live():
             if not w.pipe:
                 continue
@@ -381,6 +389,18 @@ class VerifierPool:
         with self._lock:
             while self._inbox:
                 self._ready.append(self._inbox.popleft())
+
+    def _try_fork(self, slot: int) -> _Worker | None:
+        """A fresh worker in ``slot``, or None when the system refuses a process now (the job waits;
+        the scheduler tries again in a second)."""
+        try:
+            worker = self._fork(slot)
+        except OSError as exc:
+            log.warning("could not fork a verifier process: %s", exc)
+            self._fork_retry_at = time.monotonic() + 1.0
+            return None
+        self._fork_retry_at = None
+        return worker
 
     def _fork(self, slot: int) -> _Worker:
         parent, child = Pipe(duplex=True)
@@ -476,6 +496,14 @@ class VerifierPool:
                 self._kill(w)  # the hard deadline: only this worker, the item is not retried
             elif not w.slow and now >= w.started + self.slow_s:
                 w.slow = True
+                # the slow item yields the CPU to everyone else's (on few cores the spares would
+                # otherwise share them with it), and the worker is replaced once it is answered: an
+                # unprivileged process cannot raise its priority again
+                w.retire = True
+                try:
+                    os.setpriority(os.PRIO_PROCESS, w.pid, _SLOW_NICE)
+                except OSError:
+                    pass
                 behind = [s for s in list(w.pipe)[1:] if not s.taken]
                 if behind:
                     _write_mark(w.mark, head.seq)
@@ -495,7 +523,7 @@ class VerifierPool:
         for slot in range(self.n_workers):
             w = self._slots[slot]
             if w is None:
-                return self._fork(slot)
+                return self._try_fork(slot)
             if not w.pipe and not w.retire:
                 return w
         live = self._live()
@@ -507,7 +535,7 @@ class VerifierPool:
                 for slot in range(self.n_workers, len(self._slots)):
                     w = self._slots[slot]
                     if w is None:
-                        return self._fork(slot)
+                        return self._try_fork(slot)
                     if not w.pipe and not w.retire:
                         return w
         if _size(job.item) > PIPE_SAFE_CHARS:
