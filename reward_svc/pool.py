@@ -39,6 +39,7 @@ import logging
 import mmap
 import os
 import resource
+import selectors
 import signal
 import struct
 import threading
@@ -48,7 +49,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from multiprocessing import Pipe
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from reward_svc.mathverify import Checker, MathItem, Verdict, install_guards
@@ -257,6 +258,8 @@ class VerifierPool:
         self._fork_retry_at: float | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._selector = selectors.DefaultSelector()  # the wake-up pipe and every worker's pipe
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._run, name="verifier-scheduler", daemon=True)
         self._thread.start()
 
@@ -354,13 +357,11 @@ class VerifierPool:
             self._try_fork(slot)
         try:
             while not self._closed:
-                busy = [w for w in self._live() if w.pipe]
-                ready = wait([self._wake_r, *(w.conn for w in busy)], self._next_event())
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 4096)
-                for w in busy:
-                    if w.conn in ready:
-                        self._receive(w)
+                for key, _ in self._selector.select(self._next_event()):
+                    if key.data is None:
+                        os.read(self._wake_r, 4096)
+                    elif self._slots[key.data.slot] is key.data:  # not killed by an earlier event
+                        self._receive(key.data)
                 self._admit()
                 self._check_heads(time.monotonic())
                 self._dispatch()
@@ -387,8 +388,7 @@ class VerifierPool:
 
     def _admit(self) -> None:
         with self._lock:
-            while self._inbox:
-                self._ready.append(self._inbox.popleft())
+            self._admit_locked()
 
     def _try_fork(self, slot: int) -> _Worker | None:
         """A fresh worker in ``slot``, or None when the system refuses a process now (the job waits;
@@ -416,6 +416,7 @@ class VerifierPool:
             spare = slot >= self.n_workers
             worker = _Worker(pid=pid, conn=parent, mark=mark, slot=slot, spare=spare)
             self._slots[slot] = worker
+            self._selector.register(parent, selectors.EVENT_READ, worker)
             self.stats.forks += 1
             self.stats.spares += int(spare)
         return worker
@@ -432,6 +433,7 @@ class VerifierPool:
             os.waitpid(worker.pid, 0)
         except ChildProcessError:
             pass
+        self._selector.unregister(worker.conn)
         worker.conn.close()
         worker.mark.close()
 
@@ -454,10 +456,14 @@ class VerifierPool:
         try:
             msg = worker.conn.recv()
         except (EOFError, OSError):
-            head = worker.pipe.popleft()
-            self._resolve(head.job, Verdict("parse_error", detail="verifier process died on this input"))
-            self.stats.crashes += 1
-            self._requeue(worker.pipe)
+            if worker.pipe:  # died on its running item; an idle one died on nothing of ours
+                head = worker.pipe.popleft()
+                self._resolve(head.job, Verdict("parse_error", detail="verifier process died on this input"))
+                self.stats.crashes += 1
+                self._requeue(worker.pipe)
+            self._kill(worker)
+            return
+        if not worker.pipe:  # an answer to nothing: not a worker of ours any more
             self._kill(worker)
             return
         now = time.monotonic()
@@ -630,6 +636,7 @@ class VerifierPool:
                     if not job.future.done():
                         job.future.set_exception(PoolClosed("verifier pool closed"))
         self._ready.clear()
+        self._selector.close()
 
     def _admit_locked(self) -> None:
         while self._inbox:
