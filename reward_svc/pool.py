@@ -22,9 +22,9 @@ Fairness (one request's hostile items must not hold up another request; docs/sec
   worker's pipe;
 - an item that has run ``slow_s`` marks its worker slow: the items waiting in that worker's pipe are
   taken back (a shared mark tells the worker to skip them) and scheduled elsewhere, so one request's
-  hostile items spread over the idle workers instead of queueing behind each other; the worker drops
-  to the lowest CPU priority (nice 19), so on few cores the slow item runs on what the others leave,
-  and it is replaced by a fresh one once the item is answered;
+  hostile items spread over the idle workers instead of queueing behind each other (its priority is
+  left alone: at nice 19 a merely slowish item, starved by other processes on a loaded machine, ran
+  into its deadline);
 - while any worker is slow, up to ``spare_workers`` more processes are forked, each for a request
   that has no slow item of its own and no spare yet: another request's items wait for a slow item at
   most ``slow_s`` (plus a fork). A request whose own item is slow keeps only the regular ``workers``.
@@ -58,7 +58,6 @@ log = logging.getLogger("loom.reward.pool")
 
 _PR_SET_PDEATHSIG = 1
 _NONE_TAKEN = 2**31 - 1  # a worker's mark while nothing in its pipe is taken back
-_SLOW_NICE = 19  # the lowest priority: a slow item runs on what the other workers leave
 
 
 def _page_kb() -> int:
@@ -502,14 +501,6 @@ class VerifierPool:
                 self._kill(w)  # the hard deadline: only this worker, the item is not retried
             elif not w.slow and now >= w.started + self.slow_s:
                 w.slow = True
-                # the slow item yields the CPU to everyone else's (on few cores the spares would
-                # otherwise share them with it), and the worker is replaced once it is answered: an
-                # unprivileged process cannot raise its priority again
-                w.retire = True
-                try:
-                    os.setpriority(os.PRIO_PROCESS, w.pid, _SLOW_NICE)
-                except OSError:
-                    pass
                 behind = [s for s in list(w.pipe)[1:] if not s.taken]
                 if behind:
                     _write_mark(w.mark, head.seq)
