@@ -108,6 +108,11 @@ def _worker_main(conn: Connection, close: Sequence[Any], mark: mmap.mmap, mem_li
             resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
         install_guards()
         checker = Checker()
+        for gold, answer in zip(_WARM, _WARM[1:] + _WARM[:1], strict=True):
+            # touch what the parent's warm-up loaded: the copy-on-write faults are taken here, not by
+            # the first real item (on a loaded machine beside hostile items, ~1 s of a spare's first
+            # item before this)
+            checker.check(MathItem(gold, "boxed", answer), 2)
         while True:
             try:
                 seq, item, timeout_s = conn.recv()
@@ -501,11 +506,19 @@ class VerifierPool:
                 self._kill(w)  # the hard deadline: only this worker, the item is not retried
             elif not w.slow and now >= w.started + self.slow_s:
                 w.slow = True
+                self._start_spares()
                 behind = [s for s in list(w.pipe)[1:] if not s.taken]
                 if behind:
                     _write_mark(w.mark, head.seq)
                     self.stats.taken_back += len(behind)
                     self._requeue(behind)
+
+    def _start_spares(self) -> None:
+        """Fork the spares as soon as a worker turns slow, not when the next request comes: they are
+        warm (their own warm-up done) by the time another request needs one."""
+        for slot in range(self.n_workers, len(self._slots)):
+            if self._slots[slot] is None and self._try_fork(slot) is None:
+                return
 
     def _holds_slow(self, request: _Request) -> bool:
         return any(w.slow and w.pipe and w.pipe[0].job.request is request for w in self._live())
