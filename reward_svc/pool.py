@@ -25,11 +25,15 @@ Fairness (one request's hostile items must not hold up another request; docs/sec
   hostile items spread over the idle workers instead of queueing behind each other (its priority is
   left alone: at nice 19 a merely slowish item, starved by other processes on a loaded machine, ran
   into its deadline);
-- while any worker is slow, up to ``spare_workers`` more processes are forked, each for a request
-  that has no slow item of its own and no spare yet: another request's items wait for a slow item at
-  most ``slow_s`` (plus a fork). A request whose own item is slow keeps only the regular ``workers``.
-  Idle spares go once no worker is slow. More concurrently hostile requests than spares wait as before
-  (the gateway's per-key quotas bound how many one user can send).
+- when a worker turns slow, up to ``spare_workers`` more processes are forked (and warm up) at once;
+  while any worker is slow each serves a request that has no slow item of its own and no spare yet:
+  another request's items wait for a slow item at most about ``slow_s``. A request whose own item is
+  slow keeps only the regular ``workers``. Spares go once no worker is slow. More concurrently
+  hostile requests than spares wait as before (the gateway's per-key quotas bound how many one user
+  can send).
+
+Every worker verifies the warm-up strings itself right after its fork: the copy-on-write faults of
+what the parent loaded are taken then, not by its first real item.
 """
 
 from __future__ import annotations
