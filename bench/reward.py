@@ -11,8 +11,12 @@
    to 0.93), with the machine's own ceiling for W CPU-bound processes printed beside it.
 3. The hostile corpus: every item within its deadline + 1 s with status timeout/parse_error, and the
    batch's normal items scored right.
+4. Fairness (docs/security-workers.md): 4 hostile items of one request at ``--fair-deadline`` (20 s),
+   then 3 normal requests 1 s later, each timed from its own submission; and 2 hostile items of one
+   request: the batch's wall time over one item's time (1.0: side by side; 2.0: one after the other).
 
     .venv/bin/python bench/reward.py [--workers 2] [--items 400] [--broker amqp://guest:guest@127.0.0.1:5672//]
+        [--sections 1,2,3,4]
 """
 
 from __future__ import annotations
@@ -276,6 +280,50 @@ def hostile_run(workers: int, deadline: int) -> list[tuple[str, str, float]]:
     return rows
 
 
+FAIR_HOSTILE = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{(10^9)!}", "\\boxed{10^{10^{10}}}", "\\boxed{2^{10^{10}}}"]
+
+
+def fairness(workers: int, deadline: int) -> tuple[list[float], bool, float, float]:
+    """(each normal request's latency, the hostile request still running when they were answered,
+    the 2-item batch's wall time, its longest item's time)."""
+    import threading
+
+    hostile_items = [MathItem("42", *answer_region(r)) for r in FAIR_HOSTILE]
+    normal = realistic_mix(3, seed=11)
+    with VerifierPool(workers, max_items=10_000) as pool:
+        pool.check_many(items_of(realistic_mix(workers * 4, seed=1)), 5)  # fork and warm every worker
+        done = threading.Event()
+
+        def bad() -> None:
+            try:
+                pool.check_many(hostile_items, deadline)
+            except RuntimeError:  # the pool closed under it
+                pass
+            done.set()
+
+        threading.Thread(target=bad, daemon=True).start()
+        time.sleep(1.0)
+        latencies: list[float] = []
+
+        def one(case: tuple[str, str, bool]) -> None:
+            t0 = time.perf_counter()
+            pool.check_many(items_of([case]), 5)
+            latencies.append(time.perf_counter() - t0)
+
+        threads = [threading.Thread(target=one, args=(c,)) for c in normal]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        still_running = not done.is_set()
+    with VerifierPool(workers, max_items=10_000) as pool:
+        pool.check_many(items_of(realistic_mix(workers * 4, seed=1)), 5)
+        t0 = time.perf_counter()
+        verdicts = pool.check_many(hostile_items[:2], deadline)
+        wall = time.perf_counter() - t0
+    return latencies, still_running, wall, max(v.seconds for v in verdicts)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workers", type=int, default=2)
@@ -286,8 +334,21 @@ def main() -> None:
     p.add_argument(
         "--broker", default="amqp://guest:guest@127.0.0.1:5672//", help="'' to skip the queue path"
     )
+    p.add_argument("--fair-deadline", type=int, default=20)
+    p.add_argument("--sections", default="1,2,3,4", help="which of the sections to run")
     a = p.parse_args()
+    sections = {int(x) for x in a.sections.split(",") if x}
+    if 1 in sections:
+        print_overhead(a)
+    if 2 in sections:
+        print_throughput(a)
+    if 3 in sections:
+        print_hostile(a)
+    if 4 in sections:
+        print_fairness(a)
 
+
+def print_overhead(a: argparse.Namespace) -> None:
     print(f"\n1. overhead, same pool size ({a.workers}) and settings, mean of {a.reps} batches, interleaved")
     print("   transport = wall time - the reward core's own time for that request, measured where it ran")
     print("   (score_s: same process, same pool, same caches); wall vs a separate in-process pool beside it")
@@ -308,6 +369,8 @@ def main() -> None:
             f"{t_in:>11.3f}{t_http / t_in:>14.2f}{(t_q / t_in if a.broker else 0.0):>15.2f}"
         )
 
+
+def print_throughput(a: argparse.Namespace) -> None:
     single, pooled, ratios = throughput(a.workers, a.items, a.rounds)
     print(
         f"\n2. throughput, {a.rounds} A/B rounds of {a.items} realistic items"
@@ -323,11 +386,27 @@ def main() -> None:
     ceiling = cpu_ceiling(a.workers)
     print(f"{'machine ceiling (pure CPU loop)':<32}{ceiling:>10.2f}   ({a.workers} processes vs W x one)")
 
+
+def print_hostile(a: argparse.Namespace) -> None:
     print(f"\n3. hostile corpus, deadline {a.deadline} s, {a.workers} workers, 16 normal items in the batch")
     print(f"{'item':<44}{'status':<13}{'seconds':>8}")
     for name, status, sec in hostile_run(a.workers, a.deadline):
         flag = "" if sec <= a.deadline + 1 else "  OVER"
         print(f"{name:<44}{status:<13}{sec:>8.2f}{flag}")
+
+
+def print_fairness(a: argparse.Namespace) -> None:
+    latencies, running, wall, one = fairness(a.workers, a.fair_deadline)
+    print(f"\n4. fairness, {a.workers} workers, hostile items at timeout_s={a.fair_deadline}")
+    print(
+        f"{'3 normal requests 1 s after 4 hostile items':<48}"
+        f"{' '.join(f'{x:.2f}' for x in sorted(latencies))} s   (target < 2 s each)"
+    )
+    print(f"{'  hostile request still running then':<48}{running}")
+    print(
+        f"{'2 hostile items of one request: wall / one item':<48}{wall / one:.2f}"
+        f"   ({wall:.1f} s / {one:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,10 @@ def submission_problem(
         seen.add(key)
         try:
             check_mode_params(
-                request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
+                request,
+                segment_cap=settings.rollout_segment_cap,
+                reading_wpm=settings.rollout_reading_wpm,
+                max_attention_timeout_s=settings.attention_timeout_s,
             )
         except ModeError as exc:
             loc: list[str | int] = ["body", "mode_params"]

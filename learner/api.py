@@ -5,6 +5,10 @@ the policy), returns schemas.
   The batch is checked here first (every trajectory has a reward, the tree/threads an estimator
   needs), so a bad batch is a 422, never a failed task.
 - ``POST /v1/score/attention``: FCI scores of a response's steps under the current policy.
+
+Both are internal routes: with ``LOOM_SERVICE_TOKEN`` set they need it (401 otherwise). A wait a
+request asks for (``?timeout=``, the body's ``timeout``) above ``LOOM_LEARNER_MAX_WAIT_S`` is a 422;
+none asked: that bound (docs/security-workers.md).
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from typing import Annotated, Any
 
 from celery.exceptions import TimeoutError as CeleryTimeout
 from fastapi import FastAPI, HTTPException, Query
+from fastapi.exceptions import RequestValidationError
 from pydantic import Field, model_validator
 
 from learner.assign import assign_batch
 from loom.schemas import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
 from loom.service import add_ping_route, broker_check, create_app
+from loom.service_token import UNAUTHORIZED, internal_route_guard
 from loom.settings import Settings
 
 
@@ -34,7 +40,9 @@ class AttentionRequest(Contract):
     )
     delta: int = Field(default=4, ge=1)
     zero_from: int | None = Field(default=None, ge=0, description="steps from this index on score 0")
-    timeout: float = Field(default=120.0, gt=0.0, le=3600.0)
+    timeout: float = Field(
+        default=120.0, gt=0.0, le=3600.0, description="seconds to wait; at most LOOM_LEARNER_MAX_WAIT_S"
+    )
 
     @model_validator(mode="after")
     def _spans(self) -> AttentionRequest:
@@ -60,6 +68,14 @@ def _run(celery_app: Any, name: str, kwargs: dict[str, Any], timeout: float) -> 
         raise HTTPException(504, {"error": "timeout", "detail": detail}) from exc
 
 
+def _bounded_wait(asked: float | None, default: float, bound: float, loc: tuple[str, str]) -> float:
+    """The wait to use: ``asked`` (None: ``default``), never above the operator's ``bound``."""
+    if asked is not None and asked > bound:
+        msg = f"at most {bound} s on this deployment (LOOM_LEARNER_MAX_WAIT_S)"
+        raise RequestValidationError([{"loc": loc, "msg": msg, "type": "less_than_equal"}])
+    return min(default if asked is None else asked, bound)
+
+
 def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastAPI:
     """The learner API over ``celery_app`` (default: the learner's own app from the settings)."""
     if celery_app is None:
@@ -74,9 +90,23 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
         errors=(504,),  # a step or a score that took longer than its timeout
     )
     add_ping_route(app, celery_app, ("learner",))
+    internal = internal_route_guard(app)
 
-    @app.post("/v1/train_step", response_model=StepResult, tags=["learner"])
-    async def train_step(batch: TrainBatch, timeout: float = Query(1800.0, gt=0.0, le=86400.0)) -> StepResult:
+    @app.post(
+        "/v1/train_step",
+        response_model=StepResult,
+        tags=["learner"],
+        dependencies=[internal],
+        responses=UNAUTHORIZED,
+    )
+    async def train_step(
+        batch: TrainBatch,
+        timeout: float | None = Query(
+            None, gt=0.0, description="seconds to wait; default and maximum LOOM_LEARNER_MAX_WAIT_S"
+        ),
+    ) -> StepResult:
+        bound = app.state.settings.learner_max_wait_s
+        wait = _bounded_wait(timeout, bound, bound, ("query", "timeout"))
         try:  # pure: rejects a batch the worker could not train on (off the event loop: trees can be big)
             await asyncio.to_thread(assign_batch, batch)
         except (ValueError, TypeError, AttributeError) as exc:  # TypeError: e.g. estimator_params.eps=[1]
@@ -84,13 +114,22 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
                 422, {"error": "invalid_batch", "detail": f"{type(exc).__name__}: {exc}"}
             ) from exc
         kwargs = {"batch": batch.model_dump(mode="json")}
-        body = await asyncio.to_thread(_run, celery_app, "learner.train_step", kwargs, timeout)
+        body = await asyncio.to_thread(_run, celery_app, "learner.train_step", kwargs, wait)
         return StepResult.model_validate(body)
 
-    @app.post("/v1/score/attention", response_model=AttentionScores, tags=["learner"])
+    @app.post(
+        "/v1/score/attention",
+        response_model=AttentionScores,
+        tags=["learner"],
+        dependencies=[internal],
+        responses=UNAUTHORIZED,
+    )
     async def score_attention(body: AttentionRequest) -> AttentionScores:
+        asked = body.timeout if "timeout" in body.model_fields_set else None
+        bound = app.state.settings.learner_max_wait_s
+        wait = _bounded_wait(asked, body.timeout, bound, ("body", "timeout"))
         kwargs = body.model_dump(mode="json", exclude={"timeout"})
-        out = await asyncio.to_thread(_run, celery_app, "learner.score_attention", kwargs, body.timeout)
+        out = await asyncio.to_thread(_run, celery_app, "learner.score_attention", kwargs, wait)
         return AttentionScores.model_validate(out)
 
     return app

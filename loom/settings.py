@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SERVICES: tuple[str, ...] = ("gateway", "rollout", "reward", "reflect", "learner")
@@ -163,6 +163,48 @@ class Settings(BaseSettings):
     )
     rollout_reading_wpm: float = Field(default=150.0, gt=0, description="streaming: words per minute")
     rollout_segment_cap: int = Field(default=512, ge=1, description="streaming: max tokens per thought")
+    rollout_group_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="the longest one group's generation may take (every engine and scorer call of it): "
+        "past it the group fails with 'group_timeout' and frees its worker slot (Celery's time limits "
+        "do not reach the threads pool)",
+    )
+    attention_url: str = Field(
+        default="",
+        description="tree mode's attention scorer for engines without attention scores (vLLM): the root "
+        "of a learner or `loom engine` serving POST /v1/score/attention; empty = none. An operator "
+        "setting: a worker never calls a URL taken from a request",
+    )
+    attention_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="the longest wait for one attention-scoring call; a request's "
+        "mode_params.attention_timeout_s may only shorten it",
+    )
+
+    # --- internal routes (docs/security-workers.md)
+    service_token: str = Field(
+        default="",
+        description="shared secret of the internal routes (the rollout service's /v1/policy, the "
+        "learner's /v1/train_step and /v1/score/attention): when set they need 'Authorization: Bearer "
+        "<token>'; `loom up` generates one per stack when unset",
+    )
+    learner_max_wait_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="the longest a learner API request may ask to wait (train_step ?timeout=, "
+        "score/attention timeout); more is a 422",
+    )
+
+    @field_validator("attention_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        if v and (urlsplit(v).scheme not in ("http", "https") or not urlsplit(v).hostname):
+            raise ValueError(f"must be an http:// or https:// URL with a host, got {v!r}")
+        return v
 
     def service_port(self, service: str) -> int:
         return int(getattr(self, f"{service}_port"))

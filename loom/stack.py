@@ -183,6 +183,8 @@ class Stack:
         self.api_key = "loom_" + secrets.token_urlsafe(32)
         entry = f"{STACK_KEY_NAME}:{hashlib.sha256(self.api_key.encode()).hexdigest()}:{STACK_KEY_SCOPES}"
         self.env["LOOM_API_KEYS"] = ",".join(k for k in (self.settings.api_keys.strip(" ,"), entry) if k)
+        # the internal routes' secret (loom/service_token.py): one per stack unless the operator set one
+        self.env["LOOM_SERVICE_TOKEN"] = self.env.get("LOOM_SERVICE_TOKEN") or secrets.token_urlsafe(32)
         self.hurry = False  # set by a second Ctrl-C: skip the grace period
 
     # ---------------------------------------------------------------- lifecycle

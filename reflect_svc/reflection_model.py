@@ -5,16 +5,21 @@ One call per trajectory labels every chunk (REA-RL §4.2: one step, concise "[i]
 greedy, with top log-probs. The answer is returned as plain data for ``detectors.detect_model``:
 the output text (the concatenation of the output tokens when the server gave them) and, per token,
 its top log-probs. Model output is untrusted text: it is only matched with a regular expression.
+The server is the operator's (``LOOM_REFLECT_MODEL_URL``; never a request's), and a failed call is a
+``ModelError`` naming the status only: what the server said is logged, never returned to a user.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from reflect_svc.detectors import token_text
+
+log = logging.getLogger("loom.reflect.model")
 
 
 class ModelError(RuntimeError):
@@ -86,9 +91,10 @@ class ReflectionModel:
         try:
             r = httpx.post(self.url.rstrip("/") + path, json=body, timeout=self.timeout_s)
         except httpx.HTTPError as exc:
-            raise ModelError(f"{type(exc).__name__}: {exc}") from None
-        if r.status_code >= 400:
-            raise ModelError(f"HTTP {r.status_code}: {r.text[:300]}")
+            raise ModelError(f"the reflection model could not be reached ({type(exc).__name__})") from None
+        if r.status_code >= 400:  # its body goes to this service's log, never into a user's error
+            log.warning("reflection model answered HTTP %d: %s", r.status_code, r.text[:300])
+            raise ModelError(f"the reflection model answered HTTP {r.status_code}")
         try:
             data = r.json()
         except ValueError:

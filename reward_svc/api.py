@@ -24,6 +24,7 @@ from reward_svc.core import (
     RequestError,
     check_request,
     check_spec,
+    check_timeout,
     finish_group,
     oversized,
     plan_group,
@@ -65,12 +66,7 @@ def get_pool() -> VerifierPool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = VerifierPool(
-                _settings.workers,
-                max_items=_settings.max_items_per_worker,
-                max_rss_growth_mb=_settings.max_rss_growth_mb,
-                mem_limit_mb=_settings.mem_limit_mb,
-            )
+            _pool = VerifierPool.from_settings(_settings)
         return _pool
 
 
@@ -152,6 +148,7 @@ async def rewards(body: RewardRequest) -> RewardResponse:
 async def match(body: MatchRequest) -> MatchResponse:
     """Does each text state the gold answer? (reflect_svc's ``gold`` detector; same verifier pool.)"""
     _check_texts(body.texts, "texts")
+    check_timeout(body.timeout_s, ["body", "timeout_s"], _settings.max_timeout_s)
     if body.label is not None and len(body.label) > _settings.max_chars:
         raise RequestError(422, ["body", "label"], f"longer than {_settings.max_chars} characters")
     decided, math = plan_matches(body)

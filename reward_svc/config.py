@@ -22,6 +22,23 @@ class RewardSettings(BaseSettings):
         default=512, ge=16, description="recycle a worker whose RSS grew this much"
     )
     mem_limit_mb: int = Field(default=2048, ge=0, description="address-space headroom per worker (0 = none)")
+    # fairness (reward_svc/pool.py, docs/security-workers.md)
+    spare_workers: int = Field(
+        default=2,
+        ge=0,
+        description="verifier processes forked beyond `workers` while some are stuck on slow items, each "
+        "for a request with no slow item of its own, so one request's hostile items do not hold up another",
+    )
+    slow_item_s: float = Field(
+        default=0.5, gt=0, description="an item running this long marks its worker slow (see spare_workers)"
+    )
+    max_timeout_s: int = Field(
+        default=30,
+        ge=1,
+        le=300,
+        description="the largest per-item verification deadline (`timeout_s`) a request may ask for; "
+        "more is a 422",
+    )
     max_items: int = Field(default=4096, ge=1, description="trajectories per request; more is a 413")
     max_chars: int = Field(
         default=200_000,

@@ -39,7 +39,25 @@ class RequestError(ValueError):
         return {"error": error, "detail": [{"loc": self.loc, "msg": self.msg, "type": error}]}
 
 
-def check_spec(spec: RewardSpec, loc: Sequence[str | int] = ("body", "spec")) -> None:
+def check_timeout(timeout_s: int, loc: Sequence[str | int], max_timeout_s: int | None = None) -> None:
+    """A per-item deadline above the operator's bound (``LOOM_REWARD_MAX_TIMEOUT_S``) is a 422: every
+    item may cost its deadline in a verifier process."""
+    if max_timeout_s is None:
+        from reward_svc.config import get_reward_settings
+
+        max_timeout_s = get_reward_settings().max_timeout_s
+    if timeout_s > max_timeout_s:
+        raise RequestError(
+            422, [*loc], f"at most {max_timeout_s} s on this deployment (LOOM_REWARD_MAX_TIMEOUT_S)"
+        )
+
+
+def check_spec(
+    spec: RewardSpec, loc: Sequence[str | int] = ("body", "spec"), max_timeout_s: int | None = None
+) -> None:
+    """Components known, parameters valid, the deadline within the operator's bound (422s naming the
+    field; ``max_timeout_s`` None: the reward settings')."""
+    check_timeout(spec.timeout_s, [*loc, "timeout_s"], max_timeout_s)
     for i, comp in enumerate(spec.components):
         where = [*loc, "components", i]
         if comp.name not in REGISTRY:

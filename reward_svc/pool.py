@@ -1,28 +1,51 @@
-"""The isolated verification pool: forked worker processes that run math-verify.
+"""The isolated verification pool: forked worker processes that run math-verify, shared fairly.
 
-Why this shape (shared/notes/verifier.md): math-verify's timeouts are ``signal.alarm`` and work only
+Why this shape (docs/security-workers.md): math-verify's timeouts are ``signal.alarm`` and work only
 in a process's main thread; some inputs ignore them anyway; ``ProcessPoolExecutor`` fails every
 pending future when one worker is killed. So:
 
 - each worker is ``os.fork()``-ed from a process that already imported math-verify (7 ms start) and
   runs items one at a time in its main thread, math-verify's integer timeouts on;
-- one driver thread per worker keeps up to ``pipeline_depth`` (2) items in the worker's pipe (the
-  worker never idles while the driver hands a verdict over) and waits at most the running item's
-  deadline; past it the driver SIGKILLs that worker only, answers ``timeout`` and forks a fresh one
-  (the item is not retried; items queued behind it never started and run on the fresh worker); the
-  other workers and their items are unaffected;
+- one scheduler thread owns every worker. It keeps up to ``pipeline_depth`` (2) items in a worker's
+  pipe (the worker never idles while the scheduler hands a verdict over) and waits at most the running
+  item's deadline; past it the scheduler SIGKILLs that worker only, answers ``timeout`` and forks a
+  fresh one when there is work (the item is not retried; items queued behind it never started and are
+  scheduled again); the other workers and their items are unaffected;
 - a worker is recycled after ``max_items`` items or when its RSS grew by ``max_rss_growth_mb``;
   its address space is capped (``RLIMIT_AS``) so a runaway allocation fails inside it.
+
+Fairness (one request's hostile items must not hold up another request; docs/security-workers.md):
+
+- every ``check_many`` / ``acheck_many`` call (and every lone ``submit``) is a request with its own
+  queue; a free worker takes the requests in turn (round robin), so a request never waits behind
+  another one's backlog, and an idle worker is always used before a second item goes into a busy
+  worker's pipe;
+- an item that has run ``slow_s`` marks its worker slow: the items waiting in that worker's pipe are
+  taken back (a shared mark tells the worker to skip them) and scheduled elsewhere, so one request's
+  hostile items spread over the idle workers instead of queueing behind each other (its priority is
+  left alone: at nice 19 a merely slowish item, starved by other processes on a loaded machine, ran
+  into its deadline);
+- when a worker turns slow, up to ``spare_workers`` more processes are forked (and warm up) at once;
+  while any worker is slow each serves a request that has no slow item of its own and no spare yet:
+  another request's items wait for a slow item at most about ``slow_s``. A request whose own item is
+  slow keeps only the regular ``workers``. Spares go once no worker is slow. More concurrently
+  hostile requests than spares wait as before (the gateway's per-key quotas bound how many one user
+  can send).
+
+Every worker verifies the warm-up strings itself right after its fork: the copy-on-write faults of
+what the parent loaded are taken then, not by its first real item.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
-import queue
 import resource
+import selectors
 import signal
+import struct
 import threading
 import time
 from collections import deque
@@ -31,12 +54,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
+from typing import Any
 
 from reward_svc.mathverify import Checker, MathItem, Verdict, install_guards
 
 log = logging.getLogger("loom.reward.pool")
 
 _PR_SET_PDEATHSIG = 1
+_NONE_TAKEN = 2**31 - 1  # a worker's mark while nothing in its pipe is taken back
 
 
 def _page_kb() -> int:
@@ -59,12 +84,23 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(conn: Connection, close: Sequence[Connection], mem_limit_mb: int) -> None:
+def _read_mark(mark: mmap.mmap) -> int:
+    return int(struct.unpack_from("i", mark)[0])
+
+
+def _write_mark(mark: mmap.mmap, value: int) -> None:
+    struct.pack_into("i", mark, 0, value)  # 4 aligned bytes: never seen half-written
+
+
+def _worker_main(conn: Connection, close: Sequence[Any], mark: mmap.mmap, mem_limit_mb: int) -> None:
     """Body of a forked worker. Never returns: always ``os._exit``."""
     code = 0
     try:
         for c in close:
-            c.close()
+            if isinstance(c, int):
+                os.close(c)
+            else:
+                c.close()
         # Inherited handlers would run the parent's shutdown logic (asyncio's wakeup fd is shared).
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,11 +112,19 @@ def _worker_main(conn: Connection, close: Sequence[Connection], mem_limit_mb: in
             resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
         install_guards()
         checker = Checker()
+        for gold, answer in zip(_WARM, _WARM[1:] + _WARM[:1], strict=True):
+            # touch what the parent's warm-up loaded: the copy-on-write faults are taken here, not by
+            # the first real item (on a loaded machine beside hostile items, ~1 s of a spare's first
+            # item before this)
+            checker.check(MathItem(gold, "boxed", answer), 2)
         while True:
             try:
-                item, timeout_s = conn.recv()
+                seq, item, timeout_s = conn.recv()
             except (EOFError, OSError):
                 break
+            if seq > _read_mark(mark):  # taken back while it waited in the pipe: another worker runs it
+                conn.send(None)
+                continue
             verdict = checker.check(item, timeout_s)
             conn.send((verdict, _statm_kb()[1]))
     except BaseException:
@@ -102,9 +146,11 @@ _WARM = (
 
 
 def warm_up() -> None:
-    """Import math-verify and run its parser on fixed, trusted strings in this (parent) process, so
-    every forked worker starts with the grammar and sympy paths loaded (a cold worker pays ~0.5 s).
-    Never called on model text; timeouts are off because this may run outside a main thread."""
+    """Import math-verify and run its parser and verifier on fixed, trusted strings in this (parent)
+    process, so every forked worker starts with the grammar and sympy paths loaded: a cold worker pays
+    ~0.5 s, and with one verify only a fresh worker's first realistic item still took ~0.4 s (every
+    neighbouring pair verified: ~0.08 s; measured with reward_svc.corpus.realistic_mix). Never called
+    on model text; timeouts are off because this may run outside a main thread."""
     import math_verify.grader as mvg
     import math_verify.parser as mvp
     from math_verify import LatexExtractionConfig, parse, verify
@@ -114,14 +160,15 @@ def warm_up() -> None:
     mvp.TIMEOUT_WARNING_SHOWN = mvg.TIMEOUT_WARNING_SHOWN = True  # no "timeout disabled" warning
     try:
         parsed = [parse("\\boxed{" + s + "}", config, parsing_timeout=None) for s in _WARM]  # type: ignore[arg-type]
-        verify(parsed[0], parsed[1], timeout_seconds=None)
+        for a, b in zip(parsed, parsed[1:] + parsed[:1], strict=True):
+            verify(a, b, timeout_seconds=None)
     finally:
         mvp.TIMEOUT_WARNING_SHOWN, mvg.TIMEOUT_WARNING_SHOWN = shown
 
 
 # An item queued behind the running one sits in the pipe's kernel buffer (a socket pair's, a few
-# hundred KiB) until the worker reads it; a larger one would block the driver in send() while the
-# running item may be stuck, and the driver is what enforces the deadline (tested with 2 MB: the
+# hundred KiB) until the worker reads it; a larger one would block the scheduler in send() while the
+# running item may be stuck, and the scheduler is what enforces the deadlines (tested with 2 MB: the
 # batch hung). Larger items are sent only to an idle worker.
 PIPE_SAFE_CHARS = 8_000
 
@@ -130,31 +177,46 @@ def _size(item: MathItem) -> int:
     return len(item.gold) + len(item.region)
 
 
-@dataclass
-class _Worker:
-    pid: int
-    conn: Connection
-    rss0_kb: int
-    items: int = 0
-    retire: bool = False  # due for recycling: finishes what is in its pipe, then goes
+@dataclass(eq=False)
+class _Request:
+    """One caller's items (a ``check_many`` batch, or one ``submit``): the unit of fairness."""
 
-    def kill(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
-        self.conn.close()
+    jobs: deque[_Job] = field(default_factory=deque)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     item: MathItem
     deadline_s: int
+    request: _Request
     future: Future[Verdict] = field(default_factory=Future)
+    started: bool = False  # handed to a worker once (its future is running)
+
+
+@dataclass(eq=False)
+class _Sent:
+    seq: int
+    job: _Job
+    taken: bool = False  # taken back: the worker skips it, or answers it if it had started already
+
+
+@dataclass(eq=False)
+class _Worker:
+    pid: int
+    conn: Connection
+    mark: mmap.mmap  # shared with the worker: it skips the items of its pipe numbered above this
+    slot: int
+    spare: bool
+    rss0_kb: int = 0
+    items: int = 0
+    retire: bool = False  # due for recycling: finishes what is in its pipe, then goes
+    pipe: deque[_Sent] = field(default_factory=deque)
+    seq: int = 0
+    started: float = 0.0  # when the item at the head of the pipe started
+    slow: bool = False
+
+    def holds(self, request: _Request) -> bool:
+        return any(s.job.request is request and not s.taken for s in self.pipe)
 
 
 @dataclass
@@ -164,11 +226,17 @@ class PoolStats:
     crashes: int = 0
     forks: int = 0
     recycles: int = 0
+    spares: int = 0  # forks of spare workers
+    taken_back: int = 0  # items moved out of a slow worker's pipe
+
+
+class PoolClosed(RuntimeError):
+    pass
 
 
 class VerifierPool:
-    """``workers`` forked verifiers behind one job queue. Thread-safe; use ``check_many`` (blocking)
-    or ``acheck_many`` (asyncio)."""
+    """``workers`` forked verifiers (and up to ``spare_workers`` more while some are slow) shared by
+    requests in turn. Thread-safe; use ``check_many`` (blocking) or ``acheck_many`` (asyncio)."""
 
     def __init__(
         self,
@@ -178,44 +246,72 @@ class VerifierPool:
         max_rss_growth_mb: int = 512,
         mem_limit_mb: int = 2048,
         pipeline_depth: int = 2,
+        spare_workers: int | None = None,
+        slow_s: float = 0.5,
     ) -> None:
         warm_up()
-        self.n_workers = workers
+        self.n_workers = max(1, workers)
+        self.n_spares = self.n_workers if spare_workers is None else max(0, spare_workers)
         self.max_items = max_items
         self.max_rss_growth_kb = max_rss_growth_mb * 1024
         self.mem_limit_mb = mem_limit_mb
         self.pipeline_depth = max(1, pipeline_depth)
+        self.slow_s = slow_s
         self.stats = PoolStats()
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._live: dict[int, _Worker] = {}
+        self._inbox: deque[_Request] = deque()
+        self._lock = threading.Lock()  # the inbox and the slots (read by worker_pids)
+        self._slots: list[_Worker | None] = [None] * (self.n_workers + self.n_spares)
+        self._ready: deque[_Request] = deque()  # requests with queued jobs, in turn
         self._closed = False
-        self._drivers = [
-            threading.Thread(target=self._drive, name=f"verifier-{i}", daemon=True) for i in range(workers)
-        ]
-        for t in self._drivers:
-            t.start()
+        self._fork_retry_at: float | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._selector = selectors.DefaultSelector()  # the wake-up pipe and every worker's pipe
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._run, name="verifier-scheduler", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_settings(cls, s: Any) -> VerifierPool:
+        """The pool a reward process runs (``reward_svc.config.RewardSettings``)."""
+        return cls(
+            s.workers,
+            max_items=s.max_items_per_worker,
+            max_rss_growth_mb=s.max_rss_growth_mb,
+            mem_limit_mb=s.mem_limit_mb,
+            spare_workers=s.spare_workers,
+            slow_s=s.slow_item_s,
+        )
 
     # ---------------------------------------------------------------- public
 
     def submit(self, item: MathItem, deadline_s: int) -> Future[Verdict]:
-        if self._closed:
-            raise RuntimeError("verifier pool is closed")
-        job = _Job(item, max(1, int(deadline_s)))
-        self._jobs.put(job)
-        return job.future
+        return self._submit([item], deadline_s)[0]
 
     def check_many(self, items: Sequence[MathItem], deadline_s: int) -> list[Verdict]:
-        return self._batch([self.submit(it, deadline_s) for it in items]).result()
+        return self._batch(self._submit(items, deadline_s)).result()
 
     async def acheck_many(self, items: Sequence[MathItem], deadline_s: int) -> list[Verdict]:
-        return await asyncio.wrap_future(self._batch([self.submit(it, deadline_s) for it in items]))
+        return await asyncio.wrap_future(self._batch(self._submit(items, deadline_s)))
+
+    def _submit(self, items: Sequence[MathItem], deadline_s: int) -> list[Future[Verdict]]:
+        request = _Request()
+        jobs = [_Job(it, max(1, int(deadline_s)), request) for it in items]
+        if not jobs:
+            return []
+        request.jobs.extend(jobs)
+        with self._lock:
+            if self._closed:
+                raise PoolClosed("verifier pool is closed")
+            self._inbox.append(request)
+        self._wake()
+        return [j.future for j in jobs]
 
     @staticmethod
     def _batch(futures: list[Future[Verdict]]) -> Future[list[Verdict]]:
-        """One future for a whole batch, resolved by the driver that answers its last item: the caller
-        wakes once per batch, not once per item (per-item wake-ups of the waiting thread or event loop
-        were CPU taken from the workers on a machine with as many cores as workers)."""
+        """One future for a whole batch, resolved by the scheduler when it answers the last item: the
+        caller wakes once per batch, not once per item (per-item wake-ups of the waiting thread or
+        event loop were CPU taken from the workers on a machine with as many cores as workers)."""
         done: Future[list[Verdict]] = Future()
         left = [len(futures)]
         lock = threading.Lock()
@@ -238,20 +334,17 @@ class VerifierPool:
 
     def worker_pids(self) -> list[int]:
         with self._lock:
-            return list(self._live)
+            return [w.pid for w in self._slots if w is not None]
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._drivers:
-            self._jobs.put(None)
-        for t in self._drivers:
-            t.join(timeout=10)
         with self._lock:
-            for w in list(self._live.values()):
-                w.kill()
-            self._live.clear()
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        self._thread.join(timeout=10)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def __enter__(self) -> VerifierPool:
         return self
@@ -259,130 +352,300 @@ class VerifierPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- drivers
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # full: the scheduler is waking anyway; closed: it is gone
+            pass
 
-    def _fork(self) -> _Worker:
-        parent, child = Pipe(duplex=True)
+    # ---------------------------------------------------------------- the scheduler thread
+
+    def _run(self) -> None:
+        for slot in range(self.n_workers):  # started eagerly: the first request finds them ready
+            self._try_fork(slot)
+        try:
+            while not self._closed:
+                for key, _ in self._selector.select(self._next_event()):
+                    if key.data is None:
+                        os.read(self._wake_r, 4096)
+                    elif self._slots[key.data.slot] is key.data:  # not killed by an earlier event
+                        self._receive(key.data)
+                self._admit()
+                self._check_heads(time.monotonic())
+                self._dispatch()
+                self._retire_spares()
+        except BaseException:  # a bug here must not leave callers waiting forever
+            log.exception("verifier scheduler failed")
+        self._shutdown()
+
+    def _live(self) -> list[_Worker]:
+        return [w for w in self._slots if w is not None]
+
+    def _next_event(self) -> float | None:
+        """Seconds until the next deadline or slow mark of a running item, or a fork to try again
+        (None: nothing to wait for)."""
+        at = self._fork_retry_at if self._ready else None
+        for w in self._live():
+            if not w.pipe:
+                continue
+            t = w.started + w.pipe[0].job.deadline_s
+            if not w.slow:
+                t = min(t, w.started + self.slow_s)
+            at = t if at is None else min(at, t)
+        return None if at is None else max(0.0, at - time.monotonic())
+
+    def _admit(self) -> None:
         with self._lock:
-            others = [w.conn for w in self._live.values()]
+            self._admit_locked()
+
+    def _try_fork(self, slot: int) -> _Worker | None:
+        """A fresh worker in ``slot``, or None when the system refuses a process now (the job waits;
+        the scheduler tries again in a second)."""
+        try:
+            worker = self._fork(slot)
+        except OSError as exc:
+            log.warning("could not fork a verifier process: %s", exc)
+            self._fork_retry_at = time.monotonic() + 1.0
+            return None
+        self._fork_retry_at = None
+        return worker
+
+    def _fork(self, slot: int) -> _Worker:
+        parent, child = Pipe(duplex=True)
+        mark = mmap.mmap(-1, mmap.PAGESIZE)
+        _write_mark(mark, _NONE_TAKEN)
+        with self._lock:
+            others: list[Any] = [w.conn for w in self._live()] + [self._wake_r, self._wake_w]
             pid = os.fork()
             if pid == 0:  # child
                 parent.close()
-                _worker_main(child, others, self.mem_limit_mb)
+                _worker_main(child, others, mark, self.mem_limit_mb)
             child.close()
-            worker = _Worker(pid=pid, conn=parent, rss0_kb=0)
-            self._live[pid] = worker
+            spare = slot >= self.n_workers
+            worker = _Worker(pid=pid, conn=parent, mark=mark, slot=slot, spare=spare)
+            self._slots[slot] = worker
+            self._selector.register(parent, selectors.EVENT_READ, worker)
             self.stats.forks += 1
+            self.stats.spares += int(spare)
         return worker
 
-    def _retire(self, worker: _Worker) -> None:
+    def _kill(self, worker: _Worker) -> None:
         with self._lock:
-            self._live.pop(worker.pid, None)
-        worker.kill()
+            if self._slots[worker.slot] is worker:
+                self._slots[worker.slot] = None
+        try:
+            os.kill(worker.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(worker.pid, 0)
+        except ChildProcessError:
+            pass
+        self._selector.unregister(worker.conn)
+        worker.conn.close()
+        worker.mark.close()
 
-    def _drive(self) -> None:
-        """One worker's driver. Up to ``pipeline_depth`` items are in the worker's pipe at once, so the
-        worker starts its next item the moment it answers one instead of waiting for this thread to
-        wake, hand the verdict over and send another (with ~3 ms items that gap was several per cent
-        of a worker's time). Only the head item runs; its deadline counts from when it started (its
-        send, or the previous verdict). A killed or dead worker takes only its head item with it:
-        the items queued behind it never started and go to the fresh worker."""
-        worker: _Worker | None = self._fork()  # started eagerly: the first request finds it ready
-        inflight: deque[_Job] = deque()
-        started = 0.0
-        closing = draining = False
-        held: _Job | None = None  # a large item waits for an empty pipe (see PIPE_SAFE_CHARS)
-        while True:
-            while not draining and len(inflight) < self.pipeline_depth:
-                if held is not None:
-                    if inflight:
-                        break
-                    job, held = held, None
+    def _resolve(self, job: _Job, verdict: Verdict) -> None:
+        if not job.future.done():
+            job.future.set_result(verdict)
+
+    def _requeue(self, sent: Sequence[_Sent]) -> None:
+        """Put items that never started back at the head of their requests' queues, in order."""
+        for s in reversed(sent):
+            if s.taken or s.job.future.done():
+                continue
+            s.taken = True
+            if not s.job.request.jobs:
+                self._ready.append(s.job.request)
+            s.job.request.jobs.appendleft(s.job)
+
+    def _receive(self, worker: _Worker) -> None:
+        """The answer of the item at the head of ``worker``'s pipe."""
+        try:
+            msg = worker.conn.recv()
+        except (EOFError, OSError):
+            if worker.pipe:  # died on its running item; an idle one died on nothing of ours
+                head = worker.pipe.popleft()
+                self._resolve(head.job, Verdict("parse_error", detail="verifier process died on this input"))
+                self.stats.crashes += 1
+                self._requeue(worker.pipe)
+            self._kill(worker)
+            return
+        if not worker.pipe:  # an answer to nothing: not a worker of ours any more
+            self._kill(worker)
+            return
+        now = time.monotonic()
+        head = worker.pipe.popleft()
+        if msg is None and not head.taken:  # cannot happen (the mark names taken items only): rerun it
+            self._requeue([head])
+        if msg is not None:  # None: a taken-back item, skipped
+            verdict, rss_kb = msg
+            self._resolve(head.job, replace(verdict, seconds=now - worker.started))
+            worker.items += 1
+            if worker.rss0_kb == 0:
+                worker.rss0_kb = rss_kb
+            if not worker.retire and (
+                worker.items >= self.max_items or rss_kb - worker.rss0_kb > self.max_rss_growth_kb
+            ):
+                worker.retire = True
+                self.stats.recycles += 1
+        worker.started, worker.slow = now, False
+        if not any(s.taken for s in worker.pipe):
+            _write_mark(worker.mark, _NONE_TAKEN)
+        if worker.retire and not worker.pipe:
+            self._kill(worker)
+
+    def _check_heads(self, now: float) -> None:
+        """Kill the workers whose running item is past its deadline; mark slow the ones whose item has
+        run ``slow_s`` and take back what waits in their pipes."""
+        for w in self._live():
+            if not w.pipe:
+                continue
+            head = w.pipe[0]
+            if now >= w.started + head.job.deadline_s:
+                w.pipe.popleft()
+                self._resolve(head.job, Verdict("timeout", detail=f"killed after {head.job.deadline_s} s"))
+                self.stats.timeouts += 1
+                self._requeue(w.pipe)
+                self._kill(w)  # the hard deadline: only this worker, the item is not retried
+            elif not w.slow and now >= w.started + self.slow_s:
+                w.slow = True
+                self._start_spares()
+                behind = [s for s in list(w.pipe)[1:] if not s.taken]
+                if behind:
+                    _write_mark(w.mark, head.seq)
+                    self.stats.taken_back += len(behind)
+                    self._requeue(behind)
+
+    def _start_spares(self) -> None:
+        """Fork the spares as soon as a worker turns slow, not when the next request comes: they are
+        warm (their own warm-up done) by the time another request needs one."""
+        for slot in range(self.n_workers, len(self._slots)):
+            if self._slots[slot] is None and self._try_fork(slot) is None:
+                return
+
+    def _holds_slow(self, request: _Request) -> bool:
+        return any(w.slow and w.pipe and w.pipe[0].job.request is request for w in self._live())
+
+    def _spare_of(self, request: _Request) -> _Worker | None:
+        return next((w for w in self._live() if w.spare and w.holds(request)), None)
+
+    def _target(self, request: _Request, job: _Job) -> _Worker | None:
+        """Where ``job`` runs now, or None: it waits. An idle worker first (a fresh one in an empty
+        regular slot), then a spare (only while a worker is slow, for a request with no slow item of
+        its own and no other spare), then the shortest pipe of a worker that is not slow."""
+        for slot in range(self.n_workers):
+            w = self._slots[slot]
+            if w is None:
+                return self._try_fork(slot)
+            if not w.pipe and not w.retire:
+                return w
+        live = self._live()
+        spare_ok = False
+        if self.n_spares and any(w.slow for w in live) and not self._holds_slow(request):
+            own = self._spare_of(request)
+            spare_ok = True
+            if own is None:
+                for slot in range(self.n_workers, len(self._slots)):
+                    w = self._slots[slot]
+                    if w is None:
+                        return self._try_fork(slot)
+                    if not w.pipe and not w.retire:
+                        return w
+        if _size(job.item) > PIPE_SAFE_CHARS:
+            return None
+        room = [
+            w
+            for w in live
+            if w.pipe
+            and len(w.pipe) < self.pipeline_depth
+            and not w.slow
+            and not w.retire
+            and not any(s.taken for s in w.pipe)
+            and (not w.spare or (spare_ok and self._spare_of(request) in (None, w)))
+        ]
+        return min(room, key=lambda w: len(w.pipe)) if room else None
+
+    def _dispatch(self) -> None:
+        """Hand queued items to workers, one request's item at a time in turn."""
+        failures = 0
+        blocked = 0
+        while self._ready and blocked < len(self._ready):
+            request = self._ready.popleft()
+            while request.jobs and request.jobs[0].future.done():
+                request.jobs.popleft()  # answered by a worker that had started it before it was taken
+            if not request.jobs:
+                continue
+            job = request.jobs.popleft()
+            if not job.started:
+                job.started = True
+                if not job.future.set_running_or_notify_cancel():
+                    if request.jobs:
+                        self._ready.appendleft(request)
+                    continue
+            worker = self._target(request, job)
+            if worker is None:
+                request.jobs.appendleft(job)
+                self._ready.append(request)
+                blocked += 1
+                continue
+            blocked = 0
+            if not self._send(worker, job):
+                failures += 1
+                if failures > 3:  # fresh workers die at once: answer instead of looping
+                    self._resolve(job, Verdict("parse_error", detail="verifier process could not start"))
                 else:
-                    if closing:
-                        break
-                    try:
-                        got = self._jobs.get(block=not inflight)
-                    except queue.Empty:
-                        break
-                    if got is None:
-                        closing = True
-                        break
-                    job = got
-                    if not job.future.set_running_or_notify_cancel():
-                        continue
-                    if inflight and _size(job.item) > PIPE_SAFE_CHARS:
-                        held = job
-                        break
-                if worker is None:
-                    worker = self._fork()
-                if not inflight:
-                    started = time.monotonic()
-                if not self._send(worker, job) and not inflight:
-                    # the worker died between items: fork a fresh one and try once more
-                    self._retire(worker)
-                    worker = self._fork()
-                    self._send(worker, job)
-                inflight.append(job)  # a failed send with items ahead: the head's wait finds EOF
-            if not inflight:
-                if draining and worker is not None:
-                    self._retire(worker)
-                    worker, draining = None, False
-                if closing and held is None:
-                    break
-                continue
-            assert worker is not None
-            head = inflight[0]
-            verdict, alive = self._await_head(worker, head, started)
-            now = time.monotonic()
-            inflight.popleft()
-            head.future.set_result(replace(verdict, seconds=now - started))
-            started = now
-            if not alive:  # killed (deadline) or dead: the rest start over on a fresh worker
-                worker = self._fork() if inflight else None
-                draining = False
-                for job in inflight:
-                    assert worker is not None
-                    self._send(worker, job)
-                continue
-            draining = worker.retire  # recycle: no new items; retire once the queued ones are answered
-            if draining and not inflight:
-                self._retire(worker)
-                worker, draining = None, False
-        if worker is not None:
-            self._retire(worker)
+                    request.jobs.appendleft(job)
+            if request.jobs:
+                self._ready.append(request)
 
     def _send(self, worker: _Worker, job: _Job) -> bool:
+        if not worker.pipe:
+            worker.started, worker.slow = time.monotonic(), False
+        worker.seq += 1
+        timeout_s = max(1, job.deadline_s - 1) if job.deadline_s > 2 else 1
         try:
-            worker.conn.send((job.item, max(1, job.deadline_s - 1) if job.deadline_s > 2 else 1))
-        except OSError:
+            worker.conn.send((worker.seq, job.item, timeout_s))
+        except OSError:  # died between items (or while running the head: its EOF answers that one)
+            if worker.pipe:
+                head = worker.pipe.popleft()
+                self._resolve(head.job, Verdict("parse_error", detail="verifier process died on this input"))
+                self.stats.crashes += 1
+                self._requeue(worker.pipe)
+            self._kill(worker)
             return False
-        with self._lock:
-            self.stats.items += 1
+        worker.pipe.append(_Sent(worker.seq, job))
+        self.stats.items += 1
         return True
 
-    def _await_head(self, worker: _Worker, job: _Job, started: float) -> tuple[Verdict, bool]:
-        """The verdict of the item running in ``worker`` and whether the worker lives on. Retires
-        the worker on the hard deadline or on its death; flags a recycle through ``worker.retire``."""
-        if not worker.conn.poll(max(0.0, started + job.deadline_s - time.monotonic())):
-            self._retire(worker)  # the hard deadline: kill only this worker, do not retry the item
-            with self._lock:
-                self.stats.timeouts += 1
-            return Verdict("timeout", detail=f"killed after {job.deadline_s} s"), False
-        try:
-            verdict, rss_kb = worker.conn.recv()
-        except (EOFError, OSError):
-            self._retire(worker)
-            with self._lock:
-                self.stats.crashes += 1
-            return Verdict("parse_error", detail="verifier process died on this input"), False
-        worker.items += 1
-        if worker.rss0_kb == 0:
-            worker.rss0_kb = rss_kb
-        if not worker.retire and (
-            worker.items >= self.max_items or rss_kb - worker.rss0_kb > self.max_rss_growth_kb
-        ):
-            worker.retire = True
-            with self._lock:
-                self.stats.recycles += 1
-        return verdict, True
+    def _retire_spares(self) -> None:
+        """Idle spares go once no worker is slow (while one is, the next request may need them)."""
+        live = self._live()
+        if any(w.slow for w in live):
+            return
+        for w in live:
+            if w.spare and not w.pipe:
+                self._kill(w)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._admit_locked()
+        for w in self._live():
+            for s in w.pipe:
+                if not s.job.future.done():
+                    s.job.future.set_exception(PoolClosed("verifier pool closed"))
+            self._kill(w)
+        for request in self._ready:
+            for job in request.jobs:
+                if not job.future.done():
+                    if not job.started:
+                        job.future.set_running_or_notify_cancel()
+                    if not job.future.done():
+                        job.future.set_exception(PoolClosed("verifier pool closed"))
+        self._ready.clear()
+        self._selector.close()
+
+    def _admit_locked(self) -> None:
+        while self._inbox:
+            self._ready.append(self._inbox.popleft())

@@ -34,13 +34,7 @@ def _verifier() -> Any:
             from reward_svc.config import get_reward_settings
             from reward_svc.pool import VerifierPool
 
-            s = get_reward_settings()
-            _pool = VerifierPool(
-                s.workers,
-                max_items=s.max_items_per_worker,
-                max_rss_growth_mb=s.max_rss_growth_mb,
-                mem_limit_mb=s.mem_limit_mb,
-            )
+            _pool = VerifierPool.from_settings(get_reward_settings())
         return _pool
 
 
@@ -58,9 +52,11 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
 @celery_app.task(name="reward.match_texts")
 def match_texts_task(request: dict[str, Any]) -> dict[str, Any]:
     """Does each text state the gold answer? ``MatchRequest`` JSON in, ``MatchResponse`` JSON out."""
+    from reward_svc.core import check_timeout
     from reward_svc.match import MatchRequest, finish_matches, plan_matches
 
     req = MatchRequest.model_validate(request)
+    check_timeout(req.timeout_s, ["timeout_s"])
     decided, math = plan_matches(req)
     verdicts = _verifier().check_many([m for _, m in math], req.timeout_s) if math else []
     return finish_matches(decided, math, verdicts).model_dump(mode="json")

@@ -2,39 +2,47 @@
 
 ``POST /v1/rollouts`` runs one RolloutRequest on this process's engine and returns the Group (meant
 for small synchronous requests; bulk work goes through the ``rollout.generate_group`` task).
-``POST /v1/policy`` loads a policy version from the policy store into this process's engine.
+``POST /v1/policy`` (internal: needs ``LOOM_SERVICE_TOKEN`` when it is set) loads a version of the
+policy store into this process's engine: 0 is the base model; a ``path`` must be one of the store's
+version directories; nothing outside the store is ever opened, and a failed load says which version
+failed, never why (the reason is in this service's log) (docs/security-workers.md).
 ``/engine/...``: the same engine behind vLLM's OpenAI surface (rollout_svc/engines/openai_api.py):
 ``/engine/v1/completions``, ``/engine/v1/chat/completions``, TRL's ``/engine/server_info`` ... so
 TRL's ``VLLMClient(base_url=".../engine")`` or ``openai.OpenAI(base_url=".../engine/v1")`` generate here.
 Mode and engine limits are 422 naming the limit (a prompt the model cannot read names its field); a
-checkpoint that cannot be loaded is 422; an unreachable engine is 503.
+checkpoint that cannot be loaded is 422; an unreachable engine is 503; a group past
+``LOOM_ROLLOUT_GROUP_TIMEOUT_S``, an engine or the attention scorer timing out is 504.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from loom.schemas import Contract, Group, PolicyVersion, RolloutRequest
+from loom.schemas import Contract, ErrorBody, Group, RolloutRequest
 from loom.service import add_ping_route, broker_check, create_app
-from loom.store import PolicyStore
+from loom.service_token import UNAUTHORIZED, internal_route_guard
 from rollout_svc.engines import get_engine_async, get_tokenizer
 from rollout_svc.engines.base import (
     Engine,
     EngineError,
     EngineRequestError,
     InvalidPrompt,
+    PolicyLoadError,
     UnsupportedCapability,
 )
 from rollout_svc.engines.openai_api import Served, basic_routes, create_router, generation_defaults
 from rollout_svc.engines.torch_engine import resolve_model_path
 from rollout_svc.modes import ModeError
-from rollout_svc.rollout import generate_group
+from rollout_svc.rollout import PolicyNotFound, PolicyPathRefused, generate_group, stored_policy
 from rollout_svc.tasks import celery_app
+
+log = logging.getLogger("loom.rollout.api")
 
 app = create_app(
     "rollout",
@@ -43,6 +51,7 @@ app = create_app(
     errors=(404,),  # POST /v1/policy: no such version
 )
 add_ping_route(app, celery_app, ("rollout",))
+internal = internal_route_guard(app)
 
 
 def _engine_routes() -> APIRouter:
@@ -69,10 +78,15 @@ app.include_router(_engine_routes())
 
 class PolicyRequest(Contract):
     version: int | None = Field(
-        default=None, ge=0, description="a version in the policy store; None = latest"
+        default=None, ge=0, description="a version in the policy store (0: the base model); None = latest"
     )
-    path: str | None = Field(default=None, description="load this checkpoint instead of a store version")
-    kind: Literal["full", "lora"] = "full"
+    path: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="a version directory of the policy store (<store>/v<N>), the same as version N; "
+        "any other path is refused",
+    )
+    kind: Literal["full", "lora"] = Field(default="full", description="unused: the store records the kind")
 
 
 def _engine_error(exc: Exception) -> JSONResponse:
@@ -82,7 +96,8 @@ def _engine_error(exc: Exception) -> JSONResponse:
             content["field"] = exc.field
         return JSONResponse(status_code=422, content=content)
     kind = getattr(exc, "kind", "engine_error")
-    return JSONResponse(status_code=503, content={"error": kind, "detail": f"{type(exc).__name__}: {exc}"})
+    status = 504 if kind.endswith("timeout") else 503
+    return JSONResponse(status_code=status, content={"error": kind, "detail": f"{type(exc).__name__}: {exc}"})
 
 
 @app.post("/v1/rollouts", response_model=Group, tags=["rollout"])
@@ -97,24 +112,31 @@ async def rollouts(body: RolloutRequest) -> Group | JSONResponse:
         return JSONResponse(status_code=503, content={"error": "engine_unavailable", "detail": str(exc)})
 
 
-@app.post("/v1/policy", tags=["rollout"])
+@app.post(
+    "/v1/policy",
+    tags=["rollout"],
+    dependencies=[internal],
+    responses={
+        **UNAUTHORIZED,
+        404: {"model": ErrorBody, "description": "no such version in the policy store"},
+        422: {"model": ErrorBody, "description": "a path outside the store, or the version did not load"},
+    },
+)
 async def load_policy(body: PolicyRequest) -> JSONResponse:
     settings = app.state.settings
-    if body.path is not None:
-        policy = PolicyVersion(version=body.version or 0, path=body.path, kind=body.kind)
-    else:
-        store = PolicyStore(settings.policy_store_path)
-        found = store.latest() if body.version is None else store.get(body.version)
-        if found is None:
-            return JSONResponse(
-                status_code=404, content={"error": "not_found", "detail": f"no policy version {body.version}"}
-            )
-        policy = found
+    try:
+        policy = stored_policy(settings, body.version, body.path)
+    except PolicyPathRefused as exc:
+        return JSONResponse(status_code=422, content={"error": "path_refused", "detail": str(exc)})
+    except PolicyNotFound as exc:
+        return JSONResponse(status_code=404, content={"error": "not_found", "detail": str(exc)})
     try:
         engine = await get_engine_async(settings)
         await engine.load_policy(policy)
+    except (PolicyLoadError, OSError, ValueError) as exc:  # the reason names files: logged, not answered
+        log.warning("policy version %d did not load: %s", policy.version, exc)
+        detail = f"policy version {policy.version} could not be loaded (see the rollout service's log)"
+        return JSONResponse(status_code=422, content={"error": "load_failed", "detail": detail})
     except EngineError as exc:
         return _engine_error(exc)
-    except (OSError, ValueError) as exc:  # not a checkpoint (engines raise PolicyLoadError: above)
-        return JSONResponse(status_code=422, content={"error": "load_failed", "detail": str(exc)})
     return JSONResponse({"policy_version": engine.policy_version, "engine": engine.name})

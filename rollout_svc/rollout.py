@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
+import re
 import uuid
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
-from loom.schemas import Group, LogprobsProcessing, RolloutRequest, SamplingParams
+from loom.schemas import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
 from loom.settings import Settings
 from loom.store import PolicyStore
-from rollout_svc.engines.base import Engine, check_prompt
+from rollout_svc.engines.base import Engine, EngineError, check_prompt
 from rollout_svc.modes import RUN_MODES, ModeError
 from rollout_svc.modes.plain import plain
 from rollout_svc.modes.streaming import StreamingConfig, streaming
@@ -24,10 +27,19 @@ from rollout_svc.modes.streaming import StreamingConfig, streaming
 MODES = ("plain", "streaming", *RUN_MODES)
 
 
+class GroupTimeout(EngineError):
+    """The group's generation ran past ``LOOM_ROLLOUT_GROUP_TIMEOUT_S``: it is abandoned (its engine
+    and scorer calls cancelled) so its worker slot is free; not retried (it would take as long again)."""
+
+    kind = "group_timeout"
+
+
 async def generate_group(
     request: RolloutRequest, engine: Engine, tokenizer: Callable[[], Any], settings: Settings
 ) -> Group:
-    """Generate one prompt's group. ``tokenizer()`` is called only when text must be tokenized."""
+    """Generate one prompt's group. ``tokenizer()`` is called only when text must be tokenized.
+    The generation (not the policy catch-up before it, which has its own timeouts) is bounded by
+    ``settings.rollout_group_timeout_s``: past it, ``GroupTimeout``."""
     if request.mode not in MODES:
         raise ModeError(f"mode {request.mode!r} is not served by the rollout service yet; available: {MODES}")
     group_id = request.group_id or uuid.uuid4().hex
@@ -42,19 +54,39 @@ async def generate_group(
     field = "prompt_ids" if request.prompt_ids is not None else "prompt"
     check_prompt(prompt_ids, engine.vocab_size, engine.max_model_len, field)
     await catch_up(engine, request.policy_version, settings)
+    limit = settings.rollout_group_timeout_s
+    try:
+        async with asyncio.timeout(limit) as bound:
+            group = await _generate(request, prompt_ids, group_id, engine, tokenizer, settings)
+    except TimeoutError:
+        if not bound.expired():
+            raise
+        raise GroupTimeout(
+            f"the group took longer than {limit} s (LOOM_ROLLOUT_GROUP_TIMEOUT_S) and was abandoned"
+        ) from None
+    return with_text(with_processing(group, request.sampling), tokenizer)
+
+
+async def _generate(
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Callable[[], Any],
+    settings: Settings,
+) -> Group:
     if request.mode == "plain":
         if request.mode_params:
             raise ModeError(f"plain takes no mode_params, got {sorted(request.mode_params)}")
-        group = await plain(request, prompt_ids, group_id, engine)
-    elif request.mode in RUN_MODES:
+        return await plain(request, prompt_ids, group_id, engine)
+    if request.mode in RUN_MODES:
         module = importlib.import_module(RUN_MODES[request.mode])
-        group = await module.run(request, prompt_ids, group_id, engine, tokenizer())
-    else:
-        cfg = StreamingConfig.from_request(
-            request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
-        )
-        group = await streaming(request, prompt_ids, group_id, engine, tokenizer(), cfg)
-    return with_text(with_processing(group, request.sampling), tokenizer)
+        group: Group = await module.run(request, prompt_ids, group_id, engine, tokenizer(), settings)
+        return group
+    cfg = StreamingConfig.from_request(
+        request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
+    )
+    return await streaming(request, prompt_ids, group_id, engine, tokenizer(), cfg)
 
 
 def with_processing(group: Group, sampling: SamplingParams) -> Group:
@@ -102,6 +134,51 @@ async def catch_up(engine: Engine, wanted: int | None, settings: Settings) -> No
     async with loop_local(_catch_up_locks, asyncio.Lock):
         if engine.policy_version < wanted:
             await _load_at_least(engine, wanted, settings)
+
+
+class PolicyNotFound(LookupError):
+    """No such version in the policy store (a 404 naming the version, nothing else)."""
+
+
+class PolicyPathRefused(ValueError):
+    """A path that is not a version directory of the policy store: never looked at, never loaded."""
+
+
+def base_policy(settings: Settings) -> PolicyVersion:
+    """Version 0: the model every engine starts from (``LOOM_MODEL``; ``tiny``: the built-in one)."""
+    if settings.model == "tiny":
+        from loom.tiny import CHECKPOINT_DIR
+
+        return PolicyVersion(version=0, path=str(CHECKPOINT_DIR))
+    return PolicyVersion(version=0, path=settings.model)
+
+
+def stored_policy(settings: Settings, version: int | None, path: str | None = None) -> PolicyVersion:
+    """The policy a load request names: a version of the policy store (None: the newest; 0: the base
+    model), or ``path`` when it is one of the store's version directories (``<store>/v<N>``).
+    ``PolicyPathRefused`` for any other path (decided on the path's text and the store's own
+    links only, so the answer says nothing of what exists elsewhere); ``PolicyNotFound``."""
+    store = PolicyStore(settings.policy_store_path)
+    if path is not None:
+        root = store.root.resolve()
+        given = Path(os.path.normpath(root / path))  # lexically: ".." cannot climb out unseen
+
+        def in_store(p: Path) -> bool:
+            return p.parent == root and re.fullmatch(r"v\d+", p.name) is not None
+
+        if not in_store(given) or not in_store(given.resolve()):  # a link in the store may point out
+            raise PolicyPathRefused("path must be a version directory of the policy store (<store>/v<N>)")
+        if version is not None and version != int(given.name[1:]):
+            raise PolicyPathRefused(f"path is version {given.name[1:]} of the store, not {version}")
+        version = int(given.name[1:])
+    if version == 0:
+        return base_policy(settings)
+    found = store.latest() if version is None else store.get(version)
+    if found is None:
+        raise PolicyNotFound(
+            "the policy store holds no version" if version is None else f"no policy version {version}"
+        )
+    return found
 
 
 async def _load_at_least(engine: Engine, wanted: int, settings: Settings) -> None:

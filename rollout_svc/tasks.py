@@ -4,14 +4,17 @@
   the task id (``loom.queue.send(..., key=group_id)``): LoomTask returns a stored result instead of
   running twice, and a worker killed mid-group leaves the message unacknowledged, so the broker
   redelivers it and the group is regenerated and recorded once.
-- ``rollout.load_policy(version=None, path=None, kind="full")``: load a policy version into this
-  worker's engine.
+- ``rollout.load_policy(version=None, path=None, kind="full")``: load a policy version of the store
+  into this worker's engine (``rollout.stored_policy``: 0 is the base model, a path must be a version
+  directory of the store).
 Pool: ``threads`` by default (``LOOM_ROLLOUT_POOL``): a task waits on its engine (an HTTP server, or
 the torch engine's scheduler thread, in its own process by default), so a thread per task does the
 same work without the prefork pool's two process hops per task (measured: the gap between
 consecutive groups of one worker ~7 ms with prefork, ~3 ms with threads); a killed worker is one
 process, and its unacknowledged message is redelivered as with prefork. Celery's task time limits do
-not apply to the threads pool: engine calls carry their own timeouts (``LOOM_ENGINE_TIMEOUT_S``).
+not apply to the threads pool: engine calls carry their own timeouts (``LOOM_ENGINE_TIMEOUT_S``),
+attention-scorer calls theirs (``LOOM_ATTENTION_TIMEOUT_S``), and a whole group is abandoned past
+``LOOM_ROLLOUT_GROUP_TIMEOUT_S`` (``GroupTimeout``, not retried), which frees its slot.
 The engine is a process-level singleton (``engines.get_engine``): a replica keeps its prefix cache
 and its engine server across tasks. Unreachable engines are retried with backoff, then the task
 fails with the typed error (``EngineUnavailable`` / ``EngineTimeout``), never hangs. Bad input fails
@@ -32,12 +35,11 @@ from typing import Any, TypeVar
 from celery import Task
 
 from loom.queue import make_celery
-from loom.schemas import PolicyVersion, RolloutRequest
+from loom.schemas import RolloutRequest
 from loom.settings import get_settings
-from loom.store import PolicyStore
 from rollout_svc.engines import get_engine, get_tokenizer
 from rollout_svc.engines.base import EngineTimeout, EngineUnavailable
-from rollout_svc.rollout import generate_group, loop_local
+from rollout_svc.rollout import generate_group, loop_local, stored_policy
 
 celery_app = make_celery("rollout")
 
@@ -111,14 +113,7 @@ def load_policy_task(
     self: Task, version: int | None = None, path: str | None = None, kind: str = "full"
 ) -> dict[str, Any]:
     settings = get_settings()
-    if path is not None:
-        policy = PolicyVersion(version=version or 0, path=path, kind=kind)  # type: ignore[arg-type]
-    else:
-        store = PolicyStore(settings.policy_store_path)
-        found = store.latest() if version is None else store.get(version)
-        if found is None:
-            raise FileNotFoundError(f"no policy version {version} in {store.root}")
-        policy = found
+    policy = stored_policy(settings, version, path)  # as the API's /v1/policy: store versions only
     engine = get_engine(settings)
     run(engine.load_policy(policy))
     return {"policy_version": engine.policy_version, "engine": engine.name, "pid": os.getpid()}

@@ -260,5 +260,5 @@ class Engine(ABC):
         raise UnsupportedCapability(
             self.name,
             "attention_scores",
-            "point mode_params.attention_url at a learner or `loom engine` serving /v1/score/attention",
+            "the operator's LOOM_ATTENTION_URL names a learner or `loom engine` serving /v1/score/attention",
         )

@@ -431,7 +431,12 @@ async def spawn(
 
 
 async def run(
-    request: RolloutRequest, prompt_ids: list[int], group_id: str, engine: Engine, tokenizer: Any
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Any,
+    settings: Any = None,
 ) -> Group:
-    """The dispatch entry: config from ``mode_params``."""
+    """The dispatch entry: config from ``mode_params`` (``settings``: unused; the modes' one signature)."""
     return await spawn(request, prompt_ids, group_id, engine, tokenizer, SpawnConfig.from_request(request))

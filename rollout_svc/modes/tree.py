@@ -30,8 +30,13 @@
 Reward callback (``reward_fn``): ``(trajectories) -> correctness in [0, 1] per trajectory`` (sync or
 async). The mode stays pure; ``exact_reward_fn`` builds one from loom.exact for arithmetic/countdown
 requests with a label. Attention scores come from the engine (``attention_scores`` capability: the
-torch engine, ``loom engine``) or, when ``mode_params.attention_url`` is set, from a learner / loom
-engine's ``POST /v1/score/attention``; otherwise attention branching is ``UnsupportedCapability``.
+torch engine, ``loom engine``) or, when the operator set ``LOOM_ATTENTION_URL``, from that learner /
+loom engine's ``POST /v1/score/attention``; otherwise attention branching is ``UnsupportedCapability``.
+The scorer is never a request's: a worker calls no URL taken from a request, so a submitted
+``mode_params.attention_url`` is refused (docs/security-workers.md). A scoring call waits at most
+``LOOM_ATTENTION_TIMEOUT_S`` (``mode_params.attention_timeout_s`` may only shorten it); a scorer that
+fails, times out or answers something other than the scores is a typed error that carries its status,
+never its reply.
 
 The group records the tree: trajectory i is the initial response i or a branch (its completion is the
 copied prefix + the continuation, ``parent_id`` = the path it branched from); ``Group.tree`` holds
@@ -53,7 +58,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from loom.schemas import Group, RolloutRequest, Segment, Trajectory, TreeNode
-from rollout_svc.engines.base import Completion, Engine, UnsupportedCapability
+from loom.settings import Settings, get_settings
+from rollout_svc.engines.base import Completion, Engine, EngineError, UnsupportedCapability
 from rollout_svc.modes import ModeError, param, sample_seed, trajectory_id
 
 Strategy = Literal["attention", "entropy", "random"]
@@ -77,14 +83,20 @@ class TreeConfig:
     entropy_stop_words: tuple[str, ...] = ("answer", "conclusion")
     expansion: Literal["round", "ceil", "all"] = "round"
     fci_running_mean: float | None = None
-    attention_url: str | None = None
     train_prefix: bool = True  # a branch's copied prefix is trained (TreeRL trains every leaf path)
     attention_timeout_s: float = 120.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_request(cls, request: RolloutRequest) -> TreeConfig:
+    def from_request(cls, request: RolloutRequest, max_attention_timeout_s: float = 120.0) -> TreeConfig:
+        """``max_attention_timeout_s``: the operator's bound (``LOOM_ATTENTION_TIMEOUT_S``), also the
+        default wait of a scoring call."""
         mp = dict(request.mode_params)
+        if "attention_url" in mp:
+            raise ModeError(
+                "mode_params.attention_url is not accepted: a worker never calls a URL from a request; "
+                "the attention scorer is the operator's setting LOOM_ATTENTION_URL"
+            )
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         unknown = sorted(set(mp) - known)
         if unknown:
@@ -104,10 +116,14 @@ class TreeConfig:
             end_marker=param(mp, "end_marker", str, "</think>"),
             expansion=param(mp, "expansion", str, "round"),
             fci_running_mean=param(mp, "fci_running_mean", float, None),
-            attention_url=param(mp, "attention_url", str, None),
             train_prefix=param(mp, "train_prefix", bool, True),
-            attention_timeout_s=param(mp, "attention_timeout_s", float, 120.0),
+            attention_timeout_s=param(mp, "attention_timeout_s", float, max_attention_timeout_s),
         )
+        if not 0.0 < cfg.attention_timeout_s <= max_attention_timeout_s:
+            raise ModeError(
+                f"mode_params.attention_timeout_s must be > 0 and at most {max_attention_timeout_s} s "
+                "(LOOM_ATTENTION_TIMEOUT_S on this deployment)"
+            )
         if "entropy_stop_words" in mp:
             words = mp["entropy_stop_words"]
             if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
@@ -346,32 +362,71 @@ def exact_reward_fn(request: RolloutRequest, tokenizer: Any) -> RewardFn | None:
     return score
 
 
-def http_scorer(url: str, timeout_s: float = 120.0) -> Scorer:
-    """FCI scores from ``POST {url}/v1/score/attention`` (the learner's route, also on ``loom engine``)."""
+class ScorerError(EngineError):
+    """The operator's attention scorer failed: unreachable, an error status, or a reply that is not
+    the scores. The message names what went wrong, never what the scorer said."""
+
+    kind = "attention_scorer_error"
+
+
+class ScorerTimeout(ScorerError):
+    kind = "attention_scorer_timeout"
+
+
+def _scores_of(body: Any, n: int) -> list[float]:
+    scores = body.get("scores") if isinstance(body, dict) else None
+    if (
+        not isinstance(scores, list)
+        or len(scores) != n
+        or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in scores
+        )
+    ):
+        raise ScorerError(f"the attention scorer's reply is not a list of {n} finite scores")
+    return [float(x) for x in scores]
+
+
+def http_scorer(url: str, timeout_s: float = 120.0, token: str = "") -> Scorer:
+    """FCI scores from ``POST {url}/v1/score/attention`` (the learner's route, also on ``loom engine``).
+    ``url`` is the operator's (``LOOM_ATTENTION_URL``); ``timeout_s`` bounds the whole call (connect,
+    send, every byte of the reply); ``token``: the service token the learner's route requires."""
     import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     async def score(
         ids: list[int], steps: list[tuple[int, int]], delta: int, zero_from: int | None
     ) -> list[float]:
         body = {"token_ids": ids, "steps": [list(s) for s in steps], "delta": delta, "zero_from": zero_from}
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
-            r = await client.post(url.rstrip("/") + "/v1/score/attention", json=body)
+        try:
+            async with asyncio.timeout(timeout_s), httpx.AsyncClient(timeout=timeout_s) as client:
+                r = await client.post(url.rstrip("/") + "/v1/score/attention", json=body, headers=headers)
+        except (TimeoutError, httpx.TimeoutException):
+            raise ScorerTimeout(f"the attention scorer did not answer within {timeout_s} s") from None
+        except httpx.HTTPError as exc:
+            raise ScorerError(f"the attention scorer could not be reached ({type(exc).__name__})") from None
         if r.status_code != 200:
-            raise ModeError(f"attention scorer at {url} answered {r.status_code}: {r.text[:200]}")
-        return [float(x) for x in r.json()["scores"]]
+            raise ScorerError(f"the attention scorer answered HTTP {r.status_code}")
+        try:
+            reply = r.json()
+        except ValueError:
+            raise ScorerError("the attention scorer's reply is not JSON") from None
+        return _scores_of(reply, len(steps))
 
     return score
 
 
-def resolve_scorer(engine: Engine, cfg: TreeConfig) -> Scorer:
+def resolve_scorer(engine: Engine, cfg: TreeConfig, url: str = "", token: str = "") -> Scorer:
+    """The engine's own scorer, else the operator's (``url``: ``LOOM_ATTENTION_URL``)."""
     if "attention_scores" in engine.capabilities:
         return engine.score_attention
-    if cfg.attention_url:
-        return http_scorer(cfg.attention_url, cfg.attention_timeout_s)
+    if url:
+        return http_scorer(url, cfg.attention_timeout_s, token)
     raise UnsupportedCapability(
         engine.name,
         "attention_scores",
-        "use strategy 'entropy' or 'random', or set mode_params.attention_url to a learner / `loom engine`",
+        "use strategy 'entropy' or 'random', or ask the operator to set LOOM_ATTENTION_URL to a learner "
+        "or `loom engine` serving /v1/score/attention",
     )
 
 
@@ -632,10 +687,21 @@ async def tree(
 
 
 async def run(
-    request: RolloutRequest, prompt_ids: list[int], group_id: str, engine: Engine, tokenizer: Any
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Any,
+    settings: Settings | None = None,
 ) -> Group:
-    """The dispatch entry: config from ``mode_params``, the exact-verifier reward when the task has one."""
-    cfg = TreeConfig.from_request(request)
+    """The dispatch entry: config from ``mode_params``, the exact-verifier reward when the task has one,
+    the operator's attention scorer (``settings``) for an engine without its own."""
+    settings = settings or get_settings()
+    cfg = TreeConfig.from_request(request, settings.attention_timeout_s)
+    needs_fci = cfg.strategy == "attention" or cfg.fci_running_mean is not None
+    scorer = (
+        resolve_scorer(engine, cfg, settings.attention_url, settings.service_token) if needs_fci else None
+    )
     return await tree(
-        request, prompt_ids, group_id, engine, tokenizer, cfg, exact_reward_fn(request, tokenizer)
+        request, prompt_ids, group_id, engine, tokenizer, cfg, exact_reward_fn(request, tokenizer), scorer
     )

@@ -234,11 +234,22 @@ def test_generation_stops_at_the_end_of_the_context_with_finish_reason_length(cl
     assert full and all(t.finish_reason == "length" for t in full)
 
 
-def test_a_policy_path_that_is_not_a_checkpoint_is_422(client: Any, tmp_path: Path) -> None:
+def test_a_policy_path_outside_the_store_is_refused_and_a_bad_version_is_422(
+    client: Any, store: PolicyStore, tmp_path: Path
+) -> None:
+    """Only the store's version directories are loaded; any other path gets one answer whether it
+    exists or not, and a version that does not load says which version, not why."""
     c, _ = client
-    for path in (str(tmp_path), str(tmp_path / "missing"), "../../etc"):
+    answers = set()
+    for path in (str(tmp_path), str(tmp_path / "missing"), "../../etc", "/etc/passwd", "v1/../../v1"):
         r = c.post("/v1/policy", json={"path": path})
-        assert r.status_code == 422, r.text
-        assert r.json()["error"] == "load_failed" and "could not load policy" in r.json()["detail"]
+        assert r.status_code == 422 and r.json()["error"] == "path_refused", r.text
+        answers.add(r.text)
+    assert len(answers) == 1
+    assert c.post("/v1/policy", json={"path": str(store.path_of(1))}).json()["policy_version"] == 1
+    store.publish(2, lambda d: (d / "config.json").write_text("not a checkpoint"))
+    r = c.post("/v1/policy", json={"version": 2})
+    assert r.status_code == 422 and r.json()["error"] == "load_failed", r.text
+    assert "config" not in r.text and str(store.root) not in r.text
     r = c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 2}})
     assert r.status_code == 200  # the engine still serves its model

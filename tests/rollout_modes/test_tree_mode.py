@@ -120,7 +120,7 @@ def test_exact_reward_fn_checks_the_boxed_answer(tiny_engine):
 
 def test_attention_on_an_engine_without_the_capability_is_a_typed_error(tiny_engine):
     engine = VLLMEngine("http://127.0.0.1:9")  # refused before any request is sent
-    with pytest.raises(UnsupportedCapability, match="attention_scores.*attention_url"):
+    with pytest.raises(UnsupportedCapability, match="attention_scores.*LOOM_ATTENTION_URL"):
         run(tree(_request(), [1, 2], "g", engine, tiny_engine.tokenizer, TreeConfig.from_request(_request())))
 
 
