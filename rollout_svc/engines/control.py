@@ -1,7 +1,7 @@
 """The control plane of ``loom engine``, answered as a vLLM 0.32 server answers it (docs/vllm.md).
 
 Status codes, JSON versus plain text and the dev-mode gating are vLLM's, pinned against a real vLLM
-server by tests/vllm/test_protocol.py, so a client that works here does what vLLM would make it do:
+server by tests/vllm_server/test_protocol.py, so a client that works here does what vLLM would make it do:
 - always: ``GET /health`` (200, empty body), ``GET /version``, ``GET /v1/models`` (the base model's
   card with ``root`` = its checkpoint, ``parent`` null, ``max_model_len``; one card per adapter);
 - ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` and

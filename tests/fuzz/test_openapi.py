@@ -21,12 +21,10 @@ import hashlib
 import importlib
 import json
 import os
-import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,8 +41,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import BrokerEnv, free_port, start_worker  # noqa: E402
+from tests.conftest import BrokerEnv, free_port, start_worker
 
 pytestmark = pytest.mark.slow
 

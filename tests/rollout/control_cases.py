@@ -1,7 +1,7 @@
 """The control-plane requests and vLLM 0.32's answers to them, as measured on a real vLLM server.
 
 One table, two users: tests/rollout/test_control.py holds ``loom engine`` to it, and
-tests/vllm/test_protocol.py holds the real vLLM server to it, so the imitation cannot drift from
+tests/vllm_server/test_protocol.py holds the real vLLM server to it, so the imitation cannot drift from
 what vLLM does (status, JSON or plain text, the fields a client reads). ``{served}`` stands for the
 served model's name. The cases run in order on one server and leave it as they found it (resumed,
 weight version ``default``).

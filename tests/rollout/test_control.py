@@ -1,5 +1,5 @@
 """``loom engine``'s control plane answers as vLLM 0.32 does: the table of tests/rollout/control_cases.py
-(which tests/vllm/test_protocol.py checks against a real vLLM server), the dev-mode and LoRA gating by
+(which tests/vllm_server/test_protocol.py checks against a real vLLM server), the dev-mode and LoRA gating by
 vLLM's own environment variables, and what pausing means for requests."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The vllm client's policy-update contract against ``loom engine`` (which answers as vLLM does,
-tests/rollout/test_control.py), so it holds where no vLLM environment exists; tests/vllm runs the
+tests/rollout/test_control.py), so it holds where no vLLM environment exists; tests/vllm_server runs the
 same against the real server."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The vLLM worker extension's checkpoint check (rollout_svc/engines/vllm_worker.py), run before a
 reload touches the served model: pure functions of the files, tested here without vLLM; the
-extension itself runs in tests/vllm. It must import with nothing but vLLM's own environment."""
+extension itself runs in tests/vllm_server. It must import with nothing but vLLM's own environment."""
 
 from __future__ import annotations
 

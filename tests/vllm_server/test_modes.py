@@ -22,7 +22,7 @@ from loom.store import PolicyStore
 from loom.tiny import STREAM_HEADER, make_problems, plain_prompt, reflect_prompt, spawn_prompt
 from loom.tiny.traces import stream_sentences
 from tests.rollout.conftest import start_engine_server, stop_process
-from tests.vllm.conftest import TINY, changed_checkpoint, free_port, max_diff, reference_logprobs
+from tests.vllm_server.conftest import TINY, changed_checkpoint, free_port, max_diff, reference_logprobs
 
 ATOL = 1e-4
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from loom.schemas import LossSpec, RewardResult, RolloutRequest, SamplingParams,
 from loom.settings import Settings
 from rollout_svc.engines.vllm import VLLMEngine
 from rollout_svc.rollout import generate_group
-from tests.vllm.conftest import TINY, max_diff, reference_logprobs
+from tests.vllm_server.conftest import TINY, max_diff, reference_logprobs
 
 ATOL = 1e-4
 

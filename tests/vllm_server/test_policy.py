@@ -20,7 +20,7 @@ from loom.store import PolicyStore
 from rollout_svc.engines.base import PolicyLoadError
 from rollout_svc.engines.vllm import VLLMEngine, weight_label
 from rollout_svc.rollout import generate_group
-from tests.vllm.conftest import TINY, changed_checkpoint, max_diff, reference_logprobs
+from tests.vllm_server.conftest import TINY, changed_checkpoint, max_diff, reference_logprobs
 
 ATOL = 1e-4
 

@@ -13,7 +13,7 @@ import pytest
 from loom.schemas import SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines.vllm import VLLMEngine, lora_name
-from tests.vllm.conftest import SERVED, TINY, max_diff, reference_logprobs, write_lora
+from tests.vllm_server.conftest import SERVED, TINY, max_diff, reference_logprobs, write_lora
 
 ATOL = 1e-4
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from tests.rollout.control_cases import CASES, problems, send
-from tests.vllm.conftest import SERVED
+from tests.vllm_server.conftest import SERVED
 
 
 def test_vllm_answers_every_control_request_as_the_table_says(vllm: Any) -> None:

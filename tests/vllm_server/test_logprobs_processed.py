@@ -12,8 +12,8 @@ import pytest
 from loom.schemas import LogprobsProcessing
 from loom.settings import Settings
 from rollout_svc.engines import make_engine
-from tests.vllm.conftest import TINY, max_diff, reference_logprobs
-from tests.vllm.test_logprobs import ATOL, _group, _train_metrics
+from tests.vllm_server.conftest import TINY, max_diff, reference_logprobs
+from tests.vllm_server.test_logprobs import ATOL, _group, _train_metrics
 
 
 @pytest.fixture

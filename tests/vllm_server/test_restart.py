@@ -19,7 +19,7 @@ from loom.store import PolicyStore
 from rollout_svc.engines.base import EngineRequestError, EngineUnavailable
 from rollout_svc.engines.vllm import VLLMEngine
 from tests.rollout.control_cases import DEV_ROUTES
-from tests.vllm.conftest import TINY, changed_checkpoint, max_diff, reference_logprobs, write_lora
+from tests.vllm_server.conftest import TINY, changed_checkpoint, max_diff, reference_logprobs, write_lora
 
 ATOL = 1e-4
 
