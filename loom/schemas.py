@@ -482,11 +482,6 @@ class ReflectResult(Contract):
 # Service plumbing
 
 
-class ErrorBody(Contract):
-    error: str
-    detail: Any = None
-
-
 class VersionInfo(Contract):
     service: str
     version: str

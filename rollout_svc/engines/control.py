@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loom.schemas import PolicyVersion
 from rollout_svc.engines.base import Engine, EngineError
+from rollout_svc.engines.openai_api import server_info_answer
 from rollout_svc.engines.vllm import VLLM_VERSION
 from rollout_svc.engines.vllm_worker import RELOAD_METHOD, checkpoint_problem
 
@@ -188,7 +189,7 @@ def attach_control_routes(
     if lora_updating_from_env() if lora_updating is None else lora_updating:
         _attach_lora_routes(app, engine, model_name, served, adapters)
     if dev_mode_from_env() if dev_mode is None else dev_mode:
-        _attach_dev_routes(app, engine, state)
+        _attach_dev_routes(app, engine, model_name, state)
     return state
 
 
@@ -276,7 +277,7 @@ def _attach_lora_routes(
         return Response(status_code=200, content=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-def _attach_dev_routes(app: FastAPI, engine: Engine, state: ControlState) -> None:
+def _attach_dev_routes(app: FastAPI, engine: Engine, model_name: str, state: ControlState) -> None:
     def bad(message: str) -> JSONResponse:  # an HTTPException(400) through vLLM's handler
         return vllm_error(400, message, "Bad Request")
 
@@ -400,18 +401,4 @@ def _attach_dev_routes(app: FastAPI, engine: Engine, state: ControlState) -> Non
 
     @app.get("/server_info")
     async def server_info(config_format: str = "text") -> JSONResponse:
-        mode = f"{engine.logprobs_kind}_logprobs"
-        config = {
-            "model_config": {
-                "model": state.weights_path,
-                "logprobs_mode": mode,
-                "max_model_len": engine.max_model_len,
-            }
-        }
-        return JSONResponse(
-            {
-                "vllm_config": config if config_format == "json" else str(config),
-                "vllm_env": {"VLLM_SERVER_DEV_MODE": True},
-                "system_env": {},
-            }
-        )
+        return server_info_answer(engine, state.weights_path, model_name, config_format)

@@ -27,6 +27,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
 
 from loom.schemas import SamplingParams
 from rollout_svc.engines.base import Completion, Engine, EngineError, PromptLogprobs
@@ -61,6 +62,26 @@ from rollout_svc.engines.openai_protocol import (
     usage,
     with_prompt,
 )
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = Field(description="BadRequestError, NotFoundError, NotImplementedError, ...")
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """vLLM's error answer (``{"error": {message, type, param, code}}``), which OpenAI clients parse;
+    the engine routes answer their own errors in it (Loom's own routes answer ``ErrorBody``)."""
+
+    error: ErrorInfo
+
+
+ENGINE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "A request vLLM would refuse (vLLM's error shape)"},
+    404: {"model": ErrorResponse, "description": "No such model name (vLLM's error shape)"},
+}
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:
@@ -143,8 +164,39 @@ async def first_then_rest(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
 # the routes
 
 
-def create_router(served: Served) -> APIRouter:
-    router = APIRouter()
+def server_info_answer(engine: Engine, model: str, served_name: str, config_format: str) -> JSONResponse:
+    """vLLM's (dev-mode) ``/server_info``, the parts TRL and trainers read: no weight-transfer engine
+    (TRL's ``init_communicator`` stops there with its own message)."""
+    if config_format not in ("text", "json"):
+        return error_response(OpenAIError("config_format must be 'text' or 'json'", "config_format"))
+    config = {
+        "model_config": {
+            "model": model,
+            "served_model_name": served_name,
+            "tokenizer": model,
+            "max_model_len": engine.max_model_len,
+            "max_logprobs": MAX_LOGPROBS,
+            "logprobs_mode": f"{engine.logprobs_kind}_logprobs",
+            "dtype": "torch.float32",
+            "generation_config": "auto",
+        },
+        "parallel_config": {
+            "pipeline_parallel_size": 1,
+            "tensor_parallel_size": 1,
+            "data_parallel_size": 1,
+            "world_size": 1,
+        },
+        "weight_transfer_config": None,
+        "loom": {"engine": engine.name, "policy_version": engine.policy_version},
+    }
+    shown: Any = config if config_format == "json" else json.dumps(config)
+    return JSONResponse({"vllm_config": shown, "vllm_env": {}, "system_env": {}})
+
+
+def create_router(served: Served, server_info: bool = True) -> APIRouter:
+    """The generation routes; ``server_info``: also ``GET /server_info`` (``loom engine`` has it only
+    in vLLM's dev mode, from control.py, as vLLM does)."""
+    router = APIRouter(responses=ENGINE_ERRORS)
 
     def model_of(body: Body) -> str:
         name = body.data.get("model")
@@ -664,35 +716,13 @@ def create_router(served: Served) -> APIRouter:
 
     # -------------------------------------------------------------------------------- TRL's routes
 
-    @router.get("/server_info")
-    async def server_info(config_format: str = "text") -> Any:
-        """vLLM's (dev-mode) configuration report, the parts TRL and trainers read: no
-        weight-transfer engine (TRL's ``init_communicator`` stops there with its own message)."""
-        if config_format not in ("text", "json"):
-            return error_response(OpenAIError("config_format must be 'text' or 'json'", "config_format"))
-        engine = await served.engine()
-        config = {
-            "model_config": {
-                "model": served.model_path or served.model_name,
-                "served_model_name": served.model_name,
-                "tokenizer": served.model_path or served.model_name,
-                "max_model_len": engine.max_model_len,
-                "max_logprobs": MAX_LOGPROBS,
-                "logprobs_mode": f"{engine.logprobs_kind}_logprobs",
-                "dtype": "torch.float32",
-                "generation_config": "auto",
-            },
-            "parallel_config": {
-                "pipeline_parallel_size": 1,
-                "tensor_parallel_size": 1,
-                "data_parallel_size": 1,
-                "world_size": 1,
-            },
-            "weight_transfer_config": None,
-            "loom": {"engine": engine.name, "policy_version": engine.policy_version},
-        }
-        shown: Any = config if config_format == "json" else json.dumps(config)
-        return JSONResponse({"vllm_config": shown, "vllm_env": {}, "system_env": {}})
+    if server_info:
+
+        @router.get("/server_info")
+        async def info(config_format: str = "text") -> Any:
+            engine = await served.engine()
+            model = served.model_path or served.model_name
+            return server_info_answer(engine, model, served.model_name, config_format)
 
     @router.get("/get_world_size")
     async def get_world_size() -> dict[str, int]:
@@ -704,7 +734,12 @@ def create_router(served: Served) -> APIRouter:
         "/update_weights",
         "/finish_weight_update",
     ):
-        router.add_api_route(route, _no_weight_transfer(route), methods=["POST"])
+        router.add_api_route(
+            route,
+            _no_weight_transfer(route),
+            methods=["POST"],
+            responses={501: {"model": ErrorResponse, "description": "No NCCL weight transfer"}},
+        )
 
     return router
 
@@ -765,5 +800,6 @@ def engine_router(engine: Engine, model_name: str, tokenizer: Any, names: set[st
 
     model_path = None if path is None else str(path)
     return create_router(
-        Served(get_engine, get_tokenizer, model_name, names, model_path, generation_defaults(path))
+        Served(get_engine, get_tokenizer, model_name, names, model_path, generation_defaults(path)),
+        server_info=False,
     )

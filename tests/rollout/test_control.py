@@ -81,34 +81,42 @@ def sim_server() -> Iterator[str]:
 
 
 def test_pause_waits_for_running_requests_and_holds_new_ones_until_resume(sim_server: str) -> None:
-    body = {"prompt": [1, 2, 3], "max_tokens": 40}  # 0.8 s at 20 ms per token
+    body = {"prompt": [1, 2, 3], "max_tokens": 200}  # 4 s at 20 ms per token
 
     async def scenario() -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=sim_server, timeout=60) as c:
             running = asyncio.create_task(c.post("/v1/completions", json=body))
-            await asyncio.sleep(0.3)
-            refused = (await c.post("/reset_prefix_cache")).json()  # blocks held by a running request
+            refused: Any = None
+            for _ in range(200):  # until the request runs (a loaded machine may start it late)
+                await asyncio.sleep(0.02)
+                refused = (await c.post("/reset_prefix_cache")).json()  # blocks held while it runs
+                if refused == {"success": False} or running.done():
+                    break
             pause = await c.post("/pause", params={"mode": "wait"})
-            finished_first = running.done()
+            # the server answers the pause once nothing runs: a reset now finds no blocks held
+            idle_at_pause = (await c.post("/reset_prefix_cache")).json()
             held = asyncio.create_task(c.post("/v1/completions", json={**body, "max_tokens": 2}))
             await asyncio.sleep(0.5)
             held_while_paused = not held.done()
             reset = (await c.post("/reset_prefix_cache")).json()
             await c.post("/resume")
             late = await held
+            first = await running
             return {
                 "refused": refused,
                 "pause": pause.json(),
-                "finished_first": finished_first,
+                "idle_at_pause": idle_at_pause,
                 "held": held_while_paused,
                 "reset": reset,
                 "late": late.status_code,
-                "running": (await running).status_code,
+                "running": first.status_code,
+                "running_tokens": first.json()["usage"]["completion_tokens"],
             }
 
     out = asyncio.run(scenario())
     assert out["refused"] == {"success": False}
-    assert out["pause"] == {"status": "paused"} and out["finished_first"]
+    assert out["pause"] == {"status": "paused"} and out["idle_at_pause"] == {"success": True}
+    assert out["running_tokens"] == 200  # mode=wait let the running request finish, not cut it
     assert out["held"] and out["reset"] == {"success": True}
     assert out["late"] == 200 and out["running"] == 200
 

@@ -1,6 +1,6 @@
 """Every rollout mode over ``POST /v1/rollouts`` of a rollout service (``loom api rollout``, its own
 process) whose engine is the real vLLM (``LOOM_ENGINE=vllm``): plain, streaming (interleaved layout),
-tree (entropy branching, and attention branching scored by ``loom engine`` through ``attention_url``)
+tree (entropy branching, and attention branching scored by ``loom engine`` at ``LOOM_ATTENTION_URL``)
 and spawn. Every trained token's log-prob is the learner's recomputation of it; a policy version asked
 for is loaded from the store first (``POST /v1/policy`` and ``policy_version``)."""
 
@@ -37,7 +37,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> PolicyStore:
 
 
 @pytest.fixture(scope="module")
-def rollout_api(vllm: Any, store: PolicyStore, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def rollout_api(
+    vllm: Any, store: PolicyStore, scorer: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     port = free_port()
     data = tmp_path_factory.mktemp("rollout-data")
     env = {
@@ -48,6 +50,7 @@ def rollout_api(vllm: Any, store: PolicyStore, tmp_path_factory: pytest.TempPath
         "LOOM_DATA_DIR": str(data),
         "LOOM_POLICY_STORE": str(store.root),
         "LOOM_TORCH_THREADS": "1",
+        "LOOM_ATTENTION_URL": scorer,  # the operator's attention scorer (requests cannot name one)
     }
     log = (data / "rollout.log").open("wb")
     proc = subprocess.Popen(
@@ -137,10 +140,8 @@ def test_streaming_group_positions_is_a_422_naming_the_capability(rollout_api: s
 
 
 @pytest.mark.parametrize("strategy", ["entropy", "attention"])
-def test_tree(rollout_api: str, scorer: str, strategy: str) -> None:
+def test_tree(rollout_api: str, strategy: str) -> None:
     params: dict[str, Any] = {"initial": 3, "strategy": strategy, "min_distance": 4, "delta": 2}
-    if strategy == "attention":
-        params["attention_url"] = scorer
     body = {
         "mode": "tree",
         "prompt": reflect_prompt(PROBLEM),
@@ -182,7 +183,9 @@ def test_a_request_for_a_policy_version_loads_it_from_the_store_first(
         assert {t.policy_version for t in group.trajectories} == {1}
         _assert_trained_tokens_exact(group, v1.path)
         bad = httpx.post(f"{rollout_api}/v1/policy", json={"path": "/no/such/checkpoint"}, timeout=120)
-        assert bad.status_code == 422 and bad.json()["error"] == "load_failed"
+        assert bad.status_code == 422 and bad.json()["error"] == "path_refused"
+        missing = httpx.post(f"{rollout_api}/v1/policy", json={"version": 9}, timeout=120)
+        assert missing.status_code == 404 and missing.json()["error"] == "not_found"
     finally:  # the base model back for the other tests
-        r = httpx.post(f"{rollout_api}/v1/policy", json={"path": str(TINY), "version": 0}, timeout=120)
+        r = httpx.post(f"{rollout_api}/v1/policy", json={"version": 0}, timeout=120)
         assert r.status_code == 200, r.text
