@@ -90,9 +90,10 @@ def test_hostile_items_of_one_request_run_side_by_side_on_idle_workers(layout):
             assert pool.stats.taken_back >= 1
     slow = [v for k, v in zip(layout, verdicts, strict=True) if k == "h"]
     assert all(v.status == "timeout" for v in slow), slow
-    one = max(v.seconds for v in slow)
-    assert one >= deadline - 2  # really hostile: each ran until its alarm
-    assert wall < 1.5 * one, (wall, [v.seconds for v in slow])  # side by side (in one pipe: 2x)
+    # really hostile: the request lasted until the alarms; side by side it lasts one deadline, in one
+    # pipe two (the wall clock, not the verdicts' own seconds: a loaded machine may start one late)
+    assert wall >= deadline - 2, (wall, [v.seconds for v in slow])
+    assert wall < 1.75 * deadline, (wall, [v.seconds for v in slow])
     assert all(v.correct for k, v in zip(layout, verdicts, strict=True) if k == "n")
 
 
