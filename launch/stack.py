@@ -87,7 +87,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 
 def loom_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "loom.cli", *args]
+    return [sys.executable, "-m", "launch.cli", *args]
 
 
 def service_specs(settings: Settings, services: Sequence[str] = SERVICES, workers: int = 1) -> list[ProcSpec]:
