@@ -189,8 +189,8 @@ def main(argv: Sequence[str] = ()) -> int:
         client = GatewayClient(args.url, api_key=args.api_key)
         return _drive(client, args, out, t0)
 
-    from loom.settings import Settings
     from launch.stack import Stack
+    from loom.settings import Settings
 
     # A fresh data dir per demo: its own embedded broker, run state and policy store.
     settings = Settings(data_dir=out / "state")

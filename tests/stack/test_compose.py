@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from launch.cli import COMMANDS
 from launch import SERVICE_PACKAGES
+from launch.cli import COMMANDS
 from loom.settings import SERVICES, Settings
 
 REPO = Path(__file__).resolve().parents[2]

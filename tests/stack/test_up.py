@@ -22,8 +22,8 @@ import httpx
 import psutil
 import pytest
 
-from loom.settings import SERVICES
 from launch.stack import Stack
+from loom.settings import SERVICES
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 150.0
@@ -274,8 +274,8 @@ def test_stack_context_manager_round_trips_and_stops_its_processes(broker_env) -
 def test_a_restarted_stack_keeps_the_previous_runs_logs(tmp_path: Path) -> None:
     """Issue 24: ``loom up`` truncated every log at start, so the log of a crash was lost to the
     restart after it. Now the last runs' logs stay as ``<proc>.log.1`` (newest) ... ``.N``."""
-    from loom.settings import Settings
     from launch.stack import ProcSpec
+    from loom.settings import Settings
 
     def run(n: int, **kw: int) -> None:
         line = f"run-{n}"
