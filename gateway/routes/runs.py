@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -11,7 +12,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from gateway.datasets import DatasetError, StoredDataset, load_dataset, store_jsonl
-from gateway.models import MAX_VERSION, Created, RunRequest, RunView
+from gateway.models import MAX_VERSION, Created, RunRequest, RunView, TaskItem
 from gateway.quotas import run_cost, too_long
 from gateway.routes.datasets import invalid_dataset
 from gateway.routes.deps import (
@@ -44,7 +45,7 @@ def finite_metrics(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-async def run_items(gw: Gateway, body: RunRequest) -> tuple[RunRequest, list[Any]]:
+async def run_items(gw: Gateway, body: RunRequest) -> tuple[RunRequest, Sequence[TaskItem]]:
     """The run's items to check before it is stored, and the run with an inline ``dataset.jsonl``
     replaced by the id of the dataset it was stored as. Raises DatasetError."""
     spec = body.dataset
