@@ -41,7 +41,7 @@ def gateway(data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
         LOOM_MAX_BODY_BYTES=str(64 * 2**20),
     )
     port = free_port()
-    argv = [sys.executable, "-m", "loom.cli", "api", "gateway", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "launch.cli", "api", "gateway", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -48,7 +48,7 @@ def main() -> None:
         argv = [
             sys.executable,
             "-m",
-            "loom.cli",
+            "launch.cli",
             "api",
             "gateway",
             "--host",

@@ -174,7 +174,7 @@ def overhead(workers: int, sizes: list[int], reps: int, broker: str | None) -> l
                 LOOM_QUEUE_NAMESPACE=f"loombench-{uuid.uuid4().hex[:6]}-",
             )
             worker = subprocess.Popen(
-                [sys.executable, "-m", "loom.cli", "worker", "reward", "-c", "1"],
+                [sys.executable, "-m", "launch.cli", "worker", "reward", "-c", "1"],
                 cwd=REPO,
                 env=qenv,
                 start_new_session=True,

@@ -120,7 +120,7 @@ def start_workers(procs: Procs, env: dict[str, str], n: int, tmp: Path, concurre
         argv = [
             sys.executable,
             "-m",
-            "loom.cli",
+            "launch.cli",
             "worker",
             "rollout",
             "-c",
@@ -190,7 +190,7 @@ def start_engine_server(procs: Procs, tmp: Path, args: list[str], wait: bool = T
     """``loom engine`` (the torch engine behind the vLLM-compatible protocol; ``args`` e.g. its
     simulation flag) on a free port; its URL, once it answers unless ``wait`` is False."""
     port = free_port()
-    argv = [sys.executable, "-m", "loom.cli", "engine", "--port", str(port), *args]
+    argv = [sys.executable, "-m", "launch.cli", "engine", "--port", str(port), *args]
     procs.start(argv, queue_env(tmp, False, **env), tmp / f"engine-{port}.log")
     deadline = time.monotonic() + 180
     while wait and not reachable(port):
@@ -427,7 +427,7 @@ def bench_scaling(quick: bool, tmp: Path) -> dict[int, float]:
                 argv = [
                     sys.executable,
                     "-m",
-                    "loom.cli",
+                    "launch.cli",
                     "worker",
                     "rollout",
                     "-c",

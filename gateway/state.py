@@ -101,6 +101,33 @@ class GatewayState:
         if problem is not None:
             raise problem
 
+    def _existing_or_admit(
+        self,
+        db: sqlite3.Connection,
+        kind: str,
+        owner: str,
+        key: str | None,
+        body: str,
+        cost: Cost,
+        quotas: Quotas | None,
+    ) -> str | None:
+        """The id of ``owner``'s job or run (``kind``) under idempotency ``key`` (KeyError when its
+        request differs from ``body``); None when there is none and a new one fits ``quotas``
+        (QuotaExceeded when it does not)."""
+        table, body_column = ("jobs", "request") if kind == "job" else ("runs", "config")
+        if key is not None:
+            row = db.execute(
+                f"SELECT id, {body_column} FROM {table} WHERE owner=? AND {kind}_key=?",  # noqa: S608
+                (owner, key),
+            ).fetchone()
+            if row is not None:
+                if row[body_column] != body:
+                    raise KeyError(row["id"])
+                return str(row["id"])
+        if quotas is not None:
+            self._check_quota(db, owner, kind, cost, quotas)
+        return None
+
     # ------------------------------------------------------------------------------------------ jobs
     def create_job(
         self,
@@ -115,15 +142,9 @@ class GatewayState:
         ``quotas`` (beside the owner's queued and running work) raises QuotaExceeded."""
         body = json.dumps(request, sort_keys=True)
         with self.tx() as db:
-            row = db.execute(
-                "SELECT id, request FROM jobs WHERE owner=? AND job_key=?", (owner, job_key)
-            ).fetchone()
-            if row is not None:
-                if row["request"] != body:
-                    raise KeyError(row["id"])
-                return str(row["id"]), False
-            if quotas is not None:
-                self._check_quota(db, owner, "job", cost, quotas)
+            existing = self._existing_or_admit(db, "job", owner, job_key, body, cost, quotas)
+            if existing is not None:
+                return existing, False
             job_id = "job-" + uuid.uuid4().hex[:16]
             now = time.time()
             db.execute(
@@ -142,13 +163,16 @@ class GatewayState:
         rows = self._db().execute(f"SELECT id FROM jobs WHERE status IN ({marks})", statuses).fetchall()  # noqa: S608
         return [str(r["id"]) for r in rows]
 
-    def set_job(self, job_id: str, **fields: Any) -> None:
+    def _set(self, table: str, item_id: str, fields: dict[str, Any]) -> None:
         fields["updated_at"] = time.time()
-        if "counters" in fields:
-            fields["counters"] = json.dumps(fields["counters"])
         cols = ", ".join(f"{k}=?" for k in fields)
         with self.tx() as db:
-            db.execute(f"UPDATE jobs SET {cols} WHERE id=?", (*fields.values(), job_id))  # noqa: S608
+            db.execute(f"UPDATE {table} SET {cols} WHERE id=?", (*fields.values(), item_id))  # noqa: S608
+
+    def set_job(self, job_id: str, **fields: Any) -> None:
+        if "counters" in fields:
+            fields["counters"] = json.dumps(fields["counters"])
+        self._set("jobs", job_id, fields)
 
     def start_job(self, job_id: str) -> bool:
         """Mark the job running unless it ended meanwhile (a cancel); False if it did."""
@@ -225,16 +249,9 @@ class GatewayState:
     ) -> tuple[str, bool]:
         body = json.dumps(config, sort_keys=True)
         with self.tx() as db:
-            if run_key is not None:
-                row = db.execute(
-                    "SELECT id, config FROM runs WHERE owner=? AND run_key=?", (owner, run_key)
-                ).fetchone()
-                if row is not None:
-                    if row["config"] != body:
-                        raise KeyError(row["id"])
-                    return str(row["id"]), False
-            if quotas is not None:
-                self._check_quota(db, owner, "run", cost, quotas)
+            existing = self._existing_or_admit(db, "run", owner, run_key, body, cost, quotas)
+            if existing is not None:
+                return existing, False
             run_id = "run-" + uuid.uuid4().hex[:16]
             now = time.time()
             db.execute(
@@ -262,10 +279,7 @@ class GatewayState:
         return [str(r["id"]) for r in rows]
 
     def set_run(self, run_id: str, **fields: Any) -> None:
-        fields["updated_at"] = time.time()
-        cols = ", ".join(f"{k}=?" for k in fields)
-        with self.tx() as db:
-            db.execute(f"UPDATE runs SET {cols} WHERE id=?", (*fields.values(), run_id))  # noqa: S608
+        self._set("runs", run_id, fields)
 
     def start_run(self, run_id: str) -> bool:
         """Mark the run running unless it was cancelled meanwhile (atomically); False if cancelled."""

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -260,28 +260,38 @@ def create_app(
     app.state.settings = settings
     app.state.service = service
     app.state.ready_checks = dict(ready_checks or {})
+    _add_metrics(app, service)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, limits=body_limits)
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _crash)
+    app.include_router(ops_router)
+    return app
 
+
+def internal_error(request: Request, exc: BaseException) -> JSONResponse:
+    """503 ``dependency_unavailable`` when a dependency is down, else a 500 with a reference to the log."""
+    down = _dependency_down(exc)
+    if down is not None:
+        log.warning("%s %s: %s (%s)", request.method, request.url.path, down, exc)
+        return JSONResponse(
+            status_code=503,
+            content={"error": "dependency_unavailable", "detail": down},
+            headers={"Retry-After": "5"},
+        )
+    ref = uuid.uuid4().hex[:12]
+    log.error("unhandled error %s on %s %s", ref, request.method, request.url.path, exc_info=exc)
+    return JSONResponse(status_code=500, content={"error": "internal_error", "detail": f"reference {ref}"})
+
+
+def _add_metrics(app: FastAPI, service: str) -> None:
+    """Count and time every request by route (``/metrics``); answer what escapes a route here."""
     registry = CollectorRegistry()
     requests = Counter(
         "loom_http_requests_total", "HTTP requests", ["service", "route", "status"], registry=registry
     )
     latency = Histogram("loom_http_request_seconds", "HTTP latency", ["service", "route"], registry=registry)
     app.state.metrics_registry = registry
-
-    def _internal_error(request: Request, exc: BaseException) -> JSONResponse:
-        down = _dependency_down(exc)
-        if down is not None:
-            log.warning("%s %s: %s (%s)", request.method, request.url.path, down, exc)
-            return JSONResponse(
-                status_code=503,
-                content={"error": "dependency_unavailable", "detail": down},
-                headers={"Retry-After": "5"},
-            )
-        ref = uuid.uuid4().hex[:12]
-        log.error("unhandled error %s on %s %s", ref, request.method, request.url.path, exc_info=exc)
-        return JSONResponse(
-            status_code=500, content={"error": "internal_error", "detail": f"reference {ref}"}
-        )
 
     @app.middleware("http")
     async def _metrics(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
@@ -292,81 +302,36 @@ def create_app(
             # answered here, not by Starlette's ServerErrorMiddleware: that one sends the 500 and then
             # re-raises, and uvicorn closes the connection, so a client's next request on the same
             # keep-alive connection was reset (or hung)
-            response = _internal_error(request, exc)
+            response = internal_error(request, exc)
         route = request.scope.get("route")
         path = getattr(route, "path", "unmatched")
         requests.labels(service, path, str(response.status_code)).inc()
         latency.labels(service, path).observe(time.perf_counter() - t0)
         return response
 
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, limits=body_limits)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = []
-        for e in exc.errors():
-            msg = str(e.get("msg", ""))
-            if e.get("type") == "json_invalid" and (e.get("ctx") or {}).get("error"):
-                msg = f"{msg}: {e['ctx']['error']}"  # what is wrong with the body, not only where
-            errors.append({"loc": list(e.get("loc", ())), "msg": msg, "type": e.get("type", "")})
-        return JSONResponse(
-            status_code=422, content={"error": "validation_error", "detail": jsonable_encoder(errors)}
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            status_code=exc.status_code,
-            content=jsonable_encoder(error_body(exc.status_code, exc.detail)),
-            headers=getattr(exc, "headers", None),
-        )
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        return _internal_error(request, exc)  # only what escapes the middleware above
-
-    @app.get("/healthz", tags=["ops"])
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok", "service": service}
-
-    @app.get(
-        "/readyz",
-        tags=["ops"],
-        response_model=Readiness,
-        responses={503: {"model": Readiness, "description": "A dependency is not ready"}},
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = []
+    for e in exc.errors():
+        msg = str(e.get("msg", ""))
+        if e.get("type") == "json_invalid" and (e.get("ctx") or {}).get("error"):
+            msg = f"{msg}: {e['ctx']['error']}"  # what is wrong with the body, not only where
+        errors.append({"loc": list(e.get("loc", ())), "msg": msg, "type": e.get("type", "")})
+    return JSONResponse(
+        status_code=422, content={"error": "validation_error", "detail": jsonable_encoder(errors)}
     )
-    async def readyz() -> JSONResponse:
-        checks: dict[str, dict[str, Any]] = {}
-        for name, check in app.state.ready_checks.items():
-            try:
-                if asyncio.iscoroutinefunction(check):
-                    ok, detail = await check()
-                else:
-                    ok, detail = await asyncio.to_thread(check)  # type: ignore[arg-type]
-            except Exception as exc:  # a failing check is a not-ready answer, not a 500
-                ok, detail = False, f"{type(exc).__name__}: {exc}"
-            checks[name] = {"ok": bool(ok), "detail": str(detail)}
-        ready = all(c["ok"] for c in checks.values())
-        return JSONResponse(
-            status_code=200 if ready else 503,
-            content={"status": "ready" if ready else "not_ready", "service": service, "checks": checks},
-        )
 
-    @app.get(
-        "/metrics",
-        tags=["ops"],
-        responses={
-            200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus"}
-        },
+
+async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(
+        status_code=exc.status_code,
+        content=jsonable_encoder(error_body(exc.status_code, exc.detail)),
+        headers=getattr(exc, "headers", None),
     )
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version", tags=["ops"], response_model=VersionInfo)
-    async def version() -> VersionInfo:
-        return VersionInfo(service=service, version=__version__)
 
-    return app
+async def _crash(request: Request, exc: Exception) -> JSONResponse:
+    return internal_error(request, exc)  # only what escapes the metrics middleware
 
 
 class ReadyCheckResult(BaseModel):
@@ -378,6 +343,54 @@ class Readiness(BaseModel):
     status: str = Field(description="ready or not_ready")
     service: str
     checks: dict[str, ReadyCheckResult]
+
+
+# ---------------------------------------------------------------------------- every service's ops routes
+ops_router = APIRouter(tags=["ops"], route_class=LoomRoute)
+
+
+@ops_router.get("/healthz")
+async def healthz(request: Request) -> dict[str, str]:
+    return {"status": "ok", "service": request.app.state.service}
+
+
+@ops_router.get(
+    "/readyz",
+    response_model=Readiness,
+    responses={503: {"model": Readiness, "description": "A dependency is not ready"}},
+)
+async def readyz(request: Request) -> JSONResponse:
+    checks: dict[str, dict[str, Any]] = {}
+    for name, check in request.app.state.ready_checks.items():
+        try:
+            if asyncio.iscoroutinefunction(check):
+                ok, detail = await check()
+            else:
+                ok, detail = await asyncio.to_thread(check)
+        except Exception as exc:  # a failing check is a not-ready answer, not a 500
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        checks[name] = {"ok": bool(ok), "detail": str(detail)}
+    ready = all(c["ok"] for c in checks.values())
+    service = request.app.state.service
+    return JSONResponse(
+        status_code=200 if ready else 503,
+        content={"status": "ready" if ready else "not_ready", "service": service, "checks": checks},
+    )
+
+
+@ops_router.get(
+    "/metrics",
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus"}},
+)
+async def metrics(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(
+        generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST
+    )
+
+
+@ops_router.get("/version", response_model=VersionInfo)
+async def version(request: Request) -> VersionInfo:
+    return VersionInfo(service=request.app.state.service, version=__version__)
 
 
 def broker_check(celery_app: Any, ttl: float = 2.0) -> ReadyCheck:

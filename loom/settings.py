@@ -16,15 +16,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SERVICES: tuple[str, ...] = ("gateway", "rollout", "reward", "reflect", "learner")
 
-# Package name of each service; `uvicorn <package>.api:app` starts its API.
-SERVICE_PACKAGES: dict[str, str] = {
-    "gateway": "gateway",
-    "rollout": "rollout_svc",
-    "reward": "reward_svc",
-    "reflect": "reflect_svc",
-    "learner": "learner",
-}
-
 DEFAULT_PORTS: dict[str, int] = {
     "gateway": 8400,
     "rollout": 8401,

@@ -429,7 +429,7 @@ def start_worker(
     """Start ``loom worker <service>`` with ``benv``'s environment and wait until it is ready."""
     name = name or f"{service}-{uuid.uuid4().hex[:6]}"
     log_path = benv.tmp / f"worker-{name}.log"
-    argv = [sys.executable, "-m", "loom.cli", "worker", service, "-c", str(concurrency), *args]
+    argv = [sys.executable, "-m", "launch.cli", "worker", service, "-c", str(concurrency), *args]
     argv += ["-n", f"{name}@%h"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

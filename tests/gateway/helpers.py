@@ -55,7 +55,7 @@ class GatewayProcess:
         argv = [
             sys.executable,
             "-m",
-            "loom.cli",
+            "launch.cli",
             "api",
             "gateway",
             "--host",

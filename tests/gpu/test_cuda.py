@@ -326,7 +326,7 @@ def test_loom_engine_on_cuda_through_the_vllm_client(cpu: TorchEngine) -> None:
         port = s.getsockname()[1]
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loom.cli", "engine", "--port", str(port)]
+        [sys.executable, "-m", "launch.cli", "engine", "--port", str(port)]
         + ["--model", "tiny", "--device", "cuda"],
         cwd=repo,
         env={**os.environ, "LOOM_TORCH_THREADS": "1"},

@@ -130,7 +130,7 @@ def start_engine_server(
         **(env_extra or {}),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loom.cli", "engine", "--port", str(port), *args],
+        [sys.executable, "-m", "launch.cli", "engine", "--port", str(port), *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

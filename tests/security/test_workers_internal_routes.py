@@ -137,7 +137,7 @@ def test_the_learners_routes_need_the_service_token_when_one_is_set(tmp_path: Pa
 
 
 def test_loom_up_gives_each_stack_a_service_token_unless_one_is_set(tmp_path: Path) -> None:
-    from loom.stack import Stack
+    from launch.stack import Stack
 
     one = Stack(Settings(data_dir=tmp_path / "a"), workers=0)
     two = Stack(Settings(data_dir=tmp_path / "b"), workers=0)

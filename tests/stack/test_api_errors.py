@@ -16,7 +16,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from loom.settings import SERVICE_PACKAGES, SERVICES, Settings
+from launch import SERVICE_PACKAGES
+from loom.settings import SERVICES, Settings
 
 SCALAR_TYPES = {"integer", "number", "string", "boolean", "array"}
 WRONG_VALUE = {"not": ["what", "the", "field", "expects"]}  # an object fits no scalar or list field

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from loom.cli import COMMANDS
-from loom.settings import SERVICE_PACKAGES, SERVICES, Settings
+from launch import SERVICE_PACKAGES
+from launch.cli import COMMANDS
+from loom.settings import SERVICES, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -166,6 +167,6 @@ def test_healthchecks_and_dependency_conditions(
 def test_dockerfile_builds_cpu_and_cuda_variants() -> None:
     text = DOCKERFILE.read_text()
     assert "ARG VARIANT" in text and "whl/cpu" in text and "whl/cu" in text
-    for pkg in ("loom", *SERVICE_PACKAGES.values()):
+    for pkg in ("loom", "launch", *SERVICE_PACKAGES.values()):
         assert f"COPY {pkg} ./{pkg}" in text, pkg
     assert "curl" in text, "API healthchecks use curl"

@@ -22,8 +22,8 @@ import httpx
 import psutil
 import pytest
 
+from launch.stack import Stack
 from loom.settings import SERVICES
-from loom.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 150.0
@@ -50,7 +50,7 @@ class UpProcess:
         self.out_path = benv.tmp / f"loom-up-{len(list(benv.tmp.glob('loom-up-*')))}.out"
         with open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "loom.cli", "up", *args],
+                [sys.executable, "-m", "launch.cli", "up", *args],
                 cwd=benv.tmp,
                 env=benv.process_env(),
                 stdout=out,
@@ -136,7 +136,7 @@ def up(broker_env) -> Iterator:  # type: ignore[no-untyped-def]
 
 def _status(benv, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
     return subprocess.run(
-        [sys.executable, "-m", "loom.cli", "status", *args],
+        [sys.executable, "-m", "launch.cli", "status", *args],
         cwd=benv.tmp,
         env=benv.process_env(),
         capture_output=True,
@@ -274,8 +274,8 @@ def test_stack_context_manager_round_trips_and_stops_its_processes(broker_env) -
 def test_a_restarted_stack_keeps_the_previous_runs_logs(tmp_path: Path) -> None:
     """Issue 24: ``loom up`` truncated every log at start, so the log of a crash was lost to the
     restart after it. Now the last runs' logs stay as ``<proc>.log.1`` (newest) ... ``.N``."""
+    from launch.stack import ProcSpec
     from loom.settings import Settings
-    from loom.stack import ProcSpec
 
     def run(n: int, **kw: int) -> None:
         line = f"run-{n}"
@@ -289,7 +289,7 @@ def test_a_restarted_stack_keeps_the_previous_runs_logs(tmp_path: Path) -> None:
     run(1)
     run(2)
     assert "run-2" in (logs / "echo.log").read_text() and "run-1" in (logs / "echo.log.1").read_text()
-    from loom.stack import LOG_KEEP
+    from launch.stack import LOG_KEEP
 
     for n in range(3, 3 + LOG_KEEP + 2):
         run(n)

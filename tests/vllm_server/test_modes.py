@@ -54,7 +54,7 @@ def rollout_api(
     }
     log = (data / "rollout.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loom.cli", "api", "rollout", "--port", str(port)],
+        [sys.executable, "-m", "launch.cli", "api", "rollout", "--port", str(port)],
         cwd=REPO,
         env=env,
         stdout=log,

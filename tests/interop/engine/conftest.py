@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen) -> None:
 def loom_engine() -> Iterator[str]:
     """``loom engine --model tiny`` in vLLM's dev mode, as TRL's VLLMClient asks of a vLLM server
     (``/reset_prefix_cache`` and ``/server_info`` exist only there): the base URL."""
-    argv = ["-m", "loom.cli", "engine", "--model", "tiny", "--port", "{port}"]
+    argv = ["-m", "launch.cli", "engine", "--model", "tiny", "--port", "{port}"]
     proc, url = start(argv, "/health", {"VLLM_SERVER_DEV_MODE": "1"})
     try:
         yield url

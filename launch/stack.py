@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -87,7 +87,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 
 def loom_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "loom.cli", *args]
+    return [sys.executable, "-m", "launch.cli", *args]
 
 
 def service_specs(settings: Settings, services: Sequence[str] = SERVICES, workers: int = 1) -> list[ProcSpec]:
@@ -141,6 +141,63 @@ def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
+def stack_env(settings: Settings, api_key: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of every child: ``settings`` as ``LOOM_*`` variables, one torch thread each, then
+    ``env``; ``api_key``'s hash joins LOOM_API_KEYS after the keys the user configured."""
+    threads = str(settings.torch_threads)
+    out = {
+        **os.environ,
+        **settings_env(settings),
+        # one torch thread per process on purpose: many processes share few cores (loom/runtime.py)
+        "LOOM_TORCH_THREADS": threads,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    entry = f"{STACK_KEY_NAME}:{hashlib.sha256(api_key.encode()).hexdigest()}:{STACK_KEY_SCOPES}"
+    out["LOOM_API_KEYS"] = ",".join(k for k in (settings.api_keys.strip(" ,"), entry) if k)
+    # the internal routes' secret (loom/service_token.py): one per stack unless the operator set one
+    out["LOOM_SERVICE_TOKEN"] = out.get("LOOM_SERVICE_TOKEN") or secrets.token_urlsafe(32)
+    return out
+
+
+def terminate(procs: Sequence[Proc], grace: float, hurried: Callable[[], bool] = lambda: False) -> None:
+    """SIGTERM every process, wait up to ``grace`` seconds (less once ``hurried()``), then SIGKILL their
+    process groups and every descendant still alive; close their logs."""
+    family: list[psutil.Process] = []
+    for proc in procs:
+        family.extend(_family(proc.popen.pid))
+    for proc in procs:
+        if proc.popen.poll() is None:
+            try:
+                proc.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not hurried():
+        if all(p.popen.poll() is not None for p in procs) and not _alive(family):
+            break
+        time.sleep(0.1)
+    for proc in procs:
+        try:
+            os.killpg(proc.popen.pid, signal.SIGKILL)  # the group outlives its leader
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in _alive(family):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        proc.log_file.close()
+    psutil.wait_procs(family, timeout=5)
+
+
 class Stack:
     """The stack as a context manager: ``with Stack(settings) as stack: stack.smoke()``."""
 
@@ -167,24 +224,9 @@ class Stack:
         self.echo = echo
         self.procs: list[Proc] = []
         self.log_dir = Path(self.settings.data_dir).resolve() / "logs"
-        threads = str(self.settings.torch_threads)
-        self.env = {
-            **os.environ,
-            **settings_env(self.settings),
-            # one torch thread per process on purpose: many processes share few cores (loom/runtime.py)
-            "LOOM_TORCH_THREADS": threads,
-            "OMP_NUM_THREADS": threads,
-            "MKL_NUM_THREADS": threads,
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-        }
-        # A gateway key with every scope that lives as long as this stack (smoke, `loom demo`): only its
-        # hash is added to LOOM_API_KEYS, after the keys the user configured.
+        # A gateway key with every scope that lives as long as this stack (smoke, `loom demo`)
         self.api_key = "loom_" + secrets.token_urlsafe(32)
-        entry = f"{STACK_KEY_NAME}:{hashlib.sha256(self.api_key.encode()).hexdigest()}:{STACK_KEY_SCOPES}"
-        self.env["LOOM_API_KEYS"] = ",".join(k for k in (self.settings.api_keys.strip(" ,"), entry) if k)
-        # the internal routes' secret (loom/service_token.py): one per stack unless the operator set one
-        self.env["LOOM_SERVICE_TOKEN"] = self.env.get("LOOM_SERVICE_TOKEN") or secrets.token_urlsafe(32)
+        self.env = stack_env(self.settings, self.api_key, env)
         self.hurry = False  # set by a second Ctrl-C: skip the grace period
 
     # ---------------------------------------------------------------- lifecycle
@@ -271,37 +313,7 @@ class Stack:
         """SIGTERM every process, wait up to ``grace`` seconds, then SIGKILL their process groups."""
         if not self.procs:
             return
-        family: list[psutil.Process] = []
-        for proc in self.procs:
-            family.extend(_family(proc.popen.pid))
-        for proc in self.procs:
-            if proc.popen.poll() is None:
-                try:
-                    proc.popen.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and not self.hurry:
-            if all(p.popen.poll() is not None for p in self.procs) and not _alive(family):
-                break
-            time.sleep(0.1)
-        for proc in self.procs:
-            try:
-                os.killpg(proc.popen.pid, signal.SIGKILL)  # the group outlives its leader
-            except (ProcessLookupError, PermissionError):
-                pass
-        for p in _alive(family):
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        for proc in self.procs:
-            try:
-                proc.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            proc.log_file.close()
-        psutil.wait_procs(family, timeout=5)
+        terminate(self.procs, self.grace, lambda: self.hurry)
         self._say("stopped")
         self.procs = []
 

@@ -17,18 +17,19 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from loom.settings import SERVICE_PACKAGES, SERVICES
+from launch import SERVICE_PACKAGES
+from loom.settings import SERVICES
 
 # command -> (module:function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("loom.stack:up_main", "start the whole stack on this machine"),
-    "status": ("loom.stack:status_main", "health of every service and queue depths"),
-    "api": ("loom.cli:api_main", "run one service's HTTP API"),
-    "worker": ("loom.cli:worker_main", "run one service's Celery worker"),
+    "up": ("launch.stack:up_main", "start the whole stack on this machine"),
+    "status": ("launch.stack:status_main", "health of every service and queue depths"),
+    "api": ("launch.cli:api_main", "run one service's HTTP API"),
+    "worker": ("launch.cli:worker_main", "run one service's Celery worker"),
     "engine": ("rollout_svc.engines.server:main", "torch engine behind a vLLM-compatible server"),
-    "demo": ("loom.demo:main", "a short RL run on the built-in tiny model"),
+    "demo": ("launch.demo:main", "a short RL run on the built-in tiny model"),
     "train-tiny": ("loom.tiny.train:main", "reproduce the built-in tiny model"),
-    "bench": ("loom.cli:bench_main", "run a benchmark from bench/"),
+    "bench": ("launch.cli:bench_main", "run a benchmark from bench/"),
 }
 
 

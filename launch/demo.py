@@ -189,8 +189,8 @@ def main(argv: Sequence[str] = ()) -> int:
         client = GatewayClient(args.url, api_key=args.api_key)
         return _drive(client, args, out, t0)
 
+    from launch.stack import Stack
     from loom.settings import Settings
-    from loom.stack import Stack
 
     # A fresh data dir per demo: its own embedded broker, run state and policy store.
     settings = Settings(data_dir=out / "state")
@@ -226,7 +226,7 @@ def vllm_spec(settings: Any) -> tuple[Any, str]:
     full-checkpoint updates every learner step publishes, eager start-up."""
     import socket
 
-    from loom.stack import ProcSpec
+    from launch.stack import ProcSpec
     from rollout_svc.engines.torch_engine import resolve_model_path
     from rollout_svc.engines.vllm_launch import vllm_command, vllm_env, vllm_python
 

@@ -1,0 +1,137 @@
+"""What the gateway's routes share: the process's ``Gateway`` (state, manager, admission checks), the
+dependency that hands it to a route, and the answers every route group gives the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from gateway.manager import Manager
+from gateway.models import Created
+from gateway.quotas import QuotaExceeded, Quotas
+from gateway.state import GatewayState
+from loom.queue import queue_depths
+from loom.service import error_responses
+from loom.settings import Settings
+
+PIPELINE_QUEUES = ("rollout", "reward", "reflect", "learner")
+
+# the OpenAPI answers of a submission whose idempotency key names existing work, and of a missing item
+EXISTING: dict[int | str, dict[str, Any]] = {
+    200: {"model": Created, "description": "The idempotency key names this existing work"}
+}
+NOT_FOUND = error_responses((404,))
+
+
+class Backpressure:
+    """429 while any pipeline queue holds more than ``limit`` messages (depth cached for ``ttl`` s)."""
+
+    def __init__(self, celery_app: Any, limit: int, ttl: float = 1.0) -> None:
+        self.celery_app = celery_app
+        self.limit = limit
+        self.ttl = ttl
+        self._at = -1e9
+        self._depth = 0
+        self._lock = threading.Lock()
+
+    def depth(self) -> int:
+        with self._lock:
+            if time.monotonic() - self._at > self.ttl:
+                try:
+                    depths = queue_depths(self.celery_app)
+                    self._depth = max(
+                        (v for k, v in depths.items() if v is not None and k.endswith(PIPELINE_QUEUES)),
+                        default=0,
+                    )
+                except Exception:  # broker unreachable: submissions are stored and resumed later
+                    self._depth = 0
+                self._at = time.monotonic()
+            return self._depth
+
+    def check(self) -> None:
+        depth = self.depth()
+        if depth > self.limit:
+            raise HTTPException(
+                status_code=429,
+                detail={
+                    "error": "backpressure",
+                    "detail": f"a pipeline queue holds {depth} messages, more than {self.limit}",
+                    "queue_depth": depth,
+                    "limit": self.limit,
+                },
+                headers={"Retry-After": str(max(1, min(60, depth // max(self.limit, 1))))},
+            )
+
+
+@dataclass
+class Gateway:
+    """One gateway process's state, built once by ``gateway.api.build_app`` (``app.state.gateway``)."""
+
+    settings: Settings
+    celery_app: Any
+    state: GatewayState
+    manager: Manager
+    backpressure: Backpressure
+    quotas: Quotas
+    datasets: Path  # the stored datasets' folder
+    streams: dict[str, int] = field(default_factory=dict)  # open event streams per key (this process)
+
+
+async def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(_gateway)]
+
+
+def owner(request: Request) -> str:
+    """The name of the API key that made the request (gateway/auth.py)."""
+    return str(getattr(request.state, "key_name", ""))
+
+
+def refused(exc: QuotaExceeded) -> JSONResponse:
+    return JSONResponse(status_code=exc.status, content=exc.body(), headers=exc.headers())
+
+
+def owned(row: dict[str, Any] | None, request: Request, kind: str, item_id: str) -> dict[str, Any]:
+    """``row`` if it belongs to the request's key; else 404, the same as for an id that never was."""
+    if row is None or row["owner"] != owner(request):
+        raise HTTPException(404, {"error": "not_found", "detail": f"no {kind} {item_id}"})
+    return row
+
+
+async def create(
+    gw: Gateway, kind: str, create_row: Callable[[], tuple[str, bool]], start: Callable[[str], None]
+) -> JSONResponse:
+    """Store a submission (``create_row``, idempotent by its key) and start it: 201 when new, 200 when
+    the key names the same request, 409 when it names a different one, the quota's answer when over."""
+    try:
+        item_id, created = await asyncio.to_thread(create_row)
+    except QuotaExceeded as exc:
+        return refused(exc)
+    except KeyError as exc:
+        raise HTTPException(
+            409,
+            {
+                "error": "conflict",
+                "detail": f"{kind}_key names {kind} {exc.args[0]} with a different request",
+            },
+        ) from None
+    if created and gw.settings.gateway_run_loop:
+        start(item_id)
+    return JSONResponse(status_code=201 if created else 200, content={"id": item_id, "created": created})
+
+
+async def cancel(gw: Gateway, table: str, item_id: str) -> None:
+    """Mark a job or run cancelled (if it has not ended) and stop its work."""
+    if await asyncio.to_thread(gw.state.finish, table, item_id, "cancelled"):
+        await gw.manager.cancel(item_id)

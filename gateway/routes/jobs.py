@@ -1,0 +1,158 @@
+"""``/v1/jobs``: scored groups for external trainers; submit, poll, follow as server-sent events,
+cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.models import MAX_VERSION, Created, JobRequest, JobView, ScoredGroup
+from gateway.quotas import QuotaExceeded, job_cost
+from gateway.routes.deps import EXISTING, NOT_FOUND, GatewayDep, cancel, create, owned, owner, refused
+from gateway.state import GatewayState
+from gateway.validate import submission_problem
+from loom.service import LoomRoute, error_responses
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+STREAM_POLL_S = 0.2  # how often an event stream looks for a change of the database
+STREAM_FULL_READ_S = 2.0  # and reads its job even without one (a change made on its own connection)
+
+router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=LoomRoute)
+
+
+@router.post("", response_model=Created, status_code=201, responses={**EXISTING, **error_responses((409,))})
+async def submit_job(body: JobRequest, request: Request, gw: GatewayDep) -> Any:
+    """Submit prompts for rollout + reward (+ adaptive sampling); idempotent by ``job_key``. Over a
+    quota of the key: 422 (never fits) or 429 (not beside its other work)."""
+    await asyncio.to_thread(gw.backpressure.check)
+    items = body.items()
+    problem = submission_problem(items, body, gw.settings, "tasks" if body.tasks is not None else None)
+    if problem is not None:
+        return JSONResponse(status_code=422, content=problem)
+    create_row = partial(
+        gw.state.create_job,
+        owner(request),
+        body.job_key,
+        body.model_dump(mode="json"),
+        len(items),
+        job_cost(body, len(items)),
+        gw.quotas,
+    )
+    return await create(gw, "job", create_row, gw.manager.start_job)
+
+
+@router.get("/{job_id}", response_model=JobView, responses=NOT_FOUND)
+async def get_job(job_id: str, request: Request, gw: GatewayDep) -> JobView:
+    row = owned(gw.state.job(job_id), request, "job", job_id)
+    groups = [ScoredGroup.model_validate(p) for _, p in gw.state.job_groups(job_id)]
+    return JobView(
+        id=job_id,
+        job_key=row["job_key"],
+        status=row["status"],
+        n_prompts=row["n_prompts"],
+        n_done=len(groups),
+        error=row["error"],
+        counters=json.loads(row["counters"] or "{}"),
+        groups=sorted(groups, key=lambda g: g.index),
+    )
+
+
+@router.post("/{job_id}/cancel", response_model=JobView, responses=NOT_FOUND)
+async def cancel_job(job_id: str, request: Request, gw: GatewayDep) -> JobView:
+    """Cancel a queued or running job: no group of it is generated or scored after this answer
+    (its tasks still queued are skipped by key); groups already stored stay readable. A job that
+    has ended is left as it is."""
+    owned(gw.state.job(job_id), request, "job", job_id)
+    await cancel(gw, "jobs", job_id)
+    return await get_job(job_id, request, gw)
+
+
+class CountedStream(StreamingResponse):
+    """An event stream that gives its slot back however it ends (finished, client gone, error)."""
+
+    def __init__(self, release: Callable[[], None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
+async def job_event_stream(
+    state: GatewayState, job_id: str, after: int, request: Request
+) -> AsyncIterator[bytes]:
+    """``group`` events after sequence number ``after``, then ``end`` once the job has ended."""
+    version, last_read = -1, 0.0
+    while True:
+        # read the job only when the database changed (or every STREAM_FULL_READ_S): an idle
+        # stream costs one PRAGMA per poll, not two queries
+        now = time.monotonic()
+        seen = state.data_version()
+        if seen != version or now - last_read >= STREAM_FULL_READ_S:
+            version, last_read = seen, now
+            for seq, payload in state.job_groups(job_id, after):
+                after = seq
+                yield f"event: group\nid: {seq}\ndata: {json.dumps(payload)}\n\n".encode()
+            row = state.job(job_id) or {}
+            if row.get("status") in TERMINAL and not state.job_groups(job_id, after):
+                end = {"status": row.get("status"), "error": row.get("error")}
+                yield f"event: end\ndata: {json.dumps(end)}\n\n".encode()
+                return
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(STREAM_POLL_S)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "SSE"},
+        **NOT_FOUND,
+    },
+)
+async def job_events(job_id: str, request: Request, gw: GatewayDep) -> StreamingResponse:
+    """Server-sent events: ``group`` (a ScoredGroup; id = sequence number), then ``end``.
+    Reconnect with ``Last-Event-ID`` to continue after the last group received. A key may hold
+    ``LOOM_GATEWAY_QUOTA_STREAMS`` streams open at once (429 beyond)."""
+    owned(gw.state.job(job_id), request, "job", job_id)
+    try:
+        after = min(max(int(request.headers.get("last-event-id", "-1")), -1), MAX_VERSION)
+    except ValueError:
+        after = -1
+    key, streams, limit = owner(request), gw.streams, gw.quotas.streams
+    if streams.get(key, 0) >= limit:
+        exc = QuotaExceeded(
+            429,
+            "streams",
+            limit,
+            1,
+            streams.get(key, 0),
+            f"this key has {limit} event streams open, the most it may "
+            "(LOOM_GATEWAY_QUOTA_STREAMS); close one, or poll GET /v1/jobs/{id}",
+        )
+        return refused(exc)  # type: ignore[return-value]
+    streams[key] = streams.get(key, 0) + 1
+
+    def release() -> None:
+        streams[key] -= 1
+        if not streams[key]:
+            del streams[key]
+
+    return CountedStream(
+        release,
+        job_event_stream(gw.state, job_id, after, request),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )

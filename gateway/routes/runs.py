@@ -1,0 +1,124 @@
+"""``/v1/runs``: RL runs driven by this gateway process; start, poll, read metrics, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+
+from gateway.datasets import DatasetError, StoredDataset, load_dataset, store_jsonl
+from gateway.models import MAX_VERSION, Created, RunRequest, RunView, TaskItem
+from gateway.quotas import run_cost, too_long
+from gateway.routes.datasets import invalid_dataset
+from gateway.routes.deps import (
+    EXISTING,
+    NOT_FOUND,
+    Gateway,
+    GatewayDep,
+    cancel,
+    create,
+    owned,
+    owner,
+    refused,
+)
+from gateway.validate import submission_problem
+from loom.service import LoomRoute, error_responses
+
+router = APIRouter(prefix="/runs", tags=["runs"], route_class=LoomRoute)
+
+
+def finite_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """A step's numeric metrics, without any NaN or infinity (JSON has no such numbers)."""
+    out = {}
+    for k, v in row.items():
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(x):
+            out[k] = x
+    return out
+
+
+async def run_items(gw: Gateway, body: RunRequest) -> tuple[RunRequest, Sequence[TaskItem]]:
+    """The run's items to check before it is stored, and the run with an inline ``dataset.jsonl``
+    replaced by the id of the dataset it was stored as. Raises DatasetError."""
+    spec = body.dataset
+    if spec.builtin is not None:
+        return body, await asyncio.to_thread(load_dataset, spec, body.mode)
+    if spec.jsonl is not None:
+        dataset_id, _ = await asyncio.to_thread(store_jsonl, spec.jsonl, gw.datasets)
+        spec = spec.model_copy(update={"jsonl": None, "id": dataset_id})
+        body = body.model_copy(update={"dataset": spec})
+    stored = await asyncio.to_thread(StoredDataset, gw.datasets, spec.id or "", spec.task)
+    # uploaded rows carry no mode parameters of their own: the first stands for them all
+    return body, [stored[0]]
+
+
+@router.post("", response_model=Created, status_code=201, responses={**EXISTING, **error_responses((409,))})
+async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
+    """Start an RL run; idempotent by ``run_key`` when given. Inline ``dataset.jsonl`` is stored as
+    a dataset first (the run's config keeps its id). Over a quota of the key: 422 or 429."""
+    await asyncio.to_thread(gw.backpressure.check)
+    cost, total = run_cost(body)
+    long = too_long(total, gw.quotas)
+    if long is not None:
+        return refused(long)
+    try:
+        body, items = await run_items(gw, body)
+    except DatasetError as exc:
+        raise invalid_dataset(exc) from None
+    problem = await asyncio.to_thread(submission_problem, items, body, gw.settings, None)
+    if problem is not None:
+        return JSONResponse(status_code=422, content=problem)
+    create_row = partial(
+        gw.state.create_run,
+        owner(request),
+        body.run_key,
+        body.model_dump(mode="json"),
+        body.schedule.steps,
+        body.initial_policy_version,
+        body.schedule.batch_size,
+        cost,
+        gw.quotas,
+    )
+    return await create(gw, "run", create_row, gw.manager.start_run)
+
+
+@router.get("/{run_id}", response_model=RunView, responses=NOT_FOUND)
+async def get_run(run_id: str, request: Request, gw: GatewayDep) -> RunView:
+    row = owned(gw.state.run(run_id), request, "run", run_id)
+    last = gw.state.run_steps(run_id, int(row["completed_steps"]) - 2)
+    return RunView(
+        id=run_id,
+        status=row["status"],
+        completed_steps=row["completed_steps"],
+        total_steps=row["total_steps"],
+        policy_version=row["policy_version"],
+        batch_size=row["batch_size"],
+        error=row["error"],
+        last_metrics=finite_metrics(last[-1] if last else {}),
+    )
+
+
+@router.get("/{run_id}/metrics", responses=NOT_FOUND)
+async def run_metrics(
+    run_id: str, request: Request, gw: GatewayDep, after: int = Query(-1, ge=-1, le=MAX_VERSION)
+) -> list[dict[str, Any]]:
+    """Per-step metrics (also appended to ``<data_dir>/runs/<id>/metrics.jsonl``)."""
+    owned(gw.state.run(run_id), request, "run", run_id)
+    return gw.state.run_steps(run_id, after)
+
+
+@router.post("/{run_id}/cancel", response_model=RunView, responses=NOT_FOUND)
+async def cancel_run(run_id: str, request: Request, gw: GatewayDep) -> RunView:
+    """Cancel a queued or running run: nothing is trained or recorded after this answer, and its
+    tasks still queued are skipped by key."""
+    owned(gw.state.run(run_id), request, "run", run_id)
+    await cancel(gw, "runs", run_id)
+    return await get_run(run_id, request, gw)
