@@ -21,9 +21,11 @@ import torch
 from torch import Tensor
 
 from learner import logprobs as lp
-from learner.assign import TokenAdvantages, assign_batch
+from learner.assign import assign_batch
+from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
-from loom.clients.learner import adaptive_batch_size
+from loom.batching import next_batch_size
+from loom.contracts.estimators import estimator_params
 from loom.schemas import LossSpec, PolicyVersion, StepResult, TrainBatch
 from loom.store import PolicyStore
 from loom.vocab import outside_vocabulary
@@ -172,14 +174,11 @@ class Learner:
             "dropped_zero_adv": float(assigned.n_dropped),
             "samples": float(len(assigned.samples)),
         }
-        params = batch.estimator_params
-        if "batch_size" in params and "target_groups" in params:
+        params = estimator_params(batch.estimator, batch.estimator_params)
+        if params.batch_size is not None and params.target_groups is not None:
             metrics["next_batch_size"] = float(
-                adaptive_batch_size(
-                    int(params["batch_size"]),
-                    assigned.n_valid_groups,
-                    int(params["target_groups"]),
-                    lam=float(params.get("batch_lambda", 0.9)),
+                next_batch_size(
+                    params.batch_size, params.target_groups, assigned.n_valid_groups, lam=params.batch_lambda
                 )
             )
         if not assigned.samples:
