@@ -156,7 +156,7 @@ class Learner:
         """One optimizer step per batch, read top to bottom: advantages, the passes (PPO's epochs:
         recompute log-probs, loss, backward, clip, AdamW), then the new version is published."""
         if self.record is not None and self.record.meta.get("step") == batch.step:
-            return self._replayed(batch)
+            return self._replayed(batch, self.record)
         t0 = time.perf_counter()
         check_vocabulary(
             self.model,
@@ -190,16 +190,15 @@ class Learner:
             step=batch.step, policy_version=record.version, metrics=metrics, n_tokens=n_tokens, policy=record
         )
 
-    def _replayed(self, batch: TrainBatch) -> StepResult:
+    def _replayed(self, batch: TrainBatch, record: PolicyVersion) -> StepResult:
         """A redelivered batch whose step is already published: the stored result."""
-        assert self.record is not None
-        stored = self.record.meta
+        stored = record.meta
         return StepResult(
             step=batch.step,
             policy_version=self.version,
             metrics={**stored.get("metrics", {}), "replayed": 1.0},
             n_tokens=int(stored.get("n_tokens", 0)),
-            policy=self.record,
+            policy=record,
         )
 
     def _skipped(self, batch: TrainBatch, metrics: dict[str, float]) -> StepResult:
