@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from loom.contracts.estimators import check_estimator_params
 from loom.schemas import (
     Contract,
     Estimator,
@@ -18,7 +19,6 @@ from loom.schemas import (
     RewardSpec,
     SamplingParams,
     TaskKind,
-    check_estimator_params,
 )
 
 DATASET_ID = re.compile(r"ds-[0-9a-f]{24}")  # a stored dataset (gateway/datasets.py)

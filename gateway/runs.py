@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from gateway.adaptive import AdaptiveConfig
-from gateway.batching import next_batch_size
 from gateway.datasets import load_dataset, step_indices
 from gateway.models import RunRequest, TaskItem
 from gateway.pipeline import Cancelled, Collected, Stages, collect
 from gateway.state import GatewayState
 from gateway.stepmetrics import has_signal, step_metrics
+from loom.batching import next_batch_size
 from loom.schemas import RolloutRequest, TrainBatch
 
 log = logging.getLogger("loom.gateway.runs")
@@ -118,9 +118,9 @@ class RunLoop:
         kept = [g for g in gen.collected.groups if g is not None]
         if not kept:  # every prompt dropped: no update, the policy stays
             return version, {"skipped_update": 1.0}
+        # the adaptive-sampling threshold stays in the run's config (``adaptive.threshold``) and in each
+        # group's pool statistics (``n_positive``); no estimator reads it, so the batch does not carry it
         params = dict(self.req.estimator_params)
-        if self.adaptive is not None:
-            params.setdefault("threshold", self.adaptive.threshold)
         batch = TrainBatch(
             step=gen.step,
             groups=[g for g, _ in kept],
@@ -192,9 +192,9 @@ class RunLoop:
                         gen.batch_size,
                         sched.target_groups or sched.batch_size,
                         signal,
-                        sched.batch_lambda,
-                        sched.min_batch,
-                        sched.max_batch,
+                        lam=sched.batch_lambda,
+                        minimum=sched.min_batch,
+                        maximum=sched.max_batch,
                     )
                 metrics: dict[str, Any] = {
                     "step": step,

@@ -87,6 +87,24 @@ def _mean(x: Tensor | None, mask: Tensor) -> Tensor:
     return (x.detach() * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _regularised(
+    per_token: Tensor,
+    logp: Tensor,
+    ref_logp: Tensor | None,
+    kl_coef: float,
+    entropy: Tensor | None,
+    entropy_coef: float,
+) -> tuple[Tensor, Tensor | None]:
+    """per_token - kl_coef k3 + entropy_coef H (each term only when it is on), and the k3 KL."""
+    kl = None
+    if ref_logp is not None and kl_coef != 0.0:
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token - kl_coef * kl
+    if entropy is not None and entropy_coef != 0.0:
+        per_token = per_token + entropy_coef * entropy
+    return per_token, kl
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -106,13 +124,7 @@ def policy_loss(
 ) -> LossParts:
     """-(agg[C(r, A)] - kl_coef agg[k3] + entropy_coef agg[H]) with one aggregation for every term."""
     surrogate, clipped = clipped_surrogate(logp, old_logp, adv, eps_low, eps_high)
-    per_token = surrogate
-    kl = None
-    if ref_logp is not None and kl_coef != 0.0:
-        kl = k3_kl(logp, ref_logp)
-        per_token = per_token - kl_coef * kl
-    if entropy is not None and entropy_coef != 0.0:
-        per_token = per_token + entropy_coef * entropy
+    per_token, kl = _regularised(surrogate, logp, ref_logp, kl_coef, entropy, entropy_coef)
     objective = aggregate(
         per_token, mask, aggregation, seq_weight=seq_weight, n_tokens=n_tokens, n_seqs=n_seqs
     )
@@ -165,13 +177,7 @@ def hrpo_loss(
     c_s, clip_s = clipped_surrogate(logp, old_logp, adv_stream, eps_low, eps_high)
     c_d, clip_d = clipped_surrogate(logp, old_logp, adv_deep, eps_low, eps_high)
     c_g, clip_g = clipped_surrogate(logp, old_logp, adv_global, eps_low, eps_high)
-    global_tok = c_g
-    kl = None
-    if ref_logp is not None and kl_coef != 0.0:
-        kl = k3_kl(logp, ref_logp)
-        global_tok = global_tok - kl_coef * kl
-    if entropy is not None and entropy_coef != 0.0:
-        global_tok = global_tok + entropy_coef * entropy
+    global_tok, kl = _regularised(c_g, logp, ref_logp, kl_coef, entropy, entropy_coef)
     per_seq = (w_s * c_s + w_d * c_d + w_g * global_tok).sum(dim=1)
     if seq_weight is not None:
         per_seq = per_seq * seq_weight
@@ -180,34 +186,3 @@ def hrpo_loss(
     stream = stream_mask * mask
     clipped = torch.maximum(clip_g, torch.where(stream > 0, clip_s, clip_d))
     return LossParts(-objective, _mean(clipped, mask), _mean(kl, mask), _mean(entropy, mask))
-
-
-def hrpo_terms(
-    logp: Tensor,
-    old_logp: Tensor,
-    adv_stream: Tensor,
-    adv_deep: Tensor,
-    adv_global: Tensor,
-    mask: Tensor,
-    stream_mask: Tensor,
-    *,
-    lam: float = 0.05,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The three terms of -J_HRPO written separately as in eq. 5 (streaming-local, deep-local, global),
-    each a batch mean over trajectories; an empty phase's term is 0 for that trajectory. Used to check
-    that the fused :func:`hrpo_loss` equals their sum (and so does its gradient)."""
-    b = logp.shape[0]
-    terms = []
-    stream = stream_mask * mask
-    deep = mask - stream
-    for adv, phase, coef in ((adv_stream, stream, lam), (adv_deep, deep, lam), (adv_global, mask, 1.0)):
-        c, _ = clipped_surrogate(logp, old_logp, adv, eps_low, eps_high)
-        total = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        for i in range(b):
-            n = phase[i].sum()
-            if n.item() > 0:
-                total = total + coef * (c[i] * phase[i]).sum() / n
-        terms.append(-total / b)
-    return terms[0], terms[1], terms[2]

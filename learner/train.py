@@ -13,7 +13,7 @@ import math
 import shutil
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,9 +21,11 @@ import torch
 from torch import Tensor
 
 from learner import logprobs as lp
-from learner.assign import TokenAdvantages, assign_batch
+from learner.assign import Assigned, assign_batch
+from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
-from loom.clients.learner import adaptive_batch_size
+from loom.batching import next_batch_size
+from loom.contracts.estimators import estimator_params
 from loom.schemas import LossSpec, PolicyVersion, StepResult, TrainBatch
 from loom.store import PolicyStore
 from loom.vocab import outside_vocabulary
@@ -151,95 +153,32 @@ class Learner:
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch: TrainBatch) -> StepResult:
+        """One optimizer step per batch, read top to bottom: advantages, the passes (PPO's epochs:
+        recompute log-probs, loss, backward, clip, AdamW), then the new version is published."""
         if self.record is not None and self.record.meta.get("step") == batch.step:
-            stored = self.record.meta
-            return StepResult(
-                step=batch.step,
-                policy_version=self.version,
-                metrics={**stored.get("metrics", {}), "replayed": 1.0},
-                n_tokens=int(stored.get("n_tokens", 0)),
-                policy=self.record,
-            )
+            return self._replayed(batch, self.record)
         t0 = time.perf_counter()
         check_vocabulary(
             self.model,
             (t.prompt_ids + t.completion_ids for g in batch.groups for t in g.trajectories),
         )
         assigned = assign_batch(batch, drop_zero=self.cfg.drop_zero)
-        metrics: dict[str, float] = {
-            "groups": float(assigned.n_groups),
-            "valid_groups": float(assigned.n_valid_groups),
-            "dropped_zero_adv": float(assigned.n_dropped),
-            "samples": float(len(assigned.samples)),
-        }
-        params = batch.estimator_params
-        if "batch_size" in params and "target_groups" in params:
-            metrics["next_batch_size"] = float(
-                adaptive_batch_size(
-                    int(params["batch_size"]),
-                    assigned.n_valid_groups,
-                    int(params["target_groups"]),
-                    lam=float(params.get("batch_lambda", 0.9)),
-                )
-            )
+        metrics = assignment_metrics(assigned, batch)
         if not assigned.samples:
-            metrics["skipped"] = 1.0
-            return StepResult(
-                step=batch.step, policy_version=self.version, metrics=metrics, policy=self.record
-            )
-
-        spec = batch.loss
-        lr = warmup_lr(spec.lr, spec.warmup_steps, self.version)
+            return self._skipped(batch, metrics)
+        lr = warmup_lr(batch.loss.lr, batch.loss.warmup_steps, self.version)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        first: dict[str, float] = {}
-        # rows without usable behaviour log-probs: the first pass's own log-probs stand in for them
-        # on every pass, so later passes are clipped against the policy that started the batch
-        first_pass_logp: dict[int, Tensor] = {}
-        done = 0
-        applied: dict[str, float] = {}
-        applied_norm = 0.0
-        for update in range(spec.updates_per_batch):
-            # pass k > 0 sees the policy moved by the earlier passes: the ratio to the behaviour
-            # log-probs is no longer 1 there, and the clip bounds how far the batch pulls it
-            stats = self.accumulate_gradients(assigned.samples, batch, first_pass_logp)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.model.parameters() if p.requires_grad], spec.max_grad_norm
-            )
-            if not torch.isfinite(grad_norm):
-                # a NaN/inf gradient would write NaN into every weight: this pass is not applied
-                self.optimizer.zero_grad(set_to_none=True)
-                metrics["nonfinite_grad"] = 1.0
-                log.error("step %s pass %d: non-finite gradient norm, pass skipped", batch.step, update)
-                break
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            done += 1
-            applied, applied_norm = stats, float(grad_norm)
-            if update == 0:
-                first = stats
-        if done == 0:
-            metrics["skipped"] = 1.0
-            return StepResult(
-                step=batch.step, policy_version=self.version, metrics=metrics, policy=self.record
-            )
-        stats = applied
-        if spec.updates_per_batch > 1:
-            metrics["updates"] = float(done)
-            metrics["first_pass_loss"] = first["loss"]
-            metrics["last_pass_clip_frac"] = stats["clip_frac"]
-            stats = {
-                **stats,
-                "logprob_mismatch_mean": first["logprob_mismatch_mean"],
-                "logprob_mismatch_max": first["logprob_mismatch_max"],
-                "logprob_mismatch_k3": first["logprob_mismatch_k3"],
-            }
+        passes = self._passes(assigned.samples, batch, metrics)
+        if passes.done == 0:
+            return self._skipped(batch, metrics)
+        stats = passes.merged(batch.loss.updates_per_batch, metrics)
         elapsed = time.perf_counter() - t0
         n_tokens = int(stats.pop("n_tokens"))
         metrics.update(stats)
         metrics.update(
             {
-                "grad_norm": applied_norm,
+                "grad_norm": passes.grad_norm,
                 "lr": lr,
                 "train_seconds": elapsed,
                 "tokens_per_s": stats["seq_tokens"] / elapsed if elapsed > 0 else 0.0,
@@ -250,6 +189,53 @@ class Learner:
         return StepResult(
             step=batch.step, policy_version=record.version, metrics=metrics, n_tokens=n_tokens, policy=record
         )
+
+    def _replayed(self, batch: TrainBatch, record: PolicyVersion) -> StepResult:
+        """A redelivered batch whose step is already published: the stored result."""
+        stored = record.meta
+        return StepResult(
+            step=batch.step,
+            policy_version=self.version,
+            metrics={**stored.get("metrics", {}), "replayed": 1.0},
+            n_tokens=int(stored.get("n_tokens", 0)),
+            policy=record,
+        )
+
+    def _skipped(self, batch: TrainBatch, metrics: dict[str, float]) -> StepResult:
+        """No update (no sample with signal, or no pass applied): the policy stays."""
+        metrics["skipped"] = 1.0
+        return StepResult(step=batch.step, policy_version=self.version, metrics=metrics, policy=self.record)
+
+    def _passes(
+        self, samples: Sequence[TokenAdvantages], batch: TrainBatch, metrics: dict[str, float]
+    ) -> Passes:
+        """``updates_per_batch`` optimizer steps on the batch; a non-finite gradient ends them."""
+        # rows without usable behaviour log-probs: the first pass's own log-probs stand in for them
+        # on every pass, so later passes are clipped against the policy that started the batch
+        first_pass_logp: dict[int, Tensor] = {}
+        passes = Passes()
+        for update in range(batch.loss.updates_per_batch):
+            # pass k > 0 sees the policy moved by the earlier passes: the ratio to the behaviour
+            # log-probs is no longer 1 there, and the clip bounds how far the batch pulls it
+            stats = self.accumulate_gradients(samples, batch, first_pass_logp)
+            grad_norm = self._optimizer_step(batch.loss.max_grad_norm)
+            if grad_norm is None:
+                metrics["nonfinite_grad"] = 1.0
+                log.error("step %s pass %d: non-finite gradient norm, pass skipped", batch.step, update)
+                break
+            passes.applied(stats, grad_norm)
+        return passes
+
+    def _optimizer_step(self, max_grad_norm: float) -> float | None:
+        """Clip the accumulated gradient and step; None (nothing applied) when its norm is not finite."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], max_grad_norm
+        )
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        # a NaN/inf gradient would write NaN into every weight: that pass is not applied
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm) if torch.isfinite(grad_norm) else None
 
     def accumulate_gradients(
         self,
@@ -265,45 +251,16 @@ class Learner:
         on later ones."""
         frozen: dict[int, Tensor] = {} if first_pass_logp is None else first_pass_logp
         spec = batch.loss
-        hrpo = batch.estimator == "hrpo"
         trajs = [s.trajectory for s in samples]
-        n_tokens = float(sum(sum(s.mask) for s in samples))
-        n_seqs = float(len(samples))
-        want_entropy = spec.entropy_coef != 0.0
+        totals = PassTotals(n_tokens=float(sum(sum(s.mask) for s in samples)), n_seqs=float(len(samples)))
         autocast = torch.bfloat16 if (self.device.type == "cuda" and self.cfg.bf16) else None
         ref = self.reference_model() if spec.kl_coef > 0 else None
-        totals = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
-        mism = {"d_abs": 0.0, "d_max": 0.0, "k3": 0.0, "n": 0.0, "rows": 0.0, "unmatched": 0.0}
-        adv_abs = 0.0
-        all_seq_lens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
 
         def consume(mb: lp.MicroBatchOut) -> None:
-            nonlocal adv_abs
             rows = [samples[i] for i in mb.index]
-            width = mb.logp.shape[1]
-            dev = mb.logp.device
-            mask = _pad([s.mask for s in rows], width, dev)
-            behaviour_known = [lp.behaviour_matches(s.trajectory, spec.temperature) for s in rows]
-            mism["unmatched"] += float(
-                sum(s.trajectory.logprobs is not None for s in rows) - sum(behaviour_known)
-            )
-            old = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
-            detached = mb.logp.detach()
-            stand_in = detached.clone()
-            for r, i in enumerate(mb.index):
-                if not behaviour_known[r]:
-                    n_i = len(samples[i].mask)
-                    if i not in frozen:
-                        frozen[i] = detached[r, :n_i].clone()
-                    stand_in[r, :n_i] = frozen[i]
-            known = torch.tensor(behaviour_known, device=dev, dtype=torch.bool)[:, None]
-            old = torch.where(known, old, stand_in)
-            d = (detached - old) * mask * known
-            mism["d_abs"] += float(d.abs().sum())
-            mism["d_max"] = max(mism["d_max"], float(d.abs().max()) if d.numel() else 0.0)
-            mism["k3"] += float(((torch.exp(d) - d - 1.0) * mask * known).sum())
-            mism["n"] += float((mask * known).sum())
-            mism["rows"] += float(sum(behaviour_known))
+            mask = _pad([s.mask for s in rows], mb.logp.shape[1], mb.logp.device)
+            old, known = old_logprobs(mb, rows, frozen, spec.temperature)
+            totals.add_mismatch(mb.logp.detach(), old, mask, known, rows)
             ref_logp = None
             if ref is not None:
                 with torch.no_grad():
@@ -313,83 +270,190 @@ class Learner:
                         autocast_dtype=autocast,
                         temperature=spec.temperature,
                     )
-            weight = torch.tensor([s.weight for s in rows], device=dev, dtype=torch.float32)
-            adv = _pad([s.adv for s in rows], width, dev)
-            adv_abs += float((adv.abs() * mask).sum())
-            parts: LossParts
-            if hrpo:
-                parts = hrpo_loss(
-                    mb.logp,
-                    old,
-                    _pad([s.adv_stream or [0.0] * len(s.mask) for s in rows], width, dev),
-                    _pad([s.adv_deep or [0.0] * len(s.mask) for s in rows], width, dev),
-                    adv,
-                    mask,
-                    _pad([s.stream_mask or [0] * len(s.mask) for s in rows], width, dev),
-                    lam=spec.hrpo_lambda,
-                    eps_low=spec.eps_low,
-                    eps_high=spec.eps_high,
-                    ref_logp=ref_logp,
-                    kl_coef=spec.kl_coef,
-                    entropy=mb.entropy,
-                    entropy_coef=spec.entropy_coef,
-                    seq_weight=weight,
-                    n_seqs=n_seqs,
-                )
-            else:
-                parts = policy_loss(
-                    mb.logp,
-                    old,
-                    adv,
-                    mask,
-                    eps_low=spec.eps_low,
-                    eps_high=spec.eps_high,
-                    aggregation=spec.aggregation,
-                    ref_logp=ref_logp,
-                    kl_coef=spec.kl_coef,
-                    entropy=mb.entropy,
-                    entropy_coef=spec.entropy_coef,
-                    seq_weight=weight,
-                    n_tokens=n_tokens,
-                    n_seqs=n_seqs,
-                )
+            parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals)
             parts.loss.backward()
-            share = float(mask.sum()) / max(n_tokens, 1.0)
-            totals["loss"] += float(parts.loss.detach())
-            totals["clip_frac"] += float(parts.clip_frac) * share
-            totals["kl"] += float(parts.kl) * share
-            totals["entropy"] += float(parts.entropy) * share
+            totals.add_loss(parts, mask)
 
         lp.recompute(
             self.model,
             trajs,
             token_budget=self.cfg.token_budget,
-            with_entropy=want_entropy,
+            with_entropy=spec.entropy_coef != 0.0,
             autocast_dtype=autocast,
             each=consume,
             temperature=spec.temperature,
         )
-        n = max(mism["n"], 1.0)
-        out = dict(totals)
+        seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
+        return totals.summary(seq_tokens, with_entropy=spec.entropy_coef != 0.0, with_kl=spec.kl_coef != 0)
+
+
+def assignment_metrics(assigned: Assigned, batch: TrainBatch) -> dict[str, float]:
+    """What the advantages left to train on, and the batch size AttnRL eq. 10 asks for next."""
+    metrics: dict[str, float] = {
+        "groups": float(assigned.n_groups),
+        "valid_groups": float(assigned.n_valid_groups),
+        "dropped_zero_adv": float(assigned.n_dropped),
+        "samples": float(len(assigned.samples)),
+    }
+    params = estimator_params(batch.estimator, batch.estimator_params)
+    if params.batch_size is not None and params.target_groups is not None:
+        metrics["next_batch_size"] = float(
+            next_batch_size(
+                params.batch_size, params.target_groups, assigned.n_valid_groups, lam=params.batch_lambda
+            )
+        )
+    return metrics
+
+
+@dataclass
+class Passes:
+    """The passes applied to one batch: the first's and the last's statistics, the last's grad norm."""
+
+    first: dict[str, float] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+    grad_norm: float = 0.0
+    done: int = 0
+
+    def applied(self, stats: dict[str, float], grad_norm: float) -> None:
+        if self.done == 0:
+            self.first = stats
+        self.last, self.grad_norm = stats, grad_norm
+        self.done += 1
+
+    def merged(self, updates_per_batch: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The last pass's statistics; with several passes the log-prob mismatch is the first's (the
+        behaviour policy against the policy that started the batch) and ``metrics`` gets the counts."""
+        if updates_per_batch == 1:
+            return self.last
+        metrics["updates"] = float(self.done)
+        metrics["first_pass_loss"] = self.first["loss"]
+        metrics["last_pass_clip_frac"] = self.last["clip_frac"]
+        first_mismatch = ("logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_k3")
+        return {**self.last, **{k: self.first[k] for k in first_mismatch}}
+
+
+@dataclass
+class PassTotals:
+    """Running sums of one pass over its micro-batches; ``summary`` turns them into the metrics."""
+
+    n_tokens: float  # trained tokens of the whole batch (the loss normaliser)
+    n_seqs: float
+    loss: float = 0.0
+    clip_frac: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    mismatch_abs: float = 0.0
+    mismatch_max: float = 0.0
+    mismatch_k3: float = 0.0
+    mismatch_n: float = 0.0
+    behaviour_rows: float = 0.0
+    unmatched_rows: float = 0.0
+    adv_abs: float = 0.0
+
+    def add_mismatch(
+        self, logp: Tensor, old: Tensor, mask: Tensor, known: list[bool], rows: Sequence[TokenAdvantages]
+    ) -> None:
+        """|recomputed - behaviour| log-prob statistics over the rows whose behaviour log-probs count."""
+        self.unmatched_rows += float(sum(s.trajectory.logprobs is not None for s in rows) - sum(known))
+        k = torch.tensor(known, device=logp.device, dtype=torch.bool)[:, None]
+        d = (logp - old) * mask * k
+        self.mismatch_abs += float(d.abs().sum())
+        self.mismatch_max = max(self.mismatch_max, float(d.abs().max()) if d.numel() else 0.0)
+        self.mismatch_k3 += float(((torch.exp(d) - d - 1.0) * mask * k).sum())
+        self.mismatch_n += float((mask * k).sum())
+        self.behaviour_rows += float(sum(known))
+
+    def add_loss(self, parts: LossParts, mask: Tensor) -> None:
+        share = float(mask.sum()) / max(self.n_tokens, 1.0)
+        self.loss += float(parts.loss.detach())
+        self.clip_frac += float(parts.clip_frac) * share
+        self.kl += float(parts.kl) * share
+        self.entropy += float(parts.entropy) * share
+
+    def summary(self, seq_tokens: int, *, with_entropy: bool, with_kl: bool) -> dict[str, float]:
+        n = max(self.mismatch_n, 1.0)
+        out = {"loss": self.loss, "clip_frac": self.clip_frac, "kl": self.kl, "entropy": self.entropy}
         out.update(
             {
-                "logprob_mismatch_mean": mism["d_abs"] / n,
-                "logprob_mismatch_max": mism["d_max"],
-                "logprob_mismatch_k3": mism["k3"] / n,
-                "behaviour_logprobs_used": mism["rows"] / max(n_seqs, 1.0),
+                "logprob_mismatch_mean": self.mismatch_abs / n,
+                "logprob_mismatch_max": self.mismatch_max,
+                "logprob_mismatch_k3": self.mismatch_k3 / n,
+                "behaviour_logprobs_used": self.behaviour_rows / max(self.n_seqs, 1.0),
                 # rows whose behaviour log-probs are of another processing (raw at T != 1, another
                 # temperature, top-p/top-k, unknown): clipped against the first pass instead
-                "behaviour_logprobs_unmatched": mism["unmatched"] / max(n_seqs, 1.0),
-                "adv_abs_mean": adv_abs / max(n_tokens, 1.0),
-                "n_tokens": n_tokens,
-                "seq_tokens": float(all_seq_lens),
+                "behaviour_logprobs_unmatched": self.unmatched_rows / max(self.n_seqs, 1.0),
+                "adv_abs_mean": self.adv_abs / max(self.n_tokens, 1.0),
+                "n_tokens": self.n_tokens,
+                "seq_tokens": float(seq_tokens),
             }
         )
-        if not want_entropy:
+        if not with_entropy:
             out.pop("entropy")
-        if spec.kl_coef == 0:
+        if not with_kl:
             out.pop("kl")
         return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}
+
+
+def old_logprobs(
+    mb: lp.MicroBatchOut, rows: Sequence[TokenAdvantages], frozen: dict[int, Tensor], temperature: float
+) -> tuple[Tensor, list[bool]]:
+    """The log-probs the ratio is taken against: the behaviour ones where they match what the learner
+    computes (``lp.behaviour_matches``), else the row's first-pass log-probs (recorded in ``frozen``)."""
+    width, dev = mb.logp.shape[1], mb.logp.device
+    known = [lp.behaviour_matches(s.trajectory, temperature) for s in rows]
+    old = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
+    detached = mb.logp.detach()
+    stand_in = detached.clone()
+    for r, i in enumerate(mb.index):
+        if not known[r]:
+            n_i = len(rows[r].mask)
+            if i not in frozen:
+                frozen[i] = detached[r, :n_i].clone()
+            stand_in[r, :n_i] = frozen[i]
+    k = torch.tensor(known, device=dev, dtype=torch.bool)[:, None]
+    return torch.where(k, old, stand_in), known
+
+
+def micro_batch_loss(
+    mb: lp.MicroBatchOut,
+    rows: Sequence[TokenAdvantages],
+    old: Tensor,
+    mask: Tensor,
+    ref_logp: Tensor | None,
+    batch: TrainBatch,
+    totals: PassTotals,
+) -> LossParts:
+    """-J of one micro-batch (HRPO's three-term loss, or the clipped policy loss), normalised by the
+    whole batch's counts in ``totals``."""
+    spec = batch.loss
+    width, dev = mb.logp.shape[1], mb.logp.device
+    adv = _pad([s.adv for s in rows], width, dev)
+    totals.adv_abs += float((adv.abs() * mask).sum())
+    common: dict[str, Any] = {
+        "eps_low": spec.eps_low,
+        "eps_high": spec.eps_high,
+        "ref_logp": ref_logp,
+        "kl_coef": spec.kl_coef,
+        "entropy": mb.entropy,
+        "entropy_coef": spec.entropy_coef,
+        "seq_weight": torch.tensor([s.weight for s in rows], device=dev, dtype=torch.float32),
+        "n_seqs": totals.n_seqs,
+    }
+    if batch.estimator == "hrpo":
+        return hrpo_loss(
+            mb.logp,
+            old,
+            _pad([s.adv_stream or [0.0] * len(s.mask) for s in rows], width, dev),
+            _pad([s.adv_deep or [0.0] * len(s.mask) for s in rows], width, dev),
+            adv,
+            mask,
+            _pad([s.stream_mask or [0] * len(s.mask) for s in rows], width, dev),
+            lam=spec.hrpo_lambda,
+            **common,
+        )
+    return policy_loss(
+        mb.logp, old, adv, mask, aggregation=spec.aggregation, n_tokens=totals.n_tokens, **common
+    )
 
 
 def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:

@@ -10,7 +10,6 @@ Rules that keep them growable:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -23,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from loom.contracts.estimators import check_estimator_params
+
 SCHEMA_VERSION = "1.0"
 # the highest sampling temperature: vLLM 0.32 refuses more (400), so every engine is held to it
 MAX_TEMPERATURE = 2.0
@@ -34,26 +35,6 @@ SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thre
 FinishReason = Literal["stop", "length", "abort", "error"]
 RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid"]
 Estimator = Literal["grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "rea", "apr"]
-# the estimator_params each estimator reads (learner.assign, learner.train); any other key is refused,
-# so a misspelt parameter cannot silently fall back to its default. ``threshold``: the adaptive
-# sampling threshold, which the gateway records beside a run's batches.
-ESTIMATOR_PARAMS_COMMON = frozenset(
-    {"eps", "reward_key", "batch_size", "target_groups", "batch_lambda", "threshold"}
-)
-ESTIMATOR_PARAMS: dict[str, frozenset[str]] = {
-    "global_baseline": frozenset({"std"}),
-    "hrpo": frozenset({"names", "beta", "w_acc", "w_fmt", "mask_length_by_format"}),
-}
-
-
-def check_estimator_params(estimator: str, params: Mapping[str, Any]) -> None:
-    """ValueError naming the keys ``estimator`` does not read."""
-    known = ESTIMATOR_PARAMS_COMMON | ESTIMATOR_PARAMS.get(estimator, frozenset())
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ValueError(
-            f"estimator_params {unknown} are not read by estimator {estimator!r}; it reads {sorted(known)}"
-        )
 
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]

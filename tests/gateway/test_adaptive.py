@@ -7,7 +7,6 @@ import random
 import pytest
 
 from gateway.adaptive import AdaptiveConfig, downsample, exit_met, merge_group, run_rounds, select
-from gateway.batching import next_batch_size
 from loom.schemas import Group, RewardResult, Trajectory, TrajectoryReward
 
 POS, NEG = 1.0, 0.0
@@ -149,10 +148,3 @@ def test_merge_group_keeps_selected_trajectories_with_unique_ids_and_pool() -> N
     assert [r.total for r in result.rewards] == [NEG, POS]
     assert [r.trajectory_id for r in result.rewards] == [t.id for t in group.trajectories]
     assert group.pool is not None and group.pool.n_sampled == 4
-
-
-def test_adaptive_batch_size_follows_attnrl_eq10() -> None:
-    # B_{m+1} = round(0.9*16 + 0.1*(12/6)*16) = round(14.4 + 3.2) = 18
-    assert next_batch_size(16, 12, 6) == 18
-    assert next_batch_size(16, 12, 12) == 16
-    assert next_batch_size(16, 12, 0, hi=20) == 20  # none obtained: largest growth, clamped

@@ -6,9 +6,8 @@ import math
 
 import pytest
 
-from learner import advantages as est
-from learner.assign import assign_group
-from loom.clients.learner import adaptive_batch_size
+from learner import estimators as est
+from learner.estimators import assign_group
 from loom.schemas import Group, PoolStats, ThreadLink, Trajectory, TrajectoryReward, TreeNode
 
 approx = pytest.approx
@@ -257,12 +256,3 @@ def test_hrpo_token_assignment_follows_segments_and_masks_observations():
     assert t0.adv == approx([1, 1, 0, 1, 1, 1, 1], abs=1e-5)  # A^g on every trained token
     assert t0.adv_stream == approx([1, 1, 0, 1, 0, 0, 0], abs=1e-5)
     assert t0.adv_deep == [0.0] * 7  # format_deep absent: zero everywhere
-
-
-def test_adaptive_batch_size_eq10():
-    # B_m = 16, half the groups valid, target 16: round(.9*16 + .1*2*16) = round(17.6)
-    assert adaptive_batch_size(16, 8, 16) == 18
-    assert adaptive_batch_size(16, 16, 16) == 16
-    assert adaptive_batch_size(16, 0, 16) == round(0.9 * 16 + 0.1 * 16 * 16)
-    assert adaptive_batch_size(16, 32, 16, maximum=100) == round(0.9 * 16 + 0.1 * 0.5 * 16)
-    assert adaptive_batch_size(16, 1, 16, maximum=20) == 20

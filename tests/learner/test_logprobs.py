@@ -7,8 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner import logprobs as lp
-from learner.losses import hrpo_loss, hrpo_terms
+from learner.losses import hrpo_loss
 from loom.schemas import Segment, Trajectory
+from tests.learner.reference_losses import hrpo_terms
 
 
 def _reference(model, ids, start, groups=None):

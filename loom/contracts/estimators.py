@@ -1,0 +1,111 @@
+"""The ``estimator_params`` contract: one typed params model per advantage estimator, each default
+written once (docs/algorithms.md §5).
+
+A ``TrainBatch`` (and a run's request) carries ``estimator_params`` as a plain dict on the wire; the
+gateway and the learner refuse a key the estimator does not read (:func:`check_estimator_params`,
+so a misspelt parameter cannot silently fall back to its default), and the learner reads the values
+through :func:`estimator_params`, the typed model (a wrong type is a ``ValueError`` there).
+
+Imports only pydantic and the standard library (``loom.schemas`` imports this module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+EPS = 1e-6  # the eps of N_G(x) = (x - mean) / (std + eps)
+TREERL_REWARD_KEY = "accuracy"  # TreeRL's leaf value: the correctness component
+
+
+class EstimatorParams(BaseModel):
+    """What every estimator reads: the normalisation eps, the reward it ranks by, and the inputs of
+    the adaptive batch size (AttnRL eq. 10, reported as the learner's ``next_batch_size`` metric)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    eps: float = EPS
+    reward_key: str | None = Field(default=None, description="a reward component; None or 'total': the total")
+    batch_size: int | None = Field(default=None, description="B_m, prompts sampled this step")
+    target_groups: int | None = Field(default=None, description="B', wanted groups with signal")
+    batch_lambda: float = 0.9
+
+
+class GrpoParams(EstimatorParams):
+    """GRPO (docs/algorithms.md §5.1)."""
+
+
+class DrGrpoParams(EstimatorParams):
+    """Dr. GRPO (docs/algorithms.md §5.1); ``eps`` is not used (no std division)."""
+
+
+class ReaParams(EstimatorParams):
+    """REA-RL (docs/algorithms.md §5.1)."""
+
+
+class AprParams(EstimatorParams):
+    """APR (docs/algorithms.md §5.1)."""
+
+
+class GlobalBaselineParams(EstimatorParams):
+    """Reinforce-Ada's global baseline (docs/algorithms.md §4); ``std`` also divides by the pool's std."""
+
+    std: bool = False
+
+
+class TreerlParams(EstimatorParams):
+    """TreeRL (docs/algorithms.md §5.1); ``reward_key`` None: the leaf value is the correctness."""
+
+
+class HrpoNames(BaseModel):
+    """Reward component names HRPO reads (reward_svc's names by default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    accuracy: str = "accuracy"
+    format_stream: str = "format_stream"
+    format_deep: str = "format_deep"
+    length_stream: str = "length_stream"
+    length_deep: str = "length_deep"
+    efficiency: str = "efficiency"
+
+
+class HrpoParams(EstimatorParams):
+    """HRPO (AdaSR eq. 8; docs/algorithms.md §5.1): ``w_acc``/``w_fmt`` are AdaSR Table 6's
+    coefficients, ``beta`` the length/efficiency weight applied after normalisation (appendix C)."""
+
+    names: HrpoNames = Field(default_factory=HrpoNames)
+    beta: float = 0.05
+    w_acc: float = 1.0
+    w_fmt: float = 2.0
+    mask_length_by_format: bool = True
+
+
+ESTIMATOR_PARAMS: dict[str, type[EstimatorParams]] = {
+    "grpo": GrpoParams,
+    "dr_grpo": DrGrpoParams,
+    "global_baseline": GlobalBaselineParams,
+    "hrpo": HrpoParams,
+    "treerl": TreerlParams,
+    "rea": ReaParams,
+    "apr": AprParams,
+}
+
+
+def check_estimator_params(estimator: str, params: Mapping[str, Any]) -> None:
+    """ValueError naming the keys ``estimator`` does not read (the values are checked when read)."""
+    known = set(ESTIMATOR_PARAMS.get(estimator, EstimatorParams).model_fields)
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(
+            f"estimator_params {unknown} are not read by estimator {estimator!r}; it reads {sorted(known)}"
+        )
+
+
+def estimator_params(estimator: str, params: Mapping[str, Any]) -> EstimatorParams:
+    """The typed params of ``estimator``: unknown keys and wrong types are a ``ValueError``
+    (pydantic's ``ValidationError``)."""
+    check_estimator_params(estimator, params)
+    return ESTIMATOR_PARAMS[estimator].model_validate(dict(params))
