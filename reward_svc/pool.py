@@ -273,7 +273,7 @@ class VerifierPool:
 
     @classmethod
     def from_settings(cls, s: Any) -> VerifierPool:
-        """The pool a reward process runs (``reward_svc.config.RewardSettings``)."""
+        """The pool a reward process runs (``loom.contracts.reward_settings.RewardSettings``)."""
         return cls(
             s.workers,
             max_items=s.max_items_per_worker,
