@@ -2,8 +2,8 @@
 
 Pure: no HTTP, no Celery. The API awaits the pool, the Celery task blocks on it; both call
 ``plan_group`` then ``finish_group``, after the spec check (``loom.contracts.rewards.check_spec``).
-``check_request`` enforces the request-level limit; ``oversized``,
-``without`` and ``with_refused`` give an over-long item its own status instead of failing the batch.
+``check_request`` enforces the request-level limit; ``oversized``, ``without`` and ``with_refused``
+give an over-long item its own status instead of failing the batch.
 """
 
 from __future__ import annotations

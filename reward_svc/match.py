@@ -5,7 +5,8 @@ Each text (a chunk of a thinking part) goes through the accuracy component's cha
 else the tail with the last-number fallback); choice the normalised option. Only the exact tasks'
 candidates differ (``stated_answers``): arithmetic and Countdown use Loom's exact verifier on the last
 boxed answer, else the last number / the last arithmetic expression anywhere in the text.
-Pure: returns a ``Verdict`` or the ``MathItem`` a pool worker must check."""
+Pure: returns a ``Verdict`` or the ``MathItem`` a pool worker must check.
+"""
 
 from __future__ import annotations
 
