@@ -33,31 +33,30 @@ class NoParams(Params):
     pass
 
 
-class AccuracyParams(Params):
-    """``accuracy`` (docs/algorithms.md §1.1)."""
+# One model per component; no class docstrings below: they would show in GET /v1/rewards/components.
 
+
+# ``accuracy`` (docs/algorithms.md §1.1).
+class AccuracyParams(Params):
     task: TaskKind | None = None  # overrides the group's task; default math
     number_fallback: bool = True  # unboxed answers: the last number of the tail
     # a longer tail is refused by the math verifier anyway
     tail_chars: int = Field(default=ANSWER_TAIL_CHARS, ge=1, le=MAX_ANSWER_CHARS)
 
 
+# ``length_refined`` (docs/algorithms.md §1.3, REA-RL eq. 4 or the authors' code variant).
 class RefinedParams(Params):
-    """``length_refined`` (docs/algorithms.md §1.3, REA-RL eq. 4 or the authors' code variant)."""
-
     variant: Literal["paper", "authors"] = "paper"
 
 
+# ``efficiency`` (docs/algorithms.md §1.4, AdaSR eq. 7).
 class EfficiencyParams(Params):
-    """``efficiency`` (docs/algorithms.md §1.4, AdaSR eq. 7)."""
-
     alpha: float = Field(default=0.5, gt=0.0, lt=1.0)
     tau: float | None = Field(default=None, gt=0.0, description="None = group mean total length")
 
 
+# ``reflection`` (docs/algorithms.md §1.5, REA-RL eq. 3).
 class ReflectionParams(Params):
-    """``reflection`` (docs/algorithms.md §1.5, REA-RL eq. 3)."""
-
     keywords: list[str] = Field(
         default_factory=lambda: list(REFLECTION_KEYWORDS), min_length=1, max_length=64
     )
