@@ -102,8 +102,9 @@ def tiny(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
     from loom.runtime import configure_process
 
     configure_process()
+    from loom.answers import last_boxed
     from loom.schemas import SamplingParams
-    from loom.tiny import CHECKPOINT_DIR, extract_boxed, plain_prompt, tiny_problems
+    from loom.tiny import CHECKPOINT_DIR, plain_prompt, tiny_problems
     from rollout_svc.engines.torch_engine import TorchEngine
 
     engine = TorchEngine(CHECKPOINT_DIR, cache_entries=0)
@@ -128,7 +129,7 @@ def tiny(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
                 rewards = []
                 for c in completions:
                     text = str(tok.decode(c.token_ids, skip_special_tokens=True))
-                    answer = extract_boxed(text) if "</think>" in text else None
+                    answer = last_boxed(text) if "</think>" in text else None
                     rewards.append((1.0 if problems[i].verify(answer) else 0.0, None))
                 info["samples"] += m
                 info["correct"] += sum(r for r, _ in rewards)

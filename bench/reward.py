@@ -36,8 +36,8 @@ os.environ.setdefault("SYMPY_GROUND_TYPES", "python")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from loom.contracts.reward_settings import get_reward_settings  # noqa: E402
 from loom.schemas import Group, RewardSpec, Trajectory  # noqa: E402
-from reward_svc.config import get_reward_settings  # noqa: E402
 from reward_svc.core import score_group  # noqa: E402
 from reward_svc.corpus import hostile, realistic_mix  # noqa: E402
 from reward_svc.mathverify import Checker, MathItem, install_guards  # noqa: E402

@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway.models import TaskItem
 from gateway.runs import to_request
+from loom.contracts.rewards import RequestError, check_spec
 from loom.settings import Settings
 from loom.store import PolicyStore
 
@@ -22,7 +23,6 @@ def submission_problem(
 ) -> dict[str, Any] | None:
     """The 422 body for the first problem found, or None. ``per_item_loc``: the body field the items
     came from (``tasks``), so an item's own mode_params are reported at their index."""
-    from reward_svc.core import RequestError, check_spec
     from rollout_svc.modes import ModeError
     from rollout_svc.modes.check import check_mode_params
 

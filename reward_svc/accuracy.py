@@ -10,24 +10,16 @@ API's event loop.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from pydantic import Field
-
+from loom.answers import last_boxed
+from loom.contracts.rewards import ANSWER_TAIL_CHARS, AccuracyParams
 from loom.exact import ExprError, check_countdown, evaluate, parse_countdown, parse_number
-from loom.schemas import TaskKind
-from reward_svc.context import GroupContext, Params
-from reward_svc.mathverify import MAX_ANSWER_CHARS, MathItem, Verdict
-from reward_svc.trace import ANSWER_TAIL_CHARS, answer_region, last_boxed
-
-
-class AccuracyParams(Params):
-    task: TaskKind | None = None  # overrides the group's task; default math
-    number_fallback: bool = True  # unboxed answers: the last number of the tail
-    # a longer tail is refused by the math verifier anyway
-    tail_chars: int = Field(default=ANSWER_TAIL_CHARS, ge=1, le=MAX_ANSWER_CHARS)
-
+from reward_svc.context import GroupContext
+from reward_svc.mathverify import MathItem, Verdict
+from reward_svc.trace import answer_region
 
 Gold = tuple[list[int], int] | Fraction | str  # countdown (numbers, target), arithmetic value, label
 
@@ -81,35 +73,50 @@ def read_gold(task: str, label: str | None, meta: dict[str, Any]) -> Gold | Verd
     return label
 
 
-def _exact_answer(text: str, tail_chars: int) -> str | None:
+# The exact tasks' answer candidates in a text, in order (the last is tried first): the trajectory's
+# final answer here, any stated answer for the ``gold`` detector (reward_svc.match).
+Candidates = Callable[[str, str, int], list[str]]
+
+
+def final_answer(task: str, text: str, tail_chars: int) -> list[str]:
+    """The last boxed answer, else the last non-empty line of the tail (countdown and arithmetic)."""
     boxed = last_boxed(text)
     if boxed is not None:
-        return boxed
+        return [boxed]
     lines = [ln for ln in text[-tail_chars:].splitlines() if ln.strip()]
-    return lines[-1] if lines else None
+    return lines[-1:]
 
 
-def plan(task: str, gold: Gold | Verdict, text: str | None, params: AccuracyParams) -> Verdict | MathItem:
-    """One trajectory's verdict, or the math item to verify; ``gold`` is ``read_gold``'s."""
+def plan(
+    task: str,
+    gold: Gold | Verdict,
+    text: str | None,
+    params: AccuracyParams,
+    candidates: Candidates = final_answer,
+) -> Verdict | MathItem:
+    """One text's verdict, or the math item to verify; ``gold`` is ``read_gold``'s. Countdown takes
+    the last candidate that is an arithmetic expression, arithmetic the last candidate."""
     if text is None:
         return Verdict("invalid", detail="trajectory has no text")
     if isinstance(gold, Verdict):
         return gold
     if task == "countdown":
         assert isinstance(gold, tuple)
-        answer = _exact_answer(text, params.tail_chars)
-        if answer is None:
+        cands = candidates(task, text, params.tail_chars)
+        if not cands:
             return Verdict("no_answer")
-        try:
-            evaluate(answer.split("=")[0])
-        except ExprError:
-            return Verdict("parse_error", detail="not an arithmetic expression")
-        return Verdict("ok", correct=check_countdown(answer, gold[0], gold[1]))
+        for c in reversed(cands):
+            try:
+                evaluate(c.split("=")[0])
+            except ExprError:
+                continue
+            return Verdict("ok", correct=check_countdown(c, gold[0], gold[1]))
+        return Verdict("parse_error", detail="not an arithmetic expression")
     if task == "arithmetic":
-        answer = _exact_answer(text, params.tail_chars)
-        if answer is None:
+        cands = candidates(task, text, params.tail_chars)
+        if not cands:
             return Verdict("no_answer")
-        value = parse_number(answer)
+        value = parse_number(cands[-1])
         if value is None:
             return Verdict("parse_error", detail="not a number")
         return Verdict("ok", correct=value == gold)

@@ -16,15 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from loom.contracts.reward_settings import get_reward_settings
+from loom.contracts.rewards import COMPONENT_PARAMS, RequestError, check_spec, check_timeout
 from loom.schemas import Group, RewardRequest, RewardResult, RewardSpec, TaskKind
 from loom.service import add_ping_route, broker_check, create_app
-from reward_svc.config import get_reward_settings
 from reward_svc.core import (
     Refused,
-    RequestError,
     check_request,
-    check_spec,
-    check_timeout,
     finish_group,
     oversized,
     plan_group,
@@ -43,7 +41,6 @@ from reward_svc.protocols import (
     slime_group,
 )
 from reward_svc.reflection import DensityStats
-from reward_svc.registry import PARAMS
 from reward_svc.tasks import celery_app
 
 log = logging.getLogger("reward_svc.api")
@@ -159,7 +156,7 @@ async def match(body: MatchRequest) -> MatchResponse:
 @app.get("/v1/rewards/components", tags=["rewards"])
 async def components() -> dict[str, Any]:
     """The registry: every component name with its parameter schema."""
-    return {name: model.model_json_schema() for name, model in PARAMS.items()}
+    return {name: model.model_json_schema() for name, model in COMPONENT_PARAMS.items()}
 
 
 def _check_texts(texts: list[str], field: str) -> None:

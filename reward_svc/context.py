@@ -2,7 +2,8 @@
 
 Every component has the same signature, ``fn(ctx, params) -> list[float]`` (one value per
 trajectory, in group order), so group-relative components (Kimi length, efficiency's group tau) and
-per-trajectory ones are called alike. ``params`` is validated by the component's own params model.
+per-trajectory ones are called alike. ``params`` is validated by the component's own params model
+(``loom.contracts.rewards``).
 """
 
 from __future__ import annotations
@@ -11,17 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from loom.formats import DEFAULT_MARKERS, Markers
 from loom.schemas import Group
 from reward_svc.trace import TraceView
-
-
-class Params(BaseModel):
-    """Base of every component's parameters: unknown keys are an error (422 with the path)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Scoring a group: plan accuracy, verify math items (in the pool), compose components.
 
 Pure: no HTTP, no Celery. The API awaits the pool, the Celery task blocks on it; both call
-``plan_group`` then ``finish_group``. ``check_request`` enforces the request-level limit; ``oversized``,
-``without`` and ``with_refused`` give an over-long item its own status instead of failing the batch.
+``plan_group`` then ``finish_group``, after the spec check (``loom.contracts.rewards.check_spec``).
+``check_request`` enforces the request-level limit; ``oversized``, ``without`` and ``with_refused``
+give an over-long item its own status instead of failing the batch.
 """
 
 from __future__ import annotations
@@ -13,67 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
+from loom.contracts.rewards import NEEDS_ACCURACY, AccuracyParams, RequestError
 from loom.schemas import Group, RewardResult, RewardSpec, TrajectoryReward
-from reward_svc.accuracy import AccuracyParams, plan, read_gold
+from reward_svc.accuracy import plan, read_gold
 from reward_svc.context import GroupContext
 from reward_svc.mathverify import MathItem, Verdict
-from reward_svc.registry import NEEDS_ACCURACY, PARAMS, REGISTRY
+from reward_svc.registry import REGISTRY
 from reward_svc.trace import view_of
 
 VerifyFn = Callable[[Sequence[MathItem], int], list[Verdict]]
-
-
-class RequestError(ValueError):
-    """Bad input found after schema validation: ``status`` 422 (field path in ``loc``) or 413."""
-
-    def __init__(self, status: int, loc: list[str | int], msg: str) -> None:
-        super().__init__(msg)
-        self.status = status
-        self.loc = loc
-        self.msg = msg
-
-    def body(self) -> dict[str, Any]:
-        error = "payload_too_large" if self.status == 413 else "validation_error"
-        return {"error": error, "detail": [{"loc": self.loc, "msg": self.msg, "type": error}]}
-
-
-def check_timeout(timeout_s: int, loc: Sequence[str | int], max_timeout_s: int | None = None) -> None:
-    """A per-item deadline above the operator's bound (``LOOM_REWARD_MAX_TIMEOUT_S``) is a 422: every
-    item may cost its deadline in a verifier process."""
-    if max_timeout_s is None:
-        from reward_svc.config import get_reward_settings
-
-        max_timeout_s = get_reward_settings().max_timeout_s
-    if timeout_s > max_timeout_s:
-        raise RequestError(
-            422, [*loc], f"at most {max_timeout_s} s on this deployment (LOOM_REWARD_MAX_TIMEOUT_S)"
-        )
-
-
-def check_spec(
-    spec: RewardSpec, loc: Sequence[str | int] = ("body", "spec"), max_timeout_s: int | None = None
-) -> None:
-    """Components known, parameters valid, the deadline within the operator's bound (422s naming the
-    field; ``max_timeout_s`` None: the reward settings')."""
-    check_timeout(spec.timeout_s, [*loc, "timeout_s"], max_timeout_s)
-    for i, comp in enumerate(spec.components):
-        where = [*loc, "components", i]
-        if comp.name not in REGISTRY:
-            raise RequestError(
-                422, [*where, "name"], f"unknown component {comp.name!r}; known: {sorted(REGISTRY)}"
-            )
-        if not math.isfinite(comp.weight):
-            raise RequestError(422, [*where, "weight"], "weight must be finite")
-        try:
-            PARAMS[comp.name].model_validate(comp.params)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            raise RequestError(422, [*where, "params", *err["loc"]], err["msg"]) from None
-    names = [c.name for c in spec.components]
-    if len(set(names)) != len(names):
-        raise RequestError(422, [*loc, "components"], "each component may appear once")
 
 
 def check_request(groups: Sequence[Group], max_items: int) -> None:

@@ -10,15 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field
-
-from reward_svc.context import GroupContext, Params
+from loom.contracts.rewards import EfficiencyParams
+from reward_svc.context import GroupContext
 from reward_svc.format import deep_ok, stream_ok
-
-
-class EfficiencyParams(Params):
-    alpha: float = Field(default=0.5, gt=0.0, lt=1.0)
-    tau: float | None = Field(default=None, gt=0.0, description="None = group mean total length")
 
 
 def r_eff(acc: float, fmt_s: float, fmt_d: float, l_s: float, l_d: float, alpha: float, tau: float) -> float:

@@ -10,13 +10,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from loom.answers import last_boxed
+from loom.contracts.rewards import NoParams
 from loom.formats import DEFAULT_SPAWN, SpawnSyntax
-from reward_svc.context import GroupContext, Params
-from reward_svc.trace import TraceView, last_boxed
-
-
-class NoParams(Params):
-    pass
+from reward_svc.context import GroupContext
+from reward_svc.trace import TraceView
 
 
 def stream_ok(view: TraceView, skip: str) -> bool:

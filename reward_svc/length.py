@@ -11,10 +11,10 @@ Lengths are completion tokens (approximate tokens for text-only trajectories).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
-from reward_svc.context import GroupContext, Params
-from reward_svc.format import NoParams
+from loom.contracts.rewards import NoParams, RefinedParams
+from reward_svc.context import GroupContext
 
 
 def kimi_lambda(lengths: list[int]) -> list[float]:
@@ -30,10 +30,6 @@ def length_kimi(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     NoParams.model_validate(params)
     lam = kimi_lambda([v.n_tokens for v in ctx.views])
     return [x if c else min(0.5, x) for x, c in zip(lam, ctx.accuracy(), strict=True)]
-
-
-class RefinedParams(Params):
-    variant: Literal["paper", "authors"] = "paper"
 
 
 def length_refined(ctx: GroupContext, params: dict[str, Any]) -> list[float]:

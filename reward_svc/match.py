@@ -1,9 +1,10 @@
 """Does a text state the gold answer? The verifier behind reflect_svc's ``gold`` detector.
 
-Each text (a chunk of a thinking part) is checked like an answer region, with what the accuracy
-component uses: math goes to the isolated math-verify pool (last boxed answer, else the tail with
-the last-number fallback); arithmetic and Countdown use Loom's exact verifier (last boxed answer,
-else the last number / the last arithmetic expression of the text); choice the normalised option.
+Each text (a chunk of a thinking part) goes through the accuracy component's chain
+(``accuracy.plan``, default params): math goes to the isolated math-verify pool (last boxed answer,
+else the tail with the last-number fallback); choice the normalised option. Only the exact tasks'
+candidates differ (``stated_answers``): arithmetic and Countdown use Loom's exact verifier on the last
+boxed answer, else the last number / the last arithmetic expression anywhere in the text.
 Pure: returns a ``Verdict`` or the ``MathItem`` a pool worker must check.
 """
 
@@ -14,11 +15,11 @@ from typing import Any
 
 from pydantic import Field
 
-from loom.exact import ExprError, check_countdown, evaluate, parse_number
+from loom.answers import last_boxed
+from loom.contracts.rewards import AccuracyParams
 from loom.schemas import Contract, RewardStatus, TaskKind
-from reward_svc.accuracy import Gold, extract_choice, normalise_choice, read_gold
+from reward_svc.accuracy import plan, read_gold
 from reward_svc.mathverify import MathItem, Verdict
-from reward_svc.trace import ANSWER_TAIL_CHARS, last_boxed
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _EXPR_RUN = re.compile(r"[\d\s()+\-*/]+")
@@ -63,41 +64,17 @@ def expressions(text: str) -> list[str]:
     return found
 
 
-def plan_match(task: str, gold: Gold | Verdict, text: str) -> Verdict | MathItem:
-    """One text's verdict, or the math item to verify; ``gold`` is ``read_gold``'s."""
-    if isinstance(gold, Verdict):
-        return gold
+def stated_answers(task: str, text: str, tail_chars: int) -> list[str]:
+    """Every answer ``text`` states, for ``accuracy.plan``: the last boxed answer, else (countdown)
+    each arithmetic expression with an operator, (arithmetic) each number, anywhere in the text."""
     boxed = last_boxed(text)
     if task == "countdown":
-        assert isinstance(gold, tuple)
         cands = [boxed.split("=")[0]] if boxed is not None else expressions(text)
-        cands = [c for c in cands if any(op in c for op in "+-*/")]
-        if not cands:
-            return Verdict("no_answer")
-        for c in reversed(cands):
-            try:
-                evaluate(c)
-            except ExprError:
-                continue
-            return Verdict("ok", correct=check_countdown(c, gold[0], gold[1]))
-        return Verdict("parse_error", detail="not an arithmetic expression")
-    if task == "arithmetic":
-        answer = boxed if boxed is not None else (_NUMBER.findall(text) or [None])[-1]
-        if answer is None:
-            return Verdict("no_answer")
-        value = parse_number(answer)
-        if value is None:
-            return Verdict("parse_error", detail="not a number")
-        return Verdict("ok", correct=value == gold)
-    if task == "choice":
-        choice = extract_choice(text)
-        if choice is None:
-            return Verdict("no_answer")
-        return Verdict("ok", correct=normalise_choice(choice) == gold)
-    assert isinstance(gold, str)
-    if boxed is not None:
-        return MathItem(gold=gold, kind="boxed", region=boxed)
-    return MathItem(gold=gold, kind="tail", region=text[-ANSWER_TAIL_CHARS:], number_fallback=True)
+        return [c for c in cands if any(op in c for op in "+-*/")]
+    return [boxed] if boxed is not None else _NUMBER.findall(text)
+
+
+_PARAMS = AccuracyParams()  # math: the last boxed answer, else the tail with the last-number fallback
 
 
 def plan_matches(req: MatchRequest) -> tuple[list[Verdict | None], list[tuple[int, MathItem]]]:
@@ -106,7 +83,7 @@ def plan_matches(req: MatchRequest) -> tuple[list[Verdict | None], list[tuple[in
     decided: list[Verdict | None] = []
     math: list[tuple[int, MathItem]] = []
     for i, text in enumerate(req.texts):
-        p = plan_match(task, gold, text)
+        p = plan(task, gold, text, _PARAMS, stated_answers)
         if isinstance(p, MathItem):
             decided.append(None)
             math.append((i, p))

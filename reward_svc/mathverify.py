@@ -18,9 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from loom.contracts.rewards import MAX_ANSWER_CHARS
 from reward_svc.trace import brace_depth
 
-MAX_ANSWER_CHARS = 2000
 MAX_GOLD_CHARS = 2000
 MAX_BRACE_DEPTH = 12  # nested \frac grows exponentially with depth (depth 20 ran > 20 s)
 GOLD_CACHE_SIZE = 4096
@@ -109,6 +109,7 @@ class Checker:
         from math_verify import verify
         from math_verify.errors import TimeoutException
 
+        limits = (TimeoutException, RecursionError, MemoryError)  # while parsing or comparing
         gold = item.gold.strip()
         if not gold or len(gold) > MAX_GOLD_CHARS or brace_depth(gold) > MAX_BRACE_DEPTH:
             return Verdict("invalid", detail="gold answer empty or over the size limits")
@@ -123,22 +124,23 @@ class Checker:
                 return Verdict("no_answer")
             if not answer:
                 return Verdict("parse_error", detail="answer did not parse")
-        except TimeoutException:
-            return Verdict("timeout", detail="math-verify timeout")
-        except RecursionError:
-            return Verdict("parse_error", detail="nesting too deep")
-        except MemoryError:
-            return Verdict("parse_error", detail="memory limit")
+        except limits as exc:
+            return _limit_verdict(exc)
         except Exception as exc:  # sympy raises anything on odd input: the answer is unusable
             return Verdict("parse_error", detail=type(exc).__name__)
         try:
             ok = verify(gold_parsed, answer, timeout_seconds=timeout_s, raise_on_error=True)
-        except TimeoutException:
-            return Verdict("timeout", detail="math-verify timeout")
-        except RecursionError:
-            return Verdict("parse_error", detail="nesting too deep")
-        except MemoryError:
-            return Verdict("parse_error", detail="memory limit")
+        except limits as exc:
+            return _limit_verdict(exc)
         except Exception:  # objects sympy cannot compare (a set against a number): not equal
             ok = False
         return Verdict("ok", correct=bool(ok))
+
+
+def _limit_verdict(exc: BaseException) -> Verdict:
+    """The verdict for math-verify's own timeout, or a recursion or memory limit."""
+    if isinstance(exc, RecursionError):
+        return Verdict("parse_error", detail="nesting too deep")
+    if isinstance(exc, MemoryError):
+        return Verdict("parse_error", detail="memory limit")
+    return Verdict("timeout", detail="math-verify timeout")

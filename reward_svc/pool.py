@@ -32,8 +32,8 @@ Fairness (one request's hostile items must not hold up another request; docs/sec
   hostile requests than spares wait as before (the gateway's per-key quotas bound how many one user
   can send).
 
-Every worker verifies the warm-up strings itself right after its fork: the copy-on-write faults of
-what the parent loaded are taken then, not by its first real item.
+The worker process itself is ``reward_svc.verifier``; ``_Workers`` forks and kills them, and
+``VerifierPool``'s scheduler thread decides which item runs where.
 """
 
 from __future__ import annotations
@@ -42,10 +42,8 @@ import asyncio
 import logging
 import mmap
 import os
-import resource
 import selectors
 import signal
-import struct
 import threading
 import time
 from collections import deque
@@ -56,114 +54,10 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from reward_svc.mathverify import Checker, MathItem, Verdict, install_guards
+from reward_svc.mathverify import MathItem, Verdict
+from reward_svc.verifier import NONE_TAKEN, warm_up, worker_main, write_mark
 
 log = logging.getLogger("loom.reward.pool")
-
-_PR_SET_PDEATHSIG = 1
-_NONE_TAKEN = 2**31 - 1  # a worker's mark while nothing in its pipe is taken back
-
-
-def _page_kb() -> int:
-    return os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def _statm_kb() -> tuple[int, int]:
-    """(virtual size, resident size) of this process in KiB."""
-    with open("/proc/self/statm") as f:
-        size, rss = f.read().split()[:2]
-    return int(size) * _page_kb(), int(rss) * _page_kb()
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except Exception:  # not Linux: the pipe's EOF still ends the worker
-        pass
-
-
-def _read_mark(mark: mmap.mmap) -> int:
-    return int(struct.unpack_from("i", mark)[0])
-
-
-def _write_mark(mark: mmap.mmap, value: int) -> None:
-    struct.pack_into("i", mark, 0, value)  # 4 aligned bytes: never seen half-written
-
-
-def _worker_main(conn: Connection, close: Sequence[Any], mark: mmap.mmap, mem_limit_mb: int) -> None:
-    """Body of a forked worker. Never returns: always ``os._exit``."""
-    code = 0
-    try:
-        for c in close:
-            if isinstance(c, int):
-                os.close(c)
-            else:
-                c.close()
-        # Inherited handlers would run the parent's shutdown logic (asyncio's wakeup fd is shared).
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _die_with_parent()
-        vm_kb, _ = _statm_kb()
-        if mem_limit_mb > 0:
-            limit = vm_kb * 1024 + mem_limit_mb * 1024 * 1024
-            resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
-        install_guards()
-        checker = Checker()
-        for gold, answer in zip(_WARM, _WARM[1:] + _WARM[:1], strict=True):
-            # touch what the parent's warm-up loaded: the copy-on-write faults are taken here, not by
-            # the first real item (on a loaded machine beside hostile items, ~1 s of a spare's first
-            # item before this)
-            checker.check(MathItem(gold, "boxed", answer), 2)
-        while True:
-            try:
-                seq, item, timeout_s = conn.recv()
-            except (EOFError, OSError):
-                break
-            if seq > _read_mark(mark):  # taken back while it waited in the pipe: another worker runs it
-                conn.send(None)
-                continue
-            verdict = checker.check(item, timeout_s)
-            conn.send((verdict, _statm_kb()[1]))
-    except BaseException:
-        code = 1
-    finally:
-        os._exit(code)
-
-
-_WARM = (
-    "\\frac{1}{2}",
-    "0.5",
-    "(1,2]",
-    "\\{1,2\\}",
-    "x^2+\\sqrt{3}",
-    "10\\%",
-    "[-2,\\infty)",
-    "\\frac{\\pi}{4}",
-)
-
-
-def warm_up() -> None:
-    """Import math-verify and run its parser and verifier on fixed, trusted strings in this (parent)
-    process, so every forked worker starts with the grammar and sympy paths loaded: a cold worker pays
-    ~0.5 s, and with one verify only a fresh worker's first realistic item still took ~0.4 s (every
-    neighbouring pair verified: ~0.08 s; measured with reward_svc.corpus.realistic_mix). Never called
-    on model text; timeouts are off because this may run outside a main thread."""
-    import math_verify.grader as mvg
-    import math_verify.parser as mvp
-    from math_verify import LatexExtractionConfig, parse, verify
-
-    config = [LatexExtractionConfig(boxed_match_priority=0)]
-    shown = mvp.TIMEOUT_WARNING_SHOWN, mvg.TIMEOUT_WARNING_SHOWN
-    mvp.TIMEOUT_WARNING_SHOWN = mvg.TIMEOUT_WARNING_SHOWN = True  # no "timeout disabled" warning
-    try:
-        parsed = [parse("\\boxed{" + s + "}", config, parsing_timeout=None) for s in _WARM]  # type: ignore[arg-type]
-        for a, b in zip(parsed, parsed[1:] + parsed[:1], strict=True):
-            verify(a, b, timeout_seconds=None)
-    finally:
-        mvp.TIMEOUT_WARNING_SHOWN, mvg.TIMEOUT_WARNING_SHOWN = shown
 
 
 # An item queued behind the running one sits in the pipe's kernel buffer (a socket pair's, a few
@@ -234,6 +128,101 @@ class PoolClosed(RuntimeError):
     pass
 
 
+class _Workers:
+    """The verifier processes: regular slots ``0..n_workers-1``, then the spare ones. Forks, kills
+    and the selector over their pipes (and the pool's wake-up pipe, whose key has no data). Driven by
+    the scheduler thread; the slots are read under ``lock`` by any thread (``pids``)."""
+
+    def __init__(
+        self,
+        n_workers: int,
+        n_spares: int,
+        mem_limit_mb: int,
+        stats: PoolStats,
+        lock: threading.Lock,
+        wake_fds: tuple[int, int],
+    ) -> None:
+        self.n_workers = n_workers
+        self.mem_limit_mb = mem_limit_mb
+        self.stats = stats
+        self.lock = lock  # the pool's: it also guards the pool's inbox
+        self.slots: list[_Worker | None] = [None] * (n_workers + n_spares)
+        self.fork_retry_at: float | None = None
+        self.wake_fds = wake_fds
+        self.selector = selectors.DefaultSelector()  # the wake-up pipe and every worker's pipe
+        self.selector.register(wake_fds[0], selectors.EVENT_READ)
+
+    def live(self) -> list[_Worker]:
+        return [w for w in self.slots if w is not None]
+
+    def pids(self) -> list[int]:
+        with self.lock:
+            return [w.pid for w in self.slots if w is not None]
+
+    def try_fork(self, slot: int) -> _Worker | None:
+        """A fresh worker in ``slot``, or None when the system refuses a process now (the job waits;
+        the scheduler tries again in a second)."""
+        try:
+            worker = self._fork(slot)
+        except OSError as exc:
+            log.warning("could not fork a verifier process: %s", exc)
+            self.fork_retry_at = time.monotonic() + 1.0
+            return None
+        self.fork_retry_at = None
+        return worker
+
+    def _fork(self, slot: int) -> _Worker:
+        parent, child = Pipe(duplex=True)
+        mark = mmap.mmap(-1, mmap.PAGESIZE)
+        write_mark(mark, NONE_TAKEN)
+        with self.lock:
+            others: list[Any] = [w.conn for w in self.live()] + list(self.wake_fds)
+            pid = os.fork()
+            if pid == 0:  # child
+                parent.close()
+                worker_main(child, others, mark, self.mem_limit_mb)
+            child.close()
+            spare = slot >= self.n_workers
+            worker = _Worker(pid=pid, conn=parent, mark=mark, slot=slot, spare=spare)
+            self.slots[slot] = worker
+            self.selector.register(parent, selectors.EVENT_READ, worker)
+            self.stats.forks += 1
+            self.stats.spares += int(spare)
+        return worker
+
+    def kill(self, worker: _Worker) -> None:
+        with self.lock:
+            if self.slots[worker.slot] is worker:
+                self.slots[worker.slot] = None
+        try:
+            os.kill(worker.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(worker.pid, 0)
+        except ChildProcessError:
+            pass
+        self.selector.unregister(worker.conn)
+        worker.conn.close()
+        worker.mark.close()
+
+    def start_spares(self) -> None:
+        """Fork the spares as soon as a worker turns slow, not when the next request comes: they are
+        warm (their own warm-up done) by the time another request needs one."""
+        for slot in range(self.n_workers, len(self.slots)):
+            if self.slots[slot] is None and self.try_fork(slot) is None:
+                return
+
+    def retire_idle_spares(self) -> None:
+        """Idle spares go once no worker is slow (while one is, the next request may need them)."""
+        live = self.live()
+        if any(w.slow for w in live):
+            return
+        for w in live:
+            if w.spare and not w.pipe:
+                self.kill(w)
+
+
 class VerifierPool:
     """``workers`` forked verifiers (and up to ``spare_workers`` more while some are slow) shared by
     requests in turn. Thread-safe; use ``check_many`` (blocking) or ``acheck_many`` (asyncio)."""
@@ -259,21 +248,20 @@ class VerifierPool:
         self.slow_s = slow_s
         self.stats = PoolStats()
         self._inbox: deque[_Request] = deque()
-        self._lock = threading.Lock()  # the inbox and the slots (read by worker_pids)
-        self._slots: list[_Worker | None] = [None] * (self.n_workers + self.n_spares)
+        self._lock = threading.Lock()  # the inbox and the workers' slots (read by worker_pids)
         self._ready: deque[_Request] = deque()  # requests with queued jobs, in turn
         self._closed = False
-        self._fork_retry_at: float | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._selector = selectors.DefaultSelector()  # the wake-up pipe and every worker's pipe
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._workers = _Workers(
+            self.n_workers, self.n_spares, mem_limit_mb, self.stats, self._lock, (self._wake_r, self._wake_w)
+        )
         self._thread = threading.Thread(target=self._run, name="verifier-scheduler", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_settings(cls, s: Any) -> VerifierPool:
-        """The pool a reward process runs (``reward_svc.config.RewardSettings``)."""
+        """The pool a reward process runs (``loom.contracts.reward_settings.RewardSettings``)."""
         return cls(
             s.workers,
             max_items=s.max_items_per_worker,
@@ -333,8 +321,7 @@ class VerifierPool:
         return done
 
     def worker_pids(self) -> list[int]:
-        with self._lock:
-            return [w.pid for w in self._slots if w is not None]
+        return self._workers.pids()
 
     def close(self) -> None:
         with self._lock:
@@ -362,30 +349,27 @@ class VerifierPool:
 
     def _run(self) -> None:
         for slot in range(self.n_workers):  # started eagerly: the first request finds them ready
-            self._try_fork(slot)
+            self._workers.try_fork(slot)
         try:
             while not self._closed:
-                for key, _ in self._selector.select(self._next_event()):
+                for key, _ in self._workers.selector.select(self._next_event()):
                     if key.data is None:
                         os.read(self._wake_r, 4096)
-                    elif self._slots[key.data.slot] is key.data:  # not killed by an earlier event
+                    elif self._workers.slots[key.data.slot] is key.data:  # not killed by an earlier event
                         self._receive(key.data)
                 self._admit()
                 self._check_heads(time.monotonic())
                 self._dispatch()
-                self._retire_spares()
+                self._workers.retire_idle_spares()
         except BaseException:  # a bug here must not leave callers waiting forever
             log.exception("verifier scheduler failed")
         self._shutdown()
 
-    def _live(self) -> list[_Worker]:
-        return [w for w in self._slots if w is not None]
-
     def _next_event(self) -> float | None:
         """Seconds until the next deadline or slow mark of a running item, or a fork to try again
         (None: nothing to wait for)."""
-        at = self._fork_retry_at if self._ready else None
-        for w in self._live():
+        at = self._workers.fork_retry_at if self._ready else None
+        for w in self._workers.live():
             if not w.pipe:
                 continue
             t = w.started + w.pipe[0].job.deadline_s
@@ -397,53 +381,6 @@ class VerifierPool:
     def _admit(self) -> None:
         with self._lock:
             self._admit_locked()
-
-    def _try_fork(self, slot: int) -> _Worker | None:
-        """A fresh worker in ``slot``, or None when the system refuses a process now (the job waits;
-        the scheduler tries again in a second)."""
-        try:
-            worker = self._fork(slot)
-        except OSError as exc:
-            log.warning("could not fork a verifier process: %s", exc)
-            self._fork_retry_at = time.monotonic() + 1.0
-            return None
-        self._fork_retry_at = None
-        return worker
-
-    def _fork(self, slot: int) -> _Worker:
-        parent, child = Pipe(duplex=True)
-        mark = mmap.mmap(-1, mmap.PAGESIZE)
-        _write_mark(mark, _NONE_TAKEN)
-        with self._lock:
-            others: list[Any] = [w.conn for w in self._live()] + [self._wake_r, self._wake_w]
-            pid = os.fork()
-            if pid == 0:  # child
-                parent.close()
-                _worker_main(child, others, mark, self.mem_limit_mb)
-            child.close()
-            spare = slot >= self.n_workers
-            worker = _Worker(pid=pid, conn=parent, mark=mark, slot=slot, spare=spare)
-            self._slots[slot] = worker
-            self._selector.register(parent, selectors.EVENT_READ, worker)
-            self.stats.forks += 1
-            self.stats.spares += int(spare)
-        return worker
-
-    def _kill(self, worker: _Worker) -> None:
-        with self._lock:
-            if self._slots[worker.slot] is worker:
-                self._slots[worker.slot] = None
-        try:
-            os.kill(worker.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(worker.pid, 0)
-        except ChildProcessError:
-            pass
-        self._selector.unregister(worker.conn)
-        worker.conn.close()
-        worker.mark.close()
 
     def _resolve(self, job: _Job, verdict: Verdict) -> None:
         if not job.future.done():
@@ -469,10 +406,10 @@ class VerifierPool:
                 self._resolve(head.job, Verdict("parse_error", detail="verifier process died on this input"))
                 self.stats.crashes += 1
                 self._requeue(worker.pipe)
-            self._kill(worker)
+            self._workers.kill(worker)
             return
         if not worker.pipe:  # an answer to nothing: not a worker of ours any more
-            self._kill(worker)
+            self._workers.kill(worker)
             return
         now = time.monotonic()
         head = worker.pipe.popleft()
@@ -491,14 +428,14 @@ class VerifierPool:
                 self.stats.recycles += 1
         worker.started, worker.slow = now, False
         if not any(s.taken for s in worker.pipe):
-            _write_mark(worker.mark, _NONE_TAKEN)
+            write_mark(worker.mark, NONE_TAKEN)
         if worker.retire and not worker.pipe:
-            self._kill(worker)
+            self._workers.kill(worker)
 
     def _check_heads(self, now: float) -> None:
         """Kill the workers whose running item is past its deadline; mark slow the ones whose item has
         run ``slow_s`` and take back what waits in their pipes."""
-        for w in self._live():
+        for w in self._workers.live():
             if not w.pipe:
                 continue
             head = w.pipe[0]
@@ -507,49 +444,42 @@ class VerifierPool:
                 self._resolve(head.job, Verdict("timeout", detail=f"killed after {head.job.deadline_s} s"))
                 self.stats.timeouts += 1
                 self._requeue(w.pipe)
-                self._kill(w)  # the hard deadline: only this worker, the item is not retried
+                self._workers.kill(w)  # the hard deadline: only this worker, the item is not retried
             elif not w.slow and now >= w.started + self.slow_s:
                 w.slow = True
-                self._start_spares()
+                self._workers.start_spares()
                 behind = [s for s in list(w.pipe)[1:] if not s.taken]
                 if behind:
-                    _write_mark(w.mark, head.seq)
+                    write_mark(w.mark, head.seq)
                     self.stats.taken_back += len(behind)
                     self._requeue(behind)
 
-    def _start_spares(self) -> None:
-        """Fork the spares as soon as a worker turns slow, not when the next request comes: they are
-        warm (their own warm-up done) by the time another request needs one."""
-        for slot in range(self.n_workers, len(self._slots)):
-            if self._slots[slot] is None and self._try_fork(slot) is None:
-                return
-
     def _holds_slow(self, request: _Request) -> bool:
-        return any(w.slow and w.pipe and w.pipe[0].job.request is request for w in self._live())
+        return any(w.slow and w.pipe and w.pipe[0].job.request is request for w in self._workers.live())
 
     def _spare_of(self, request: _Request) -> _Worker | None:
-        return next((w for w in self._live() if w.spare and w.holds(request)), None)
+        return next((w for w in self._workers.live() if w.spare and w.holds(request)), None)
 
     def _target(self, request: _Request, job: _Job) -> _Worker | None:
         """Where ``job`` runs now, or None: it waits. An idle worker first (a fresh one in an empty
         regular slot), then a spare (only while a worker is slow, for a request with no slow item of
         its own and no other spare), then the shortest pipe of a worker that is not slow."""
         for slot in range(self.n_workers):
-            w = self._slots[slot]
+            w = self._workers.slots[slot]
             if w is None:
-                return self._try_fork(slot)
+                return self._workers.try_fork(slot)
             if not w.pipe and not w.retire:
                 return w
-        live = self._live()
+        live = self._workers.live()
         spare_ok = False
         if self.n_spares and any(w.slow for w in live) and not self._holds_slow(request):
             own = self._spare_of(request)
             spare_ok = True
             if own is None:
-                for slot in range(self.n_workers, len(self._slots)):
-                    w = self._slots[slot]
+                for slot in range(self.n_workers, len(self._workers.slots)):
+                    w = self._workers.slots[slot]
                     if w is None:
-                        return self._try_fork(slot)
+                        return self._workers.try_fork(slot)
                     if not w.pipe and not w.retire:
                         return w
         if _size(job.item) > PIPE_SAFE_CHARS:
@@ -612,30 +542,21 @@ class VerifierPool:
                 self._resolve(head.job, Verdict("parse_error", detail="verifier process died on this input"))
                 self.stats.crashes += 1
                 self._requeue(worker.pipe)
-            self._kill(worker)
+            self._workers.kill(worker)
             return False
         worker.pipe.append(_Sent(worker.seq, job))
         self.stats.items += 1
         return True
 
-    def _retire_spares(self) -> None:
-        """Idle spares go once no worker is slow (while one is, the next request may need them)."""
-        live = self._live()
-        if any(w.slow for w in live):
-            return
-        for w in live:
-            if w.spare and not w.pipe:
-                self._kill(w)
-
     def _shutdown(self) -> None:
         with self._lock:
             self._closed = True
             self._admit_locked()
-        for w in self._live():
+        for w in self._workers.live():
             for s in w.pipe:
                 if not s.job.future.done():
                     s.job.future.set_exception(PoolClosed("verifier pool closed"))
-            self._kill(w)
+            self._workers.kill(w)
         for request in self._ready:
             for job in request.jobs:
                 if not job.future.done():
@@ -644,7 +565,7 @@ class VerifierPool:
                     if not job.future.done():
                         job.future.set_exception(PoolClosed("verifier pool closed"))
         self._ready.clear()
-        self._selector.close()
+        self._workers.selector.close()
 
     def _admit_locked(self) -> None:
         while self._inbox:

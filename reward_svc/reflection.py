@@ -12,29 +12,11 @@ from __future__ import annotations
 import re
 import threading
 from collections import deque
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
-
-from loom.formats import REFLECTION_KEYWORDS
-from reward_svc.context import GroupContext, Params
+from loom.contracts.rewards import ReflectionParams
+from reward_svc.context import GroupContext
 from reward_svc.trace import approx_tokens, thinking_text
-
-DEFAULT_DQ = 1 / 225.09
-
-
-class ReflectionParams(Params):
-    keywords: list[str] = Field(
-        default_factory=lambda: list(REFLECTION_KEYWORDS), min_length=1, max_length=64
-    )
-    cluster_chars: int = Field(default=59, ge=0, le=10_000)
-    d_q: Literal["fixed", "running"] = "fixed"
-    fixed_value: float = Field(default=DEFAULT_DQ, gt=0.0)
-    q: float = Field(default=0.2, gt=0.0, lt=1.0)
-    min_seen: int = Field(
-        default=32, ge=1, description="running estimate used only after this many densities"
-    )
-    stat_key: str = Field(default="default", max_length=64)
 
 
 def count_reflections(text: str, keywords: list[str], cluster_chars: int = 59) -> int:

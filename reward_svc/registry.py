@@ -1,13 +1,14 @@
-"""Component name -> reward function (ALGORITHMS.md 1.6 composition)."""
+"""Component name -> reward function (docs/algorithms.md §1.6, composition). The names and each
+component's params model are the contract's (``loom.contracts.rewards.COMPONENT_PARAMS``)."""
 
 from __future__ import annotations
 
-from reward_svc.accuracy import AccuracyParams, accuracy
-from reward_svc.context import ComponentFn, Params
-from reward_svc.efficiency import EfficiencyParams, efficiency
-from reward_svc.format import NoParams, format_deep, format_spawn, format_stream, format_think
-from reward_svc.length import RefinedParams, length_deep, length_kimi, length_refined, length_stream
-from reward_svc.reflection import ReflectionParams, reflection
+from reward_svc.accuracy import accuracy
+from reward_svc.context import ComponentFn
+from reward_svc.efficiency import efficiency
+from reward_svc.format import format_deep, format_spawn, format_stream, format_think
+from reward_svc.length import length_deep, length_kimi, length_refined, length_stream
+from reward_svc.reflection import reflection
 
 REGISTRY: dict[str, ComponentFn] = {
     "accuracy": accuracy,
@@ -21,21 +22,4 @@ REGISTRY: dict[str, ComponentFn] = {
     "length_deep": length_deep,
     "efficiency": efficiency,
     "reflection": reflection,
-}
-
-# Components that read the accuracy verdicts (the verifier runs only when one is requested).
-NEEDS_ACCURACY = frozenset({"accuracy", "length_kimi", "length_refined", "efficiency"})
-
-PARAMS: dict[str, type[Params]] = {
-    "accuracy": AccuracyParams,
-    "format_stream": NoParams,
-    "format_deep": NoParams,
-    "format_think": NoParams,
-    "format_spawn": NoParams,
-    "length_kimi": NoParams,
-    "length_refined": RefinedParams,
-    "length_stream": NoParams,
-    "length_deep": NoParams,
-    "efficiency": EfficiencyParams,
-    "reflection": ReflectionParams,
 }

@@ -31,7 +31,7 @@ def _verifier() -> Any:
     global _pool
     with _lock:
         if _pool is None:
-            from reward_svc.config import get_reward_settings
+            from loom.contracts.reward_settings import get_reward_settings
             from reward_svc.pool import VerifierPool
 
             _pool = VerifierPool.from_settings(get_reward_settings())
@@ -41,7 +41,8 @@ def _verifier() -> Any:
 @celery_app.task(name="reward.score_group")
 def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
     """Score one group: ``Group`` and ``RewardSpec`` as JSON in, ``RewardResult`` as JSON out."""
-    from reward_svc.core import check_spec, score_group
+    from loom.contracts.rewards import check_spec
+    from reward_svc.core import score_group
 
     g = Group.model_validate(group)
     s = RewardSpec.model_validate(spec or {})
@@ -52,7 +53,7 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
 @celery_app.task(name="reward.match_texts")
 def match_texts_task(request: dict[str, Any]) -> dict[str, Any]:
     """Does each text state the gold answer? ``MatchRequest`` JSON in, ``MatchResponse`` JSON out."""
-    from reward_svc.core import check_timeout
+    from loom.contracts.rewards import check_timeout
     from reward_svc.match import MatchRequest, finish_matches, plan_matches
 
     req = MatchRequest.model_validate(request)

@@ -10,36 +10,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from loom.answers import last_boxed
+from loom.contracts.rewards import ANSWER_TAIL_CHARS
 from loom.formats import DEFAULT_MARKERS, Markers
 from loom.schemas import Trajectory
 
-ANSWER_TAIL_CHARS = 300  # ALGORITHMS.md 1.1: fall back to the last ~300 characters
 _TOKEN = re.compile(r"\w+|[^\w\s]")
-_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def approx_tokens(text: str) -> int:
     return len(_TOKEN.findall(text))
-
-
-def last_boxed(text: str, max_tries: int = 8) -> str | None:
-    """Content of the last balanced ``\\boxed{...}`` (or ``\\fbox``); None when there is none.
-
-    Scans backwards over at most ``max_tries`` openings so an unbalanced trailing ``\\boxed{`` does
-    not hide an earlier complete one.
-    """
-    starts = [m.end() for m in _BOX.finditer(text)]
-    for start in reversed(starts[-max_tries:]):
-        depth = 1
-        for i in range(start, len(text)):
-            c = text[i]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-    return None
 
 
 def brace_depth(text: str) -> int:

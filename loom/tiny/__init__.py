@@ -4,7 +4,8 @@ Stable API for the services:
     CHECKPOINT_DIR, load_tokenizer(path=None), load_model(path=None)
     tasks: Problem, make_problems(kind, n, seed, split)
     prompts: plain_prompt, reflect_prompt, spawn_prompt, child_prompt, stream_prompt, stream_connector
-    parsing: extract_boxed, parse_stream, split_stream_text, parse_spawn, child_message, join_block
+    parsing: parse_stream, split_stream_text, parse_spawn, child_message, join_block (the boxed answer:
+    loom.answers.last_boxed)
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from loom.tiny.traces import (
     STREAM_HEADER,
     child_message,
     child_prompt,
-    extract_boxed,
     join_block,
     parse_spawn,
     parse_stream,
@@ -70,7 +70,6 @@ __all__ = [
     "Problem",
     "child_message",
     "child_prompt",
-    "extract_boxed",
     "is_held_out",
     "join_block",
     "load_model",

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from loom.answers import last_boxed
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN
 from loom.tiny.tasks import Problem
 from loom.tiny.traces import (
     child_message,
     child_prompt,
-    extract_boxed,
     join_block,
     parse_spawn,
     parse_stream,
@@ -79,7 +79,7 @@ def eval_plain(model, tok, problems: list[Problem], reflect: bool = False) -> Fo
     outs = generate_batch(model, tok, prompts, [], 160 if reflect else 100)
     res = FormatResult(total=len(problems), sample=prompts[0] + outs[0] if outs else "")
     for p, o in zip(problems, outs, strict=True):
-        ans = extract_boxed(o) if "</think>" in o else None
+        ans = last_boxed(o) if "</think>" in o else None
         res.parsed += ans is not None
         res.correct += p.verify(ans)
     return res
@@ -129,7 +129,7 @@ def eval_spawn(model, tok, problems: list[Problem]) -> FormatResult:  # type: ig
     finals = generate_batch(model, tok, resumed, [], 40)
     res = FormatResult(total=len(problems), sample=resumed[0] + finals[0] if finals else "")
     for p, sp, fin in zip(problems, spawns, finals, strict=True):
-        ans = extract_boxed(fin) if sp else None
+        ans = last_boxed(fin) if sp else None
         res.parsed += ans is not None
         res.correct += p.verify(ans)
     return res

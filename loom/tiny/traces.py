@@ -33,6 +33,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from loom.answers import last_boxed
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING, Markers, SpawnSyntax
 from loom.tiny.tasks import Problem, _apply
 
@@ -345,23 +346,6 @@ def expression_from_steps(steps: list[str]) -> str:
 # ----------------------------------------------------------------------------------------- parsing
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (braces matched), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, min(len(text), i + 1000)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j].strip()
-    return None
-
-
 @dataclass(frozen=True)
 class StreamParse:
     thoughts: list[str]  # content of each streaming segment (the skip marker kept as is)
@@ -389,7 +373,7 @@ def parse_stream(
         deep, rest = final.split(markers.reasoning_end, 1)
         deep = deep.strip()
         ok = ok and bool(deep)
-        answer = extract_boxed(rest.split(markers.answer_end)[0])
+        answer = last_boxed(rest.split(markers.answer_end)[0])
     else:
         ok = False
     return StreamParse(thoughts=thoughts, deep=deep, answer=answer, well_formed=ok and answer is not None)

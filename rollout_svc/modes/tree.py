@@ -334,8 +334,8 @@ def expanded_trees(
 def exact_reward_fn(request: RolloutRequest, tokenizer: Any) -> RewardFn | None:
     """Correctness by loom.exact for ``arithmetic`` (label = the value) and ``countdown`` (label = JSON
     {"numbers": [...], "target": n}) requests; None for every other task (no expansion rule then)."""
+    from loom.answers import last_boxed as extract_boxed
     from loom.exact import check_arithmetic, check_countdown, parse_countdown
-    from loom.tiny.traces import extract_boxed
 
     label = request.label
     if request.task not in ("arithmetic", "countdown") or not label:

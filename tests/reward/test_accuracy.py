@@ -6,10 +6,11 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from loom.contracts.rewards import MAX_ANSWER_CHARS, AccuracyParams
 from loom.schemas import Group, RewardSpec
-from reward_svc.accuracy import AccuracyParams, extract_choice, plan, read_gold
+from reward_svc.accuracy import extract_choice, plan, read_gold
 from reward_svc.core import plan_group
-from reward_svc.mathverify import MAX_ANSWER_CHARS, Verdict
+from reward_svc.mathverify import Verdict
 
 
 @pytest.mark.parametrize(

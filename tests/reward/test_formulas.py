@@ -4,13 +4,14 @@ import math
 
 import pytest
 
+from loom.answers import last_boxed
 from loom.schemas import Group, Segment, Trajectory
 from reward_svc.context import GroupContext
 from reward_svc.efficiency import efficiency, r_eff
 from reward_svc.format import format_deep, format_spawn, format_stream, format_think, spawn_ok, think_ok
 from reward_svc.length import kimi_lambda, length_deep, length_kimi, length_refined, length_stream
 from reward_svc.reflection import DensityStats, count_reflections, reflection, reflection_reward
-from reward_svc.trace import answer_region, last_boxed, split_streaming, view_of
+from reward_svc.trace import answer_region, split_streaming, view_of
 
 STREAM_OK = (
     "C1<EOS> a thought<EOT> C2<EOS><ignore><EOT> Now reason step by step, then answer."

@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from loom.answers import last_boxed
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING
 from loom.tiny.tasks import Problem, is_held_out, make_problems
 from loom.tiny.traces import (
     build_trace,
     child_message,
     expression_from_steps,
-    extract_boxed,
     parse_spawn,
     parse_stream,
     reflect_trace,
@@ -77,7 +77,7 @@ def test_plain_and_reflect_traces_end_in_a_verified_boxed_answer(kind, fmt):
             assert not pieces[0].train and pieces[-1].train
             completion = trace_text(pieces[1:])
             assert completion.startswith("<think> ") and "</think>" in completion
-            assert p.verify(extract_boxed(completion))
+            assert p.verify(last_boxed(completion))
         # the answer in the last step line agrees with the gold (arith column steps end with r<gold>)
         if kind == "arith" and fmt == "plain":
             body = completion.split("</think>")[0]
@@ -139,7 +139,7 @@ def test_spawn_trace_children_return_what_the_join_holds():
             assert s.join_child.format(i=i, message=ret) in parent
         assert any(m != s.no_solution for m in t.messages)
         assert not t.parent[2].train and t.parent[2].text.startswith("\n" + s.join_open)
-        assert p.verify(extract_boxed(parent.split(s.join_close)[1]))
+        assert p.verify(last_boxed(parent.split(s.join_close)[1]))
 
 
 def test_expression_from_steps_substitutes_results():
@@ -147,12 +147,6 @@ def test_expression_from_steps_substitutes_results():
     assert expression_from_steps(["9/9=1", "1+1=2"]) == "(9/9)+1"
     p = Problem(kind="countdown", text="", gold="", numbers=(4, 6, 6), target=3)
     assert p.verify(expression_from_steps(["6/6=1", "4-1=3"]))
-
-
-def test_extract_boxed_takes_the_last_balanced_answer():
-    assert extract_boxed("x \\boxed{41} then \\boxed{(3*5)+7}") == "(3*5)+7"
-    assert extract_boxed("\\boxed{4") is None
-    assert extract_boxed("no answer") is None
 
 
 def test_traces_are_deterministic():

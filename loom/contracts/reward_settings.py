@@ -1,4 +1,7 @@
-"""Reward-service settings (env prefix ``LOOM_REWARD_``): verifier pool and request limits."""
+"""Reward-service settings (env prefix ``LOOM_REWARD_``): verifier pool and request limits.
+
+In the contract package because the gateway checks a submission's reward spec against the same
+operator bound (``max_timeout_s``) without importing the reward service."""
 
 from __future__ import annotations
 
