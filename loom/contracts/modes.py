@@ -67,7 +67,7 @@ def _context(info: ValidationInfo) -> _Context:
 
 class ModeParams(BaseModel):
     """Base of the per-mode models: strict types, no unknown keys; ``null`` stands for the default
-    (except for the list-valued keys in ``NULL_REFUSED``)."""
+    (except for the keys in ``NULL_REFUSED``, whose model says what their null means)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -107,7 +107,9 @@ class StreamingParams(ModeParams):
     given. Defaults from the request: ``segment_cap`` and ``reading_wpm`` the deployment's,
     ``deep_max_tokens`` the request's ``sampling.max_tokens``."""
 
-    NULL_REFUSED: ClassVar[frozenset[str]] = frozenset({"sentences", "context"})  # context null: ""
+    NULL_REFUSED: ClassVar[frozenset[str]] = frozenset(
+        {"sentences", "context"}
+    )  # sentences: refused; context: ""
 
     sentences: list[str]
     context: str | None = None
