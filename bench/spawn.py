@@ -125,9 +125,10 @@ def main() -> None:
     configure_process()
     import torch
 
+    from loom.contracts.modes import parse_mode_params
     from loom.tiny import CHECKPOINT_DIR, make_problems, spawn_prompt
     from rollout_svc.engines.torch_engine import TorchEngine
-    from rollout_svc.modes.spawn import SpawnConfig, spawn
+    from rollout_svc.modes.spawn import spawn
 
     batched = TorchEngine(CHECKPOINT_DIR, cache_entries=64, batching=True)
     serial = TorchEngine(
@@ -149,7 +150,7 @@ def main() -> None:
 
         async def go() -> Group:
             await engine.reset_cache()
-            return await spawn(req, ids, "bench", rec, tok, SpawnConfig.from_request(req))
+            return await spawn(req, ids, "bench", rec, tok, parse_mode_params(req))
 
         return asyncio.run(go()), rec.calls
 

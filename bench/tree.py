@@ -51,9 +51,10 @@ def main() -> None:
     )
     a = p.parse_args()
     configure_process()
+    from loom.contracts.modes import parse_mode_params
     from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems
     from rollout_svc.engines.torch_engine import TorchEngine
-    from rollout_svc.modes.tree import TreeConfig, tree
+    from rollout_svc.modes.tree import tree
 
     engine = TorchEngine(CHECKPOINT_DIR, cache_entries=64)
     tok = engine.tokenizer
@@ -84,7 +85,7 @@ def main() -> None:
                 ids = tok.encode(req.prompt, add_special_tokens=False)
                 asyncio.run(engine.reset_cache())
                 before = computed(engine)
-                g = asyncio.run(tree(req, ids, f"t{k}", engine, tok, TreeConfig.from_request(req)))
+                g = asyncio.run(tree(req, ids, f"t{k}", engine, tok, parse_mode_params(req)))
                 tree_c += computed(engine) - before
                 n = len(g.trajectories)
                 by_id = {t.id: t for t in g.trajectories}

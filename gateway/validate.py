@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway.models import TaskItem
 from gateway.runs import to_request
+from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params
 from loom.contracts.rewards import RequestError, check_spec
 from loom.settings import Settings
 from loom.store import PolicyStore
@@ -23,9 +24,6 @@ def submission_problem(
 ) -> dict[str, Any] | None:
     """The 422 body for the first problem found, or None. ``per_item_loc``: the body field the items
     came from (``tasks``), so an item's own mode_params are reported at their index."""
-    from rollout_svc.modes import ModeError
-    from rollout_svc.modes.check import check_mode_params
-
     try:
         check_spec(req.reward, loc=("body", "reward"))
     except RequestError as exc:
@@ -34,6 +32,7 @@ def submission_problem(
     problem = policy_version_problem(getattr(req, field), field, settings)
     if problem is not None:
         return problem
+    limits = ModeLimits.from_settings(settings)
     seen: set[str] = set()
     for i, item in enumerate(items):
         request = to_request(item, req)
@@ -44,12 +43,7 @@ def submission_problem(
             break
         seen.add(key)
         try:
-            check_mode_params(
-                request,
-                segment_cap=settings.rollout_segment_cap,
-                reading_wpm=settings.rollout_reading_wpm,
-                max_attention_timeout_s=settings.attention_timeout_s,
-            )
+            parse_mode_params(request, limits)
         except ModeError as exc:
             loc: list[str | int] = ["body", "mode_params"]
             if per_item_loc is not None and item.mode_params:

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import re
 import uuid
@@ -16,15 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from loom.contracts.modes import ModeLimits, parse_mode_params
 from loom.schemas import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
 from loom.settings import Settings
 from loom.store import PolicyStore
 from rollout_svc.engines.base import Engine, EngineError, check_prompt
-from rollout_svc.modes import RUN_MODES, ModeError
-from rollout_svc.modes.plain import plain
-from rollout_svc.modes.streaming import StreamingConfig, streaming
-
-MODES = ("plain", "streaming", *RUN_MODES)
+from rollout_svc.modes import MODES, ModeError, mode_runner
 
 
 class GroupTimeout(EngineError):
@@ -41,7 +37,9 @@ async def generate_group(
     The generation (not the policy catch-up before it, which has its own timeouts) is bounded by
     ``settings.rollout_group_timeout_s``: past it, ``GroupTimeout``."""
     if request.mode not in MODES:
-        raise ModeError(f"mode {request.mode!r} is not served by the rollout service yet; available: {MODES}")
+        raise ModeError(
+            f"mode {request.mode!r} is not served by the rollout service yet; available: {tuple(MODES)}"
+        )
     group_id = request.group_id or uuid.uuid4().hex
     if request.prompt_ids is not None:
         prompt_ids = list(request.prompt_ids)
@@ -75,18 +73,11 @@ async def _generate(
     tokenizer: Callable[[], Any],
     settings: Settings,
 ) -> Group:
-    if request.mode == "plain":
-        if request.mode_params:
-            raise ModeError(f"plain takes no mode_params, got {sorted(request.mode_params)}")
-        return await plain(request, prompt_ids, group_id, engine)
-    if request.mode in RUN_MODES:
-        module = importlib.import_module(RUN_MODES[request.mode])
-        group: Group = await module.run(request, prompt_ids, group_id, engine, tokenizer(), settings)
-        return group
-    cfg = StreamingConfig.from_request(
-        request, segment_cap=settings.rollout_segment_cap, reading_wpm=settings.rollout_reading_wpm
+    params = parse_mode_params(request, ModeLimits.from_settings(settings))
+    group: Group = await mode_runner(request.mode)(
+        request, prompt_ids, group_id, engine, tokenizer, params, settings
     )
-    return await streaming(request, prompt_ids, group_id, engine, tokenizer(), cfg)
+    return group
 
 
 def with_processing(group: Group, sampling: SamplingParams) -> Group:

@@ -1,23 +1,31 @@
 """Rollout modes: each turns one RolloutRequest into one Group using only the engine interface.
 
-``plain`` (n samples) and ``streaming`` (AdaSR / StreamingThinker) live here, one file each.
-A mode that cannot run raises ``ModeError`` (bad parameters) or the engine's
+One module per mode (``plain``, ``streaming``, ``tree``, ``spawn``), each serving
+``run(request, prompt_ids, group_id, engine, tokenizer, params, settings) -> Group`` with ``params``
+its typed model from ``loom.contracts.modes`` (``tokenizer``: called only when text must be
+tokenized). A mode that cannot run raises ``ModeError`` (bad parameters) or the engine's
 ``UnsupportedCapability`` (e.g. the group-position layout on vLLM); the API turns both into 422.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-# Modes served through ``run(request, prompt_ids, group_id, engine, tokenizer) -> Group`` (imported
-# lazily by name so a worker loads only what it serves): tree (TreeRL / AttnRL), spawn (APR).
-RUN_MODES = {"tree": "rollout_svc.modes.tree", "spawn": "rollout_svc.modes.spawn"}
+from loom.contracts.modes import MODE_PARAMS, ModeError, ModeParams
+
+__all__ = ["MODES", "ModeError", "mode_runner", "sample_seed", "trajectory_id"]
+
+# mode -> (its params model, the module whose ``run`` serves it): the contract's table of modes; a
+# module is imported on first use, so a worker loads only the modes it serves.
+MODES: dict[str, tuple[type[ModeParams], str]] = {
+    name: (params, f"rollout_svc.modes.{name}") for name, params in MODE_PARAMS.items()
+}
 
 
-class ModeError(ValueError):
-    """The request asks a mode for something it cannot do; the message names the limit."""
-
-    kind = "mode_error"
+def mode_runner(mode: str) -> Any:
+    """The ``run`` function serving ``mode`` (a key of ``MODES``)."""
+    return importlib.import_module(MODES[mode][1]).run
 
 
 def trajectory_id(group_id: str, index: int) -> str:
@@ -29,14 +37,3 @@ def sample_seed(seed: int | None, index: int, round_: int = 0) -> int | None:
     if seed is None:
         return None
     return (seed * 1_000_003 + index * 10_007 + round_) % (2**31)
-
-
-def param(mode_params: dict[str, Any], name: str, kind: type, default: Any) -> Any:
-    value = mode_params.get(name, default)
-    if value is None:
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ModeError(f"mode_params.{name} must be {kind.__name__}, got {type(value).__name__}")
-    return value

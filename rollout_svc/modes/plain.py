@@ -1,9 +1,12 @@
-"""plain (ALGORITHMS.md 2.1): n samples of one prompt, every completion token trained."""
+"""plain (docs/algorithms.md §2.1): n samples of one prompt, every completion token trained."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
+from loom.contracts.modes import PlainParams
 from loom.schemas import Group, RolloutRequest, Trajectory
 from rollout_svc.engines.base import Engine
 from rollout_svc.modes import trajectory_id
@@ -40,3 +43,16 @@ async def plain(request: RolloutRequest, prompt_ids: list[int], group_id: str, e
         task=request.task,
         trajectories=trajectories,
     )
+
+
+async def run(
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Callable[[], Any],
+    params: PlainParams,
+    settings: Any = None,
+) -> Group:
+    """The dispatch entry (no parameters, no tokenizer: the modes' one signature)."""
+    return await plain(request, prompt_ids, group_id, engine)

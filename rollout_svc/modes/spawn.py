@@ -1,4 +1,4 @@
-"""spawn (ALGORITHMS.md 2.4; APR): the parent spawns child calls and joins their returned messages.
+"""spawn (docs/algorithms.md §2.4; APR): the parent spawns child calls and joins their returned messages.
 
 A call decodes until it closes a spawn block (``SpawnSyntax.spawn_close``, APR's Countdown syntax by
 default) or ends. On a spawn block every child line becomes a child call whose own short context is
@@ -25,102 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import re
-import string
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.contracts.modes import SpawnParams
 from loom.formats import DEFAULT_SPAWN, SpawnSyntax
-from loom.schemas import FinishReason, Group, RolloutRequest, Segment, ThreadLink, Trajectory
-from rollout_svc.engines.base import Engine
-from rollout_svc.modes import ModeError, param, sample_seed, trajectory_id
-
-
-@dataclass
-class SpawnConfig:
-    syntax: SpawnSyntax = DEFAULT_SPAWN
-    child_template: str = "[child] {message}\n"  # the tiny model's child prompt (loom.tiny.child_prompt)
-    think_close: str = "</think>"
-    max_children: int = 8
-    max_depth: int = 1  # the parent is depth 0; children at max_depth may not spawn
-    child_max_tokens: int = 256
-    max_total_tokens: int = 8192
-    max_message_chars: int = 512
-
-    @classmethod
-    def from_request(cls, request: RolloutRequest) -> SpawnConfig:
-        mp = dict(request.mode_params)
-        syntax_keys = {
-            "spawn_open",
-            "spawn_child",
-            "spawn_close",
-            "join_open",
-            "join_child",
-            "join_close",
-            "no_solution",
-        }
-        own = {
-            "child_template",
-            "think_close",
-            "max_children",
-            "max_depth",
-            "child_max_tokens",
-            "max_total_tokens",
-            "max_message_chars",
-        }
-        unknown = sorted(set(mp) - syntax_keys - own)
-        if unknown:
-            raise ModeError(f"spawn does not know mode_params {unknown}; known: {sorted(syntax_keys | own)}")
-        syn = {k: param(mp, k, str, getattr(DEFAULT_SPAWN, k)) for k in syntax_keys}
-        syntax = SpawnSyntax(**syn, tokens=list(DEFAULT_SPAWN.tokens))
-        child_template = param(mp, "child_template", str, cls.child_template)
-        check_template("join_child", syntax.join_child, ("i", "message"))
-        check_template("child_template", child_template, ("message",))
-        cfg = cls(
-            syntax=syntax,
-            child_template=child_template,
-            think_close=param(mp, "think_close", str, cls.think_close),
-            max_children=param(mp, "max_children", int, cls.max_children),
-            max_depth=param(mp, "max_depth", int, cls.max_depth),
-            child_max_tokens=param(mp, "child_max_tokens", int, cls.child_max_tokens),
-            max_total_tokens=param(mp, "max_total_tokens", int, cls.max_total_tokens),
-            max_message_chars=param(mp, "max_message_chars", int, cls.max_message_chars),
-        )
-        if not 1 <= cfg.max_children <= 64 or not 0 <= cfg.max_depth <= 4:
-            raise ModeError("spawn limits: 1 <= max_children <= 64, 0 <= max_depth <= 4")
-        if cfg.child_max_tokens < 1 or cfg.max_total_tokens < 1:
-            raise ModeError("spawn token limits must be >= 1")
-        if not 1 <= cfg.max_message_chars <= 100_000:
-            raise ModeError("spawn limits: 1 <= max_message_chars <= 100000")
-        blank = sorted(k for k in syntax_keys - {"no_solution"} if not syn[k].strip())
-        if blank or not cfg.think_close.strip():
-            raise ModeError(f"spawn markers must not be blank: {blank or ['think_close']}")
-        return cfg
-
-
-def check_template(name: str, template: str, fields: tuple[str, ...]) -> None:
-    """``template`` is filled by ``str.format``: it may hold only bare ``{field}`` placeholders of
-    ``fields`` (``{{`` and ``}}`` for literal braces) and must hold ``{message}``; checked here, so a
-    bad template is a ModeError at the request, not a crash at the first spawn."""
-    allowed = ", ".join(f"{{{f}}}" for f in fields)
-    try:
-        parts = list(string.Formatter().parse(template))
-    except ValueError as exc:  # an unmatched brace
-        raise ModeError(f"mode_params.{name}: {exc} (write {{{{ and }}}} for literal braces)") from exc
-    used = set()
-    for _, field_name, spec, conversion in parts:
-        if field_name is None:
-            continue
-        if field_name not in fields or spec or conversion:
-            shown = field_name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-            raise ModeError(
-                f"mode_params.{name} may only use the placeholders {allowed}, got {{{shown}}} "
-                "(write {{ and }} for literal braces)"
-            )
-        used.add(field_name)
-    if "message" not in used:
-        raise ModeError(f"mode_params.{name} must contain {{message}}")
-
+from loom.schemas import FinishReason, Group, RolloutRequest, Segment, SegmentKind, ThreadLink, Trajectory
+from rollout_svc.engines.base import Completion, Engine
+from rollout_svc.modes import sample_seed, trajectory_id
 
 # ------------------------------------------------------------------------------------------------
 # parsing (pure)
@@ -237,6 +151,180 @@ class _Call:
     mask: list[int] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     sequential: int = 0  # tokens on this call's longest dependent chain (own + slowest child per join)
+    spans: int = 0  # generated spans so far (a span ends at a spawn block or at the call's end)
+    finish: FinishReason = "stop"
+    stop_reason: str | int | None = None
+    status: str = "ok"
+
+    def append(
+        self, ids: list[int], logprobs: list[float], trained: int, kind: SegmentKind, meta: dict
+    ) -> None:
+        start = len(self.ids)
+        self.ids += ids
+        self.logprobs += logprobs
+        self.mask += [trained] * len(ids)
+        self.segments.append(Segment(kind=kind, start=start, end=len(self.ids), index=self.spans, meta=meta))
+
+
+class _Spawner:
+    """One group's spawn rollouts: what every call shares (engine, tokenizer, syntax, limits) and the
+    steps of a call: decode a span, spawn and join the children of its spawn block, resume."""
+
+    def __init__(
+        self, request: RolloutRequest, group_id: str, engine: Engine, tokenizer: Any, cfg: SpawnParams
+    ):
+        self.group_id, self.engine, self.tokenizer, self.cfg = group_id, engine, tokenizer, cfg
+        self.syntax, self.sampling = cfg.syntax, request.sampling
+        self.close_id = tokenizer.convert_tokens_to_ids(self.syntax.spawn_close)
+        self.single = (  # the close marker is one token: stop on its id, else on its text
+            isinstance(self.close_id, int)
+            and self.close_id != tokenizer.unk_token_id
+            and tokenizer.encode(self.syntax.spawn_close, add_special_tokens=False) == [self.close_id]
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def rollout(self, r: int, prompt_ids: list[int]) -> _Rollout:
+        ro = _Rollout(r, self.cfg.max_total_tokens)
+        t0 = time.perf_counter()
+        root = _Call(trajectory_id(self.group_id, r), list(prompt_ids), 0, None)
+        await self.run_call(ro, root, self.sampling.max_tokens, r)
+        ro.wall_s = time.perf_counter() - t0
+        ro.sequential = root.sequential
+        if ro.status != "ok":
+            for t in ro.calls:
+                t.meta["rollout_status"] = ro.status
+        return ro
+
+    async def run_call(self, ro: _Rollout, call: _Call, max_tokens: int, seed_key: int) -> Trajectory:
+        """Decode ``call`` to its end, spawning and joining children at each spawn block."""
+        t0 = time.perf_counter()
+        while await self.decode_span(ro, call, max_tokens, seed_key):
+            parsed = self.spawn_block(ro, call)
+            if parsed is None:
+                break
+            messages, children = await self.run_children(ro, call, parsed, seed_key)
+            if ro.status != "ok":
+                break
+            join = self.encode(join_text(messages, self.syntax))
+            call.append(join, [0.0] * len(join), 0, "observation", {"join": [ch.id for ch in children]})
+        traj = self.trajectory(ro, call, time.perf_counter() - t0)
+        ro.calls.append(traj)
+        return traj
+
+    async def decode_span(self, ro: _Rollout, call: _Call, max_tokens: int, seed_key: int) -> bool:
+        """Decode one span of ``call``; True when it ends with a spawn block (the rollout still ok)."""
+        budget = min(max_tokens - len(call.ids), ro.budget)
+        room = self.engine.room(call.prompt_ids + call.ids)  # a parent after its join may fill the context
+        if room is not None:
+            budget = min(budget, room)
+        if budget <= 0:
+            call.finish = "length"
+            return False
+        c = await self.generate(call, budget, seed_key)
+        ro.budget -= len(c.token_ids)
+        ro.total_tokens += len(c.token_ids)
+        call.sequential += len(c.token_ids)
+        call.append(c.token_ids, c.logprobs, 1, "thread", {})
+        call.spans += 1
+        call.finish, call.stop_reason = c.finish_reason, c.stop_reason
+        if ro.status != "ok":
+            return False
+        spawned = c.finish_reason == "stop" and c.stop_reason in (self.close_id, self.syntax.spawn_close)
+        if not spawned:
+            text = self.tokenizer.decode(call.ids, skip_special_tokens=False)
+            after_join = text.rsplit(self.syntax.join_close, 1)[-1]
+            if (
+                c.finish_reason == "stop" and self.syntax.spawn_open in after_join
+            ):  # a cut by length is no format error
+                self.format_error(ro, call, "unclosed spawn block")
+        return spawned
+
+    async def generate(self, call: _Call, budget: int, seed_key: int) -> Completion:
+        sampling, syntax = self.sampling, self.syntax
+        params = sampling.model_copy(
+            update={
+                "n": 1,
+                "max_tokens": budget,
+                "stop": [] if self.single else [syntax.spawn_close],
+                "stop_token_ids": [self.close_id] if self.single else [],
+                "seed": sample_seed(sampling.seed, seed_key, call.spans),
+            }
+        )
+        return (await self.engine.generate(call.prompt_ids + call.ids, params))[0]
+
+    def spawn_block(self, ro: _Rollout, call: _Call) -> list[SpawnChild] | None:
+        """The children of the spawn block ``call`` just closed; None (a format error) when the block
+        is malformed or ``call`` is too deep to spawn."""
+        text = self.tokenizer.decode(call.ids, skip_special_tokens=False)
+        parsed = parse_spawn_block(text, self.syntax, self.cfg.max_children, self.cfg.max_message_chars)
+        if isinstance(parsed, SpawnFormatError):
+            self.format_error(ro, call, parsed.reason)
+            return None
+        if call.depth >= self.cfg.max_depth:
+            self.format_error(ro, call, f"spawn at depth {call.depth} exceeds max_depth {self.cfg.max_depth}")
+            return None
+        return parsed
+
+    async def run_children(
+        self, ro: _Rollout, call: _Call, parsed: list[SpawnChild], seed_key: int
+    ) -> tuple[list[str], list[_Call]]:
+        """Run the children concurrently; their returned messages (linked from ``call``) and calls."""
+        cfg, span = self.cfg, call.spans
+        per_child = min(cfg.child_max_tokens, max(1, ro.budget // len(parsed)))
+        children = [
+            _Call(
+                f"{call.id}.s{span - 1}c{ch.index}",
+                self.encode(cfg.child_template.format(message=ch.message)),
+                call.depth + 1,
+                call.id,
+            )
+            for ch in parsed
+        ]
+        results = await asyncio.gather(
+            *(
+                self.run_call(ro, ch, per_child, seed_key * 131 + 7 * span + k + 1)
+                for k, ch in enumerate(children)
+            )
+        )
+        messages = []
+        for ch, res in zip(children, results, strict=True):
+            text = self.tokenizer.decode(res.completion_ids, skip_special_tokens=True)
+            msg = child_message(text, cfg.think_close, self.syntax.no_solution)
+            messages.append(msg)
+            ro.links.append(ThreadLink(parent=call.id, child=ch.id, message=msg))
+        call.sequential += max(ch.sequential for ch in children)
+        return messages, children
+
+    @staticmethod
+    def format_error(ro: _Rollout, call: _Call, reason: str) -> None:
+        ro.fail(reason)
+        call.finish, call.status = "abort", "format_error"
+
+    def trajectory(self, ro: _Rollout, call: _Call, seconds: float) -> Trajectory:
+        return Trajectory(
+            id=call.id,
+            group_id=self.group_id,
+            prompt_ids=call.prompt_ids,
+            completion_ids=call.ids,
+            logprobs=call.logprobs,
+            logprobs_kind=self.engine.logprobs_kind,
+            loss_mask=call.mask,
+            segments=call.segments,
+            finish_reason=call.finish,
+            stop_reason=call.stop_reason,
+            policy_version=self.engine.policy_version,
+            engine=self.engine.name,
+            timing={"generate_s": seconds},
+            parent_id=call.parent,
+            meta={
+                "depth": call.depth,
+                "root": trajectory_id(self.group_id, ro.index),
+                "status": call.status,
+                "sequential_tokens": call.sequential,
+            },
+        )
 
 
 async def spawn(
@@ -245,173 +333,16 @@ async def spawn(
     group_id: str,
     engine: Engine,
     tokenizer: Any,
-    cfg: SpawnConfig,
+    cfg: SpawnParams,
 ) -> Group:
-    syntax, sampling = cfg.syntax, request.sampling
-    close_id = tokenizer.convert_tokens_to_ids(syntax.spawn_close)
-    single = (
-        isinstance(close_id, int)
-        and close_id != tokenizer.unk_token_id
-        and tokenizer.encode(syntax.spawn_close, add_special_tokens=False) == [close_id]
-    )
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
-    async def run_call(ro: _Rollout, call: _Call, max_tokens: int, seed_key: int) -> Trajectory:
-        finish: FinishReason = "stop"
-        stop_reason: str | int | None = None
-        status = "ok"
-        rounds, span = 0, 0
-        t0 = time.perf_counter()
-        while True:
-            budget = min(max_tokens - len(call.ids), ro.budget)
-            room = engine.room(call.prompt_ids + call.ids)  # a parent after its join may fill the context
-            if room is not None:
-                budget = min(budget, room)
-            if budget <= 0:
-                finish = "length"
-                break
-            params = sampling.model_copy(
-                update={
-                    "n": 1,
-                    "max_tokens": budget,
-                    "stop": [] if single else [syntax.spawn_close],
-                    "stop_token_ids": [close_id] if single else [],
-                    "seed": sample_seed(sampling.seed, seed_key, rounds),
-                }
-            )
-            rounds += 1
-            c = (await engine.generate(call.prompt_ids + call.ids, params))[0]
-            ro.budget -= len(c.token_ids)
-            ro.total_tokens += len(c.token_ids)
-            start = len(call.ids)
-            call.ids += c.token_ids
-            call.logprobs += c.logprobs
-            call.mask += [1] * len(c.token_ids)
-            call.sequential += len(c.token_ids)
-            call.segments.append(Segment(kind="thread", start=start, end=len(call.ids), index=span))
-            span += 1
-            finish, stop_reason = c.finish_reason, c.stop_reason
-            if ro.status != "ok":
-                break
-            text = tokenizer.decode(call.ids, skip_special_tokens=False)
-            spawned = c.finish_reason == "stop" and c.stop_reason in (close_id, syntax.spawn_close)
-            if not spawned:
-                after_join = text.rsplit(syntax.join_close, 1)[-1]
-                if (
-                    c.finish_reason == "stop" and syntax.spawn_open in after_join
-                ):  # a cut by length is no format error
-                    ro.fail("unclosed spawn block")
-                    finish, status = "abort", "format_error"
-                break
-            parsed = parse_spawn_block(text, syntax, cfg.max_children, cfg.max_message_chars)
-            if isinstance(parsed, SpawnFormatError) or call.depth >= cfg.max_depth:
-                ro.fail(
-                    parsed.reason
-                    if isinstance(parsed, SpawnFormatError)
-                    else f"spawn at depth {call.depth} exceeds max_depth {cfg.max_depth}"
-                )
-                finish, status = "abort", "format_error"
-                break
-            per_child = min(cfg.child_max_tokens, max(1, ro.budget // len(parsed)))
-            children = [
-                _Call(
-                    f"{call.id}.s{span - 1}c{ch.index}",
-                    encode(cfg.child_template.format(message=ch.message)),
-                    call.depth + 1,
-                    call.id,
-                )
-                for ch in parsed
-            ]
-            results = await asyncio.gather(
-                *(
-                    run_call(ro, ch, per_child, seed_key * 131 + 7 * span + k + 1)
-                    for k, ch in enumerate(children)
-                )
-            )
-            messages = []
-            for ch, res in zip(children, results, strict=True):
-                msg = child_message(
-                    tokenizer.decode(res.completion_ids, skip_special_tokens=True),
-                    cfg.think_close,
-                    syntax.no_solution,
-                )
-                messages.append(msg)
-                ro.links.append(ThreadLink(parent=call.id, child=ch.id, message=msg))
-            call.sequential += max(ch.sequential for ch in children)
-            if ro.status != "ok":
-                break
-            join = encode(join_text(messages, syntax))
-            start = len(call.ids)
-            call.ids += join
-            call.logprobs += [0.0] * len(join)
-            call.mask += [0] * len(join)
-            call.segments.append(
-                Segment(
-                    kind="observation",
-                    start=start,
-                    end=len(call.ids),
-                    index=span,
-                    meta={"join": [ch.id for ch in children]},
-                )
-            )
-        traj = Trajectory(
-            id=call.id,
-            group_id=group_id,
-            prompt_ids=call.prompt_ids,
-            completion_ids=call.ids,
-            logprobs=call.logprobs,
-            logprobs_kind=engine.logprobs_kind,
-            loss_mask=call.mask,
-            segments=call.segments,
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            policy_version=engine.policy_version,
-            engine=engine.name,
-            timing={"generate_s": time.perf_counter() - t0},
-            parent_id=call.parent,
-            meta={
-                "depth": call.depth,
-                "root": trajectory_id(group_id, ro.index),
-                "status": status,
-                "sequential_tokens": call.sequential,
-            },
-        )
-        ro.calls.append(traj)
-        return traj
-
-    async def rollout(r: int) -> _Rollout:
-        ro = _Rollout(r, cfg.max_total_tokens)
-        t0 = time.perf_counter()
-        root = _Call(trajectory_id(group_id, r), list(prompt_ids), 0, None)
-        await run_call(ro, root, sampling.max_tokens, r)
-        ro.wall_s = time.perf_counter() - t0
-        ro.sequential = root.sequential
-        if ro.status != "ok":
-            for t in ro.calls:
-                t.meta["rollout_status"] = ro.status
-        return ro
-
+    spawner = _Spawner(request, group_id, engine, tokenizer, cfg)
     t0 = time.perf_counter()
-    rollouts = await asyncio.gather(*(rollout(r) for r in range(sampling.n)))
-    trajectories, links, summary = [], [], []
+    rollouts = await asyncio.gather(*(spawner.rollout(r, prompt_ids) for r in range(request.sampling.n)))
+    trajectories, links = [], []
     for ro in rollouts:
         ro.calls.sort(key=lambda t: (t.meta["depth"], t.id))
         trajectories += ro.calls
         links += ro.links
-        summary.append(
-            {
-                "root": trajectory_id(group_id, ro.index),
-                "status": ro.status,
-                "reason": ro.reason,
-                "calls": len(ro.calls),
-                "children": len(ro.calls) - 1,
-                "total_tokens": ro.total_tokens,
-                "sequential_tokens": ro.sequential,
-                "wall_s": ro.wall_s,
-            }
-        )
     return Group(
         id=group_id,
         mode="spawn",
@@ -421,7 +352,7 @@ async def spawn(
         trajectories=trajectories,
         threads=links,
         meta={
-            "rollouts": summary,
+            "rollouts": [_summary(group_id, ro) for ro in rollouts],
             "total_tokens": sum(ro.total_tokens for ro in rollouts),
             "sequential_tokens": max(ro.sequential for ro in rollouts),
             "children": sum(len(ro.calls) - 1 for ro in rollouts),
@@ -430,13 +361,27 @@ async def spawn(
     )
 
 
+def _summary(group_id: str, ro: _Rollout) -> dict[str, Any]:
+    return {
+        "root": trajectory_id(group_id, ro.index),
+        "status": ro.status,
+        "reason": ro.reason,
+        "calls": len(ro.calls),
+        "children": len(ro.calls) - 1,
+        "total_tokens": ro.total_tokens,
+        "sequential_tokens": ro.sequential,
+        "wall_s": ro.wall_s,
+    }
+
+
 async def run(
     request: RolloutRequest,
     prompt_ids: list[int],
     group_id: str,
     engine: Engine,
-    tokenizer: Any,
+    tokenizer: Callable[[], Any],
+    params: SpawnParams,
     settings: Any = None,
 ) -> Group:
-    """The dispatch entry: config from ``mode_params`` (``settings``: unused; the modes' one signature)."""
-    return await spawn(request, prompt_ids, group_id, engine, tokenizer, SpawnConfig.from_request(request))
+    """The dispatch entry (``settings``: unused; the modes' one signature)."""
+    return await spawn(request, prompt_ids, group_id, engine, tokenizer(), params)

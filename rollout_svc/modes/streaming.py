@@ -1,4 +1,4 @@
-"""streaming (ALGORITHMS.md 2.2; AdaSR, StreamingThinker): think while the input arrives.
+"""streaming (docs/algorithms.md §2.2; AdaSR, StreamingThinker): think while the input arrives.
 
 Loop over the context sentences C_1..C_T: reveal C_t (observation tokens, loss mask 0), decode a
 thought until ``<EOT>`` or the skip marker, at most ``segment_cap`` tokens (a capped or skipped thought
@@ -22,93 +22,18 @@ time. ``timing["latency_s"]`` is the delay from the last sentence's arrival to t
 from __future__ import annotations
 
 import asyncio
-import math
-import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from loom.formats import DEFAULT_MARKERS, Markers
-from loom.schemas import Group, RolloutRequest, Segment, SegmentKind, Trajectory
+from loom.contracts.modes import StreamingParams
+from loom.formats import DEFAULT_MARKERS
+from loom.schemas import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
 from rollout_svc.engines.base import Completion, Engine, Layout
-from rollout_svc.modes import ModeError, param, sample_seed, trajectory_id
+from rollout_svc.modes import ModeError, sample_seed, trajectory_id
 
 SOURCE, TARGET = 0, 1
-MAX_TOKENS = 131072  # SamplingParams.max_tokens' bound
-_SENTENCE = re.compile(r"(?<=[.!?])\s+")
-
-
-def split_sentences(text: str) -> list[str]:
-    return [s.strip() for s in _SENTENCE.split(text.strip()) if s.strip()]
-
-
-@dataclass
-class StreamingConfig:
-    sentences: list[str]
-    layout: Literal["interleaved", "group_positions"] = "interleaved"
-    segment_cap: int = 512
-    deep_max_tokens: int = 256
-    answer_max_tokens: int = 64
-    reading_wpm: float = 150.0
-    sentence_prefix: str = " "
-    connector: str = " " + DEFAULT_MARKERS.connector
-    markers: Markers = DEFAULT_MARKERS
-
-    @classmethod
-    def from_request(cls, request: RolloutRequest, segment_cap: int = 512, reading_wpm: float = 150.0) -> Any:
-        mp = request.mode_params
-        known = {
-            "sentences",
-            "context",
-            "layout",
-            "segment_cap",
-            "deep_max_tokens",
-            "answer_max_tokens",
-            "reading_wpm",
-            "sentence_prefix",
-            "connector",
-        }
-        unknown = sorted(set(mp) - known)
-        if unknown:
-            raise ModeError(f"streaming does not know mode_params {unknown}; known: {sorted(known)}")
-        if "sentences" in mp:
-            sentences = mp["sentences"]
-            if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
-                raise ModeError("mode_params.sentences must be a list of strings")
-        elif "context" in mp:
-            sentences = split_sentences(param(mp, "context", str, ""))
-        else:
-            raise ModeError("streaming needs mode_params.sentences (list) or mode_params.context (text)")
-        if not sentences:
-            raise ModeError("streaming needs at least one sentence")
-        if len(sentences) > 1024:
-            raise ModeError("streaming takes at most 1024 sentences")
-        layout = param(mp, "layout", str, "interleaved")
-        if layout not in ("interleaved", "group_positions"):
-            raise ModeError(f"mode_params.layout must be 'interleaved' or 'group_positions', got {layout!r}")
-        cap = param(mp, "segment_cap", int, segment_cap)
-        if not 1 <= cap <= 8192:
-            raise ModeError("mode_params.segment_cap must be in [1, 8192]")
-        budgets = {
-            "deep_max_tokens": param(mp, "deep_max_tokens", int, request.sampling.max_tokens),
-            "answer_max_tokens": param(mp, "answer_max_tokens", int, 64),
-        }
-        for name, value in budgets.items():
-            if not 1 <= value <= MAX_TOKENS:
-                raise ModeError(f"mode_params.{name} must be in [1, {MAX_TOKENS}], got {value}")
-        wpm = param(mp, "reading_wpm", float, reading_wpm)
-        if not (math.isfinite(wpm) and wpm > 0):  # sentence arrival times divide by it
-            raise ModeError(f"mode_params.reading_wpm must be a finite number > 0, got {wpm}")
-        return cls(
-            sentences=[str(s) for s in sentences],
-            layout=layout,
-            segment_cap=cap,
-            deep_max_tokens=budgets["deep_max_tokens"],
-            answer_max_tokens=budgets["answer_max_tokens"],
-            reading_wpm=wpm,
-            sentence_prefix=param(mp, "sentence_prefix", str, " "),
-            connector=param(mp, "connector", str, " " + DEFAULT_MARKERS.connector),
-        )
 
 
 @dataclass
@@ -159,17 +84,22 @@ def _ended_by_eos(c: Completion, stop_ids: list[int]) -> bool:
     return c.finish_reason == "stop" and c.stop_reason not in stop_ids
 
 
-async def streaming(
-    request: RolloutRequest,
-    prompt_ids: list[int],
-    group_id: str,
-    engine: Engine,
-    tokenizer: Any,
-    cfg: StreamingConfig,
-) -> Group:
-    if cfg.layout == "group_positions":
-        engine.require("group_positions", "use mode_params.layout='interleaved' on this engine")
-    m = cfg.markers
+@dataclass(frozen=True)
+class _Plan:
+    """What every sample of one group shares: the encoded observations and connector, the markers'
+    token ids, and each sentence's arrival time at the reading speed (AdaSR appendix F)."""
+
+    observations: list[list[int]]
+    connector: list[int]
+    arrivals: list[float]
+    eot: int
+    skip: int
+    eor: int
+    eoa: int
+
+
+def _plan(tokenizer: Any, cfg: StreamingParams) -> _Plan:
+    m = DEFAULT_MARKERS
     eot, skip, eor, eoa = (
         _marker_id(tokenizer, x) for x in (m.thought_end, m.skip, m.reasoning_end, m.answer_end)
     )
@@ -181,116 +111,168 @@ async def streaming(
     connector = encode(cfg.connector)
     words = [len(s.split()) for s in cfg.sentences]
     arrivals = [60.0 * sum(words[: t + 1]) / cfg.reading_wpm for t in range(len(words))]
-    sampling = request.sampling
+    return _Plan(observations, connector, arrivals, eot, skip, eor, eoa)
 
-    async def one(i: int) -> Trajectory:
-        seq = _Sequence(len(prompt_ids), list(prompt_ids), [SOURCE] * len(prompt_ids))
-        clock, gen_s, latency_tokens = 0.0, 0.0, 0
 
-        def layout_of(groups: list[int]) -> Layout | None:
-            return Layout(groups=groups, gen_group=TARGET) if cfg.layout == "group_positions" else None
+class _Sample:
+    """One trajectory of a streaming group, grown phase by phase: the stream (a thought after each
+    sentence), the deep phase after the connector, the answer; any phase may end the sample early."""
 
-        def full_with(extra: list[int], group: int) -> bool:
-            """Would ``extra`` (of ``group``) leave the context no room for a generated token? Nothing
-            is appended past the context: the sample ends there with finish_reason "length"."""
-            return engine.room(seq.ids + extra, layout_of(seq.groups + [group] * len(extra))) == 0
+    def __init__(
+        self,
+        i: int,
+        prompt_ids: list[int],
+        engine: Engine,
+        request: RolloutRequest,
+        cfg: StreamingParams,
+        plan: _Plan,
+    ) -> None:
+        self.i, self.prompt_ids, self.engine, self.cfg, self.plan = i, prompt_ids, engine, cfg, plan
+        self.sampling = request.sampling
+        self.seq = _Sequence(len(prompt_ids), list(prompt_ids), [SOURCE] * len(prompt_ids))
+        self.clock, self.gen_s, self.latency_tokens = 0.0, 0.0, 0
+        self.finish: FinishReason = "stop"
+        self.ended: str | None = None
+        self.answer_at: float | None = None
 
-        async def step(stop_ids: list[int], max_tokens: int, round_: int) -> tuple[Completion, float]:
-            params = sampling.model_copy(
-                update={
-                    "n": 1,
-                    "max_tokens": max_tokens,
-                    "stop": [],
-                    "stop_token_ids": stop_ids,
-                    "seed": sample_seed(sampling.seed, i, round_),
-                }
-            )
-            t0 = time.perf_counter()
-            c = (await engine.generate(seq.ids, params, layout_of(list(seq.groups))))[0]
-            return c, time.perf_counter() - t0
+    async def run(self, group_id: str) -> Trajectory:
+        await self.stream()
+        if self.ended is None:
+            await self.deep()
+        if self.ended is None:
+            await self.answer()
+        return self.trajectory(group_id)
 
-        def force(c: Completion, marker: int, needed: bool) -> list[int] | None:
-            """The forced end marker after ``c`` ([] when none is needed), None when ``c`` and the
-            marker would leave the context no room for a later round (the sample ends after ``c``)."""
-            marker_ids = [marker] if needed else []
-            if full_with(list(c.token_ids) + marker_ids, TARGET):
-                return None
-            return marker_ids
-
-        finish: Literal["stop", "length"] = "stop"
-        ended = None
-        for t, obs in enumerate(observations):
-            if full_with(obs, SOURCE):
-                finish, ended = "length", "context"
-                break
-            seq.observe(obs, t)
-            c, dt = await step([eot, skip], cfg.segment_cap, t)
-            clock = max(clock, arrivals[t]) + dt
-            gen_s += dt
-            if t == len(observations) - 1:
-                latency_tokens += len(c.token_ids)
-            eos = _ended_by_eos(c, [eot, skip])
-            forced = force(c, eot, not eos and (c.finish_reason == "length" or c.stop_reason == skip))
-            seq.generated(c, "stream", t, forced or [], {"skipped": c.stop_reason == skip})
+    async def stream(self) -> None:
+        """Reveal C_t, decode a thought until <EOT> or the skip marker (capped or skipped: a forced <EOT>)."""
+        plan = self.plan
+        stops = [plan.eot, plan.skip]
+        for t, obs in enumerate(plan.observations):
+            if self.full_with(obs, SOURCE):
+                self.end_at_context()
+                return
+            self.seq.observe(obs, t)
+            c, dt = await self.step(stops, self.cfg.segment_cap, t)
+            self.clock = max(self.clock, plan.arrivals[t]) + dt
+            self.gen_s += dt
+            if t == len(plan.observations) - 1:
+                self.latency_tokens += len(c.token_ids)
+            eos = _ended_by_eos(c, stops)
+            needed = not eos and (c.finish_reason == "length" or c.stop_reason == plan.skip)
+            forced = self.force(c, plan.eot, needed)
+            self.seq.generated(c, "stream", t, forced or [], {"skipped": c.stop_reason == plan.skip})
             if eos:
-                ended = "stream"
-                break
+                self.ended = "stream"
+                return
             if forced is None:
-                finish, ended = "length", "context"
-                break
-        answer_at = None
-        if ended is None:
-            if full_with(connector, SOURCE):
-                finish, ended = "length", "context"
-            else:
-                seq.observe(connector, len(observations), {"connector": True})
-                c, dt = await step([eor], cfg.deep_max_tokens, len(observations))
-                clock = max(clock, arrivals[-1]) + dt
-                gen_s += dt
-                latency_tokens += len(c.token_ids)
-                eos = _ended_by_eos(c, [eor])
-                forced = force(c, eor, c.finish_reason == "length")
-                seq.generated(c, "deep", 0, forced or [], {})
-                if eos:
-                    ended = "deep"
-                elif forced is None:
-                    finish, ended = "length", "context"
-        if ended is None:
-            c, dt = await step([eoa], cfg.answer_max_tokens, len(observations) + 1)
-            gen_s += dt
-            answer_at = clock + dt / max(1, len(c.token_ids))  # first answer token
-            latency_tokens += 1
-            seq.generated(c, "answer", 0, [], {})
-            finish = c.finish_reason
-        timing = {"generate_s": gen_s, "reading_s": arrivals[-1]}
-        if answer_at is not None:
-            timing["latency_s"] = max(0.0, answer_at - arrivals[-1])
+                self.end_at_context()
+                return
+
+    async def deep(self) -> None:
+        """After C_T: the connector I, then the deep phase until <EOR> (capped: a forced <EOR>)."""
+        plan, n = self.plan, len(self.plan.observations)
+        if self.full_with(plan.connector, SOURCE):
+            self.end_at_context()
+            return
+        self.seq.observe(plan.connector, n, {"connector": True})
+        c, dt = await self.step([plan.eor], self.cfg.deep_max_tokens, n)
+        self.clock = max(self.clock, plan.arrivals[-1]) + dt
+        self.gen_s += dt
+        self.latency_tokens += len(c.token_ids)
+        eos = _ended_by_eos(c, [plan.eor])
+        forced = self.force(c, plan.eor, c.finish_reason == "length")
+        self.seq.generated(c, "deep", 0, forced or [], {})
+        if eos:
+            self.ended = "deep"
+        elif forced is None:
+            self.end_at_context()
+
+    async def answer(self) -> None:
+        c, dt = await self.step([self.plan.eoa], self.cfg.answer_max_tokens, len(self.plan.observations) + 1)
+        self.gen_s += dt
+        self.answer_at = self.clock + dt / max(1, len(c.token_ids))  # first answer token
+        self.latency_tokens += 1
+        self.seq.generated(c, "answer", 0, [], {})
+        self.finish = c.finish_reason
+
+    def end_at_context(self) -> None:
+        self.finish, self.ended = "length", "context"
+
+    def layout_of(self, groups: list[int]) -> Layout | None:
+        return Layout(groups=groups, gen_group=TARGET) if self.cfg.layout == "group_positions" else None
+
+    def full_with(self, extra: list[int], group: int) -> bool:
+        """Would ``extra`` (of ``group``) leave the context no room for a generated token? Nothing
+        is appended past the context: the sample ends there with finish_reason "length"."""
+        seq = self.seq
+        return self.engine.room(seq.ids + extra, self.layout_of(seq.groups + [group] * len(extra))) == 0
+
+    async def step(self, stop_ids: list[int], max_tokens: int, round_: int) -> tuple[Completion, float]:
+        params = self.sampling.model_copy(
+            update={
+                "n": 1,
+                "max_tokens": max_tokens,
+                "stop": [],
+                "stop_token_ids": stop_ids,
+                "seed": sample_seed(self.sampling.seed, self.i, round_),
+            }
+        )
+        t0 = time.perf_counter()
+        c = (await self.engine.generate(self.seq.ids, params, self.layout_of(list(self.seq.groups))))[0]
+        return c, time.perf_counter() - t0
+
+    def force(self, c: Completion, marker: int, needed: bool) -> list[int] | None:
+        """The forced end marker after ``c`` ([] when none is needed), None when ``c`` and the
+        marker would leave the context no room for a later round (the sample ends after ``c``)."""
+        marker_ids = [marker] if needed else []
+        if self.full_with(list(c.token_ids) + marker_ids, TARGET):
+            return None
+        return marker_ids
+
+    def trajectory(self, group_id: str) -> Trajectory:
+        seq, cfg, arrivals, n_prompt = self.seq, self.cfg, self.plan.arrivals, len(self.prompt_ids)
+        timing = {"generate_s": self.gen_s, "reading_s": arrivals[-1]}
+        if self.answer_at is not None:
+            timing["latency_s"] = max(0.0, self.answer_at - arrivals[-1])
         meta: dict[str, Any] = {
             "layout": cfg.layout,
-            "latency_tokens": latency_tokens,
+            "latency_tokens": self.latency_tokens,
             "reading_wpm": cfg.reading_wpm,
         }
-        if ended:
-            meta["ended_early"] = ended
+        if self.ended:
+            meta["ended_early"] = self.ended
         if cfg.layout == "group_positions":
-            meta["completion_groups"] = seq.groups[len(prompt_ids) :]
+            meta["completion_groups"] = seq.groups[n_prompt:]
         return Trajectory(
-            id=trajectory_id(group_id, i),
+            id=trajectory_id(group_id, self.i),
             group_id=group_id,
-            prompt_ids=list(prompt_ids),
-            completion_ids=seq.ids[len(prompt_ids) :],
+            prompt_ids=list(self.prompt_ids),
+            completion_ids=seq.ids[n_prompt:],
             logprobs=seq.logprobs,
-            logprobs_kind=engine.logprobs_kind,
+            logprobs_kind=self.engine.logprobs_kind,
             loss_mask=seq.mask,
             segments=seq.segments,
-            finish_reason=finish,
-            policy_version=engine.policy_version,
-            engine=engine.name,
+            finish_reason=self.finish,
+            policy_version=self.engine.policy_version,
+            engine=self.engine.name,
             timing=timing,
             meta=meta,
         )
 
-    trajectories = await asyncio.gather(*(one(i) for i in range(sampling.n)))
+
+async def streaming(
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Any,
+    cfg: StreamingParams,
+) -> Group:
+    if cfg.layout == "group_positions":
+        engine.require("group_positions", "use mode_params.layout='interleaved' on this engine")
+    plan = _plan(tokenizer, cfg)
+    samples = [_Sample(i, prompt_ids, engine, request, cfg, plan) for i in range(request.sampling.n)]
+    trajectories = await asyncio.gather(*(s.run(group_id) for s in samples))
     return Group(
         id=group_id,
         mode="streaming",
@@ -300,3 +282,16 @@ async def streaming(
         trajectories=list(trajectories),
         meta={"layout": cfg.layout, "n_sentences": len(cfg.sentences)},
     )
+
+
+async def run(
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Callable[[], Any],
+    params: StreamingParams,
+    settings: Any = None,
+) -> Group:
+    """The dispatch entry (the deployment's limits are already in ``params``)."""
+    return await streaming(request, prompt_ids, group_id, engine, tokenizer(), params)

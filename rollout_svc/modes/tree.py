@@ -1,4 +1,4 @@
-"""tree (ALGORITHMS.md 2.3; TreeRL, AttnRL §3.1-3.2 and appendix E): branch sampled responses.
+"""tree (docs/algorithms.md §2.3; TreeRL, AttnRL §3.1-3.2 and appendix E): branch sampled responses.
 
 1. Initial sampling: M' responses (``initial``, default 6; ``sampling.n`` when ``initial`` is unset
    and n > 1).
@@ -57,96 +57,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from loom.contracts.modes import TreeParams
 from loom.schemas import Group, RolloutRequest, Segment, Trajectory, TreeNode
-from loom.settings import Settings, get_settings
+from loom.settings import Settings
 from rollout_svc.engines.base import Completion, Engine, EngineError, UnsupportedCapability
-from rollout_svc.modes import ModeError, param, sample_seed, trajectory_id
+from rollout_svc.modes import sample_seed, trajectory_id
 
 Strategy = Literal["attention", "entropy", "random"]
 RewardFn = Callable[[list[Trajectory]], "Sequence[float] | Awaitable[Sequence[float]]"]
 Scorer = Callable[[list[int], list[tuple[int, int]], int, "int | None"], Awaitable[list[float]]]
-
-
-@dataclass
-class TreeConfig:
-    initial: int = 6  # M'
-    branches: int = 2  # N
-    continuations: int = 2  # T
-    iterations: int = 1  # L: expansion rounds (TreeRL's EPTree); round l > 1 branches the tree again
-    strategy: Strategy = "attention"
-    delta: int = 4
-    quantile: float = 0.8
-    min_distance: int = 512
-    separator: str = "\n\n"
-    fallback_separator: str = "\n"
-    end_marker: str = "</think>"
-    entropy_stop_words: tuple[str, ...] = ("answer", "conclusion")
-    expansion: Literal["round", "ceil", "all"] = "round"
-    fci_running_mean: float | None = None
-    train_prefix: bool = True  # a branch's copied prefix is trained (TreeRL trains every leaf path)
-    attention_timeout_s: float = 120.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_request(cls, request: RolloutRequest, max_attention_timeout_s: float = 120.0) -> TreeConfig:
-        """``max_attention_timeout_s``: the operator's bound (``LOOM_ATTENTION_TIMEOUT_S``), also the
-        default wait of a scoring call."""
-        mp = dict(request.mode_params)
-        if "attention_url" in mp:
-            raise ModeError(
-                "mode_params.attention_url is not accepted: a worker never calls a URL from a request; "
-                "the attention scorer is the operator's setting LOOM_ATTENTION_URL"
-            )
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        unknown = sorted(set(mp) - known)
-        if unknown:
-            raise ModeError(f"tree does not know mode_params {unknown}; known: {sorted(known)}")
-        n = request.sampling.n
-        cfg = cls(
-            initial=param(mp, "initial", int, n if n > 1 else 6),
-            branches=param(mp, "branches", int, 2),
-            continuations=param(mp, "continuations", int, 2),
-            iterations=param(mp, "iterations", int, 1),
-            strategy=param(mp, "strategy", str, "attention"),
-            delta=param(mp, "delta", int, 4),
-            quantile=param(mp, "quantile", float, 0.8),
-            min_distance=param(mp, "min_distance", int, 512),
-            separator=param(mp, "separator", str, "\n\n"),
-            fallback_separator=param(mp, "fallback_separator", str, "\n"),
-            end_marker=param(mp, "end_marker", str, "</think>"),
-            expansion=param(mp, "expansion", str, "round"),
-            fci_running_mean=param(mp, "fci_running_mean", float, None),
-            train_prefix=param(mp, "train_prefix", bool, True),
-            attention_timeout_s=param(mp, "attention_timeout_s", float, max_attention_timeout_s),
-        )
-        if not 0.0 < cfg.attention_timeout_s <= max_attention_timeout_s:
-            raise ModeError(
-                f"mode_params.attention_timeout_s must be > 0 and at most {max_attention_timeout_s} s "
-                "(LOOM_ATTENTION_TIMEOUT_S on this deployment)"
-            )
-        if "entropy_stop_words" in mp:
-            words = mp["entropy_stop_words"]
-            if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-                raise ModeError("mode_params.entropy_stop_words must be a list of strings")
-            cfg.entropy_stop_words = tuple(words)
-        cfg.check()
-        return cfg
-
-    def check(self) -> None:
-        if self.strategy not in ("attention", "entropy", "random"):
-            raise ModeError(
-                f"mode_params.strategy must be attention, entropy or random, got {self.strategy!r}"
-            )
-        if self.expansion not in ("round", "ceil", "all"):
-            raise ModeError(f"mode_params.expansion must be round, ceil or all, got {self.expansion!r}")
-        if not 1 <= self.initial <= 256 or not 0 <= self.branches <= 64 or not 1 <= self.continuations <= 64:
-            raise ModeError("tree limits: 1 <= initial <= 256, 0 <= branches <= 64, 1 <= continuations <= 64")
-        if not 1 <= self.iterations <= 8:
-            raise ModeError("tree limits: 1 <= iterations <= 8")
-        if self.delta < 1 or not 0.0 <= self.quantile <= 1.0 or self.min_distance < 0:
-            raise ModeError("tree needs delta >= 1, 0 <= quantile <= 1, min_distance >= 0")
-        if not self.separator or not self.fallback_separator:
-            raise ModeError("step separators must be non-empty")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -416,7 +335,7 @@ def http_scorer(url: str, timeout_s: float = 120.0, token: str = "") -> Scorer:
     return score
 
 
-def resolve_scorer(engine: Engine, cfg: TreeConfig, url: str = "", token: str = "") -> Scorer:
+def resolve_scorer(engine: Engine, cfg: TreeParams, url: str = "", token: str = "") -> Scorer:
     """The engine's own scorer, else the operator's (``url``: ``LOOM_ATTENTION_URL``)."""
     if "attention_scores" in engine.capabilities:
         return engine.score_attention
@@ -470,7 +389,7 @@ def _texts(tokenizer: Any, ids: Sequence[int], cache: dict[int, str]) -> list[st
     return out
 
 
-def _pick(paths: Sequence[_Path], cfg: TreeConfig, rng: random.Random) -> list[tuple[_Path, int]]:
+def _pick(paths: Sequence[_Path], cfg: TreeParams, rng: random.Random) -> list[tuple[_Path, int]]:
     """Branch points of one tree in one expansion round, pooled over ``paths`` (the tree's paths):
     candidates are each path's own positions (after its ``start``, never a point already taken), ranked
     by the strategy's rule (``attention_ranked``, ``entropy_ranked``, shuffled step starts for random)
@@ -507,50 +426,131 @@ def _pick(paths: Sequence[_Path], cfg: TreeConfig, rng: random.Random) -> list[t
     return [(paths[k], b) for k, b in sorted(picked)]
 
 
-async def tree(
-    request: RolloutRequest,
-    prompt_ids: list[int],
-    group_id: str,
-    engine: Engine,
-    tokenizer: Any,
-    cfg: TreeConfig,
-    reward_fn: RewardFn | None = None,
-    scorer: Scorer | None = None,
-) -> Group:
-    """One prompt's tree (module docstring). ``scorer`` overrides the engine's attention scorer."""
-    needs_fci = cfg.strategy == "attention" or cfg.fci_running_mean is not None
-    if needs_fci and scorer is None:
-        scorer = resolve_scorer(engine, cfg)
-    sampling = request.sampling
-    t0 = time.perf_counter()
-    outs = await engine.generate(prompt_ids, sampling.model_copy(update={"n": cfg.initial}))
-    t_initial = time.perf_counter() - t0
-    cache: dict[int, str] = {}
+class _Grower:
+    """One prompt's tree: what its paths share (request, engine, tokenizer, params, scorer) and the
+    steps that grow it: analyse a sampled path, score it, branch it, record it as a trajectory."""
 
-    def analysed(tid: str, index: int, tree_index: int, c: Completion, **kw: Any) -> _Path:
-        texts = _texts(tokenizer, c.token_ids, cache)
+    def __init__(
+        self,
+        request: RolloutRequest,
+        prompt_ids: list[int],
+        group_id: str,
+        engine: Engine,
+        tokenizer: Any,
+        cfg: TreeParams,
+        scorer: Scorer | None,
+    ) -> None:
+        self.prompt_ids, self.group_id, self.engine, self.tokenizer = prompt_ids, group_id, engine, tokenizer
+        self.cfg, self.scorer, self.sampling = cfg, scorer, request.sampling
+        self.cache: dict[int, str] = {}  # token id -> text
+
+    async def sample_initial(self) -> list[_Path]:
+        """Step 1: the M' initial responses, each analysed into steps."""
+        t0 = time.perf_counter()
+        outs = await self.engine.generate(
+            self.prompt_ids, self.sampling.model_copy(update={"n": self.cfg.initial})
+        )
+        t_initial = time.perf_counter() - t0
+        return [
+            self.analysed(trajectory_id(self.group_id, i), i, i, c, seconds=t_initial)
+            for i, c in enumerate(outs)
+        ]
+
+    def analysed(self, tid: str, index: int, tree_index: int, c: Completion, **kw: Any) -> _Path:
+        """Step 2: a sampled path split into steps, with the end-of-thinking step."""
+        cfg = self.cfg
+        texts = _texts(self.tokenizer, c.token_ids, self.cache)
         end = first_token_containing(texts, cfg.end_marker) if cfg.end_marker else None
         steps = split_steps(texts, cfg.separator, cfg.fallback_separator, end)
         return _Path(tid, index, tree_index, c, texts, steps, zero_from_step(steps, end), **kw)
 
-    async def score(p: _Path) -> None:
-        if p.fci is not None or scorer is None:
+    async def score(self, p: _Path) -> None:
+        """FCI of each of ``p``'s steps (once; the prompt is step 0)."""
+        if p.fci is not None or self.scorer is None:
             return
         if not p.steps:
             p.fci = []
             return
-        n = len(prompt_ids)
+        n = len(self.prompt_ids)
         spans = [(0, n)] + [(n + a, n + b) for a, b in p.steps]
-        scores = await scorer(list(prompt_ids) + list(p.c.token_ids), spans, cfg.delta, p.zero_from)
+        scores = await self.scorer(
+            list(self.prompt_ids) + list(p.c.token_ids), spans, self.cfg.delta, p.zero_from
+        )
         p.fci = [float(x) for x in scores[1:]]
 
-    responses = [analysed(trajectory_id(group_id, i), i, i, c, seconds=t_initial) for i, c in enumerate(outs)]
+    async def mean_fci(self, responses: list[_Path]) -> float:
+        """AttnRL eq. 8's per-prompt score: the mean over the responses of their mean step FCI."""
+        if self.scorer is not None:
+            for p in responses:
+                await self.score(p)
+        per = [sum(p.fci) / len(p.fci) for p in responses if p.fci]
+        return sum(per) / len(per) if per else 0.0
 
-    def trajectory(p: _Path) -> Trajectory:
+    async def expand(self, responses: list[_Path], m: int) -> list[_Path]:
+        """Steps 4-6: the first ``m`` trees branched for ``iterations`` rounds; every path, initial first."""
+        rng = random.Random(self.sampling.seed)
+        paths: list[_Path] = list(responses)
+        trees: dict[int, list[_Path]] = {p.tree: [p] for p in responses[:m]}
+        for it in range(self.cfg.iterations):
+            jobs = []
+            for tree_paths in trees.values():
+                if self.cfg.strategy == "attention" and it > 0:
+                    for q in tree_paths:
+                        await self.score(q)
+                for p, b in _pick(tree_paths, self.cfg, rng):
+                    jobs.append(self.branch(p, len(p.cuts), b))
+                    p.cuts.append(b)
+            if not jobs:
+                break
+            for p, k, b, cont, dt in await asyncio.gather(*jobs):
+                for j, c in enumerate(cont):
+                    child = self.continued(p, k, b, j, c, it + 1, dt, len(paths))
+                    paths.append(child)
+                    trees[p.tree].append(child)
+        return paths
+
+    async def branch(self, p: _Path, k: int, b: int) -> tuple[_Path, int, int, list[Completion], float]:
+        """Step 5: T continuations of ``p``'s first ``b`` tokens (one engine call, n = T)."""
+        sampling = self.sampling
+        params = sampling.model_copy(
+            update={
+                "n": self.cfg.continuations,
+                "max_tokens": max(1, sampling.max_tokens - b),
+                "seed": sample_seed(sampling.seed, p.index, k + 1),
+            }
+        )
+        t1 = time.perf_counter()
+        cont = await self.engine.generate(list(self.prompt_ids) + list(p.c.token_ids[:b]), params)
+        return p, k, b, cont, time.perf_counter() - t1
+
+    def continued(
+        self, p: _Path, k: int, b: int, j: int, c: Completion, iteration: int, dt: float, index: int
+    ) -> _Path:
+        """Continuation ``j`` of ``p``'s branch ``k`` at ``b``: the copied prefix + its own tokens."""
+        whole = Completion(
+            token_ids=list(p.c.token_ids[:b]) + list(c.token_ids),
+            logprobs=list(p.c.logprobs[:b]) + list(c.logprobs),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        return self.analysed(
+            f"{p.tid}.b{k}.{j}",
+            index,
+            p.tree,
+            whole,
+            start=b,
+            parent=p,
+            iteration=iteration,
+            branch_index=k,
+            seconds=dt,
+        )
+
+    def trajectory(self, p: _Path) -> Trajectory:
+        cfg, engine = self.cfg, self.engine
         t = Trajectory(
             id=p.tid,
-            group_id=group_id,
-            prompt_ids=list(prompt_ids),
+            group_id=self.group_id,
+            prompt_ids=list(self.prompt_ids),
             completion_ids=list(p.c.token_ids),
             logprobs=list(p.c.logprobs),
             logprobs_kind=engine.logprobs_kind,
@@ -568,70 +568,12 @@ async def tree(
                 t.meta["iteration"] = p.iteration
         return t
 
-    initial = [trajectory(p) for p in responses]
-    correct = [float(x) for x in await _call(reward_fn, initial)] if reward_fn is not None else None
 
-    if needs_fci and scorer is not None:
-        for p in responses:
-            await score(p)
-    mean_fci = None
-    if needs_fci:
-        per = [sum(p.fci) / len(p.fci) for p in responses if p.fci]
-        mean_fci = sum(per) / len(per) if per else 0.0  # eq. 8's per-prompt score
-    m, filtered = expanded_trees(cfg.initial, correct, cfg.expansion, mean_fci, cfg.fci_running_mean)
-
-    rng = random.Random(sampling.seed)
-    paths: list[_Path] = list(responses)
-    trees: dict[int, list[_Path]] = {p.tree: [p] for p in responses[:m]}
-
-    async def branch(p: _Path, k: int, b: int) -> tuple[_Path, int, int, list[Completion], float]:
-        params = sampling.model_copy(
-            update={
-                "n": cfg.continuations,
-                "max_tokens": max(1, sampling.max_tokens - b),
-                "seed": sample_seed(sampling.seed, p.index, k + 1),
-            }
-        )
-        t1 = time.perf_counter()
-        cont = await engine.generate(list(prompt_ids) + list(p.c.token_ids[:b]), params)
-        return p, k, b, cont, time.perf_counter() - t1
-
-    for it in range(cfg.iterations):
-        jobs = []
-        for tree_paths in trees.values():
-            if cfg.strategy == "attention" and it > 0:
-                for q in tree_paths:
-                    await score(q)
-            for p, b in _pick(tree_paths, cfg, rng):
-                jobs.append(branch(p, len(p.cuts), b))
-                p.cuts.append(b)
-        if not jobs:
-            break
-        for p, k, b, cont, dt in await asyncio.gather(*jobs):
-            for j, c in enumerate(cont):
-                child = analysed(
-                    f"{p.tid}.b{k}.{j}",
-                    len(paths),
-                    p.tree,
-                    Completion(
-                        token_ids=list(p.c.token_ids[:b]) + list(c.token_ids),
-                        logprobs=list(p.c.logprobs[:b]) + list(c.logprobs),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    ),
-                    start=b,
-                    parent=p,
-                    iteration=it + 1,
-                    branch_index=k,
-                    seconds=dt,
-                )
-                paths.append(child)
-                trees[p.tree].append(child)
-
-    # tree nodes: a path is the chain of its own spans cut at its branch points; its first node hangs
-    # from the parent's node that ends at its branch point
+def _tree_nodes(paths: Sequence[_Path]) -> tuple[list[TreeNode], dict[tuple[str, int], str]]:
+    """The tree's nodes and (path, end offset) -> node id: a path is the chain of its own spans cut at
+    its branch points; its first node hangs from the parent's node that ends at its branch point."""
     nodes: list[TreeNode] = []
-    node_at: dict[tuple[str, int], str] = {}  # (path, end offset) -> node id
+    node_at: dict[tuple[str, int], str] = {}
     for p in paths:
         bounds = [p.start, *sorted(p.cuts), len(p.c.token_ids)]
         parent = None if p.parent is None else node_at[(p.parent.tid, p.start)]
@@ -640,8 +582,13 @@ async def tree(
             nodes.append(node)
             node_at[(p.tid, b)] = node.id
             parent = node.id
-    trajectories = initial + [trajectory(p) for p in paths[len(responses) :]]
-    generated = sum(len(p.c.token_ids) - p.start for p in paths)
+    return nodes, node_at
+
+
+def _node_segments(
+    trajectories: list[Trajectory], nodes: list[TreeNode], node_at: dict[tuple[str, int], str]
+) -> None:
+    """Each trajectory's ``tree_node`` segments: one per non-empty node on its path, root first."""
     by_id = {n.id: n for n in nodes}
     for t in trajectories:
         path: list[TreeNode] = []
@@ -654,9 +601,37 @@ async def tree(
             for d, n in enumerate(reversed(path))
             if n.end > n.start
         ]
+
+
+async def tree(
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Any,
+    cfg: TreeParams,
+    reward_fn: RewardFn | None = None,
+    scorer: Scorer | None = None,
+) -> Group:
+    """One prompt's tree (module docstring). ``scorer`` overrides the engine's attention scorer."""
+    needs_fci = cfg.strategy == "attention" or cfg.fci_running_mean is not None
+    if needs_fci and scorer is None:
+        scorer = resolve_scorer(engine, cfg)
+    grower = _Grower(request, prompt_ids, group_id, engine, tokenizer, cfg, scorer)
+    t0 = time.perf_counter()
+    responses = await grower.sample_initial()
+    initial = [grower.trajectory(p) for p in responses]
+    correct = [float(x) for x in await _call(reward_fn, initial)] if reward_fn is not None else None
+    mean_fci = await grower.mean_fci(responses) if needs_fci else None
+    m, filtered = expanded_trees(cfg.initial, correct, cfg.expansion, mean_fci, cfg.fci_running_mean)
+    paths = await grower.expand(responses, m)
+    nodes, node_at = _tree_nodes(paths)
+    trajectories = initial + [grower.trajectory(p) for p in paths[len(responses) :]]
+    _node_segments(trajectories, nodes, node_at)
     if correct is not None:
         for t, ok in zip(initial, correct, strict=True):
             t.meta["initial_correct"] = ok
+    generated = sum(len(p.c.token_ids) - p.start for p in paths)
     independent = sum(len(t.completion_ids) for t in trajectories)
     meta: dict[str, Any] = {
         "strategy": cfg.strategy,
@@ -691,17 +666,17 @@ async def run(
     prompt_ids: list[int],
     group_id: str,
     engine: Engine,
-    tokenizer: Any,
-    settings: Settings | None = None,
+    tokenizer: Callable[[], Any],
+    params: TreeParams,
+    settings: Settings,
 ) -> Group:
-    """The dispatch entry: config from ``mode_params``, the exact-verifier reward when the task has one,
-    the operator's attention scorer (``settings``) for an engine without its own."""
-    settings = settings or get_settings()
-    cfg = TreeConfig.from_request(request, settings.attention_timeout_s)
-    needs_fci = cfg.strategy == "attention" or cfg.fci_running_mean is not None
+    """The dispatch entry: the exact-verifier reward when the task has one, the operator's attention
+    scorer (``settings``) for an engine without its own."""
+    tok = tokenizer()
+    needs_fci = params.strategy == "attention" or params.fci_running_mean is not None
     scorer = (
-        resolve_scorer(engine, cfg, settings.attention_url, settings.service_token) if needs_fci else None
+        resolve_scorer(engine, params, settings.attention_url, settings.service_token) if needs_fci else None
     )
     return await tree(
-        request, prompt_ids, group_id, engine, tokenizer, cfg, exact_reward_fn(request, tokenizer), scorer
+        request, prompt_ids, group_id, engine, tok, params, exact_reward_fn(request, tok), scorer
     )

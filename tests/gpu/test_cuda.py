@@ -172,10 +172,11 @@ def test_fci_on_cuda_equals_eager_attention_and_the_cpu_scores(cpu: TorchEngine,
 
 
 def test_tree_and_spawn_modes_run_on_cuda(cpu: TorchEngine, gpu: TorchEngine) -> None:
+    from loom.contracts.modes import parse_mode_params
     from loom.schemas import RolloutRequest
     from loom.tiny import spawn_prompt
-    from rollout_svc.modes.spawn import SpawnConfig, spawn
-    from rollout_svc.modes.tree import TreeConfig, tree
+    from rollout_svc.modes.spawn import spawn
+    from rollout_svc.modes.tree import tree
 
     problem = tiny_problems("arith", 1, seed=1)[0]
     req = RolloutRequest(
@@ -185,7 +186,7 @@ def test_tree_and_spawn_modes_run_on_cuda(cpu: TorchEngine, gpu: TorchEngine) ->
         mode_params={"initial": 3, "delta": 2, "min_distance": 4, "strategy": "attention"},
     )
     ids = list(gpu.tokenizer.encode(req.prompt, add_special_tokens=False))
-    group = run(tree(req, ids, "g", gpu, gpu.tokenizer, TreeConfig.from_request(req)))
+    group = run(tree(req, ids, "g", gpu, gpu.tokenizer, parse_mode_params(req)))
     assert group.tree and sum(len(p) for p in group.meta["branch_points"].values()) > 0
     for t in group.trajectories:  # every leaf, branches included, is token-exact
         ref = teacher_forced_logprobs(cpu.model, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
@@ -196,7 +197,7 @@ def test_tree_and_spawn_modes_run_on_cuda(cpu: TorchEngine, gpu: TorchEngine) ->
         mode="spawn", prompt=spawn_prompt(countdown), sampling=SamplingParams(max_tokens=200, seed=3)
     )
     sids = list(gpu.tokenizer.encode(sreq.prompt, add_special_tokens=False))
-    sgroup = run(spawn(sreq, sids, "s", gpu, gpu.tokenizer, SpawnConfig.from_request(sreq)))
+    sgroup = run(spawn(sreq, sids, "s", gpu, gpu.tokenizer, parse_mode_params(sreq)))
     assert sgroup.meta["rollouts"][0]["status"] == "ok" and sgroup.meta["children"] >= 1
     for t in sgroup.trajectories:
         ref = teacher_forced_logprobs(cpu.model, t.prompt_ids + t.completion_ids, len(t.prompt_ids))

@@ -7,6 +7,7 @@ from asyncio import run
 
 import pytest
 
+from loom.contracts.modes import parse_mode_params
 from loom.formats import DEFAULT_SPAWN
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, spawn_prompt
@@ -15,7 +16,6 @@ from rollout_svc.engines.torch_engine import teacher_forced_logprobs
 from rollout_svc.modes import ModeError
 from rollout_svc.modes.spawn import (
     SpawnChild,
-    SpawnConfig,
     SpawnFormatError,
     join_text,
     parse_spawn_block,
@@ -86,7 +86,7 @@ def _request(**mode_params) -> RolloutRequest:
 
 def _spawn(engine, request):
     ids = engine.tokenizer.encode(request.prompt, add_special_tokens=False)
-    return run(spawn(request, ids, "g", engine, engine.tokenizer, SpawnConfig.from_request(request)))
+    return run(spawn(request, ids, "g", engine, engine.tokenizer, parse_mode_params(request)))
 
 
 def test_spawn_rollout_is_a_forest_with_loss_masks_and_exact_resume(tiny_engine):
@@ -153,13 +153,13 @@ def test_token_budget_bounds_the_whole_forest(tiny_engine):
 
 def test_bad_spawn_params_are_mode_errors():
     with pytest.raises(ModeError, match="does not know"):
-        SpawnConfig.from_request(_request(max_kids=2))
+        parse_mode_params(_request(max_kids=2))
     with pytest.raises(ModeError, match="max_children"):
-        SpawnConfig.from_request(_request(max_children=0))
+        parse_mode_params(_request(max_children=0))
     with pytest.raises(ModeError, match="max_message_chars"):
-        SpawnConfig.from_request(_request(max_message_chars=-1))
+        parse_mode_params(_request(max_message_chars=-1))
     with pytest.raises(ModeError, match=r"must not be blank: \['spawn_open'\]"):
-        SpawnConfig.from_request(_request(spawn_open=""))
+        parse_mode_params(_request(spawn_open=""))
 
 
 @pytest.mark.parametrize(
@@ -180,11 +180,11 @@ def test_bad_spawn_params_are_mode_errors():
 def test_spawn_templates_are_checked_before_the_first_spawn(mode_params, needle):
     """str.format would raise KeyError / IndexError (a 500) only once a child is spawned."""
     with pytest.raises(ModeError, match=needle):
-        SpawnConfig.from_request(_request(**mode_params))
+        parse_mode_params(_request(**mode_params))
 
 
 def test_spawn_templates_may_hold_literal_braces():
-    cfg = SpawnConfig.from_request(
+    cfg = parse_mode_params(
         _request(child_template="{{child}} {message}\n", join_child="[{i}] {message} {{}}")
     )
     assert cfg.child_template.format(message="m") == "{child} m\n"

@@ -6,10 +6,11 @@ from __future__ import annotations
 from asyncio import run
 from typing import Any
 
+from loom.contracts.modes import parse_mode_params
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, spawn_prompt
 from rollout_svc.engines.torch_engine import TorchEngine
-from rollout_svc.modes.spawn import SpawnConfig, spawn
+from rollout_svc.modes.spawn import spawn
 
 PROBLEM = make_problems("countdown", 2, seed=3)[1]  # greedy: one spawn block with 3 children
 
@@ -21,7 +22,7 @@ def rollout(engine: TorchEngine) -> Any:
         sampling=SamplingParams(max_tokens=256, temperature=0.0, n=1),
     )
     ids = engine.tokenizer.encode(request.prompt, add_special_tokens=False)
-    return run(spawn(request, ids, "g", engine, engine.tokenizer, SpawnConfig.from_request(request)))
+    return run(spawn(request, ids, "g", engine, engine.tokenizer, parse_mode_params(request)))
 
 
 def test_the_children_of_a_spawn_block_decode_in_one_batch(tiny_engine: Any) -> None:

@@ -8,13 +8,14 @@ from asyncio import run
 import pytest
 
 from learner.advantages import treerl
+from loom.contracts.modes import parse_mode_params
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, reflect_prompt
 from rollout_svc.engines.base import UnsupportedCapability
 from rollout_svc.engines.torch_engine import teacher_forced_logprobs
 from rollout_svc.engines.vllm import VLLMEngine
-from rollout_svc.modes import RUN_MODES, ModeError
-from rollout_svc.modes.tree import TreeConfig, exact_reward_fn, tree
+from rollout_svc.modes import MODES, ModeError
+from rollout_svc.modes.tree import exact_reward_fn, tree
 
 PROBLEM = make_problems("arith", 1, seed=1)[0]
 
@@ -33,7 +34,7 @@ def _request(**mode_params) -> RolloutRequest:
 
 def _grow(engine, request, reward_fn=None):
     ids = engine.tokenizer.encode(request.prompt, add_special_tokens=False)
-    return run(tree(request, ids, "g", engine, engine.tokenizer, TreeConfig.from_request(request), reward_fn))
+    return run(tree(request, ids, "g", engine, engine.tokenizer, parse_mode_params(request), reward_fn))
 
 
 @pytest.mark.parametrize("strategy", ["attention", "entropy", "random"])
@@ -121,15 +122,15 @@ def test_exact_reward_fn_checks_the_boxed_answer(tiny_engine):
 def test_attention_on_an_engine_without_the_capability_is_a_typed_error(tiny_engine):
     engine = VLLMEngine("http://127.0.0.1:9")  # refused before any request is sent
     with pytest.raises(UnsupportedCapability, match="attention_scores.*LOOM_ATTENTION_URL"):
-        run(tree(_request(), [1, 2], "g", engine, tiny_engine.tokenizer, TreeConfig.from_request(_request())))
+        run(tree(_request(), [1, 2], "g", engine, tiny_engine.tokenizer, parse_mode_params(_request())))
 
 
 def test_bad_mode_params_are_mode_errors():
     with pytest.raises(ModeError, match="strategy"):
-        TreeConfig.from_request(_request(strategy="greedy"))
+        parse_mode_params(_request(strategy="greedy"))
     with pytest.raises(ModeError, match="does not know"):
-        TreeConfig.from_request(_request(branchez=2))
-    assert set(RUN_MODES) == {"tree", "spawn"}
+        parse_mode_params(_request(branchez=2))
+    assert set(MODES) == {"plain", "streaming", "tree", "spawn"}
 
 
 @pytest.mark.parametrize("strategy", ["attention", "entropy", "random"])
@@ -176,4 +177,4 @@ def test_later_iterations_branch_the_tree_again(tiny_engine, strategy):
 
 def test_iterations_is_validated():
     with pytest.raises(ModeError, match="iterations"):
-        TreeConfig.from_request(_request(iterations=0))
+        parse_mode_params(_request(iterations=0))

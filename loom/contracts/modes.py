@@ -1,0 +1,323 @@
+"""The rollout modes' parameters: one typed model per mode, each default written once, and the one
+table of mode names (docs/algorithms.md §2). Pure: pydantic and ``loom`` only, so the gateway
+validates a submission's ``mode_params`` exactly as the rollout service will parse them, without
+importing the service.
+
+``parse_mode_params(request, limits)`` is the one entry: unknown keys are refused, ints must be ints,
+floats accept ints, bools are strict, ``null`` means the default, and a bad value is a ``ModeError``
+whose message names the parameter. ``ModeLimits`` carries the deployment's bounds and defaults
+(``LOOM_ROLLOUT_SEGMENT_CAP``, ``LOOM_ROLLOUT_READING_WPM``, ``LOOM_ATTENTION_TIMEOUT_S``); the
+request's own sampling gives the defaults that follow it (tree ``initial``, streaming
+``deep_max_tokens``).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, SpawnSyntax
+from loom.schemas import Mode, RolloutRequest, SamplingParams
+from loom.settings import Settings
+
+MAX_TOKENS: int = next(m.le for m in SamplingParams.model_fields["max_tokens"].metadata if hasattr(m, "le"))
+MAX_SENTENCES = 1024
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+
+
+class ModeError(ValueError):
+    """The request asks a mode for something it cannot do; the message names the limit."""
+
+    kind = "mode_error"
+
+
+def _setting(name: str) -> Any:
+    return Settings.model_fields[name].default
+
+
+@dataclass(frozen=True)
+class ModeLimits:
+    """The deployment's bounds on mode parameters (its rollout settings; the defaults are Settings')."""
+
+    segment_cap: int = _setting("rollout_segment_cap")  # LOOM_ROLLOUT_SEGMENT_CAP
+    reading_wpm: float = _setting("rollout_reading_wpm")  # LOOM_ROLLOUT_READING_WPM
+    max_attention_timeout_s: float = _setting("attention_timeout_s")  # LOOM_ATTENTION_TIMEOUT_S
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ModeLimits:
+        return cls(settings.rollout_segment_cap, settings.rollout_reading_wpm, settings.attention_timeout_s)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a model's request-dependent defaults read (``model_validate(..., context=...)``)."""
+
+    limits: ModeLimits
+    sampling: SamplingParams
+
+
+def _context(info: ValidationInfo) -> _Context:
+    ctx = info.context
+    return ctx if isinstance(ctx, _Context) else _Context(ModeLimits(), SamplingParams())
+
+
+class ModeParams(BaseModel):
+    """Base of the per-mode models: strict types, no unknown keys; ``null`` stands for the default
+    (except for the keys in ``NULL_REFUSED``, whose model says what their null means)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    NULL_REFUSED: ClassVar[frozenset[str]] = frozenset()
+    REFUSED: ClassVar[dict[str, str]] = {}  # keys refused with a reason of their own
+
+    @model_validator(mode="before")
+    @classmethod
+    def _with_defaults(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        given = {k: v for k, v in data.items() if v is not None or k in cls.NULL_REFUSED}
+        return cls.prepare(cls.request_defaults(_context(info)) | given)
+
+    @classmethod
+    def request_defaults(cls, ctx: _Context) -> dict[str, Any]:
+        """The defaults that follow the request or the deployment (the others are the fields')."""
+        return {}
+
+    @classmethod
+    def prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """The given keys, defaults filled, before the fields are validated."""
+        return data
+
+
+class PlainParams(ModeParams):
+    """plain (docs/algorithms.md §2.1): n samples of one prompt; no parameters."""
+
+
+def split_sentences(text: str) -> list[str]:
+    return [s.strip() for s in _SENTENCE.split(text.strip()) if s.strip()]
+
+
+class StreamingParams(ModeParams):
+    """streaming (docs/algorithms.md §2.2; AdaSR, StreamingThinker). ``sentences`` (a list) or
+    ``context`` (text, split after ``.``, ``!``, ``?``) is required; ``sentences`` wins when both are
+    given. Defaults from the request: ``segment_cap`` and ``reading_wpm`` the deployment's,
+    ``deep_max_tokens`` the request's ``sampling.max_tokens``."""
+
+    NULL_REFUSED: ClassVar[frozenset[str]] = frozenset(
+        {"sentences", "context"}
+    )  # sentences: refused; context: ""
+
+    sentences: list[str]
+    context: str | None = None
+    layout: Literal["interleaved", "group_positions"] = "interleaved"
+    segment_cap: int = Field(ge=1, le=8192)
+    deep_max_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    answer_max_tokens: int = Field(64, ge=1, le=MAX_TOKENS)
+    reading_wpm: float = Field(gt=0, allow_inf_nan=False)  # sentence arrival times divide by it
+    sentence_prefix: str = " "
+    connector: str = " " + DEFAULT_MARKERS.connector
+
+    @classmethod
+    def request_defaults(cls, ctx: _Context) -> dict[str, Any]:
+        limits = ctx.limits
+        return {
+            "segment_cap": limits.segment_cap,
+            "reading_wpm": limits.reading_wpm,
+            "deep_max_tokens": ctx.sampling.max_tokens,
+        }
+
+    @classmethod
+    def prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if "sentences" in data:
+            return data
+        if "context" not in data:
+            raise ValueError("streaming needs mode_params.sentences (list) or mode_params.context (text)")
+        text = "" if data["context"] is None else data["context"]
+        if not isinstance(text, str):
+            raise ValueError(f"mode_params.context must be str, got {type(text).__name__}")
+        return data | {"sentences": split_sentences(text)}
+
+    @model_validator(mode="after")
+    def _sentence_count(self) -> StreamingParams:
+        if not self.sentences:
+            raise ValueError("streaming needs at least one sentence")
+        if len(self.sentences) > MAX_SENTENCES:
+            raise ValueError(f"streaming takes at most {MAX_SENTENCES} sentences")
+        return self
+
+
+class TreeParams(ModeParams):
+    """tree (docs/algorithms.md §2.3; TreeRL, AttnRL). Defaults from the request: ``initial`` (M') is
+    ``sampling.n`` when n > 1, else 6; ``attention_timeout_s`` is the deployment's bound
+    (``LOOM_ATTENTION_TIMEOUT_S``), which a request may only shorten."""
+
+    NULL_REFUSED: ClassVar[frozenset[str]] = frozenset({"entropy_stop_words"})
+    REFUSED: ClassVar[dict[str, str]] = {
+        "attention_url": "mode_params.attention_url is not accepted: a worker never calls a URL from a "
+        "request; the attention scorer is the operator's setting LOOM_ATTENTION_URL"
+    }
+
+    initial: int = Field(ge=1, le=256)  # M'
+    branches: int = Field(2, ge=0, le=64)  # N
+    continuations: int = Field(2, ge=1, le=64)  # T
+    iterations: int = Field(1, ge=1, le=8)  # L: expansion rounds (TreeRL's EPTree)
+    strategy: Literal["attention", "entropy", "random"] = "attention"
+    delta: int = Field(4, ge=1)
+    quantile: float = Field(0.8, ge=0.0, le=1.0)
+    min_distance: int = Field(512, ge=0)
+    separator: str = Field("\n\n", min_length=1)
+    fallback_separator: str = Field("\n", min_length=1)
+    end_marker: str = "</think>"
+    entropy_stop_words: list[str] = Field(default_factory=lambda: ["answer", "conclusion"])
+    expansion: Literal["round", "ceil", "all"] = "round"
+    fci_running_mean: float | None = None
+    train_prefix: bool = True  # a branch's copied prefix is trained (TreeRL trains every leaf path)
+    attention_timeout_s: float
+
+    @classmethod
+    def request_defaults(cls, ctx: _Context) -> dict[str, Any]:
+        n = ctx.sampling.n
+        return {"initial": n if n > 1 else 6, "attention_timeout_s": ctx.limits.max_attention_timeout_s}
+
+    @model_validator(mode="after")
+    def _timeout_bound(self, info: ValidationInfo) -> TreeParams:
+        bound = _context(info).limits.max_attention_timeout_s
+        if not 0.0 < self.attention_timeout_s <= bound:
+            raise ValueError(
+                f"mode_params.attention_timeout_s must be > 0 and at most {bound} s "
+                "(LOOM_ATTENTION_TIMEOUT_S on this deployment)"
+            )
+        return self
+
+
+_SYNTAX_KEYS = ("spawn_open", "spawn_child", "spawn_close", "join_open", "join_child", "join_close")
+
+
+class SpawnParams(ModeParams):
+    """spawn (docs/algorithms.md §2.4; APR): the spawn/join syntax (defaults: ``loom.formats.DEFAULT_SPAWN``,
+    APR's Countdown syntax), the child prompt template and the limits."""
+
+    spawn_open: str = DEFAULT_SPAWN.spawn_open
+    spawn_child: str = DEFAULT_SPAWN.spawn_child
+    spawn_close: str = DEFAULT_SPAWN.spawn_close
+    join_open: str = DEFAULT_SPAWN.join_open
+    join_child: str = DEFAULT_SPAWN.join_child
+    join_close: str = DEFAULT_SPAWN.join_close
+    no_solution: str = DEFAULT_SPAWN.no_solution
+    child_template: str = "[child] {message}\n"  # the tiny model's child prompt (loom.tiny.child_prompt)
+    think_close: str = "</think>"
+    max_children: int = Field(8, ge=1, le=64)
+    max_depth: int = Field(1, ge=0, le=4)  # the parent is depth 0; children at max_depth may not spawn
+    child_max_tokens: int = Field(256, ge=1)
+    max_total_tokens: int = Field(8192, ge=1)
+    max_message_chars: int = Field(512, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _templates_and_markers(self) -> SpawnParams:
+        check_template("join_child", self.join_child, ("i", "message"))
+        check_template("child_template", self.child_template, ("message",))
+        blank = sorted(k for k in _SYNTAX_KEYS if not getattr(self, k).strip())
+        if blank or not self.think_close.strip():
+            raise ValueError(f"spawn markers must not be blank: {blank or ['think_close']}")
+        return self
+
+    @property
+    def syntax(self) -> SpawnSyntax:
+        return SpawnSyntax(
+            **{k: getattr(self, k) for k in (*_SYNTAX_KEYS, "no_solution")}, tokens=list(DEFAULT_SPAWN.tokens)
+        )
+
+
+def check_template(name: str, template: str, fields: tuple[str, ...]) -> None:
+    """``template`` is filled by ``str.format``: it may hold only bare ``{field}`` placeholders of
+    ``fields`` (``{{`` and ``}}`` for literal braces) and must hold ``{message}``; checked here, so a
+    bad template is a ModeError at the request, not a crash at the first spawn."""
+    allowed = ", ".join(f"{{{f}}}" for f in fields)
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:  # an unmatched brace
+        raise ModeError(f"mode_params.{name}: {exc} (write {{{{ and }}}} for literal braces)") from exc
+    used = set()
+    for _, field_name, spec, conversion in parts:
+        if field_name is None:
+            continue
+        if field_name not in fields or spec or conversion:
+            shown = field_name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ModeError(
+                f"mode_params.{name} may only use the placeholders {allowed}, got {{{shown}}} "
+                "(write {{ and }} for literal braces)"
+            )
+        used.add(field_name)
+    if "message" not in used:
+        raise ModeError(f"mode_params.{name} must contain {{message}}")
+
+
+# The one table of mode names (``loom.schemas.Mode`` types them; tests/contracts pins the two equal).
+MODE_PARAMS: dict[Mode, type[ModeParams]] = {
+    "plain": PlainParams,
+    "streaming": StreamingParams,
+    "tree": TreeParams,
+    "spawn": SpawnParams,
+}
+
+
+def parse_mode_params(request: RolloutRequest, limits: ModeLimits | None = None) -> ModeParams:
+    """``request.mode_params`` as its mode's model (``limits``: the deployment's, default Settings'
+    defaults); ``ModeError`` naming the parameter when they are not valid."""
+    model = MODE_PARAMS.get(request.mode)
+    if model is None:
+        raise ModeError(f"unknown mode {request.mode!r}; available: {tuple(MODE_PARAMS)}")
+    mp = dict(request.mode_params)
+    refused = next((reason for key, reason in model.REFUSED.items() if key in mp), None)
+    if refused is not None:
+        raise ModeError(refused)
+    known = set(model.model_fields)
+    unknown = sorted(set(mp) - known)
+    if unknown and not known:
+        raise ModeError(f"{request.mode} takes no mode_params, got {sorted(mp)}")
+    if unknown:
+        raise ModeError(f"{request.mode} does not know mode_params {unknown}; known: {sorted(known)}")
+    try:
+        return model.model_validate(mp, context=_Context(limits or ModeLimits(), request.sampling))
+    except ValidationError as exc:
+        raise ModeError(_message(model, exc)) from None
+
+
+def _message(model: type[ModeParams], exc: ValidationError) -> str:
+    """The first error of ``exc`` as a sentence naming the parameter."""
+    err = exc.errors(include_url=False)[0]
+    if not err["loc"]:  # a model validator's own sentence
+        return str(err.get("ctx", {}).get("error", err["msg"]))
+    name, value, kind = str(err["loc"][0]), err["input"], err["type"]
+    field = model.model_fields.get(name)
+    if field is not None and field.annotation == list[str]:
+        return f"mode_params.{name} must be a list of strings"
+    if kind in _TYPES:
+        return f"mode_params.{name} must be {_TYPES[kind]}, got {type(value).__name__}"
+    if kind == "literal_error":
+        return f"mode_params.{name} must be {err['ctx']['expected']}, got {value!r}"
+    if kind == "string_too_short":
+        return f"mode_params.{name} must be non-empty"
+    if field is not None and kind in _BOUND_ERRORS:
+        return f"mode_params.{name} must be {_range(field.metadata)}, got {value}"
+    return f"mode_params.{name}: {err['msg']}"
+
+
+_TYPES = {"int_type": "int", "float_type": "float", "string_type": "str", "bool_type": "bool"}
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+
+
+def _range(metadata: list[Any]) -> str:
+    """A field's bounds as words: ``in [1, 64]``, ``>= 0``, ``a finite number > 0``."""
+    bounds = {k: getattr(m, k) for m in metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+    finite = any(getattr(m, "allow_inf_nan", None) is False for m in metadata)
+    if "ge" in bounds and "le" in bounds:
+        words = f"in [{bounds['ge']}, {bounds['le']}]"
+    else:
+        ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+        words = " and ".join(f"{ops[k]} {v}" for k, v in bounds.items())
+    return f"a finite number {words}" if finite else words
