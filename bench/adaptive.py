@@ -104,7 +104,7 @@ def tiny(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
     configure_process()
     from loom.schemas import SamplingParams
     from loom.tiny import CHECKPOINT_DIR, extract_boxed, plain_prompt, tiny_problems
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
 
     engine = TorchEngine(CHECKPOINT_DIR, cache_entries=0)
     tok = engine.tokenizer

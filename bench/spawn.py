@@ -126,7 +126,7 @@ def main() -> None:
     import torch
 
     from loom.tiny import CHECKPOINT_DIR, make_problems, spawn_prompt
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.spawn import SpawnConfig, spawn
 
     batched = TorchEngine(CHECKPOINT_DIR, cache_entries=64, batching=True)

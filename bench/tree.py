@@ -52,7 +52,7 @@ def main() -> None:
     a = p.parse_args()
     configure_process()
     from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.tree import TreeConfig, tree
 
     engine = TorchEngine(CHECKPOINT_DIR, cache_entries=64)
