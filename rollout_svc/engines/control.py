@@ -278,49 +278,67 @@ def _attach_lora_routes(
 
 
 def _attach_dev_routes(app: FastAPI, engine: Engine, model_name: str, state: ControlState) -> None:
-    def bad(message: str) -> JSONResponse:  # an HTTPException(400) through vLLM's handler
-        return vllm_error(400, message, "Bad Request")
+    """``VLLM_SERVER_DEV_MODE``'s routes: weights and the prefix cache, pausing, the weight version."""
+    _attach_weight_routes(app, engine, state)
+    _attach_pause_routes(app, engine, state)
+    _attach_version_routes(app, engine, model_name, state)
 
-    async def reload(path: Any) -> dict[str, Any]:
-        if not isinstance(path, str) or not path:  # as the worker extension answers it
-            return {"loaded": False, "error": f"weights_path must be a path, got {path!r}"}
-        problem = checkpoint_problem(path, state.weights_path)
-        if problem is not None:
-            return {"loaded": False, "error": problem, "weights_path": state.weights_path}
-        meta = Path(path) / "policy.json"
-        try:
-            policy = (
-                PolicyVersion.model_validate_json(meta.read_text())
-                if meta.exists()
-                else PolicyVersion(version=engine.policy_version, path=path)
-            )
-            await engine.load_policy(policy.model_copy(update={"path": path, "kind": "full"}))
-        except (EngineError, OSError, ValueError) as exc:  # the torch engine swaps a whole model: old kept
-            return {
-                "loaded": False,
-                "error": f"reloading {path} failed: {exc}",
-                "weights_path": state.weights_path,
-            }
-        state.weights_path = path
-        return {"loaded": True, "weights_path": path, "tied_lm_head": False}
 
+def _bad(message: str) -> JSONResponse:  # an HTTPException(400) through vLLM's handler
+    return vllm_error(400, message, "Bad Request")
+
+
+def _json_object(body: Any, not_json: str) -> dict[str, Any] | JSONResponse:
+    """The body as a JSON object, else vLLM's 400 (``not_json``: its message for a body not JSON,
+    ``{error}`` the decoder's)."""
+    if isinstance(body, _NotJSON):
+        return _bad(not_json.format(error=body.error))
+    if not isinstance(body, dict):
+        return _bad("Request body must be a JSON object")
+    return body
+
+
+async def _reload(engine: Engine, state: ControlState, path: Any) -> dict[str, Any]:
+    """``loom_reload_weights``, answered as the worker extension answers it."""
+    if not isinstance(path, str) or not path:
+        return {"loaded": False, "error": f"weights_path must be a path, got {path!r}"}
+    problem = checkpoint_problem(path, state.weights_path)
+    if problem is not None:
+        return {"loaded": False, "error": problem, "weights_path": state.weights_path}
+    meta = Path(path) / "policy.json"
+    try:
+        policy = (
+            PolicyVersion.model_validate_json(meta.read_text())
+            if meta.exists()
+            else PolicyVersion(version=engine.policy_version, path=path)
+        )
+        await engine.load_policy(policy.model_copy(update={"path": path, "kind": "full"}))
+    except (EngineError, OSError, ValueError) as exc:  # the torch engine swaps a whole model: old kept
+        return {
+            "loaded": False,
+            "error": f"reloading {path} failed: {exc}",
+            "weights_path": state.weights_path,
+        }
+    state.weights_path = path
+    return {"loaded": True, "weights_path": path, "tied_lm_head": False}
+
+
+def _attach_weight_routes(app: FastAPI, engine: Engine, state: ControlState) -> None:
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> Response:
-        body = await _body(request)
-        if isinstance(body, _NotJSON):
-            return bad(f"JSON decode error: {body.error}")
-        if not isinstance(body, dict):
-            return bad("Request body must be a JSON object")
+        body = _json_object(await _body(request), "JSON decode error: {error}")
+        if isinstance(body, JSONResponse):
+            return body
         method = body.get("method")
         if method is None:
-            return bad("Missing 'method' in request body")
+            return _bad("Missing 'method' in request body")
         try:  # what vLLM does with them: a TypeError here is its 400
             args, kwargs = tuple(body.get("args", [])), dict(body.get("kwargs", {}))
         except (TypeError, ValueError) as exc:
             return vllm_error(400, str(exc), "BadRequestError")
         if method == RELOAD_METHOD and (args or "weights_path" in kwargs):
             path = kwargs["weights_path"] if "weights_path" in kwargs else args[0]
-            return JSONResponse({"results": [await reload(path)]})
+            return JSONResponse({"results": [await _reload(engine, state, path)]})
         if method == RELOAD_METHOD:
             missing = "missing 1 required positional argument: 'weights_path'"
             error = f"LoomWorkerExtension.{RELOAD_METHOD}() {missing}"
@@ -340,6 +358,8 @@ def _attach_dev_routes(app: FastAPI, engine: Engine, model_name: str, state: Con
         await engine.reset_cache()
         return JSONResponse({"success": True})
 
+
+def _attach_pause_routes(app: FastAPI, engine: Engine, state: ControlState) -> None:
     @app.post("/pause")
     async def pause(request: Request) -> JSONResponse:
         mode = request.query_params.get("mode", "abort")
@@ -373,14 +393,14 @@ def _attach_dev_routes(app: FastAPI, engine: Engine, model_name: str, state: Con
 
     @app.post("/abort_requests")
     async def abort_requests(request: Request) -> JSONResponse:
-        body = await _body(request)
-        if isinstance(body, _NotJSON):
-            return bad("Invalid JSON format")
-        if not isinstance(body, dict):
-            return bad("Request body must be a JSON object")
+        body = _json_object(await _body(request), "Invalid JSON format")
+        if isinstance(body, JSONResponse):
+            return body
         ids = body.get("request_ids")
         return JSONResponse({"status": "aborted", "aborted": len(ids) if ids else 0})
 
+
+def _attach_version_routes(app: FastAPI, engine: Engine, model_name: str, state: ControlState) -> None:
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         body = await _body(request)
