@@ -124,6 +124,18 @@ def attach_control_routes(
     state = ControlState(weights_path=model_path)
     app.state.control = state
     adapters: dict[str, str] = {}  # adapter name -> path
+    _attach_pause_gate(app, state)
+    _attach_info_routes(app, engine, model_name, model_path, adapters)
+    if lora_updating_from_env() if lora_updating is None else lora_updating:
+        _attach_lora_routes(app, engine, model_name, served, adapters)
+    if dev_mode_from_env() if dev_mode is None else dev_mode:
+        _attach_dev_routes(app, engine, model_name, state)
+    return state
+
+
+def _attach_pause_gate(app: FastAPI, state: ControlState) -> None:
+    """Generation requests wait at the door while paused, and are counted while they run (a
+    streamed answer until its last chunk)."""
 
     @app.middleware("http")
     async def pause_gate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -158,6 +170,10 @@ def attach_control_routes(
         response.body_iterator = counted()  # type: ignore[attr-defined]
         return response
 
+
+def _attach_info_routes(
+    app: FastAPI, engine: Engine, model_name: str, model_path: str, adapters: dict[str, str]
+) -> None:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
@@ -186,72 +202,72 @@ def attach_control_routes(
         cards += [card(name, path, model_name) for name, path in adapters.items()]
         return JSONResponse({"object": "list", "data": cards})
 
-    if lora_updating_from_env() if lora_updating is None else lora_updating:
-        _attach_lora_routes(app, engine, model_name, served, adapters)
-    if dev_mode_from_env() if dev_mode is None else dev_mode:
-        _attach_dev_routes(app, engine, model_name, state)
-    return state
+
+async def _lora_request(request: Request, need_path: bool) -> tuple[str, str] | JSONResponse:
+    """(lora_name, lora_path) of a load or unload request, else vLLM's 400 for its body."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        return vllm_error(
+            400,
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            "Bad Request",
+        )
+    body = await _body(request)
+    if isinstance(body, _NotJSON):
+        return validation_error("body.0", "json_invalid", "JSON decode error", "<dict of 0 items>")
+    if not isinstance(body, dict):
+        return validation_error("body", "model_attributes_type", "Input should be a valid dictionary", body)
+    for key in ("lora_name", "lora_path") if need_path else ("lora_name",):
+        if key not in body:
+            return validation_error(
+                f"body.{key}", "missing", "Field required", f"<dict of {len(body)} items>"
+            )
+        if not isinstance(body[key], str):
+            return validation_error(f"body.{key}", "string_type", "Input should be a valid string", body[key])
+    return str(body["lora_name"]), str(body.get("lora_path", ""))
+
+
+def _lora_load_refusal(
+    name: str, path: str, model_name: str, adapters: dict[str, str], load_inplace: Any
+) -> JSONResponse | None:
+    """vLLM's refusal of an adapter load, in vLLM's order; None if the load may go ahead."""
+    if not name or not path:
+        return vllm_error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+    if name == model_name:
+        return vllm_error(
+            400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput"
+        )
+    if name in adapters and not load_inplace:
+        return vllm_error(
+            400,
+            f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+            "place, set 'load_inplace' to True.",
+            "InvalidUserInput",
+        )
+    if "\x00" in path:  # vLLM's worker fails on it ("embedded null byte"): a 500
+        return vllm_error(
+            500,
+            "Call to add_lora method failed: Worker failed with error 'embedded null byte', please "
+            "check the stack trace above for the root cause",
+            "InternalServerError",
+        )
+    if not (Path(path) / "adapter_config.json").is_file():
+        return vllm_error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+    return None
 
 
 def _attach_lora_routes(
     app: FastAPI, engine: Engine, model_name: str, served: set[str], adapters: dict[str, str]
 ) -> None:
-    async def named(request: Request, need_path: bool) -> tuple[str, str] | JSONResponse:
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            return vllm_error(
-                400,
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                "Bad Request",
-            )
-        body = await _body(request)
-        if isinstance(body, _NotJSON):
-            return validation_error("body.0", "json_invalid", "JSON decode error", "<dict of 0 items>")
-        if not isinstance(body, dict):
-            return validation_error(
-                "body", "model_attributes_type", "Input should be a valid dictionary", body
-            )
-        for key in ("lora_name", "lora_path") if need_path else ("lora_name",):
-            if key not in body:
-                return validation_error(
-                    f"body.{key}", "missing", "Field required", f"<dict of {len(body)} items>"
-                )
-            if not isinstance(body[key], str):
-                return validation_error(
-                    f"body.{key}", "string_type", "Input should be a valid string", body[key]
-                )
-        return str(body["lora_name"]), str(body.get("lora_path", ""))
-
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> Response:
-        got = await named(request, need_path=True)
+        got = await _lora_request(request, need_path=True)
         if isinstance(got, JSONResponse):
             return got
         name, path = got
-        if not name or not path:
-            return vllm_error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
-        if name == model_name:
-            return vllm_error(
-                400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput"
-            )
-        body = await request.json()
-        if name in adapters and not body.get("load_inplace"):
-            return vllm_error(
-                400,
-                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
-                "place, set 'load_inplace' to True.",
-                "InvalidUserInput",
-            )
-        if "\x00" in path:  # vLLM's worker fails on it ("embedded null byte"): a 500
-            return vllm_error(
-                500,
-                "Call to add_lora method failed: Worker failed with error 'embedded null byte', please "
-                "check the stack trace above for the root cause",
-                "InternalServerError",
-            )
-        if not (Path(path) / "adapter_config.json").is_file():
-            return vllm_error(
-                404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError"
-            )
+        load_inplace = (await request.json()).get("load_inplace")  # a JSON object: _lora_request read it
+        refused = _lora_load_refusal(name, path, model_name, adapters, load_inplace)
+        if refused is not None:
+            return refused
         try:
             await engine.load_policy(PolicyVersion(version=engine.policy_version, path=path, kind="lora"))
         except (EngineError, OSError, ValueError) as exc:
@@ -262,7 +278,7 @@ def _attach_lora_routes(
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> Response:
-        got = await named(request, need_path=False)
+        got = await _lora_request(request, need_path=False)
         if isinstance(got, JSONResponse):
             return got
         name, _ = got
