@@ -105,7 +105,7 @@ def tiny(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
     from loom.answers import last_boxed
     from loom.schemas import SamplingParams
     from loom.tiny import CHECKPOINT_DIR, plain_prompt, tiny_problems
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
 
     engine = TorchEngine(CHECKPOINT_DIR, cache_entries=0)
     tok = engine.tokenizer

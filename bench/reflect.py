@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_process()
     from loom.tiny import CHECKPOINT_DIR
     from reward_svc.pool import VerifierPool
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
 
     engine = TorchEngine(CHECKPOINT_DIR)
     tok = engine.tokenizer

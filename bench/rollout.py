@@ -221,7 +221,7 @@ def bench_overhead(
     worker); ``in-process``, each leg runs the torch engine in its own process; ``vllm``, as
     ``server`` with a real vLLM server."""
     from rollout_svc.engines.process import ProcessEngine
-    from rollout_svc.engines.torch_engine import TorchEngine, load_tokenizer, resolve_model_path
+    from rollout_svc.engines.torch import TorchEngine, load_tokenizer, resolve_model_path
     from rollout_svc.engines.vllm import VLLMEngine
     from rollout_svc.rollout import generate_group
 
@@ -337,7 +337,7 @@ def bench_vllm_throughput(quick: bool, tmp: Path, eager: bool = False) -> dict[s
     """Decode tokens/s of a vLLM server and of ``loom engine`` (the torch engine) on the same model,
     the same requests from the same client, at 4 and 16 requests in flight; each pair back to back,
     the order alternating. Requests: 16 prompts x n=8 samples, 96 tokens, temperature 1."""
-    from rollout_svc.engines.torch_engine import load_tokenizer, resolve_model_path
+    from rollout_svc.engines.torch import load_tokenizer, resolve_model_path
     from rollout_svc.engines.vllm import VLLMEngine
 
     path = resolve_model_path(get_settings().model)
@@ -381,7 +381,7 @@ def bench_vllm_throughput(quick: bool, tmp: Path, eager: bool = False) -> dict[s
 def bench_prefill(quick: bool) -> dict[str, float]:
     from loom.tiny import STREAM_HEADER, make_problems
     from loom.tiny.traces import stream_sentences
-    from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+    from rollout_svc.engines.torch import TorchEngine, resolve_model_path
     from rollout_svc.rollout import generate_group
 
     settings = get_settings()

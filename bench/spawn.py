@@ -127,7 +127,7 @@ def main() -> None:
 
     from loom.contracts.modes import parse_mode_params
     from loom.tiny import CHECKPOINT_DIR, make_problems, spawn_prompt
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.spawn import spawn
 
     batched = TorchEngine(CHECKPOINT_DIR, cache_entries=64, batching=True)

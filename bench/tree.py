@@ -53,7 +53,7 @@ def main() -> None:
     configure_process()
     from loom.contracts.modes import parse_mode_params
     from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.tree import tree
 
     engine = TorchEngine(CHECKPOINT_DIR, cache_entries=64)

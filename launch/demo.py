@@ -227,7 +227,7 @@ def vllm_spec(settings: Any) -> tuple[Any, str]:
     import socket
 
     from launch.stack import ProcSpec
-    from rollout_svc.engines.torch_engine import resolve_model_path
+    from rollout_svc.engines.torch import resolve_model_path
     from rollout_svc.engines.vllm_launch import vllm_command, vllm_env, vllm_python
 
     python = vllm_python(settings.vllm_python)

@@ -37,7 +37,7 @@ from rollout_svc.engines.base import (
     UnsupportedCapability,
 )
 from rollout_svc.engines.openai_api import Served, basic_routes, create_router, generation_defaults
-from rollout_svc.engines.torch_engine import resolve_model_path
+from rollout_svc.engines.torch import resolve_model_path
 from rollout_svc.modes import ModeError
 from rollout_svc.rollout import PolicyNotFound, PolicyPathRefused, generate_group, stored_policy
 from rollout_svc.tasks import celery_app

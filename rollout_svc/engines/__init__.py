@@ -36,7 +36,7 @@ def make_engine(settings: Settings) -> Engine:
             pause_mode=settings.vllm_pause_mode,
             lora_keep=settings.vllm_lora_keep,
         )
-    from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+    from rollout_svc.engines.torch import TorchEngine, resolve_model_path
 
     path = resolve_model_path(settings.model)
     kwargs: dict[str, Any] = {
@@ -89,7 +89,7 @@ def get_tokenizer(settings: Settings | None = None) -> object:
     with _lock:
         if _tokenizer is None:
             from loom.settings import get_settings
-            from rollout_svc.engines.torch_engine import load_tokenizer, resolve_model_path
+            from rollout_svc.engines.torch import load_tokenizer, resolve_model_path
 
             _tokenizer = load_tokenizer(resolve_model_path((settings or get_settings()).model))
         return _tokenizer

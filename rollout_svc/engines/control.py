@@ -124,6 +124,18 @@ def attach_control_routes(
     state = ControlState(weights_path=model_path)
     app.state.control = state
     adapters: dict[str, str] = {}  # adapter name -> path
+    _attach_pause_gate(app, state)
+    _attach_info_routes(app, engine, model_name, model_path, adapters)
+    if lora_updating_from_env() if lora_updating is None else lora_updating:
+        _attach_lora_routes(app, engine, model_name, served, adapters)
+    if dev_mode_from_env() if dev_mode is None else dev_mode:
+        _attach_dev_routes(app, engine, model_name, state)
+    return state
+
+
+def _attach_pause_gate(app: FastAPI, state: ControlState) -> None:
+    """Generation requests wait at the door while paused, and are counted while they run (a
+    streamed answer until its last chunk)."""
 
     @app.middleware("http")
     async def pause_gate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -158,6 +170,10 @@ def attach_control_routes(
         response.body_iterator = counted()  # type: ignore[attr-defined]
         return response
 
+
+def _attach_info_routes(
+    app: FastAPI, engine: Engine, model_name: str, model_path: str, adapters: dict[str, str]
+) -> None:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
@@ -186,72 +202,72 @@ def attach_control_routes(
         cards += [card(name, path, model_name) for name, path in adapters.items()]
         return JSONResponse({"object": "list", "data": cards})
 
-    if lora_updating_from_env() if lora_updating is None else lora_updating:
-        _attach_lora_routes(app, engine, model_name, served, adapters)
-    if dev_mode_from_env() if dev_mode is None else dev_mode:
-        _attach_dev_routes(app, engine, model_name, state)
-    return state
+
+async def _lora_request(request: Request, need_path: bool) -> tuple[str, str] | JSONResponse:
+    """(lora_name, lora_path) of a load or unload request, else vLLM's 400 for its body."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        return vllm_error(
+            400,
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            "Bad Request",
+        )
+    body = await _body(request)
+    if isinstance(body, _NotJSON):
+        return validation_error("body.0", "json_invalid", "JSON decode error", "<dict of 0 items>")
+    if not isinstance(body, dict):
+        return validation_error("body", "model_attributes_type", "Input should be a valid dictionary", body)
+    for key in ("lora_name", "lora_path") if need_path else ("lora_name",):
+        if key not in body:
+            return validation_error(
+                f"body.{key}", "missing", "Field required", f"<dict of {len(body)} items>"
+            )
+        if not isinstance(body[key], str):
+            return validation_error(f"body.{key}", "string_type", "Input should be a valid string", body[key])
+    return str(body["lora_name"]), str(body.get("lora_path", ""))
+
+
+def _lora_load_refusal(
+    name: str, path: str, model_name: str, adapters: dict[str, str], load_inplace: Any
+) -> JSONResponse | None:
+    """vLLM's refusal of an adapter load, in vLLM's order; None if the load may go ahead."""
+    if not name or not path:
+        return vllm_error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+    if name == model_name:
+        return vllm_error(
+            400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput"
+        )
+    if name in adapters and not load_inplace:
+        return vllm_error(
+            400,
+            f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+            "place, set 'load_inplace' to True.",
+            "InvalidUserInput",
+        )
+    if "\x00" in path:  # vLLM's worker fails on it ("embedded null byte"): a 500
+        return vllm_error(
+            500,
+            "Call to add_lora method failed: Worker failed with error 'embedded null byte', please "
+            "check the stack trace above for the root cause",
+            "InternalServerError",
+        )
+    if not (Path(path) / "adapter_config.json").is_file():
+        return vllm_error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+    return None
 
 
 def _attach_lora_routes(
     app: FastAPI, engine: Engine, model_name: str, served: set[str], adapters: dict[str, str]
 ) -> None:
-    async def named(request: Request, need_path: bool) -> tuple[str, str] | JSONResponse:
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            return vllm_error(
-                400,
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                "Bad Request",
-            )
-        body = await _body(request)
-        if isinstance(body, _NotJSON):
-            return validation_error("body.0", "json_invalid", "JSON decode error", "<dict of 0 items>")
-        if not isinstance(body, dict):
-            return validation_error(
-                "body", "model_attributes_type", "Input should be a valid dictionary", body
-            )
-        for key in ("lora_name", "lora_path") if need_path else ("lora_name",):
-            if key not in body:
-                return validation_error(
-                    f"body.{key}", "missing", "Field required", f"<dict of {len(body)} items>"
-                )
-            if not isinstance(body[key], str):
-                return validation_error(
-                    f"body.{key}", "string_type", "Input should be a valid string", body[key]
-                )
-        return str(body["lora_name"]), str(body.get("lora_path", ""))
-
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> Response:
-        got = await named(request, need_path=True)
+        got = await _lora_request(request, need_path=True)
         if isinstance(got, JSONResponse):
             return got
         name, path = got
-        if not name or not path:
-            return vllm_error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
-        if name == model_name:
-            return vllm_error(
-                400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput"
-            )
-        body = await request.json()
-        if name in adapters and not body.get("load_inplace"):
-            return vllm_error(
-                400,
-                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
-                "place, set 'load_inplace' to True.",
-                "InvalidUserInput",
-            )
-        if "\x00" in path:  # vLLM's worker fails on it ("embedded null byte"): a 500
-            return vllm_error(
-                500,
-                "Call to add_lora method failed: Worker failed with error 'embedded null byte', please "
-                "check the stack trace above for the root cause",
-                "InternalServerError",
-            )
-        if not (Path(path) / "adapter_config.json").is_file():
-            return vllm_error(
-                404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError"
-            )
+        load_inplace = (await request.json()).get("load_inplace")  # a JSON object: _lora_request read it
+        refused = _lora_load_refusal(name, path, model_name, adapters, load_inplace)
+        if refused is not None:
+            return refused
         try:
             await engine.load_policy(PolicyVersion(version=engine.policy_version, path=path, kind="lora"))
         except (EngineError, OSError, ValueError) as exc:
@@ -262,7 +278,7 @@ def _attach_lora_routes(
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> Response:
-        got = await named(request, need_path=False)
+        got = await _lora_request(request, need_path=False)
         if isinstance(got, JSONResponse):
             return got
         name, _ = got
@@ -278,49 +294,67 @@ def _attach_lora_routes(
 
 
 def _attach_dev_routes(app: FastAPI, engine: Engine, model_name: str, state: ControlState) -> None:
-    def bad(message: str) -> JSONResponse:  # an HTTPException(400) through vLLM's handler
-        return vllm_error(400, message, "Bad Request")
+    """``VLLM_SERVER_DEV_MODE``'s routes: weights and the prefix cache, pausing, the weight version."""
+    _attach_weight_routes(app, engine, state)
+    _attach_pause_routes(app, engine, state)
+    _attach_version_routes(app, engine, model_name, state)
 
-    async def reload(path: Any) -> dict[str, Any]:
-        if not isinstance(path, str) or not path:  # as the worker extension answers it
-            return {"loaded": False, "error": f"weights_path must be a path, got {path!r}"}
-        problem = checkpoint_problem(path, state.weights_path)
-        if problem is not None:
-            return {"loaded": False, "error": problem, "weights_path": state.weights_path}
-        meta = Path(path) / "policy.json"
-        try:
-            policy = (
-                PolicyVersion.model_validate_json(meta.read_text())
-                if meta.exists()
-                else PolicyVersion(version=engine.policy_version, path=path)
-            )
-            await engine.load_policy(policy.model_copy(update={"path": path, "kind": "full"}))
-        except (EngineError, OSError, ValueError) as exc:  # the torch engine swaps a whole model: old kept
-            return {
-                "loaded": False,
-                "error": f"reloading {path} failed: {exc}",
-                "weights_path": state.weights_path,
-            }
-        state.weights_path = path
-        return {"loaded": True, "weights_path": path, "tied_lm_head": False}
 
+def _bad(message: str) -> JSONResponse:  # an HTTPException(400) through vLLM's handler
+    return vllm_error(400, message, "Bad Request")
+
+
+def _json_object(body: Any, not_json: str) -> dict[str, Any] | JSONResponse:
+    """The body as a JSON object, else vLLM's 400 (``not_json``: its message for a body not JSON,
+    ``{error}`` the decoder's)."""
+    if isinstance(body, _NotJSON):
+        return _bad(not_json.format(error=body.error))
+    if not isinstance(body, dict):
+        return _bad("Request body must be a JSON object")
+    return body
+
+
+async def _reload(engine: Engine, state: ControlState, path: Any) -> dict[str, Any]:
+    """``loom_reload_weights``, answered as the worker extension answers it."""
+    if not isinstance(path, str) or not path:
+        return {"loaded": False, "error": f"weights_path must be a path, got {path!r}"}
+    problem = checkpoint_problem(path, state.weights_path)
+    if problem is not None:
+        return {"loaded": False, "error": problem, "weights_path": state.weights_path}
+    meta = Path(path) / "policy.json"
+    try:
+        policy = (
+            PolicyVersion.model_validate_json(meta.read_text())
+            if meta.exists()
+            else PolicyVersion(version=engine.policy_version, path=path)
+        )
+        await engine.load_policy(policy.model_copy(update={"path": path, "kind": "full"}))
+    except (EngineError, OSError, ValueError) as exc:  # the torch engine swaps a whole model: old kept
+        return {
+            "loaded": False,
+            "error": f"reloading {path} failed: {exc}",
+            "weights_path": state.weights_path,
+        }
+    state.weights_path = path
+    return {"loaded": True, "weights_path": path, "tied_lm_head": False}
+
+
+def _attach_weight_routes(app: FastAPI, engine: Engine, state: ControlState) -> None:
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> Response:
-        body = await _body(request)
-        if isinstance(body, _NotJSON):
-            return bad(f"JSON decode error: {body.error}")
-        if not isinstance(body, dict):
-            return bad("Request body must be a JSON object")
+        body = _json_object(await _body(request), "JSON decode error: {error}")
+        if isinstance(body, JSONResponse):
+            return body
         method = body.get("method")
         if method is None:
-            return bad("Missing 'method' in request body")
+            return _bad("Missing 'method' in request body")
         try:  # what vLLM does with them: a TypeError here is its 400
             args, kwargs = tuple(body.get("args", [])), dict(body.get("kwargs", {}))
         except (TypeError, ValueError) as exc:
             return vllm_error(400, str(exc), "BadRequestError")
         if method == RELOAD_METHOD and (args or "weights_path" in kwargs):
             path = kwargs["weights_path"] if "weights_path" in kwargs else args[0]
-            return JSONResponse({"results": [await reload(path)]})
+            return JSONResponse({"results": [await _reload(engine, state, path)]})
         if method == RELOAD_METHOD:
             missing = "missing 1 required positional argument: 'weights_path'"
             error = f"LoomWorkerExtension.{RELOAD_METHOD}() {missing}"
@@ -340,6 +374,8 @@ def _attach_dev_routes(app: FastAPI, engine: Engine, model_name: str, state: Con
         await engine.reset_cache()
         return JSONResponse({"success": True})
 
+
+def _attach_pause_routes(app: FastAPI, engine: Engine, state: ControlState) -> None:
     @app.post("/pause")
     async def pause(request: Request) -> JSONResponse:
         mode = request.query_params.get("mode", "abort")
@@ -373,14 +409,14 @@ def _attach_dev_routes(app: FastAPI, engine: Engine, model_name: str, state: Con
 
     @app.post("/abort_requests")
     async def abort_requests(request: Request) -> JSONResponse:
-        body = await _body(request)
-        if isinstance(body, _NotJSON):
-            return bad("Invalid JSON format")
-        if not isinstance(body, dict):
-            return bad("Request body must be a JSON object")
+        body = _json_object(await _body(request), "Invalid JSON format")
+        if isinstance(body, JSONResponse):
+            return body
         ids = body.get("request_ids")
         return JSONResponse({"status": "aborted", "aborted": len(ids) if ids else 0})
 
+
+def _attach_version_routes(app: FastAPI, engine: Engine, model_name: str, state: ControlState) -> None:
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         body = await _body(request)

@@ -182,30 +182,8 @@ def sampling(
 ) -> SamplingParams:
     """``SamplingParams`` from the request, with vLLM's validation and its defaults (the request's
     value, else the model's generation_config.json (``defaults``), else OpenAI's)."""
-    d = defaults
-    temperature = body.number("temperature", d.get("temperature", 1.0))
-    if temperature < 0 or temperature > 2:
-        raise OpenAIError(f"temperature must be in [0, 2], got {temperature}.", "temperature")
-    top_p = body.number("top_p", d.get("top_p", 1.0))
-    if not 0 < top_p <= 1:
-        raise OpenAIError(f"top_p must be in (0, 1], got {top_p}.", "top_p")
-    top_k = body.integer("top_k", d.get("top_k", 0))
-    assert top_k is not None
-    if top_k < -1:
-        raise OpenAIError(f"top_k must be 0 (disable), or at least 1, got {top_k}.", "top_k")
-    min_p = body.number("min_p", d.get("min_p", 0.0))
-    if not 0 <= min_p <= 1:
-        raise OpenAIError(f"min_p must be in [0, 1], got {min_p}.", "min_p")
-    repetition = body.number("repetition_penalty", d.get("repetition_penalty", 1.0))
-    if repetition <= 0:
-        raise OpenAIError(
-            f"repetition_penalty must be greater than zero, got {repetition}.", "repetition_penalty"
-        )
-    presence = body.number("presence_penalty", d.get("presence_penalty", 0.0))
-    frequency = body.number("frequency_penalty", d.get("frequency_penalty", 0.0))
-    for key, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
-        if not -2 <= value <= 2:
-            raise OpenAIError(f"{key} must be in [-2, 2], got {value}.", key)
+    temperature, top_p, top_k, min_p = _truncation(body, defaults)
+    repetition, presence, frequency = _penalties(body, defaults)
     n = body.integer("n", 1, 1)
     assert n is not None
     greedy = temperature < GREEDY_EPS
@@ -220,46 +198,9 @@ def sampling(
     seed = body.integer("seed", None)
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise OpenAIError("seed must be a 64-bit integer", "seed")
-    stop = body.data.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise OpenAIError(f"stop must be a string or a list of strings, got {stop!r}", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise OpenAIError(f"stop holds at most {MAX_STOP_STRINGS} strings (VLLM_MAX_STOP_STRINGS)", "stop")
-    if any(not s for s in stops):
-        raise OpenAIError("stop cannot contain an empty string.", "stop")
-    bias: dict[int, float] = {}
-    raw_bias = body.data.get("logit_bias")
-    if raw_bias is not None:
-        if not isinstance(raw_bias, dict):
-            raise OpenAIError("logit_bias must be an object of token id -> bias", "logit_bias")
-        for k, v in raw_bias.items():
-            try:
-                tid = int(k)
-            except ValueError:
-                raise OpenAIError(
-                    f"logit_bias contains key(s) that cannot be converted to integers: {k!r}", "logit_bias"
-                ) from None
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise OpenAIError(f"logit_bias values must be numbers, got {v!r}", "logit_bias")
-            bias[tid] = min(100.0, max(-100.0, float(v)))  # vLLM clamps to [-100, 100]
-        if vocab_size is not None and (bad := [t for t in bias if not 0 <= t < vocab_size]):
-            raise OpenAIError(
-                f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
-                f"Vocabulary size: {vocab_size}",
-                "logit_bias",
-            )
-    allowed = body.integers("allowed_token_ids")
-    if allowed is not None:
-        if not allowed:
-            raise OpenAIError("allowed_token_ids is not None and empty!", "allowed_token_ids")
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in allowed):
-            raise OpenAIError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+    stops = _stop_strings(body)
+    bias = _logit_bias(body, vocab_size)
+    allowed = _allowed_token_ids(body, vocab_size)
     try:
         return SamplingParams(
             n=n,
@@ -284,6 +225,92 @@ def sampling(
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise OpenAIError(f"{where}: {err['msg']}", where) from None
+
+
+def _truncation(body: Body, d: dict[str, Any]) -> tuple[float, float, int, float]:
+    """temperature, top_p, top_k and min_p, checked as vLLM checks them."""
+    temperature = body.number("temperature", d.get("temperature", 1.0))
+    if temperature < 0 or temperature > 2:
+        raise OpenAIError(f"temperature must be in [0, 2], got {temperature}.", "temperature")
+    top_p = body.number("top_p", d.get("top_p", 1.0))
+    if not 0 < top_p <= 1:
+        raise OpenAIError(f"top_p must be in (0, 1], got {top_p}.", "top_p")
+    top_k = body.integer("top_k", d.get("top_k", 0))
+    assert top_k is not None
+    if top_k < -1:
+        raise OpenAIError(f"top_k must be 0 (disable), or at least 1, got {top_k}.", "top_k")
+    min_p = body.number("min_p", d.get("min_p", 0.0))
+    if not 0 <= min_p <= 1:
+        raise OpenAIError(f"min_p must be in [0, 1], got {min_p}.", "min_p")
+    return temperature, top_p, top_k, min_p
+
+
+def _penalties(body: Body, d: dict[str, Any]) -> tuple[float, float, float]:
+    """The repetition, presence and frequency penalties, checked as vLLM checks them."""
+    repetition = body.number("repetition_penalty", d.get("repetition_penalty", 1.0))
+    if repetition <= 0:
+        raise OpenAIError(
+            f"repetition_penalty must be greater than zero, got {repetition}.", "repetition_penalty"
+        )
+    presence = body.number("presence_penalty", d.get("presence_penalty", 0.0))
+    frequency = body.number("frequency_penalty", d.get("frequency_penalty", 0.0))
+    for key, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -2 <= value <= 2:
+            raise OpenAIError(f"{key} must be in [-2, 2], got {value}.", key)
+    return repetition, presence, frequency
+
+
+def _stop_strings(body: Body) -> list[str]:
+    stop = body.data.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise OpenAIError(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise OpenAIError(f"stop holds at most {MAX_STOP_STRINGS} strings (VLLM_MAX_STOP_STRINGS)", "stop")
+    if any(not s for s in stops):
+        raise OpenAIError("stop cannot contain an empty string.", "stop")
+    return stops
+
+
+def _logit_bias(body: Body, vocab_size: int | None) -> dict[int, float]:
+    """token id -> bias, clamped to [-100, 100] as vLLM clamps it."""
+    bias: dict[int, float] = {}
+    raw_bias = body.data.get("logit_bias")
+    if raw_bias is None:
+        return bias
+    if not isinstance(raw_bias, dict):
+        raise OpenAIError("logit_bias must be an object of token id -> bias", "logit_bias")
+    for k, v in raw_bias.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise OpenAIError(
+                f"logit_bias contains key(s) that cannot be converted to integers: {k!r}", "logit_bias"
+            ) from None
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise OpenAIError(f"logit_bias values must be numbers, got {v!r}", "logit_bias")
+        bias[tid] = min(100.0, max(-100.0, float(v)))
+    if vocab_size is not None and (bad := [t for t in bias if not 0 <= t < vocab_size]):
+        raise OpenAIError(
+            f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+            "logit_bias",
+        )
+    return bias
+
+
+def _allowed_token_ids(body: Body, vocab_size: int | None) -> list[int] | None:
+    allowed = body.integers("allowed_token_ids")
+    if allowed is not None:
+        if not allowed:
+            raise OpenAIError("allowed_token_ids is not None and empty!", "allowed_token_ids")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in allowed):
+            raise OpenAIError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+    return allowed
 
 
 def logprobs_count(value: Any, key: str, vocab_size: int | None) -> int | None:

@@ -59,7 +59,7 @@ from rollout_svc.engines.base import (
     Layout,
     PromptLogprobs,
 )
-from rollout_svc.engines.torch_engine import TorchEngine, load_tokenizer
+from rollout_svc.engines.torch import TorchEngine, load_tokenizer
 
 log = logging.getLogger("loom.engine.process")
 

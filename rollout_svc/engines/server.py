@@ -88,7 +88,7 @@ def build_app(
             "SIMULATION MODE: %.1f ms per token, random tokens (benchmarks only)", simulate_ms_per_token
         )
         return create_engine_app(SimulatedEngine(simulate_ms_per_token), "loom-simulated")
-    from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+    from rollout_svc.engines.torch import TorchEngine, resolve_model_path
 
     path = resolve_model_path(model or settings.model)
     engine = TorchEngine(

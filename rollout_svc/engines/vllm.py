@@ -283,17 +283,8 @@ class VLLMEngine(Engine):
                 last = f"{type(exc).__name__}: {exc}"
                 self._synced = False  # the server may come back as another process: check again
             else:
-                if r.status_code < 400:
-                    self._last_ok = time.monotonic()
-                    if text:
-                        return r.text
-                    return r.json() if r.content else None
                 if r.status_code < 500 or not retry_5xx:
-                    raise Refused(
-                        f"{method} {path} -> HTTP {r.status_code}: {_message(r)}",
-                        r.status_code,
-                        _route_missing(r),
-                    )
+                    return self._answer(r, method, path, text)
                 last = f"HTTP {r.status_code}: {_message(r)[:200]}"
                 self._synced = False
             if attempt >= self.retries:
@@ -305,6 +296,17 @@ class VLLMEngine(Engine):
             await asyncio.sleep(delay)
             delay *= 2
         raise EngineUnavailable(f"{method} {self.base_url}{path} failed after {attempt + 1} tries: {last}")
+
+    def _answer(self, r: httpx.Response, method: str, path: str, text: bool) -> Any:
+        """A final answer: the body of a success (``text``: as text; None if empty), else ``Refused``."""
+        if r.status_code >= 400:
+            raise Refused(
+                f"{method} {path} -> HTTP {r.status_code}: {_message(r)}", r.status_code, _route_missing(r)
+            )
+        self._last_ok = time.monotonic()
+        if text:
+            return r.text
+        return r.json() if r.content else None
 
     async def _dev(self, method: str, path: str, json: Any = None, **kw: Any) -> Any:
         """A dev-mode route: a missing route is a clear error naming the flag."""

@@ -45,7 +45,7 @@ from loom.schemas import (  # noqa: E402
 from loom.store import PolicyStore  # noqa: E402
 from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems  # noqa: E402
 from rollout_svc.engines.base import Layout  # noqa: E402
-from rollout_svc.engines.torch_engine import TorchEngine, load_model, teacher_forced_logprobs  # noqa: E402
+from rollout_svc.engines.torch import TorchEngine, load_model, teacher_forced_logprobs  # noqa: E402
 
 ATOL = 2e-4
 

@@ -22,7 +22,7 @@ from loom.schemas import (
     TrajectoryReward,
 )
 from loom.tiny import CHECKPOINT_DIR, make_problems, plain_prompt
-from rollout_svc.engines.torch_engine import TorchEngine
+from rollout_svc.engines.torch import TorchEngine
 
 T = 1.3
 

@@ -49,7 +49,7 @@ def engine_url() -> Iterator[str]:
     """``loom engine``'s app serving the tiny model (vLLM's OpenAI-compatible completions)."""
     from loom.tiny import CHECKPOINT_DIR
     from rollout_svc.engines.server import create_engine_app
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
 
     engine = TorchEngine(CHECKPOINT_DIR)
     with serve(create_engine_app(engine, "tiny", engine.tokenizer)) as url:

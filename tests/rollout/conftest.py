@@ -105,7 +105,7 @@ def arun(loop: asyncio.AbstractEventLoop) -> Any:
 
 @pytest.fixture(scope="session")
 def torch_engine(model_dir: Path) -> Any:
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
 
     return TorchEngine(model_dir, cache_entries=16, device=DEVICE)
 

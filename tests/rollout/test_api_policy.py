@@ -14,7 +14,7 @@ from loom.schemas import Group, SamplingParams
 from loom.settings import Settings
 from loom.store import PolicyStore
 from rollout_svc.engines import set_engine
-from rollout_svc.engines.torch_engine import TorchEngine, load_model, teacher_forced_logprobs
+from rollout_svc.engines.torch import TorchEngine, load_model, teacher_forced_logprobs
 from tests.rollout.conftest import build_model_dir
 
 
@@ -135,7 +135,7 @@ def test_concurrent_requests_for_a_new_version_load_it_once_and_generate_from_it
     loads in a threads-pool worker left a model on the "meta" device) and the version loads once."""
     import threading
 
-    import rollout_svc.engines.torch_engine as te
+    import rollout_svc.engines.torch.engine as te
 
     engine = TorchEngine(torch_engine.model_path, model=torch_engine.model, tokenizer=torch_engine.tokenizer)
     policy = store.get(1)
@@ -176,7 +176,7 @@ def test_groups_in_flight_catch_up_one_at_a_time_and_never_load_an_older_version
     for versions 2, 2 and 1 at once: version 2 loads once, and version 1 is not loaded over it."""
     import asyncio
 
-    import rollout_svc.engines.torch_engine as te
+    import rollout_svc.engines.torch.engine as te
     from rollout_svc.rollout import catch_up
 
     store.publish(2, lambda d: build_model_dir(d, seed=2))

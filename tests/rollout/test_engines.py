@@ -15,7 +15,7 @@ import torch
 
 from loom.schemas import SamplingParams
 from rollout_svc.engines.base import Layout, UnsupportedCapability
-from rollout_svc.engines.torch_engine import teacher_forced_logprobs
+from rollout_svc.engines.torch import teacher_forced_logprobs
 
 ATOL = 1e-4
 

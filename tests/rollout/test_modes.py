@@ -11,7 +11,7 @@ from loom.formats import DEFAULT_MARKERS as M
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.settings import Settings
 from rollout_svc.engines.base import Layout, UnsupportedCapability
-from rollout_svc.engines.torch_engine import teacher_forced_logprobs
+from rollout_svc.engines.torch import teacher_forced_logprobs
 from rollout_svc.modes import ModeError
 from rollout_svc.rollout import generate_group
 
@@ -149,7 +149,7 @@ def test_streaming_on_the_shipped_tiny_checkpoint_is_token_exact(arun: Any) -> N
     """The built-in tiny model in its own stream format (loom/tiny): exact log-probs, typed segments."""
     from loom.tiny import CHECKPOINT_DIR, STREAM_HEADER, make_problems
     from loom.tiny.traces import stream_sentences
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
 
     if not (CHECKPOINT_DIR / "config.json").exists():
         pytest.skip(f"the tiny checkpoint is not built at {CHECKPOINT_DIR} (run `loom train-tiny`)")
@@ -176,7 +176,7 @@ def test_streaming_ends_a_sample_at_the_context_instead_of_failing_the_group(
     import json
     from collections import Counter
 
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
     from tests.rollout.conftest import build_model_dir
 
     d = build_model_dir(tmp_path / "m")

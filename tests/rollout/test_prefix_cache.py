@@ -8,7 +8,7 @@ import httpx
 
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.settings import Settings
-from rollout_svc.engines.torch_engine import TorchEngine
+from rollout_svc.engines.torch import TorchEngine
 from rollout_svc.rollout import generate_group
 
 SENTENCES = ["we have 3, 5 and 7.", "make 15 from them.", "it is a sunny day.", "take your time."]

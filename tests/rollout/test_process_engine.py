@@ -32,7 +32,7 @@ from rollout_svc.engines.base import (
     UnsupportedCapability,
 )
 from rollout_svc.engines.process import ProcessEngine
-from rollout_svc.engines.torch_engine import load_model, teacher_forced_logprobs
+from rollout_svc.engines.torch import load_model, teacher_forced_logprobs
 
 REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
@@ -66,7 +66,7 @@ def own_engine(model_dir: Path) -> Any:
 def test_stats_follow_the_child(own_engine: Any, model_dir: Path, arun: Any) -> None:
     """After every reply the parent's ``stats`` are the child's: the counts an in-process engine
     keeps for the same calls (bench/tree.py reads them)."""
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
 
     def counts(engine: Any) -> tuple[int, int, int, int]:
         s = engine.stats

@@ -21,7 +21,7 @@ import pytest
 
 from loom.queue import send
 from loom.schemas import Group, RolloutRequest, SamplingParams
-from rollout_svc.engines.torch_engine import teacher_forced_logprobs
+from rollout_svc.engines.torch import teacher_forced_logprobs
 from tests.rollout.conftest import start_engine_server, stop_process
 
 

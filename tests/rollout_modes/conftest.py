@@ -18,7 +18,7 @@ from loom.runtime import configure_process
 def tiny_engine() -> Any:
     configure_process()
     from loom.tiny import CHECKPOINT_DIR
-    from rollout_svc.engines.torch_engine import TorchEngine
+    from rollout_svc.engines.torch import TorchEngine
 
     return TorchEngine(CHECKPOINT_DIR, cache_entries=64, device=os.environ.get("LOOM_TEST_DEVICE", "cpu"))
 

@@ -17,7 +17,7 @@ from loom.formats import DEFAULT_SPAWN
 from loom.schemas import SamplingParams
 from loom.tiny import child_prompt, make_problems, spawn_prompt
 from rollout_svc.engines.base import Completion, Layout
-from rollout_svc.engines.torch_engine import TorchEngine, teacher_forced_logprobs
+from rollout_svc.engines.torch import TorchEngine, teacher_forced_logprobs
 
 ATOL = 1e-4
 TIMEOUT = 120  # seconds: a hang fails the test instead of blocking the suite

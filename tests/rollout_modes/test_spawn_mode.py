@@ -12,7 +12,7 @@ from loom.formats import DEFAULT_SPAWN
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, spawn_prompt
 from loom.tiny.traces import spawn_trace, trace_text
-from rollout_svc.engines.torch_engine import teacher_forced_logprobs
+from rollout_svc.engines.torch import teacher_forced_logprobs
 from rollout_svc.modes import ModeError
 from rollout_svc.modes.spawn import (
     SpawnChild,

@@ -9,7 +9,7 @@ from typing import Any
 from loom.contracts.modes import parse_mode_params
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, spawn_prompt
-from rollout_svc.engines.torch_engine import TorchEngine
+from rollout_svc.engines.torch import TorchEngine
 from rollout_svc.modes.spawn import spawn
 
 PROBLEM = make_problems("countdown", 2, seed=3)[1]  # greedy: one spawn block with 3 children

@@ -12,7 +12,7 @@ from loom.contracts.modes import parse_mode_params
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, reflect_prompt
 from rollout_svc.engines.base import UnsupportedCapability
-from rollout_svc.engines.torch_engine import teacher_forced_logprobs
+from rollout_svc.engines.torch import teacher_forced_logprobs
 from rollout_svc.engines.vllm import VLLMEngine
 from rollout_svc.modes import MODES, ModeError
 from rollout_svc.modes.tree import exact_reward_fn, tree

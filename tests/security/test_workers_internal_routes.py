@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from loom.settings import Settings
 from loom.store import PolicyStore
 from rollout_svc.engines import set_engine
-from rollout_svc.engines.torch_engine import TorchEngine
+from rollout_svc.engines.torch import TorchEngine
 
 TOKEN = "test-service-token-8c2e"
 

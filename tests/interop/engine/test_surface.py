@@ -23,7 +23,7 @@ from rollout_svc.engines.openai_protocol import (
     SAMPLING,
     generation_defaults,
 )
-from rollout_svc.engines.torch_engine import TorchEngine, resolve_model_path
+from rollout_svc.engines.torch import TorchEngine, resolve_model_path
 
 A = "[plain] Compute 47+85.\n"
 CHAT = [{"role": "user", "content": "[plain] Compute 47+85."}]

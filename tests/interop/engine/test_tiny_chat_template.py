@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from loom.tiny.tasks import tiny_problems
 from loom.tiny.tokenizer import CHAT_TEMPLATE, EOS
 from loom.tiny.traces import plain_prompt, reflect_prompt, spawn_prompt
-from rollout_svc.engines.torch_engine import resolve_model_path
+from rollout_svc.engines.torch import resolve_model_path
 
 
 @pytest.fixture(scope="module")

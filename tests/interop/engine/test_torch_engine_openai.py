@@ -12,7 +12,7 @@ import torch
 
 from loom.schemas import SamplingParams
 from rollout_svc.engines.base import InvalidPrompt, Progress
-from rollout_svc.engines.torch_engine import (
+from rollout_svc.engines.torch import (
     TorchEngine,
     process_logits,
     resolve_model_path,

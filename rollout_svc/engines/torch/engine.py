@@ -1,0 +1,306 @@
+"""``TorchEngine``: the ``engines.base.Engine`` facade over the torch package's parts.
+
+- Prefix KV cache (``prefix_cache``): a new request reuses the longest cached prefix and computes
+  only the rest; ``stats.prefill_tokens`` counts the prompt tokens actually computed.
+- Batching (``batching=True``, the default): concurrent requests without a group layout are decoded
+  together by one scheduler thread (``scheduler``). ``stats.extra``: ``decode_steps``,
+  ``batched_steps`` (forwards with more than one row), ``peak_batch_rows`` / ``peak_batch_requests``
+  (the most rows / requests in one forward). ``batching=False`` serialises every call (one request at
+  a time); requests with a layout always take that single-request path (``alone``), and FCI scoring,
+  policy loads and cache resets wait for the running batch to end.
+- Group layout (StreamingThinker): position ids numbered per group, block visibility mask
+  (``base.Layout``); the same ``model.block_mask`` builds the teacher-forced reference pass.
+- Limits: a prompt with a token id outside the vocabulary, or one that fills the model's context
+  (``max_position_embeddings``), is refused with ``InvalidPrompt``; ``max_tokens`` is capped at the
+  room the context leaves (finish_reason "length" there), where vLLM would refuse the request.
+- Sampling (``sampling``): temperature / top-k / top-p with a seeded generator, and vLLM's logits
+  processors in vLLM's order; the reported log-prob of a sampled token is the raw model log-prob
+  (``logprobs_mode="raw"``, vLLM's default) or the log-prob under the processed (tempered,
+  truncated) distribution (``"processed"``).
+- ``stream`` gives every token as it is sampled (the OpenAI routes' ``stream=true``);
+  ``prompt_logprobs`` scores a prompt in one forward pass (vLLM's ``prompt_logprobs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom.layout import group_positions
+from loom.schemas import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
+from rollout_svc.engines.base import (
+    Completion,
+    Engine,
+    InvalidPrompt,
+    Layout,
+    Listener,
+    PolicyLoadError,
+    Progress,
+    PromptLogprobs,
+    UnsupportedCapability,
+    check_prompt,
+    check_sampling,
+    check_scored,
+)
+from rollout_svc.engines.torch import model as model_io
+from rollout_svc.engines.torch.alone import generate_alone
+from rollout_svc.engines.torch.model import block_mask, eos_ids, load_model, load_tokenizer
+from rollout_svc.engines.torch.prefix_cache import Key, PrefixCache
+from rollout_svc.engines.torch.sampling import LogprobsMode, accept, sample
+from rollout_svc.engines.torch.scheduler import Scheduler
+
+log = logging.getLogger("loom.rollout.torch")
+
+
+class TorchEngine(Engine):
+    """transformers in-process (CPU or GPU), Loom's reference implementation."""
+
+    name = "torch"
+    capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores"})
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "cpu",
+        cache_entries: int = 32,
+        logprobs_mode: LogprobsMode = "raw",
+        model: Any = None,
+        tokenizer: Any = None,
+        batching: bool = True,
+        max_batch_rows: int = 64,
+    ) -> None:
+        super().__init__()
+        self.model_path = Path(model_path)
+        if model is not None:  # a model handed in decides the device (its inputs must live beside it)
+            self.model = model
+            self.device = str(next(model.parameters()).device)
+        else:
+            self.device = device
+            self.model = load_model(self.model_path, device)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
+        self.prefix = PrefixCache(cache_entries)
+        self.logprobs_kind = logprobs_mode
+        # policy loads one at a time: from_pretrained is not thread-safe (transformers' meta-device
+        # initialisation patches torch process-wide; two concurrent loads left one model on "meta")
+        self._load_lock = threading.Lock()
+        self._loaded: tuple[int, str] | None = None  # (version, path) of the last policy loaded
+        self.batching = batching
+        self.scheduler = Scheduler(self, max_batch_rows)
+        self.eos_ids: set[int] = eos_ids(self.model, self.tokenizer)
+
+    @property
+    def cache_entries(self) -> int:
+        return self.prefix.capacity
+
+    @property
+    def max_batch_rows(self) -> int:
+        return self.scheduler.max_rows
+
+    # ---------------------------------------------------------------------------------------------
+    # interface
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
+    ) -> list[Completion]:
+        if self.batching and layout is None:
+            params = self._fit(prompt_ids, params, layout)
+            return await asyncio.wrap_future(self._submit(prompt_ids, params))
+        return await asyncio.to_thread(self.generate_sync, prompt_ids, params, layout)
+
+    def generate_sync(
+        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
+    ) -> list[Completion]:
+        params = self._fit(prompt_ids, params, layout)
+        if self.batching and layout is None:
+            return self._submit(prompt_ids, params).result()
+        with self._exclusive(), torch.no_grad():
+            return generate_alone(self, prompt_ids, params, layout)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Progress]:
+        """Every accepted token as it is sampled (the batching scheduler tells the request's listener,
+        on the scheduler thread; the events cross to this loop in order)."""
+        if not self.batching:
+            async for progress in super().stream(prompt_ids, params):
+                yield progress
+            return
+        params = self._fit(prompt_ids, params, None)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Progress] = asyncio.Queue()
+
+        def listener(progress: Progress) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, progress)
+
+        fut = self._submit(prompt_ids, params, listener)
+        done: asyncio.Future[list[Completion]] = asyncio.wrap_future(fut)
+        ended = 0
+        try:
+            while ended < params.n:
+                if done.done() and events.empty():
+                    done.result()  # the request failed: its error; else every event has been read
+                    return
+                get: asyncio.Future[Progress] = asyncio.ensure_future(events.get())
+                await asyncio.wait((get, done), return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    continue
+                progress = get.result()
+                ended += progress.ended
+                yield progress
+        finally:
+            fut.cancel()  # a client that went away: drop the request if it has not started
+
+    async def prompt_logprobs(self, token_ids: list[int], k: int) -> PromptLogprobs:
+        return await asyncio.to_thread(self.prompt_logprobs_sync, token_ids, k)
+
+    def prompt_logprobs_sync(self, token_ids: list[int], k: int) -> PromptLogprobs:
+        """One forward pass over ``token_ids`` (no prefix cache), serialised with generation."""
+        check_scored(list(token_ids), 0, self.vocab_size, self.max_model_len, 0)
+        with self._exclusive():
+            return model_io.prompt_logprobs(self.model, token_ids, k, self.device)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
+    def max_model_len(self) -> int | None:
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    async def score_attention(
+        self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
+    ) -> list[float]:
+        return await asyncio.to_thread(self.score_attention_sync, token_ids, steps, delta, zero_from)
+
+    def score_attention_sync(
+        self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
+    ) -> list[float]:
+        """FCI scores (docs/algorithms.md §2.3; AttnRL eq. 5-6) by loom.fci's streaming pass, serialised
+        with generation."""
+        from loom.fci import fci_scores
+
+        check_scored(list(token_ids), len(steps), self.vocab_size, self.max_model_len, MAX_ATTENTION_STEPS)
+        with self._exclusive():
+            return fci_scores(self.model, token_ids, steps, delta=delta, zero_from=zero_from)
+
+    async def load_policy(self, policy: PolicyVersion) -> None:
+        await asyncio.to_thread(self.load_policy_sync, policy)
+
+    def load_policy_sync(self, policy: PolicyVersion) -> None:
+        if policy.kind == "lora":
+            raise UnsupportedCapability(self.name, "lora", "publish full checkpoints for the torch engine")
+        with self._load_lock:
+            if self._loaded == (policy.version, str(policy.path)):
+                return  # several groups asked for the same new version: it is loaded once
+            try:
+                model = load_model(policy.path, self.device)
+            except (OSError, ValueError) as exc:  # no such directory, not a checkpoint, an unknown model
+                raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
+            with self._exclusive():
+                self.model = model
+                self.prefix.clear()
+                self.policy_version = policy.version
+            self._loaded = (policy.version, str(policy.path))
+        log.info("loaded policy version %d from %s", policy.version, policy.path)
+
+    async def reset_cache(self) -> None:
+        await asyncio.to_thread(self.reset_cache_sync)
+
+    def reset_cache_sync(self) -> None:
+        with self._exclusive():
+            self.prefix.clear()
+
+    def stop_scheduler(self, timeout: float = 5.0) -> None:
+        """Let an idle scheduler thread end now and wait for it (interpreter shutdown calls it)."""
+        self.scheduler.stop(timeout)
+
+    # ---------------------------------------------------------------------------------------------
+    # the parts the scheduler and the single-request path share
+
+    def _fit(self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None) -> SamplingParams:
+        """Refuse a prompt the model cannot read (``base.check_prompt``: ``InvalidPrompt``) and cap
+        ``max_tokens`` at the room its context leaves, so a sample that reaches the end of the context
+        ends with finish_reason "length". (vLLM answers 400 to prompt + max_tokens > max_model_len;
+        the torch engine, and so ``loom engine``, serves what fits.) Under a group layout positions
+        are numbered per group, and the generated tokens continue ``gen_group``'s."""
+        if layout is not None and len(layout.groups) != len(prompt_ids):
+            raise ValueError(f"layout has {len(layout.groups)} groups for {len(prompt_ids)} prompt tokens")
+        check_sampling(params, self.vocab_size)
+        limit = self.max_model_len
+        if layout is None:
+            room = check_prompt(prompt_ids, self.vocab_size, limit)
+        else:
+            check_prompt(prompt_ids, self.vocab_size, None)
+            room = self.room(prompt_ids, layout)
+            if room == 0:
+                raise InvalidPrompt(
+                    f"a group of the prompt's layout takes {max(Counter(layout.groups).values())} "
+                    f"positions; the model's context holds {limit} (and at least one generated token)"
+                )
+        if room is not None and params.max_tokens > room:
+            return params.model_copy(update={"max_tokens": room})
+        return params
+
+    def _submit(
+        self, prompt_ids: list[int], params: SamplingParams, listener: Listener | None = None
+    ) -> Future[list[Completion]]:
+        return self.scheduler.submit(prompt_ids, params, listener)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        with self.scheduler.exclusive():
+            yield
+
+    def _prefill_rows(
+        self, key: Key, groups: list[int], masked: bool, n: int
+    ) -> tuple[Any, torch.Tensor, int]:
+        """Prefill ``key`` past its longest cached prefix; the cache and next-token logits as n rows,
+        and how many of its tokens the cache served."""
+        cache, reuse = self.prefix.take(key)
+        self.stats.requests += 1
+        self.stats.cached_tokens += reuse
+        self.stats.prefill_tokens += len(key) - reuse
+        x = torch.tensor([[t for t, _ in key[reuse:]]], device=self.device)
+        logits = self._forward(x, groups, reuse, cache, masked)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.expand(n, -1)
+        return cache, logits, reuse
+
+    def _forward(self, ids: torch.Tensor, groups: list[int], start: int, cache: Any, masked: bool) -> Any:
+        positions = group_positions(groups)[start:]
+        kwargs: dict[str, Any] = {
+            "position_ids": torch.tensor([positions], device=self.device).expand(ids.shape[0], -1),
+            "past_key_values": cache,
+            "use_cache": True,
+        }
+        if masked:
+            kwargs["attention_mask"] = block_mask(groups, start, torch.float32, self.device).expand(
+                ids.shape[0], -1, -1, -1
+            )
+        return self.model(ids, **kwargs).logits[:, -1, :].float()
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        gen: torch.Generator,
+        prompt_ids: list[int] | None = None,
+        outputs: list[list[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return sample(logits, params, gen, self.logprobs_kind, self.eos_ids, prompt_ids, outputs)
+
+    def _accept(
+        self, c: Completion, t: int, lp: float, top: Any, r: int, params: SamplingParams, stop_ids: set[int]
+    ) -> bool:
+        return accept(c, t, lp, top, r, params, stop_ids, self.eos_ids, self.tokenizer)

@@ -1,0 +1,94 @@
+"""Loading a checkpoint, and the passes that read a whole sequence at once: the teacher-forced
+reference (``teacher_forced_logprobs``) and vLLM's ``prompt_logprobs``. The group layout's block
+visibility mask (``block_mask``) is shared with the engine's decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom.layout import group_positions, group_visibility
+from rollout_svc.engines.base import Layout, PromptLogprobs
+
+
+def resolve_model_path(model: str) -> Path:
+    """``tiny`` is Loom's built-in checkpoint; anything else is a Hugging Face model directory."""
+    if model == "tiny":
+        from loom.tiny import CHECKPOINT_DIR  # type: ignore[attr-defined]
+
+        return Path(CHECKPOINT_DIR)
+    return Path(model)
+
+
+def load_model(path: str | Path, device: str = "cpu") -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The model's end-of-sequence ids (its generation config's, else the tokenizer's)."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+
+
+def block_mask(groups: list[int], q_start: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """Additive mask (1, 1, q, kv) for queries ``groups[q_start:]`` over keys ``groups``.
+
+    Query i sees key j iff j <= i (causal) and groups[j] <= groups[i] (source never sees target).
+    """
+    allowed = group_visibility(groups, q_start, device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(
+    model: Any, ids: list[int], start: int, layout: Layout | None = None
+) -> list[float]:
+    """Log-probs of ``ids[start:]`` in ONE forward pass over the whole sequence (the reference)."""
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    kwargs: dict[str, Any] = {}
+    if layout is not None:
+        groups = layout.groups + [layout.gen_group] * (len(ids) - len(layout.groups))
+        kwargs["position_ids"] = torch.tensor([group_positions(groups)], device=device)
+        kwargs["attention_mask"] = block_mask(groups, 0, torch.float32, device)
+    logits = model(x, **kwargs).logits[0].float()
+    logp = torch.log_softmax(logits[start - 1 : len(ids) - 1], dim=-1)
+    return logp.gather(1, x[0, start:, None]).squeeze(1).tolist()
+
+
+@torch.no_grad()
+def prompt_logprobs(model: Any, token_ids: list[int], k: int, device: Any) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` in one forward pass: for every prompt token after the first, its
+    log-prob and rank, and the ``k`` most likely tokens at its position (with their ranks)."""
+    logits = model(torch.tensor([token_ids], device=device)).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    actual = torch.tensor(token_ids[1:], device=logp.device)
+    lp = logp.gather(1, actual[:, None])
+    ranks = (logp > lp).sum(dim=-1) + 1
+    top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1) if k > 0 else None
+    out: PromptLogprobs = [None]
+    for i, (t, v, rank) in enumerate(zip(token_ids[1:], lp[:, 0].tolist(), ranks.tolist(), strict=True)):
+        d = {t: (v, rank)}
+        if top is not None:
+            ids, values = top.indices[i].tolist(), top.values[i].tolist()
+            for j, (tid, tv) in enumerate(zip(ids, values, strict=True)):
+                d.setdefault(tid, (tv, j + 1))
+        out.append(d)
+    return out
