@@ -41,7 +41,7 @@ never its reply.
 The group records the tree: trajectory i is the initial response i or a branch (its completion is the
 copied prefix + the continuation, ``parent_id`` = the path it branched from); ``Group.tree`` holds
 nodes with parents and completion-token spans; every trajectory has a ``tree_node`` segment per node
-on its path. learner.advantages.treerl computes node advantages from exactly this.
+on its path. learner.estimators.treerl computes node advantages from exactly this.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def expanded_trees(
 def exact_reward_fn(request: RolloutRequest, tokenizer: Any) -> RewardFn | None:
     """Correctness by loom.exact for ``arithmetic`` (label = the value) and ``countdown`` (label = JSON
     {"numbers": [...], "target": n}) requests; None for every other task (no expansion rule then)."""
-    from loom.answers import last_boxed as extract_boxed
+    from loom.answers import last_boxed
     from loom.exact import check_arithmetic, check_countdown, parse_countdown
 
     label = request.label
@@ -269,7 +269,7 @@ def exact_reward_fn(request: RolloutRequest, tokenizer: Any) -> RewardFn | None:
         out = []
         for t in trajectories:
             text = tokenizer.decode(t.completion_ids, skip_special_tokens=True)
-            answer = extract_boxed(text)
+            answer = last_boxed(text)
             if answer is None:
                 out.append(0.0)
             elif request.task == "arithmetic":

@@ -7,7 +7,7 @@ from asyncio import run
 
 import pytest
 
-from learner.advantages import treerl
+from learner.estimators import treerl
 from loom.contracts.modes import parse_mode_params
 from loom.schemas import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, reflect_prompt
