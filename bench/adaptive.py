@@ -103,7 +103,7 @@ def tiny(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
 
     configure_process()
     from loom.answers import last_boxed
-    from loom.schemas import SamplingParams
+    from loom.contracts.wire import SamplingParams
     from loom.tiny import CHECKPOINT_DIR, plain_prompt, tiny_problems
     from rollout_svc.engines.torch import TorchEngine
 

@@ -31,8 +31,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery, queue_name, worker_argv  # noqa: E402
-from loom.settings import Settings  # noqa: E402
 
 VISIBILITY_TIMEOUT = 3.0
 POLL = 0.05  # polling interval of every polling transport (same for all, so the comparison is fair)

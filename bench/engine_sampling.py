@@ -14,8 +14,8 @@ import statistics
 import time
 from typing import Any
 
+from loom.contracts.wire import SamplingParams
 from loom.runtime import configure_process
-from loom.schemas import SamplingParams
 from rollout_svc.engines.torch import TorchEngine, resolve_model_path
 
 PROMPT = [61, 383, 63, 347, 223, 22, 25, 13, 26, 23, 16, 201]  # "[plain] Compute 47+85.\n"

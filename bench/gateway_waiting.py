@@ -95,8 +95,8 @@ def main() -> None:
 
 
 def _rollout_depth(data_dir: str) -> int:
+    from loom.contracts.settings import Settings
     from loom.queue import make_celery, queue_depths
-    from loom.settings import Settings
 
     app = make_celery("gateway", Settings(data_dir=Path(data_dir)))
     try:

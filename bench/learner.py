@@ -21,8 +21,8 @@ from pathlib import Path
 # `python bench/learner.py` puts bench/ first on sys.path, where this file would shadow the package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
+from loom.contracts.wire import Group, RewardResult, Segment, TrainBatch, Trajectory, TrajectoryReward  # noqa: E402
 from loom.runtime import configure_process  # noqa: E402
-from loom.schemas import Group, RewardResult, Segment, TrainBatch, Trajectory, TrajectoryReward  # noqa: E402
 
 
 def make_batch(

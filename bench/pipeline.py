@@ -22,7 +22,7 @@ from pathlib import Path
 from gateway.models import RunRequest
 from gateway.runs import RunLoop
 from gateway.state import GatewayState
-from loom.schemas import (
+from loom.contracts.wire import (
     Group,
     RewardResult,
     RewardSpec,

@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from loom.contracts.settings import get_settings
+from loom.contracts.wire import Group, ReflectParams, RewardResult, RewardSpec, RolloutRequest, Trajectory
 from loom.runtime import configure_process
-from loom.schemas import Group, ReflectParams, RewardResult, RewardSpec, RolloutRequest, Trajectory
-from loom.settings import get_settings
 
 
 @dataclass

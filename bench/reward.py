@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loom.contracts.reward_settings import get_reward_settings  # noqa: E402
-from loom.schemas import Group, RewardSpec, Trajectory  # noqa: E402
+from loom.contracts.wire import Group, RewardSpec, Trajectory  # noqa: E402
 from reward_svc.core import score_group  # noqa: E402
 from reward_svc.corpus import hostile, realistic_mix  # noqa: E402
 from reward_svc.mathverify import Checker, MathItem, install_guards  # noqa: E402
@@ -182,8 +182,8 @@ def overhead(workers: int, sizes: list[int], reps: int, broker: str | None) -> l
                 stderr=subprocess.DEVNULL,
             )
             os.environ.update({k: v for k, v in qenv.items() if k.startswith("LOOM_")})
+            from loom.contracts.settings import get_settings
             from loom.queue import make_celery
-            from loom.settings import get_settings
 
             get_settings.cache_clear()
             app = make_celery("reward", get_settings())

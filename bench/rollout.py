@@ -49,9 +49,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from loom.contracts.settings import Settings, get_settings  # noqa: E402
+from loom.contracts.wire import RolloutRequest, SamplingParams  # noqa: E402
 from loom.runtime import configure_process  # noqa: E402
-from loom.schemas import RolloutRequest, SamplingParams  # noqa: E402
-from loom.settings import Settings, get_settings  # noqa: E402
 
 RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
 REDIS = "redis://127.0.0.1:6379/4"

@@ -40,8 +40,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from loom.contracts.wire import Group, PolicyVersion, RolloutRequest, SamplingParams, Trajectory  # noqa: E402
 from loom.runtime import configure_process  # noqa: E402
-from loom.schemas import Group, PolicyVersion, RolloutRequest, SamplingParams, Trajectory  # noqa: E402
 from rollout_svc.engines.base import Completion, Engine, Layout  # noqa: E402
 
 

@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from loom.contracts.wire import RolloutRequest, SamplingParams  # noqa: E402
 from loom.runtime import configure_process  # noqa: E402
-from loom.schemas import RolloutRequest, SamplingParams  # noqa: E402
 
 
 def computed(engine) -> int:

@@ -1,4 +1,4 @@
-"""Adaptive sampling (Reinforce-Ada, paper 001 Algorithm 1; ALGORITHMS.md section 4). Pure logic.
+"""Adaptive sampling (Reinforce-Ada, paper 001 Algorithm 1; docs/algorithms.md §4). Pure logic.
 
 Phase 1 (rounds): every active prompt gets M new responses per round; a prompt leaves the active set
 once its exit condition holds (``positive``: >= 1 positive; ``balanced``: >= floor(n/2) positives and
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-from loom.schemas import Group, PoolStats, RewardResult, Trajectory, TrajectoryReward
+from loom.contracts.wire import Group, PoolStats, RewardResult, Trajectory, TrajectoryReward
 
 ExitRule = Literal["positive", "balanced"]
 FillOrder = Literal["first", "random"]
@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
-    """Reinforce-Ada hyper-parameters with ALGORITHMS.md 4 defaults."""
+    """Reinforce-Ada hyper-parameters with docs/algorithms.md §4 defaults."""
 
     n: int = 4  # update group size (kept responses per prompt)
     samples_per_round: int = 8  # M
@@ -74,7 +74,7 @@ def downsample(
 ) -> list[int] | None:
     """Indices (into ``rewards``) of the kept update group, or None when the prompt is dropped.
 
-    Fill rule (ALGORITHMS.md 4): min(floor(n/2), #pos) positives, then negatives, then any shortfall
+    Fill rule (docs/algorithms.md §4): min(floor(n/2), #pos) positives, then negatives, then any shortfall
     from the other side. Positive variant: at least one positive when any exists. A pool with fewer
     than n responses or with all rewards equal is dropped (it has nothing usable).
     """

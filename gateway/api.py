@@ -28,8 +28,8 @@ from gateway.ratelimit import TokenBuckets
 from gateway.routes import api_router
 from gateway.routes.deps import Backpressure, Gateway
 from gateway.state import GatewayState
+from loom.contracts.settings import SERVICES, Settings, get_settings
 from loom.service import add_ping_route, broker_check, create_app
-from loom.settings import SERVICES, Settings, get_settings
 
 
 def build_gateway(settings: Settings, celery_app: Any, stages: Stages | None = None) -> Gateway:

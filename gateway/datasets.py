@@ -212,7 +212,7 @@ def load_dataset(spec: DatasetSpec, mode: str = "plain", data_dir: Path | None =
 
 def dataset_root(data_dir: Path | None) -> Path:
     if data_dir is None:
-        from loom.settings import get_settings
+        from loom.contracts.settings import get_settings
 
         data_dir = Path(get_settings().data_dir)
     return Path(data_dir) / "datasets"

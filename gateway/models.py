@@ -1,4 +1,4 @@
-"""The gateway's public request/response contracts (jobs and runs). Stage payloads are loom.schemas."""
+"""The gateway's public request/response contracts (jobs and runs). Stage payloads are loom.contracts.wire."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from loom.contracts.estimators import check_estimator_params
-from loom.schemas import (
+from loom.contracts.wire import (
     Contract,
     Estimator,
     Group,
@@ -29,7 +29,7 @@ RunStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
 class AdaptiveParams(Contract):
-    """Reinforce-Ada (ALGORITHMS.md 4); ``n`` is the update group size kept per prompt."""
+    """Reinforce-Ada (docs/algorithms.md §4); ``n`` is the update group size kept per prompt."""
 
     n: int = Field(default=4, ge=1, le=256)
     samples_per_round: int = Field(default=8, ge=1, le=256, description="M")

@@ -32,8 +32,8 @@ from celery import states
 from kombu.exceptions import OperationalError
 
 from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, Rounds, merge_group, select
+from loom.contracts.wire import Group, RewardResult, RewardSpec, RolloutRequest, StepResult, TrainBatch
 from loom.results import STORE_UNREACHABLE, ResultHub
-from loom.schemas import Group, RewardResult, RewardSpec, RolloutRequest, StepResult, TrainBatch
 
 GENERATE = "rollout.generate_group"
 SCORE = "reward.score_group"

@@ -1,5 +1,6 @@
-"""The RL run loop (DESIGN.md "Runs"; ALGORITHMS.md 5.3): sample prompts -> rollout groups -> rewards
--> optional reflection -> optional adaptive rounds -> learner step -> new policy version.
+"""The RL run loop (docs/architecture.md "Policy versions"; docs/algorithms.md §5.3): sample prompts
+-> rollout groups -> rewards -> optional reflection -> optional adaptive rounds -> learner step -> new
+policy version.
 
 One-step off-policy (staleness bound s, default 1): while the learner trains step m, generation of
 steps up to m + s runs with the newest policy version available when it starts (version v0 + m), so
@@ -34,7 +35,7 @@ from gateway.pipeline import Cancelled, Collected, Stages, collect
 from gateway.state import GatewayState
 from gateway.stepmetrics import has_signal, step_metrics
 from loom.batching import next_batch_size
-from loom.schemas import RolloutRequest, TrainBatch
+from loom.contracts.wire import RolloutRequest, TrainBatch
 
 log = logging.getLogger("loom.gateway.runs")
 

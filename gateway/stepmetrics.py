@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from statistics import fmean, pvariance
 
-from loom.schemas import Group, RewardResult
+from loom.contracts.wire import Group, RewardResult
 
 
 def _totals(group: Group, result: RewardResult) -> list[float]:

@@ -12,7 +12,7 @@ from gateway.models import TaskItem
 from gateway.runs import to_request
 from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params
 from loom.contracts.rewards import RequestError, check_spec
-from loom.settings import Settings
+from loom.contracts.settings import Settings
 from loom.store import PolicyStore
 
 MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in dataset's items differ

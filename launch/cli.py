@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from launch import SERVICE_PACKAGES
-from loom.settings import SERVICES
+from loom.contracts.settings import SERVICES
 
 # command -> (module:function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -39,7 +39,7 @@ def _resolve(target: str):  # type: ignore[no-untyped-def]
 
 
 def api_main(argv: Sequence[str]) -> int:
-    from loom.settings import get_settings
+    from loom.contracts.settings import get_settings
 
     p = argparse.ArgumentParser(prog="loom api", description="run one service's HTTP API")
     p.add_argument("service", choices=SERVICES)
@@ -63,9 +63,9 @@ def api_main(argv: Sequence[str]) -> int:
 
 
 def worker_main(argv: Sequence[str]) -> int:
+    from loom.contracts.settings import get_settings
     from loom.queue import worker_argv
     from loom.runtime import configure_process
-    from loom.settings import get_settings
 
     p = argparse.ArgumentParser(prog="loom worker", description="run one service's Celery worker")
     p.add_argument("service", choices=SERVICES)

@@ -190,7 +190,7 @@ def main(argv: Sequence[str] = ()) -> int:
         return _drive(client, args, out, t0)
 
     from launch.stack import Stack
-    from loom.settings import Settings
+    from loom.contracts.settings import Settings
 
     # A fresh data dir per demo: its own embedded broker, run state and policy store.
     settings = Settings(data_dir=out / "state")

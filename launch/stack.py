@@ -29,7 +29,7 @@ from typing import IO, Any
 import httpx
 import psutil
 
-from loom.settings import SERVICES, Settings, get_settings
+from loom.contracts.settings import SERVICES, Settings, get_settings
 
 LOG_KEEP = 5  # previous runs' logs kept per process
 WORKER_READY_LINE = " ready."  # Celery's worker logs "<hostname> ready." once it consumes its queue

@@ -22,10 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import Field, model_validator
 
 from learner.assign import assign_batch
-from loom.schemas import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
+from loom.contracts.settings import Settings
+from loom.contracts.wire import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
 from loom.service import add_ping_route, broker_check, create_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
-from loom.settings import Settings
 
 
 class AttentionRequest(Contract):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from learner.estimators import TokenAdvantages, assign_group
 from loom.contracts.estimators import estimator_params
-from loom.schemas import Group, RewardResult, TrainBatch, TrajectoryReward
+from loom.contracts.wire import Group, RewardResult, TrainBatch, TrajectoryReward
 
 
 @dataclass

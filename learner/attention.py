@@ -1,4 +1,4 @@
-"""FCI attention scores of a response's steps (AttnRL eq. 6-7; ALGORITHMS.md 2.3), for engines that
+"""FCI attention scores of a response's steps (AttnRL eq. 6-7; docs/algorithms.md §2.3), for engines that
 cannot return attention weights (vLLM).
 
 FCI(k) = max over layers l and heads h of sum_{j >= k + delta} alpha^{l,h}_{j,k}, where

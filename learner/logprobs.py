@@ -1,4 +1,5 @@
-"""Log-prob recomputation on exactly the engine's token ids, with the engine's layout (ALGORITHMS.md 5.2).
+"""Log-prob recomputation on exactly the engine's token ids, with the engine's layout
+(docs/algorithms.md §5.2).
 
 Layouts:
 - interleaved (default): the sequence ``prompt_ids + completion_ids`` under a plain causal mask;
@@ -24,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loom.contracts.wire import Trajectory
 from loom.layout import group_positions, group_visibility
-from loom.schemas import Trajectory
 
 GROUP_LAYOUT = "group_positions"
 

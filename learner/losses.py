@@ -1,4 +1,4 @@
-"""Policy losses (ALGORITHMS.md 5.2). Pure torch on padded [B, T] completion tensors.
+"""Policy losses (docs/algorithms.md §5.2). Pure torch on padded [B, T] completion tensors.
 
 Every function returns a LOSS (to minimise) = minus the objective of the paper. Masks are 0/1 float
 tensors of trained tokens (observation tokens are 0 in every mask, so they enter no sum).
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loom.schemas import Aggregation
+from loom.contracts.wire import Aggregation
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) = 4.9e8: far beyond any clip range, finite in float32
 

@@ -9,10 +9,10 @@ import threading
 from typing import Any
 
 from learner.train import Learner, LearnerConfig
+from loom.contracts.settings import Settings, get_settings
+from loom.contracts.wire import TrainBatch
 from loom.queue import make_celery
 from loom.runtime import configure_process
-from loom.schemas import TrainBatch
-from loom.settings import Settings, get_settings
 
 celery_app = make_celery("learner")
 

@@ -26,7 +26,7 @@ from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
 from loom.batching import next_batch_size
 from loom.contracts.estimators import estimator_params
-from loom.schemas import LossSpec, PolicyVersion, StepResult, TrainBatch
+from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TrainBatch
 from loom.store import PolicyStore
 from loom.vocab import outside_vocabulary
 

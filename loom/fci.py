@@ -1,4 +1,4 @@
-"""FCI (Forward Context Influence) scores of a response's steps (AttnRL eq. 5-6; ALGORITHMS.md 2.3).
+"""FCI (Forward Context Influence) scores of a response's steps (AttnRL eq. 5-6; docs/algorithms.md §2.3).
 
     y_k^{l,h} = sum_{j >= k + delta} alpha^{l,h}_{j,k}          (eq. 5)
     y_k       = max_{l,h} y_k^{l,h}                             (eq. 6)

@@ -1,8 +1,8 @@
 """Markers and syntax of the trace formats Loom serves. Configuration, not constants: every mode and
 reward takes a ``Markers`` / ``SpawnSyntax`` argument and these are only the defaults.
 
-Streaming defaults follow StreamingThinker (ALGORITHMS.md 1.2); the spawn syntax is APR's Countdown
-syntax (ALGORITHMS.md 2.4); the reasoning format is ``<think>…</think>`` then ``\\boxed{}``.
+Streaming defaults follow StreamingThinker (docs/algorithms.md §1.2); the spawn syntax is APR's Countdown
+syntax (docs/algorithms.md §2.4); the reasoning format is ``<think>…</think>`` then ``\\boxed{}``.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class SpawnSyntax:
 DEFAULT_MARKERS = Markers()
 DEFAULT_SPAWN = SpawnSyntax()
 
-# The forced ending REA-RL appends to a truncated thinking part (ALGORITHMS.md 3).
+# The forced ending REA-RL appends to a truncated thinking part (docs/algorithms.md §3).
 FORCED_ENDING = "\n</think>\n\n**Final Answer:**\n\n"
 
-# REA-RL reflection keywords (ALGORITHMS.md 1.5).
+# REA-RL reflection keywords (docs/algorithms.md §1.5).
 REFLECTION_KEYWORDS: tuple[str, ...] = ("wait", "alternatively", "check", "but")

@@ -1,6 +1,6 @@
 """The queue fabric: one Celery app factory used by every service.
 
-Reliability choices (DESIGN.md "Queues and reliability"):
+Reliability choices (docs/operations.md and docs/architecture.md "The unit of work"):
 - one durable queue per service, routed by task-name prefix (``reward.*`` -> ``reward``);
 - JSON only: pickle is refused when publishing and when consuming;
 - late acknowledgement + reject-on-worker-lost + prefetch 1: a message is acknowledged only after
@@ -26,7 +26,7 @@ from celery.concurrency import get_implementation
 from celery.signals import worker_init
 from kombu import Exchange, Queue
 
-from loom.settings import SERVICES, Settings, get_settings
+from loom.contracts.settings import SERVICES, Settings, get_settings
 
 log = logging.getLogger("loom.queue")
 

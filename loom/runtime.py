@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from loom.settings import Settings, get_settings
+from loom.contracts.settings import Settings, get_settings
 
 _configured = False
 

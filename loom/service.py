@@ -33,9 +33,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loom import __version__
+from loom.contracts.settings import Settings, get_settings
+from loom.contracts.wire import SCHEMA_VERSION, Contract, VersionInfo
 from loom.runtime import configure_process
-from loom.schemas import SCHEMA_VERSION, Contract, VersionInfo
-from loom.settings import Settings, get_settings
 
 log = logging.getLogger("loom.service")
 

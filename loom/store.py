@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from loom.schemas import PolicyVersion
+from loom.contracts.wire import PolicyVersion
 
 
 class PolicyStore:

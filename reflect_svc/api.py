@@ -13,7 +13,7 @@ import asyncio
 
 from fastapi.responses import JSONResponse
 
-from loom.schemas import ReflectRequest, ReflectResult
+from loom.contracts.wire import ReflectRequest, ReflectResult
 from loom.service import add_ping_route, broker_check, create_app
 from reflect_svc.backends import make_services, policy_tokenizer
 from reflect_svc.config import get_reflect_settings

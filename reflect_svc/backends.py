@@ -22,8 +22,8 @@ import httpx
 from loom.clients.base import LoomHTTPError
 from loom.clients.reward import RewardClient
 from loom.clients.rollout import RolloutClient
-from loom.schemas import Group, RewardResult, RewardSpec, RolloutRequest
-from loom.settings import Settings, get_settings
+from loom.contracts.settings import Settings, get_settings
+from loom.contracts.wire import Group, RewardResult, RewardSpec, RolloutRequest
 from reflect_svc.config import ReflectSettings
 from reflect_svc.reflection_model import ModelError, ModelOutput, ReflectionModel
 from reflect_svc.revise import ServiceError

@@ -1,4 +1,4 @@
-"""Chunking of the thinking part (ALGORITHMS.md 3; REA-RL appendix A), in completion-token offsets.
+"""Chunking of the thinking part (docs/algorithms.md §3; REA-RL appendix A), in completion-token offsets.
 
 The thinking part is the text between ``<think>`` (or the start of the completion) and ``</think>``
 (or its end). It is split on blank lines; pieces are merged until a chunk has at least
@@ -180,7 +180,7 @@ def chunk_thinking(
     think_open: str = "<think>",
     think_close: str = "</think>",
 ) -> Thinking:
-    """Chunks of the thinking part of ``ids`` (REA-RL appendix A with ALGORITHMS.md 3's bounds)."""
+    """Chunks of the thinking part of ``ids`` (REA-RL appendix A with docs/algorithms.md §3's bounds)."""
     if not 1 <= min_tokens <= max_tokens:
         raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
     thinking, text, starts = find_thinking(ids, decode, think_open=think_open, think_close=think_close)

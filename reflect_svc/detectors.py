@@ -1,4 +1,4 @@
-"""Detectors: where the overthinking starts (ALGORITHMS.md 3; REA-RL §3.1, §5.3, appendix A).
+"""Detectors: where the overthinking starts (docs/algorithms.md §3; REA-RL §3.1, §5.3, appendix A).
 
 Every detector returns a ``Detection``: the completion-token offset where the kept prefix ends
 (``cut``) and, when it is a chunk end, the index of the last kept chunk. Pure functions over a

@@ -1,4 +1,4 @@
-"""Revised samples (REA-RL §4.2, eq. 2; ALGORITHMS.md 3): detect, cut, complete, score, keep or discard.
+"""Revised samples (REA-RL §4.2, eq. 2; docs/algorithms.md §3): detect, cut, complete, score, keep or discard.
 
 For every trajectory of a group: chunk its thinking part, let the detector pick the cut, move the cut
 so that at most ``max_removed_fraction`` (1/2) of the thinking tokens go, then ask the policy (the
@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from loom.formats import DEFAULT_MARKERS, Markers
-from loom.schemas import (
+from loom.contracts.wire import (
     Group,
     ReflectParams,
     ReflectResult,
@@ -32,6 +31,7 @@ from loom.schemas import (
     Trajectory,
     TrajectoryReward,
 )
+from loom.formats import DEFAULT_MARKERS, Markers
 from loom.vocab import outside_vocabulary
 from reflect_svc.chunking import Thinking, chunk_thinking
 from reflect_svc.detectors import (

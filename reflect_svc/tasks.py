@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from loom.contracts.wire import Group, ReflectParams
 from loom.queue import make_celery
-from loom.schemas import Group, ReflectParams
 
 celery_app = make_celery("reflect")
 

@@ -1,4 +1,4 @@
-"""Accuracy (ALGORITHMS.md 1.1; AdaSR §3.2 ``R_acc = 1[â = a]``): binary, per trajectory.
+"""Accuracy (docs/algorithms.md §1.1; AdaSR §3.2 ``R_acc = 1[â = a]``): binary, per trajectory.
 
 ``read_gold`` reads the group's gold answer once; ``plan`` decides each trajectory without
 math-verify where it can (choice / short answer, Loom's exact Countdown and arithmetic verifier) and

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from loom.contracts.reward_settings import get_reward_settings
 from loom.contracts.rewards import COMPONENT_PARAMS, RequestError, check_spec, check_timeout
-from loom.schemas import Group, RewardRequest, RewardResult, RewardSpec, TaskKind
+from loom.contracts.wire import Group, RewardRequest, RewardResult, RewardSpec, TaskKind
 from loom.service import add_ping_route, broker_check, create_app
 from reward_svc.core import (
     Refused,

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.contracts.wire import Group
 from loom.formats import DEFAULT_MARKERS, Markers
-from loom.schemas import Group
 from reward_svc.trace import TraceView
 
 

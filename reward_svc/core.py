@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.contracts.rewards import NEEDS_ACCURACY, AccuracyParams, RequestError
-from loom.schemas import Group, RewardResult, RewardSpec, TrajectoryReward
+from loom.contracts.wire import Group, RewardResult, RewardSpec, TrajectoryReward
 from reward_svc.accuracy import plan, read_gold
 from reward_svc.context import GroupContext
 from reward_svc.mathverify import MathItem, Verdict

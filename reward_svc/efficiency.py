@@ -1,4 +1,4 @@
-"""Efficiency reward, AdaSR eq. 7 (ALGORITHMS.md 1.4):
+"""Efficiency reward, AdaSR eq. 7 (docs/algorithms.md §1.4):
 
 R_eff = acc · fmt_s · fmt_d · (1 − exp(−L^D/τ)) · (1 − exp(−L^S/τ)) · exp(−(α L^S + L^D)/τ)
 

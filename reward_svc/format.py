@@ -1,4 +1,4 @@
-"""Format rewards (ALGORITHMS.md 1.2): binary, per trajectory, each returned separately.
+"""Format rewards (docs/algorithms.md §1.2): binary, per trajectory, each returned separately.
 
 - ``format_stream`` R_fmt^s and ``format_deep`` R_fmt^d (AdaSR §3.2, "Format Reward");
 - ``format_think``: ``<think>…</think>`` then an answer with ``\\boxed{}``;

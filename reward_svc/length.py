@@ -1,4 +1,4 @@
-"""Length rewards (ALGORITHMS.md 1.3).
+"""Length rewards (docs/algorithms.md §1.3).
 
 - ``length_kimi``: Kimi K1.5 length reward, REA-RL eq. 1 (group-relative);
 - ``length_refined``: REA-RL eq. 4, or the authors' code variant (``variant="authors"``);

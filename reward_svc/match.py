@@ -17,7 +17,7 @@ from pydantic import Field
 
 from loom.answers import last_boxed
 from loom.contracts.rewards import AccuracyParams
-from loom.schemas import Contract, RewardStatus, TaskKind
+from loom.contracts.wire import Contract, RewardStatus, TaskKind
 from reward_svc.accuracy import plan, read_gold
 from reward_svc.mathverify import MathItem, Verdict
 

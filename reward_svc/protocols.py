@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loom.contracts.wire import Group, RewardResult, RewardSpec, TaskKind, Trajectory
 from loom.interop import LabelError, label_text, message_text
-from loom.schemas import Group, RewardResult, RewardSpec, TaskKind, Trajectory
 from reward_svc.core import Refused
 
 # a chat prompt: slime's ``Sample.prompt: str | list[dict]``

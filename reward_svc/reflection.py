@@ -1,4 +1,4 @@
-"""Reflection reward, REA-RL eq. 3 (ALGORITHMS.md 1.5):
+"""Reflection reward, REA-RL eq. 3 (docs/algorithms.md §1.5):
 
 R = min(0, D / D_q − 1),  D = reflections / thinking tokens,
 

@@ -18,8 +18,8 @@ from typing import Any
 from celery import Celery
 from celery.result import AsyncResult
 
+from loom.contracts.wire import Group, RewardSpec
 from loom.queue import make_celery, send
-from loom.schemas import Group, RewardSpec
 
 celery_app = make_celery("reward")
 

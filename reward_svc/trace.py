@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from loom.answers import last_boxed
 from loom.contracts.rewards import ANSWER_TAIL_CHARS
+from loom.contracts.wire import Trajectory
 from loom.formats import DEFAULT_MARKERS, Markers
-from loom.schemas import Trajectory
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
@@ -156,7 +156,7 @@ def thinking_text(text: str, m: Markers = DEFAULT_MARKERS) -> str:
 
 
 def answer_region(text: str, tail_chars: int = ANSWER_TAIL_CHARS) -> tuple[str, str]:
-    """ALGORITHMS.md 1.1: ``("boxed", content)`` of the last balanced boxed answer, else
+    """docs/algorithms.md §1.1: ``("boxed", content)`` of the last balanced boxed answer, else
     ``("tail", last tail_chars characters)``."""
     boxed = last_boxed(text)
     if boxed is not None:

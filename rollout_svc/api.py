@@ -24,7 +24,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from loom.schemas import Contract, Group, RolloutRequest
+from loom.contracts.wire import Contract, Group, RolloutRequest
 from loom.service import ErrorBody, add_ping_route, broker_check, create_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
 from rollout_svc.engines import get_engine_async, get_tokenizer

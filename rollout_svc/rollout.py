@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from loom.contracts.modes import ModeLimits, parse_mode_params
-from loom.schemas import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
-from loom.settings import Settings
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines.base import Engine, EngineError, check_prompt
 from rollout_svc.modes import MODES, ModeError, mode_runner

@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 
 from celery import Task
 
+from loom.contracts.settings import get_settings
+from loom.contracts.wire import RolloutRequest
 from loom.queue import make_celery
-from loom.schemas import RolloutRequest
-from loom.settings import get_settings
 from rollout_svc.engines import get_engine, get_tokenizer
 from rollout_svc.engines.base import EngineTimeout, EngineUnavailable
 from rollout_svc.rollout import generate_group, loop_local, stored_policy

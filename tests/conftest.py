@@ -92,7 +92,7 @@ class BrokerEnv:
 
     @property
     def settings(self) -> Any:
-        from loom.settings import Settings
+        from loom.contracts.settings import Settings
 
         values = {k[len("LOOM_") :].lower(): v for k, v in {**self.env, **self.extra_env}.items()}
         return Settings(**values)
@@ -113,7 +113,7 @@ class BrokerEnv:
         return env
 
     def apply(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from loom.settings import get_settings
+        from loom.contracts.settings import get_settings
 
         for k in [k for k in os.environ if k.startswith("LOOM_")]:
             monkeypatch.delenv(k)
@@ -132,7 +132,7 @@ def _delete_namespace(namespace: str) -> None:
     """Remove this test's queues and exchanges from the shared RabbitMQ."""
     from kombu import Connection
 
-    from loom.settings import SERVICES
+    from loom.contracts.settings import SERVICES
 
     try:
         with Connection(RABBITMQ_URL, connect_timeout=2) as conn:

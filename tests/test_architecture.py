@@ -203,7 +203,7 @@ def test_every_package_is_walked() -> None:
 
 KNOWN = {
     "loom",
-    "loom.settings",
+    "loom.contracts.settings",
     "gateway",
     "gateway.api",
     "learner",
@@ -297,7 +297,7 @@ def test_walker_ignores_task_names_service_names_and_other_strings() -> None:
 @pytest.mark.parametrize(
     ("owner", "target", "ok"),
     [
-        ("gateway", "loom.settings", True),
+        ("gateway", "loom.contracts.settings", True),
         ("gateway", "gateway.jobs", True),
         ("gateway", "rollout_svc.modes", False),
         ("gateway", "launch.stack", False),

@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from loom.schemas import Group, RolloutRequest, Segment, Trajectory
+from loom.contracts.wire import Group, RolloutRequest, Segment, Trajectory
 
 
 def traj(**kw):
@@ -41,7 +41,7 @@ def test_unknown_fields_are_refused_with_their_name():
 
 
 def test_nan_and_infinite_numbers_are_refused_with_their_field():
-    from loom.schemas import LossSpec, TrajectoryReward
+    from loom.contracts.wire import LossSpec, TrajectoryReward
 
     for bad in ('{"trajectory_id": "t", "total": NaN}', '{"trajectory_id": "t", "total": Infinity}'):
         with pytest.raises(ValidationError) as err:

@@ -18,9 +18,9 @@ from gateway.manager import Manager
 from gateway.models import Created
 from gateway.quotas import QuotaExceeded, Quotas
 from gateway.state import GatewayState
+from loom.contracts.settings import Settings
 from loom.queue import queue_depths
 from loom.service import error_responses
-from loom.settings import Settings
 
 PIPELINE_QUEUES = ("rollout", "reward", "reflect", "learner")
 

@@ -27,7 +27,7 @@ from learner.estimators.hrpo import HrpoAdvantage, hrpo
 from learner.estimators.rea import rea
 from learner.estimators.treerl import treerl
 from loom.contracts.estimators import EstimatorParams, HrpoNames, estimator_params
-from loom.schemas import Group, TrajectoryReward
+from loom.contracts.wire import Group, TrajectoryReward
 
 Assign = Callable[[Group, Mapping[str, TrajectoryReward], Any], list[TokenAdvantages]]
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from learner.estimators.common import TokenAdvantages, scalar_rewards, trained_mask, uniform
 from learner.estimators.grpo import grpo
 from loom.contracts.estimators import EPS, AprParams
-from loom.schemas import Group, Trajectory, TrajectoryReward
+from loom.contracts.wire import Group, Trajectory, TrajectoryReward
 
 
 def apr(rewards: Sequence[float], n_calls: Sequence[int], *, eps: float = EPS) -> list[tuple[float, float]]:

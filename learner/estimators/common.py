@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from loom.contracts.estimators import EPS
-from loom.schemas import Trajectory, TrajectoryReward
+from loom.contracts.wire import Trajectory, TrajectoryReward
 
 
 def group_normalize(x: Sequence[float], *, eps: float = EPS, scale: bool = True) -> list[float]:

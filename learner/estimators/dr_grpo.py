@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from learner.estimators.common import TokenAdvantages, group_normalize, scalar_rewards, uniform_assign
 from loom.contracts.estimators import DrGrpoParams
-from loom.schemas import Group, TrajectoryReward
+from loom.contracts.wire import Group, TrajectoryReward
 
 
 def dr_grpo(rewards: Sequence[float]) -> list[float]:

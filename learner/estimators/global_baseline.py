@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from learner.estimators.common import TokenAdvantages, scalar_rewards, uniform_assign
 from loom.contracts.estimators import EPS, GlobalBaselineParams
-from loom.schemas import Group, PoolStats, TrajectoryReward
+from loom.contracts.wire import Group, PoolStats, TrajectoryReward
 
 
 def pool_mean_std(pool: PoolStats) -> tuple[float, float]:

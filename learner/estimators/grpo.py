@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from learner.estimators.common import TokenAdvantages, group_normalize, scalar_rewards, uniform_assign
 from loom.contracts.estimators import EPS, GrpoParams
-from loom.schemas import Group, TrajectoryReward
+from loom.contracts.wire import Group, TrajectoryReward
 
 
 def grpo(rewards: Sequence[float], *, eps: float = EPS) -> list[float]:

@@ -17,7 +17,7 @@ from learner.estimators.common import (
     uniform,
 )
 from loom.contracts.estimators import EPS, HrpoNames, HrpoParams
-from loom.schemas import Group, TrajectoryReward
+from loom.contracts.wire import Group, TrajectoryReward
 
 _DEFAULT = HrpoParams()
 

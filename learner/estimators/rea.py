@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from learner.estimators.common import TokenAdvantages, scalar_rewards, uniform_assign
 from learner.estimators.grpo import grpo
 from loom.contracts.estimators import EPS, ReaParams
-from loom.schemas import Group, TrajectoryReward
+from loom.contracts.wire import Group, TrajectoryReward
 
 
 def rea(rewards: Sequence[float], *, eps: float = EPS) -> list[float]:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from learner.estimators.common import TokenAdvantages, reward_of, trained_mask
 from loom.contracts.estimators import TREERL_REWARD_KEY, TreerlParams
-from loom.schemas import Group, TrajectoryReward, TreeNode
+from loom.contracts.wire import Group, TrajectoryReward, TreeNode
 
 
 def node_depths(nodes: Sequence[TreeNode]) -> dict[str, int]:

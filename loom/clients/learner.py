@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from loom.clients.base import ServiceClient
-from loom.schemas import StepResult, TrainBatch
+from loom.contracts.wire import StepResult, TrainBatch
 
 
 class LearnerClient(ServiceClient):

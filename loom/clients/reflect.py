@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from loom.clients.base import ServiceClient
-from loom.schemas import Group, ReflectParams, ReflectResult
-from loom.settings import get_settings
+from loom.contracts.settings import get_settings
+from loom.contracts.wire import Group, ReflectParams, ReflectResult
 
 
 def default_url() -> str:

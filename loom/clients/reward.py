@@ -10,8 +10,8 @@ import os
 from typing import Any
 
 from loom.clients.base import ServiceClient
-from loom.schemas import Group, RewardResult, RewardSpec
-from loom.settings import get_settings
+from loom.contracts.settings import get_settings
+from loom.contracts.wire import Group, RewardResult, RewardSpec
 
 DEFAULT_TIMEOUT_S = 180.0  # OpenRLHF's own remote-reward timeout
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from loom.clients.base import ServiceClient
-from loom.schemas import Group, RolloutRequest
+from loom.contracts.wire import Group, RolloutRequest
 
 
 class RolloutClient(ServiceClient):

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from loom.clients.reward import RewardClient
+from loom.contracts.wire import Group, RewardComponent, RewardSpec, Trajectory
 from loom.interop import LabelError, label_text, message_text
-from loom.schemas import Group, RewardComponent, RewardSpec, Trajectory
 
 RewardFunc = Callable[..., list[float | None]]
 

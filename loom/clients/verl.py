@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.clients.reward import RewardClient, default_url
+from loom.contracts.wire import Group, RewardResult, RewardSpec, TaskKind, Trajectory
 from loom.interop import LabelError, label_text, plain
-from loom.schemas import Group, RewardResult, RewardSpec, TaskKind, Trajectory
 
 _clients: dict[str, RewardClient] = {}
 

@@ -6,7 +6,7 @@ gateway and the learner refuse a key the estimator does not read (:func:`check_e
 so a misspelt parameter cannot silently fall back to its default), and the learner reads the values
 through :func:`estimator_params`, the typed model (a wrong type is a ``ValueError`` there).
 
-Imports only pydantic and the standard library (``loom.schemas`` imports this module).
+Imports only pydantic and the standard library (``loom.contracts.wire`` imports this module).
 """
 
 from __future__ import annotations

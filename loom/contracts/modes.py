@@ -20,9 +20,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Mode, RolloutRequest, SamplingParams
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, SpawnSyntax
-from loom.schemas import Mode, RolloutRequest, SamplingParams
-from loom.settings import Settings
 
 MAX_TOKENS: int = next(m.le for m in SamplingParams.model_fields["max_tokens"].metadata if hasattr(m, "le"))
 MAX_SENTENCES = 1024
@@ -256,7 +256,7 @@ def check_template(name: str, template: str, fields: tuple[str, ...]) -> None:
         raise ModeError(f"mode_params.{name} must contain {{message}}")
 
 
-# The one table of mode names (``loom.schemas.Mode`` types them; tests/contracts pins the two equal).
+# The one table of mode names (``loom.contracts.wire.Mode`` types them; tests/contracts pins the two equal).
 MODE_PARAMS: dict[Mode, type[ModeParams]] = {
     "plain": PlainParams,
     "streaming": StreamingParams,

@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loom.contracts.reward_settings import get_reward_settings
+from loom.contracts.wire import RewardSpec, TaskKind
 from loom.formats import REFLECTION_KEYWORDS
-from loom.schemas import RewardSpec, TaskKind
 
 ANSWER_TAIL_CHARS = 300  # docs/algorithms.md §1.1: fall back to the last ~300 characters
 MAX_ANSWER_CHARS = 2000  # the math verifier refuses a longer answer region (reward_svc.mathverify)

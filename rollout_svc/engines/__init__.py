@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily: vLLM's worker imports rollout_svc.engines.vllm_worker with its
     # own Python, which runs this file and must not need Loom's dependencies
-    from loom.settings import Settings
+    from loom.contracts.settings import Settings
     from rollout_svc.engines.base import Engine
 
 _engine: Engine | None = None
@@ -52,7 +52,7 @@ def make_engine(settings: Settings) -> Engine:
 
 
 def get_engine(settings: Settings | None = None) -> Engine:
-    from loom.settings import get_settings
+    from loom.contracts.settings import get_settings
 
     global _engine
     with _lock:
@@ -88,7 +88,7 @@ def get_tokenizer(settings: Settings | None = None) -> object:
         return engine_tok
     with _lock:
         if _tokenizer is None:
-            from loom.settings import get_settings
+            from loom.contracts.settings import get_settings
             from rollout_svc.engines.torch import load_tokenizer, resolve_model_path
 
             _tokenizer = load_tokenizer(resolve_model_path((settings or get_settings()).model))

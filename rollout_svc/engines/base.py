@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loom.schemas import PolicyVersion, SamplingParams
+from loom.contracts.wire import PolicyVersion, SamplingParams
 from loom.vocab import outside_vocabulary
 
 Capability = Literal["group_positions", "attention_scores", "prefix_cache", "lora"]

@@ -31,7 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from loom.schemas import PolicyVersion
+from loom.contracts.wire import PolicyVersion
 from rollout_svc.engines.base import Engine, EngineError
 from rollout_svc.engines.openai_api import server_info_answer
 from rollout_svc.engines.vllm import VLLM_VERSION

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import Completion, EngineError, InvalidPrompt, PromptLogprobs
 
 log = logging.getLogger("loom.engine.openai")

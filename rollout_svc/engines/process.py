@@ -48,7 +48,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
 
-from loom.schemas import PolicyVersion, SamplingParams
+from loom.contracts.wire import PolicyVersion, SamplingParams
 from rollout_svc.engines.base import (
     Completion,
     Engine,

@@ -76,8 +76,8 @@ def create_engine_app(
 def build_app(
     model: str | None = None, device: str | None = None, simulate_ms_per_token: float | None = None
 ) -> FastAPI:
+    from loom.contracts.settings import get_settings
     from loom.runtime import configure_process
-    from loom.settings import get_settings
 
     settings = get_settings()
     configure_process(settings)
@@ -101,7 +101,7 @@ def build_app(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from loom.settings import get_settings
+    from loom.contracts.settings import get_settings
 
     settings = get_settings()
     p = argparse.ArgumentParser(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from loom.schemas import PolicyVersion, SamplingParams
+from loom.contracts.wire import PolicyVersion, SamplingParams
 from rollout_svc.engines.base import Completion, Engine, Layout, UnsupportedCapability
 
 

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import httpx
 
-from loom.schemas import PolicyVersion, SamplingParams
+from loom.contracts.wire import PolicyVersion, SamplingParams
 from rollout_svc.engines.base import (
     Completion,
     Engine,

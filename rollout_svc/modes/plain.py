@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loom.contracts.modes import PlainParams
-from loom.schemas import Group, RolloutRequest, Trajectory
+from loom.contracts.wire import Group, RolloutRequest, Trajectory
 from rollout_svc.engines.base import Engine
 from rollout_svc.modes import trajectory_id
 

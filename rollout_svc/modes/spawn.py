@@ -31,8 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.contracts.modes import SpawnParams
+from loom.contracts.wire import (
+    FinishReason,
+    Group,
+    RolloutRequest,
+    Segment,
+    SegmentKind,
+    ThreadLink,
+    Trajectory,
+)
 from loom.formats import DEFAULT_SPAWN, SpawnSyntax
-from loom.schemas import FinishReason, Group, RolloutRequest, Segment, SegmentKind, ThreadLink, Trajectory
 from rollout_svc.engines.base import Completion, Engine
 from rollout_svc.modes import sample_seed, trajectory_id
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.contracts.modes import StreamingParams
+from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
 from loom.formats import DEFAULT_MARKERS
-from loom.schemas import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
 from rollout_svc.engines.base import Completion, Engine, Layout
 from rollout_svc.modes import ModeError, sample_seed, trajectory_id
 

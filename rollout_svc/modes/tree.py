@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from loom.contracts.modes import TreeParams
-from loom.schemas import Group, RolloutRequest, Segment, Trajectory, TreeNode
-from loom.settings import Settings
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Group, RolloutRequest, Segment, Trajectory, TreeNode
 from rollout_svc.engines.base import Completion, Engine, EngineError, UnsupportedCapability
 from rollout_svc.modes import sample_seed, trajectory_id
 

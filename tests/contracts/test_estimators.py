@@ -19,7 +19,7 @@ from loom.contracts.estimators import (
     check_estimator_params,
     estimator_params,
 )
-from loom.schemas import Estimator
+from loom.contracts.wire import Estimator
 
 
 def test_every_estimator_has_one_params_model() -> None:

@@ -21,9 +21,9 @@ from loom.contracts.modes import (
     TreeParams,
     parse_mode_params,
 )
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Mode, RolloutRequest, SamplingParams
 from loom.formats import DEFAULT_SPAWN
-from loom.schemas import Mode, RolloutRequest, SamplingParams
-from loom.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 SENTENCES = ["a b.", "c d e."]

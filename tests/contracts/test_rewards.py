@@ -17,7 +17,7 @@ from loom.contracts.rewards import (
     check_spec,
     check_timeout,
 )
-from loom.schemas import RewardComponent, RewardSpec
+from loom.contracts.wire import RewardComponent, RewardSpec
 from reward_svc.registry import REGISTRY
 
 

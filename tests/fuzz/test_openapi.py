@@ -104,7 +104,7 @@ def _serve(app: Any) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """LOOM_* settings of every app and worker here."""
-    from loom.settings import get_settings
+    from loom.contracts.settings import get_settings
 
     data = tmp_path_factory.mktemp("fuzz")
     values = {
@@ -135,7 +135,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def loom_settings(env: dict[str, str]) -> Any:
-    from loom.settings import Settings
+    from loom.contracts.settings import Settings
 
     return Settings()
 

@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loom.queue import make_celery
-from loom.schemas import (
+from loom.contracts.wire import (
     Group,
     RewardResult,
     RolloutRequest,
@@ -34,6 +33,7 @@ from loom.schemas import (
     Trajectory,
     TrajectoryReward,
 )
+from loom.queue import make_celery
 
 app = make_celery("rollout")
 STATE = Path(os.environ.get("LOOM_TEST_STAGE_LOG", "/tmp/loom-stage.log"))

@@ -1,4 +1,4 @@
-"""Reinforce-Ada rules of ALGORITHMS.md section 4 (gateway/adaptive.py), on hand-made reward lists."""
+"""Reinforce-Ada rules of docs/algorithms.md §4 (gateway/adaptive.py), on hand-made reward lists."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.adaptive import AdaptiveConfig, downsample, exit_met, merge_group, run_rounds, select
-from loom.schemas import Group, RewardResult, Trajectory, TrajectoryReward
+from loom.contracts.wire import Group, RewardResult, Trajectory, TrajectoryReward
 
 POS, NEG = 1.0, 0.0
 

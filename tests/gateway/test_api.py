@@ -16,8 +16,8 @@ from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, RUNS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
 from gateway.keys import KeyRing, hash_key, main, parse_keys  # noqa: E402
+from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
-from loom.settings import Settings  # noqa: E402
 from loom.store import PolicyStore  # noqa: E402
 
 

@@ -97,8 +97,8 @@ def test_a_publish_waits_for_an_unreachable_broker_then_fails_typed_or_stops(tmp
     import threading
 
     from gateway.pipeline import SCORE, Cancelled, CeleryStages, StageError
+    from loom.contracts.settings import Settings
     from loom.queue import make_celery
-    from loom.settings import Settings
 
     closed = free_port()
     url = f"amqp://guest:guest@127.0.0.1:{closed}//"

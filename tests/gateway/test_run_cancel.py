@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from gateway.models import RunRequest
 from gateway.runs import RunLoop
 from gateway.state import GatewayState
-from loom.schemas import (
+from loom.contracts.wire import (
     Group,
     RewardResult,
     RewardSpec,

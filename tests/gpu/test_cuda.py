@@ -32,8 +32,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from learner.train import Learner, LearnerConfig  # noqa: E402
-from loom.runtime import configure_process  # noqa: E402
-from loom.schemas import (  # noqa: E402
+from loom.contracts.wire import (  # noqa: E402
     Group,
     LossSpec,
     RewardResult,
@@ -42,6 +41,7 @@ from loom.schemas import (  # noqa: E402
     Trajectory,
     TrajectoryReward,
 )
+from loom.runtime import configure_process  # noqa: E402
 from loom.store import PolicyStore  # noqa: E402
 from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems  # noqa: E402
 from rollout_svc.engines.base import Layout  # noqa: E402
@@ -173,7 +173,7 @@ def test_fci_on_cuda_equals_eager_attention_and_the_cpu_scores(cpu: TorchEngine,
 
 def test_tree_and_spawn_modes_run_on_cuda(cpu: TorchEngine, gpu: TorchEngine) -> None:
     from loom.contracts.modes import parse_mode_params
-    from loom.schemas import RolloutRequest
+    from loom.contracts.wire import RolloutRequest
     from loom.tiny import spawn_prompt
     from rollout_svc.modes.spawn import spawn
     from rollout_svc.modes.tree import tree

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from loom.contracts.wire import Group, RewardResult, Segment, Trajectory, TrajectoryReward
 from loom.runtime import configure_process
-from loom.schemas import Group, RewardResult, Segment, Trajectory, TrajectoryReward
 
 VOCAB = 64
 

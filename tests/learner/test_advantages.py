@@ -1,4 +1,4 @@
-"""Estimators against hand-computed examples (ALGORITHMS.md 5.1)."""
+"""Estimators against hand-computed examples (docs/algorithms.md §5.1)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from learner import estimators as est
 from learner.estimators import assign_group
-from loom.schemas import Group, PoolStats, ThreadLink, Trajectory, TrajectoryReward, TreeNode
+from loom.contracts.wire import Group, PoolStats, ThreadLink, Trajectory, TrajectoryReward, TreeNode
 
 approx = pytest.approx
 

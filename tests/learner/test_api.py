@@ -6,9 +6,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from learner.api import build_app
+from loom.contracts.settings import Settings
+from loom.contracts.wire import TrainBatch
 from loom.queue import make_celery
-from loom.schemas import TrainBatch
-from loom.settings import Settings
 from loom.store import PolicyStore
 
 
@@ -55,7 +55,7 @@ def test_train_step_and_attention_through_the_worker(broker_env, loom_worker, mo
 
 
 def test_hostile_batches_are_422_and_a_timeout_is_504(tmp_path, batch_parts):
-    from loom.schemas import TreeNode
+    from loom.contracts.wire import TreeNode
 
     settings = Settings(data_dir=tmp_path / "d")
     app = build_app(settings, make_celery("learner", settings))

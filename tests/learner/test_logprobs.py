@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from learner import logprobs as lp
 from learner.losses import hrpo_loss
-from loom.schemas import Segment, Trajectory
+from loom.contracts.wire import Segment, Trajectory
 from tests.learner.reference_losses import hrpo_terms
 
 

@@ -11,7 +11,7 @@ import torch
 
 from learner import logprobs as lp
 from learner.train import Learner, LearnerConfig
-from loom.schemas import (
+from loom.contracts.wire import (
     Group,
     LogprobsProcessing,
     LossSpec,

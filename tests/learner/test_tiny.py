@@ -8,7 +8,7 @@ import torch
 
 from learner import logprobs as lp
 from learner.train import Learner, LearnerConfig
-from loom.schemas import Group, LossSpec, RewardResult, TrainBatch, Trajectory, TrajectoryReward
+from loom.contracts.wire import Group, LossSpec, RewardResult, TrainBatch, Trajectory, TrajectoryReward
 
 tiny = pytest.importorskip("loom.tiny")
 if not (tiny.CHECKPOINT_DIR / "config.json").exists():

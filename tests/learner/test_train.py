@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.assign import assign_batch
 from learner.train import OPTIMIZER_FILE, Learner, LearnerConfig
-from loom.schemas import LossSpec, RewardResult, TrainBatch, TrajectoryReward
+from loom.contracts.wire import LossSpec, RewardResult, TrainBatch, TrajectoryReward
 from loom.store import PolicyStore
 
 

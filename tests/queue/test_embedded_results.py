@@ -8,9 +8,9 @@ import time
 import pytest
 from celery.exceptions import ImproperlyConfigured
 
+from loom.contracts.settings import Settings
 from loom.embedded_results import SQLiteBackend
 from loom.queue import make_celery
-from loom.settings import Settings
 
 
 def _app(tmp_path):

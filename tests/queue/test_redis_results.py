@@ -9,9 +9,9 @@ import pytest
 import redis
 from celery import states
 
+from loom.contracts.settings import Settings
 from loom.queue import make_celery
 from loom.redis_results import LoomRedisBackend
-from loom.settings import Settings
 from tests.conftest import REDIS_RESULTS_URL, _reachable
 
 pytestmark = pytest.mark.skipif(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 def _open_results(data_dir: str, barrier: mp.synchronize.Barrier, errors: mp.Queue) -> None:
     try:
+        from loom.contracts.settings import Settings
         from loom.queue import make_celery
-        from loom.settings import Settings
 
         app = make_celery("reward", Settings(data_dir=Path(data_dir)))
         barrier.wait()

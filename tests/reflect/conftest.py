@@ -61,7 +61,7 @@ def reflect_url(rollout_url: str, reward_url: str) -> Iterator[str]:
     """The reflect API over HTTP, reaching the rollout and reward APIs above over HTTP."""
     import os
 
-    from loom.settings import get_settings
+    from loom.contracts.settings import get_settings
     from reflect_svc.config import get_reflect_settings
 
     saved = {

@@ -48,7 +48,7 @@ def trace_group(
     trajectories in ``wrong`` state a wrong answer everywhere (arith only)."""
     import random
 
-    from loom.schemas import Group, Trajectory
+    from loom.contracts.wire import Group, Trajectory
     from loom.tiny import tiny_problems
     from loom.tiny.traces import reflect_trace
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from celery.exceptions import TimeoutError as CeleryTimeout
 
-from loom.schemas import Group, RewardSpec, RolloutRequest
+from loom.contracts.wire import Group, RewardSpec, RolloutRequest
 from reflect_svc.backends import HTTPServices, QueueServices, match_batches
 from reflect_svc.revise import ServiceError
 

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from reflect_helpers import decoder, trace_group  # noqa: E402
 
-from loom.schemas import Group  # noqa: E402
+from loom.contracts.wire import Group  # noqa: E402
 from reflect_svc.backends import HTTPServices  # noqa: E402
 from reflect_svc.chunking import Chunk, Thinking, chunk_thinking  # noqa: E402
 from reflect_svc.detectors import (  # noqa: E402

@@ -10,14 +10,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from reflect_helpers import trace_group  # noqa: E402
 
 from loom.clients.reflect import ReflectClient  # noqa: E402
-from loom.formats import FORCED_ENDING  # noqa: E402
-from loom.schemas import (  # noqa: E402
+from loom.contracts.wire import (  # noqa: E402
     Group,
     ReflectParams,
     RewardResult,
     Trajectory,
     TrajectoryReward,
 )
+from loom.formats import FORCED_ENDING  # noqa: E402
 from reflect_svc.chunking import Chunk, Thinking, chunk_thinking  # noqa: E402
 from reflect_svc.revise import keep_revision, limit_cut, revise_group, unique_revision_id  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from loom.contracts.rewards import MAX_ANSWER_CHARS, AccuracyParams
-from loom.schemas import Group, RewardSpec
+from loom.contracts.wire import Group, RewardSpec
 from reward_svc.accuracy import extract_choice, plan, read_gold
 from reward_svc.core import plan_group
 from reward_svc.mathverify import Verdict

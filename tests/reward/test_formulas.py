@@ -1,11 +1,11 @@
-"""Each reward formula pinned against hand-computed cases (ALGORITHMS.md section 1)."""
+"""Each reward formula pinned against hand-computed cases (docs/algorithms.md §1)."""
 
 import math
 
 import pytest
 
 from loom.answers import last_boxed
-from loom.schemas import Group, Segment, Trajectory
+from loom.contracts.wire import Group, Segment, Trajectory
 from reward_svc.context import GroupContext
 from reward_svc.efficiency import efficiency, r_eff
 from reward_svc.format import format_deep, format_spawn, format_stream, format_think, spawn_ok, think_ok

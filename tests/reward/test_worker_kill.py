@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from loom.schemas import Group, RewardComponent, RewardResult, RewardSpec, Trajectory
+from loom.contracts.wire import Group, RewardComponent, RewardResult, RewardSpec, Trajectory
 from reward_svc.tasks import submit_group, task_key
 
 pytestmark = pytest.mark.broker

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from loom.schemas import Group, SamplingParams
-from loom.settings import Settings
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Group, SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines import set_engine
 from rollout_svc.engines.torch import TorchEngine, load_model, teacher_forced_logprobs
@@ -31,7 +31,7 @@ def client(
     torch_engine: Any, store: PolicyStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[TestClient, TorchEngine]]:
     monkeypatch.setenv("LOOM_DATA_DIR", str(tmp_path / "data"))
-    from loom.settings import get_settings
+    from loom.contracts.settings import get_settings
 
     get_settings.cache_clear()
     from rollout_svc.api import app

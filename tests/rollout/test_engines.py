@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import Layout, UnsupportedCapability
 from rollout_svc.engines.torch import teacher_forced_logprobs
 

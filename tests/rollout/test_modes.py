@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from loom.contracts.settings import Settings
+from loom.contracts.wire import RolloutRequest, SamplingParams
 from loom.formats import DEFAULT_MARKERS as M
-from loom.schemas import RolloutRequest, SamplingParams
-from loom.settings import Settings
 from rollout_svc.engines.base import Layout, UnsupportedCapability
 from rollout_svc.engines.torch import teacher_forced_logprobs
 from rollout_svc.modes import ModeError

@@ -6,8 +6,8 @@ from typing import Any
 
 import httpx
 
-from loom.schemas import RolloutRequest, SamplingParams
-from loom.settings import Settings
+from loom.contracts.settings import Settings
+from loom.contracts.wire import RolloutRequest, SamplingParams
 from rollout_svc.engines.torch import TorchEngine
 from rollout_svc.rollout import generate_group
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from loom.schemas import PolicyVersion, SamplingParams
+from loom.contracts.wire import PolicyVersion, SamplingParams
 from rollout_svc.engines.base import (
     EngineRequestError,
     EngineTimeout,

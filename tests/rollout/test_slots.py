@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from loom.contracts.settings import Settings
 from loom.queue import rollout_slots, worker_argv
-from loom.settings import Settings
 from rollout_svc import tasks
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
+from loom.contracts.wire import Group, RolloutRequest, SamplingParams
 from loom.queue import send
-from loom.schemas import Group, RolloutRequest, SamplingParams
 from rollout_svc.engines.torch import teacher_forced_logprobs
 from tests.rollout.conftest import start_engine_server, stop_process
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import Completion
 from rollout_svc.engines.torch import prefix_cache
 from rollout_svc.engines.torch.prefix_cache import PrefixCache

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loom.schemas import PolicyVersion, SamplingParams
+from loom.contracts.wire import PolicyVersion, SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines.base import EngineUnavailable, PolicyLoadError
 from rollout_svc.engines.vllm import VLLMEngine, weight_label

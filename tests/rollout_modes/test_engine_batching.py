@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from loom.contracts.wire import SamplingParams
 from loom.formats import DEFAULT_SPAWN
-from loom.schemas import SamplingParams
 from loom.tiny import child_prompt, make_problems, spawn_prompt
 from rollout_svc.engines.base import Completion, Layout
 from rollout_svc.engines.torch import TorchEngine, teacher_forced_logprobs

@@ -8,8 +8,8 @@ from asyncio import run
 import pytest
 
 from loom.contracts.modes import parse_mode_params
+from loom.contracts.wire import RolloutRequest, SamplingParams
 from loom.formats import DEFAULT_SPAWN
-from loom.schemas import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, spawn_prompt
 from loom.tiny.traces import spawn_trace, trace_text
 from rollout_svc.engines.torch import teacher_forced_logprobs

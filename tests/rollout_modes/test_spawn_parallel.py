@@ -7,7 +7,7 @@ from asyncio import run
 from typing import Any
 
 from loom.contracts.modes import parse_mode_params
-from loom.schemas import RolloutRequest, SamplingParams
+from loom.contracts.wire import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, spawn_prompt
 from rollout_svc.engines.torch import TorchEngine
 from rollout_svc.modes.spawn import spawn

@@ -9,7 +9,7 @@ import pytest
 
 from learner.estimators import treerl
 from loom.contracts.modes import parse_mode_params
-from loom.schemas import RolloutRequest, SamplingParams
+from loom.contracts.wire import RolloutRequest, SamplingParams
 from loom.tiny import make_problems, reflect_prompt
 from rollout_svc.engines.base import UnsupportedCapability
 from rollout_svc.engines.torch import teacher_forced_logprobs
@@ -109,7 +109,7 @@ def test_reward_callback_drives_expansion_and_filtering(tiny_engine):
 
 
 def test_exact_reward_fn_checks_the_boxed_answer(tiny_engine):
-    from loom.schemas import Trajectory
+    from loom.contracts.wire import Trajectory
 
     fn = exact_reward_fn(_request(), tiny_engine.tokenizer)
     enc = tiny_engine.tokenizer.encode

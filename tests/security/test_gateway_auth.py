@@ -17,8 +17,8 @@ from helpers import API_KEYS, JOBS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
 from gateway.ratelimit import TokenBuckets  # noqa: E402
+from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
-from loom.settings import Settings  # noqa: E402
 
 BURST = 20  # LOOM_GATEWAY_AUTH_FAIL_BURST's default
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from helpers import API_KEYS, RUNS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
-from loom.settings import Settings  # noqa: E402
 
 LINES = 150_000
 

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, auth, free_port  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
-from loom.settings import Settings  # noqa: E402
 
 
 def _client(tmp_path: Path, broker_url: str = "embedded") -> TestClient:

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from helpers import API_KEYS, JOBS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery, queue_depths  # noqa: E402
-from loom.settings import Settings  # noqa: E402
 
 JOBS, PROMPTS = 60, 4
 SPARE_THREADS = 16  # the work loop, the result hub, publishers, asyncio's pool: a constant, not per job

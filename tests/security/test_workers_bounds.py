@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Group, RolloutRequest
 from loom.queue import send
-from loom.schemas import Group, RolloutRequest
-from loom.settings import Settings
 from tests.rollout.conftest import start_engine_server, stop_process
 from tests.security import workers_fixtures
 from tests.security.workers_fixtures import tree_request
@@ -89,7 +89,7 @@ def test_the_gateway_refuses_waits_above_the_operators_bounds_at_submission(tmp_
 
 
 def _batch() -> dict[str, Any]:
-    from loom.schemas import Group, RewardResult, TrainBatch, Trajectory, TrajectoryReward
+    from loom.contracts.wire import Group, RewardResult, TrainBatch, Trajectory, TrajectoryReward
 
     trajs = [Trajectory(id=f"t{i}", group_id="g", prompt_ids=[1], completion_ids=[2, 3]) for i in range(2)]
     rewards = [TrajectoryReward(trajectory_id=f"t{i}", total=float(i)) for i in range(2)]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from loom.settings import Settings
+from loom.contracts.settings import Settings
 from loom.store import PolicyStore
 from rollout_svc.engines import set_engine
 from rollout_svc.engines.torch import TorchEngine
@@ -61,7 +61,7 @@ def rollout(tiny_engine: TorchEngine, tmp_path: Path) -> Iterator[tuple[TestClie
 
 
 def _base() -> Any:
-    from loom.schemas import PolicyVersion
+    from loom.contracts.wire import PolicyVersion
     from loom.tiny import CHECKPOINT_DIR
 
     return PolicyVersion(version=0, path=str(CHECKPOINT_DIR))

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from loom.settings import Settings
+from loom.contracts.settings import Settings
 from tests.security import workers_fixtures
 from tests.security.workers_fixtures import tree_request
 from tests.security.workers_listener import SECRET, Listener

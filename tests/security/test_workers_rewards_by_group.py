@@ -12,9 +12,9 @@ from pydantic import ValidationError
 
 from learner.api import build_app
 from learner.assign import assign_batch
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Group, RewardResult, TrainBatch, Trajectory, TrajectoryReward
 from loom.queue import make_celery
-from loom.schemas import Group, RewardResult, TrainBatch, Trajectory, TrajectoryReward
-from loom.settings import Settings
 
 
 def _group(gid: str, tids: list[str]) -> Group:

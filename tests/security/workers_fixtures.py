@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from loom.settings import Settings
+from loom.contracts.settings import Settings
 from rollout_svc.engines import set_engine
 from tests.rollout.conftest import start_engine_server, stop_process
 

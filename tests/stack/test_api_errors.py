@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from launch import SERVICE_PACKAGES
-from loom.settings import SERVICES, Settings
+from loom.contracts.settings import SERVICES, Settings
 
 SCALAR_TYPES = {"integer", "number", "string", "boolean", "array"}
 WRONG_VALUE = {"not": ["what", "the", "field", "expects"]}  # an object fits no scalar or list field

@@ -12,7 +12,7 @@ import yaml
 
 from launch import SERVICE_PACKAGES
 from launch.cli import COMMANDS
-from loom.settings import SERVICES, Settings
+from loom.contracts.settings import SERVICES, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -72,7 +72,7 @@ def test_every_loom_variable_is_a_setting(loom_services: dict[str, Any]) -> None
         assert env, f"{name} sets no environment"
         for var in env:
             assert var.startswith("LOOM_"), f"{name}: {var} (Loom containers take LOOM_* variables only)"
-            assert var in fields, f"{name}: {var} is not a field of loom.settings.Settings"
+            assert var in fields, f"{name}: {var} is not a field of loom.contracts.settings.Settings"
         assert env.get("LOOM_BROKER_URL", "").startswith("amqp://"), name
 
 

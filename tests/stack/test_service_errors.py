@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
+from loom.contracts.settings import Settings
 from loom.service import create_app
-from loom.settings import Settings
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from launch.stack import Stack
-from loom.settings import SERVICES
+from loom.contracts.settings import SERVICES
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 150.0
@@ -275,7 +275,7 @@ def test_a_restarted_stack_keeps_the_previous_runs_logs(tmp_path: Path) -> None:
     """Issue 24: ``loom up`` truncated every log at start, so the log of a crash was lost to the
     restart after it. Now the last runs' logs stay as ``<proc>.log.1`` (newest) ... ``.N``."""
     from launch.stack import ProcSpec
-    from loom.settings import Settings
+    from loom.contracts.settings import Settings
 
     def run(n: int, **kw: int) -> None:
         line = f"run-{n}"

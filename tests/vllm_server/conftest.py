@@ -32,7 +32,7 @@ SERVED = "tiny"
 
 
 def _python() -> Path:
-    from loom.settings import Settings
+    from loom.contracts.settings import Settings
     from rollout_svc.engines.vllm_launch import vllm_python
 
     return vllm_python(Settings().vllm_python)
@@ -205,7 +205,7 @@ def reference_logprobs(
     import torch
 
     from learner.logprobs import recompute
-    from loom.schemas import Trajectory
+    from loom.contracts.wire import Trajectory
 
     t = Trajectory(id="r", group_id="g", prompt_ids=prompt_ids, completion_ids=completion_ids)
     with torch.no_grad():

@@ -11,8 +11,15 @@ from typing import Any
 import pytest
 
 from learner.train import Learner, LearnerConfig
-from loom.schemas import LossSpec, RewardResult, RolloutRequest, SamplingParams, TrainBatch, TrajectoryReward
-from loom.settings import Settings
+from loom.contracts.settings import Settings
+from loom.contracts.wire import (
+    LossSpec,
+    RewardResult,
+    RolloutRequest,
+    SamplingParams,
+    TrainBatch,
+    TrajectoryReward,
+)
 from rollout_svc.engines.vllm import VLLMEngine
 from rollout_svc.rollout import generate_group
 from tests.vllm_server.conftest import TINY, max_diff, reference_logprobs

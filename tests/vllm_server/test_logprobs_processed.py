@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from loom.schemas import LogprobsProcessing
-from loom.settings import Settings
+from loom.contracts.settings import Settings
+from loom.contracts.wire import LogprobsProcessing
 from rollout_svc.engines import make_engine
 from tests.vllm_server.conftest import TINY, max_diff, reference_logprobs
 from tests.vllm_server.test_logprobs import ATOL, _group, _train_metrics

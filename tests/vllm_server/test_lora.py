@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines.vllm import VLLMEngine, lora_name
 from tests.vllm_server.conftest import SERVED, TINY, max_diff, reference_logprobs, write_lora

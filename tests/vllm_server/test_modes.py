@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loom.schemas import Group
+from loom.contracts.wire import Group
 from loom.store import PolicyStore
 from loom.tiny import STREAM_HEADER, make_problems, plain_prompt, reflect_prompt, spawn_prompt
 from loom.tiny.traces import stream_sentences

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from loom.schemas import Group, PolicyVersion, RolloutRequest, SamplingParams
-from loom.settings import Settings
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Group, PolicyVersion, RolloutRequest, SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines.base import PolicyLoadError
 from rollout_svc.engines.vllm import VLLMEngine, weight_label

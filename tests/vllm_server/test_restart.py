@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines.base import EngineRequestError, EngineUnavailable
 from rollout_svc.engines.vllm import VLLMEngine

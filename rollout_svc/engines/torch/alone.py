@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import Completion, Layout
 from rollout_svc.engines.torch.sampling import generator, new_outputs
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from loom.contracts.wire import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from loom.layout import group_positions
-from loom.schemas import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from rollout_svc.engines.base import (
     Completion,
     Engine,

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import Completion
 
 LogprobsMode = Literal["raw", "processed"]

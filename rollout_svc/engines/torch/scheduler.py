@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import Completion, Listener, Progress
 from rollout_svc.engines.torch import prefix_cache
 from rollout_svc.engines.torch.sampling import generator, new_outputs

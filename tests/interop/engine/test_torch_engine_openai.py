@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from loom.schemas import SamplingParams
+from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import InvalidPrompt, Progress
 from rollout_svc.engines.torch import (
     TorchEngine,

@@ -383,7 +383,7 @@ class PolicyVersion(Contract):
 
 
 # --------------------------------------------------------------------------------------------------
-# Reflection truncation (reflect_svc, ALGORITHMS.md 3)
+# Reflection truncation (reflect_svc, docs/algorithms.md §3)
 
 ReflectDetector = Literal["gold", "model", "heuristic", "fixed"]
 ReflectStrength = Literal["weak", "normal", "strong"]
