@@ -13,8 +13,9 @@ import importlib
 from typing import Any
 
 from loom.contracts.modes import MODE_PARAMS, ModeError, ModeParams
+from loom.contracts.wire import Group, Mode, RolloutRequest, Trajectory
 
-__all__ = ["MODES", "ModeError", "mode_runner", "sample_seed", "trajectory_id"]
+__all__ = ["MODES", "ModeError", "group_of", "mode_runner", "sample_seed", "trajectory_id"]
 
 # mode -> (its params model, the module whose ``run`` serves it): the contract's table of modes; a
 # module is imported on first use, so a worker loads only the modes it serves.
@@ -37,3 +38,19 @@ def sample_seed(seed: int | None, index: int, round_: int = 0) -> int | None:
     if seed is None:
         return None
     return (seed * 1_000_003 + index * 10_007 + round_) % (2**31)
+
+
+def group_of(
+    request: RolloutRequest, group_id: str, mode: Mode, trajectories: list[Trajectory], **structure: Any
+) -> Group:
+    """The group a mode returns: the request's prompt, label and task beside the trajectories and the
+    mode's own structure (``tree``, ``threads``, ``meta``)."""
+    return Group(
+        id=group_id,
+        mode=mode,
+        prompt=request.prompt,
+        label=request.label,
+        task=request.task,
+        trajectories=trajectories,
+        **structure,
+    )

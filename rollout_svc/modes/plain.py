@@ -9,7 +9,7 @@ from typing import Any
 from loom.contracts.modes import PlainParams
 from loom.contracts.wire import Group, RolloutRequest, Trajectory
 from rollout_svc.engines.base import Engine
-from rollout_svc.modes import trajectory_id
+from rollout_svc.modes import group_of, trajectory_id
 
 
 async def plain(request: RolloutRequest, prompt_ids: list[int], group_id: str, engine: Engine) -> Group:
@@ -35,14 +35,7 @@ async def plain(request: RolloutRequest, prompt_ids: list[int], group_id: str, e
         )
         for i, c in enumerate(outs)
     ]
-    return Group(
-        id=group_id,
-        mode="plain",
-        prompt=request.prompt,
-        label=request.label,
-        task=request.task,
-        trajectories=trajectories,
-    )
+    return group_of(request, group_id, "plain", trajectories)
 
 
 async def run(

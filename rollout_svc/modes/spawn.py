@@ -42,7 +42,7 @@ from loom.contracts.wire import (
 )
 from loom.formats import DEFAULT_SPAWN, SpawnSyntax
 from rollout_svc.engines.base import Completion, Engine
-from rollout_svc.modes import sample_seed, trajectory_id
+from rollout_svc.modes import group_of, sample_seed, trajectory_id
 
 # ------------------------------------------------------------------------------------------------
 # parsing (pure)
@@ -351,13 +351,11 @@ async def spawn(
         ro.calls.sort(key=lambda t: (t.meta["depth"], t.id))
         trajectories += ro.calls
         links += ro.links
-    return Group(
-        id=group_id,
-        mode="spawn",
-        prompt=request.prompt,
-        label=request.label,
-        task=request.task,
-        trajectories=trajectories,
+    return group_of(
+        request,
+        group_id,
+        "spawn",
+        trajectories,
         threads=links,
         meta={
             "rollouts": [_summary(group_id, ro) for ro in rollouts],

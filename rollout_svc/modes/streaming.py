@@ -31,7 +31,7 @@ from loom.contracts.modes import StreamingParams
 from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
 from loom.formats import DEFAULT_MARKERS
 from rollout_svc.engines.base import Completion, Engine, Layout
-from rollout_svc.modes import ModeError, sample_seed, trajectory_id
+from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
 
 SOURCE, TARGET = 0, 1
 
@@ -273,13 +273,11 @@ async def streaming(
     plan = _plan(tokenizer, cfg)
     samples = [_Sample(i, prompt_ids, engine, request, cfg, plan) for i in range(request.sampling.n)]
     trajectories = await asyncio.gather(*(s.run(group_id) for s in samples))
-    return Group(
-        id=group_id,
-        mode="streaming",
-        prompt=request.prompt,
-        label=request.label,
-        task=request.task,
-        trajectories=list(trajectories),
+    return group_of(
+        request,
+        group_id,
+        "streaming",
+        list(trajectories),
         meta={"layout": cfg.layout, "n_sentences": len(cfg.sentences)},
     )
 

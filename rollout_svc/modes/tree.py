@@ -61,7 +61,7 @@ from loom.contracts.modes import TreeParams
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, RolloutRequest, Segment, Trajectory, TreeNode
 from rollout_svc.engines.base import Completion, Engine, EngineError, UnsupportedCapability
-from rollout_svc.modes import sample_seed, trajectory_id
+from rollout_svc.modes import group_of, sample_seed, trajectory_id
 
 Strategy = Literal["attention", "entropy", "random"]
 RewardFn = Callable[[list[Trajectory]], "Sequence[float] | Awaitable[Sequence[float]]"]
@@ -649,13 +649,11 @@ async def tree(
         "token_ratio": generated / independent if independent else 1.0,
         "generate_s": time.perf_counter() - t0,
     }
-    return Group(
-        id=group_id,
-        mode="tree",
-        prompt=request.prompt,
-        label=request.label,
-        task=request.task,
-        trajectories=trajectories,
+    return group_of(
+        request,
+        group_id,
+        "tree",
+        trajectories,
         tree=nodes,
         meta=meta,
     )
