@@ -62,7 +62,8 @@ def test_parent_kill_replaces_only_the_stuck_worker():
         # warm both workers, then note their pids
         assert all(v.correct for v in p.check_many([item("1", "\\boxed{1}")] * 4, DEADLINE))
         before = set(p.worker_pids())
-        assert len(before) == 2
+        # two workers, plus a spare where a loaded machine made one look slow (pool.py's spares)
+        assert len(before) >= 2
         # 1 s deadline with math-verify's own alarm also at 1 s: the parent's poll expires first or
         # together; either way the item is a timeout and the batch continues
         stuck = p.submit(item("42", "\\boxed{(10^9)!}"), 1)
