@@ -245,7 +245,8 @@ class RunLoop:
                     await asyncio.to_thread(self._append_jsonl, metrics)
                     log.info("run %s step %d done: reward %.3f", self.run_id, step, metrics["reward_mean"])
                     if self.trackers.trackers:
-                        samples = step_samples(kept, max(t.samples_per_step for t in self.tracker_specs))
+                        per_step = max((t.samples_per_step for t in self.tracker_specs), default=4)
+                        samples = step_samples(kept, per_step)
                         await asyncio.to_thread(self.trackers.log, step, metrics, samples)
         except Cancelled:
             return "interrupted"
