@@ -75,7 +75,7 @@ def wandb_records(path: Path) -> list[Any]:
             continue
         pending = piece if kind in (1, 2) else pending + piece
         if kind in (1, 4):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]
             rec.ParseFromString(pending)
             records.append(rec)
             pending = b""

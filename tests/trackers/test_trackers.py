@@ -111,7 +111,7 @@ async def _with(loop: RunLoop, trackers: Trackers) -> str:
 
 
 def test_a_run_writes_its_metrics_to_tensorboard_wandb_and_mlflow(tmp_path: Path) -> None:
-    specs = [
+    specs: list[dict[str, Any]] = [
         {"name": "tensorboard"},
         {"name": "wandb", "project": "loom-test"},
         {"name": "mlflow", "samples_per_step": 1},
