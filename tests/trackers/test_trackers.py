@@ -310,3 +310,19 @@ def test_a_run_stores_a_few_scored_groups_per_step(tmp_path: Path) -> None:
     assert Group.model_validate(one[0]["group"]).trajectories[0].text == "answer 0"
     assert RewardResult.model_validate(one[0]["rewards"]).rewards[1].status == "no_answer"
     assert not (tmp_path / "runs" / run_id / "trackers").exists()  # trackers: [] writes nothing
+
+
+def test_a_resumed_run_logs_on_into_the_same_tracker_runs(tmp_path: Path) -> None:
+    """A restarted gateway reopens the run's trackers: one MLflow run, one TensorBoard folder."""
+    specs = parse_setting("tensorboard,mlflow")
+    for step in (0, 1):  # two gateway lives, one step each
+        trackers = Trackers.open(specs, "run-resumed", tmp_path)
+        assert [t.name for t in trackers.trackers] == ["tensorboard", "mlflow"]
+        trackers.log(step, {"step": step, "reward_mean": 0.25 * (step + 1)}, [])
+        trackers.close("interrupted" if step == 0 else "succeeded")
+        assert trackers.failures == {"tensorboard": 0, "mlflow": 0}
+    expected = {"reward_mean": [(0, 0.25), (1, 0.5)]}
+    assert (
+        mlflow_series((tmp_path / "trackers" / "mlflow").as_uri(), "run-resumed", ["reward_mean"]) == expected
+    )
+    assert tensorboard_scalars(tmp_path / "trackers" / "tensorboard") == expected
