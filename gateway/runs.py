@@ -99,7 +99,11 @@ class RunLoop:
         self.adaptive = adaptive_config(self.req)
         self.run_dir = data_dir / "runs" / run_id
         self.jsonl = self.run_dir / "metrics.jsonl"
-        self.tracker_specs = resolve(self.req.trackers, get_settings().trackers)
+        try:
+            self.tracker_specs = resolve(self.req.trackers, get_settings().trackers)
+        except ValueError:  # a bad LOOM_TRACKERS entry: the run goes on without trackers
+            log.exception("run %s: LOOM_TRACKERS cannot be read; no trackers", run_id)
+            self.tracker_specs = []
         self.trackers = Trackers([])
 
     # ---------------------------------------------------------------------------------------- stages

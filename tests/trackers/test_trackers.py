@@ -326,3 +326,23 @@ def test_a_resumed_run_logs_on_into_the_same_tracker_runs(tmp_path: Path) -> Non
         mlflow_series((tmp_path / "trackers" / "mlflow").as_uri(), "run-resumed", ["reward_mean"]) == expected
     )
     assert tensorboard_scalars(tmp_path / "trackers" / "tensorboard") == expected
+
+
+def test_a_run_that_names_no_trackers_gets_the_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loom.contracts.settings import get_settings
+
+    monkeypatch.setenv("LOOM_TRACKERS", "tensorboard")
+    get_settings.cache_clear()
+    try:
+        state, run_id, status = _run(tmp_path, None)
+    finally:
+        monkeypatch.delenv("LOOM_TRACKERS")
+        get_settings.cache_clear()
+    assert status == "succeeded"
+    tb = tensorboard_scalars(tmp_path / "runs" / run_id / "trackers" / "tensorboard")
+    assert tb["reward_mean"] == [
+        (m["step"], pytest.approx(m["reward_mean"])) for m in state.run_steps(run_id)
+    ]
+    assert not (tmp_path / "runs" / run_id / "trackers" / "mlflow").exists()
