@@ -86,7 +86,9 @@ class RunLoop:
         stages: Stages,
         data_dir: Path,
         stop: threading.Event | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
+        """``trackers``: already open ones to log to instead of the run's own (tests)."""
         self.run_id = run_id
         self.state = state
         self.stages = stages
@@ -104,7 +106,9 @@ class RunLoop:
         except ValueError:  # a bad LOOM_TRACKERS entry: the run goes on without trackers
             log.exception("run %s: LOOM_TRACKERS cannot be read; no trackers", run_id)
             self.tracker_specs = []
-        self.trackers = Trackers([])
+        if trackers is not None:
+            self.tracker_specs = []
+        self.trackers = trackers or Trackers([])
 
     # ---------------------------------------------------------------------------------------- stages
     async def generate(self, step: int, batch_size: int, gen_version: int) -> Generated:

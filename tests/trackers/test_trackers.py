@@ -92,22 +92,8 @@ def _run(
         body["trackers"] = trackers
     req = RunRequest.model_validate(body)
     run_id, _ = state.create_run("me", None, req.model_dump(mode="json", exclude_none=True), STEPS, 0, 2)
-    loop = RunLoop(run_id, state, Stages(), tmp_path)  # type: ignore[arg-type]
-    if loop_trackers is not None:
-        loop.tracker_specs, loop_trackers_ = [], loop_trackers
-        status = asyncio.run(_with(loop, loop_trackers_))
-    else:
-        status = asyncio.run(loop.run())
-    return state, run_id, status
-
-
-async def _with(loop: RunLoop, trackers: Trackers) -> str:
-    """The loop with ``trackers`` in place of the ones it would open."""
-    loop.trackers = trackers
-    assert await asyncio.to_thread(loop.state.start_run, loop.run_id)
-    status = await loop._steps()
-    trackers.close(status)
-    return status
+    loop = RunLoop(run_id, state, Stages(), tmp_path, trackers=loop_trackers)  # type: ignore[arg-type]
+    return state, run_id, asyncio.run(loop.run())
 
 
 def test_a_run_writes_its_metrics_to_tensorboard_wandb_and_mlflow(tmp_path: Path) -> None:
