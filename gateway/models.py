@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -187,6 +189,47 @@ class Schedule(Contract):
         return self
 
 
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]
+# the import each tracker needs: its optional extra (pyproject.toml) installs it
+TRACKER_LIBRARIES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def tracker_installed(name: str) -> bool:
+    return importlib.util.find_spec(TRACKER_LIBRARIES[name]) is not None
+
+
+class TrackerSpec(Contract):
+    """One experiment tracker of a run (docs/trackers.md): where its metrics and samples go."""
+
+    name: TrackerName
+    project: str | None = Field(
+        default=None,
+        max_length=128,
+        pattern=r"^[\w.\- ]+$",
+        description="W&B project / MLflow experiment (default 'loom'); TensorBoard: unused",
+    )
+    dir: str | None = Field(
+        default=None,
+        max_length=500,
+        description="where its files go: a relative folder under the run's folder "
+        "(data_dir/runs/<id>/); default trackers/<name>",
+    )
+    tracking_uri: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="MLflow tracking URI: an operator setting (LOOM_TRACKERS) only, the gateway never "
+        "contacts a server named in a request; default a file store under the run's folder",
+    )
+    samples_per_step: int = Field(default=4, ge=0, le=64, description="sample trajectories logged a step")
+
+    @field_validator("dir")
+    @classmethod
+    def _relative(cls, v: str | None) -> str | None:
+        if v is not None and (PurePosixPath(v).is_absolute() or ".." in PurePosixPath(v).parts or "\\" in v):
+            raise ValueError("must be a relative folder inside the run's folder (no '..', not absolute)")
+        return v
+
+
 class RunRequest(Contract):
     run_key: str | None = Field(default=None, max_length=200, description="client idempotency key")
     dataset: DatasetSpec
@@ -201,6 +244,26 @@ class RunRequest(Contract):
     schedule: Schedule = Field(default_factory=Schedule)
     reflect: bool = False
     initial_policy_version: int = Field(default=0, ge=0, le=MAX_VERSION)
+    trackers: list[TrackerSpec] | None = Field(
+        default=None,
+        max_length=3,
+        description="experiment trackers of this run (docs/trackers.md); None: the gateway's LOOM_TRACKERS",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _usable_trackers(cls, v: list[TrackerSpec] | None) -> list[TrackerSpec] | None:
+        names = [t.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each tracker at most once, got {names}")
+        for t in v or []:
+            if t.tracking_uri is not None:
+                raise ValueError(f"{t.name}: tracking_uri is an operator setting (LOOM_TRACKERS)")
+            if not tracker_installed(t.name):
+                raise ValueError(
+                    f"tracker {t.name!r} is not installed on this gateway (pip install 'loom-rl[{t.name}]')"
+                )
+        return v
 
     @field_validator("estimator_params")
     @classmethod

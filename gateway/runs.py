@@ -33,13 +33,16 @@ from gateway.datasets import load_dataset, step_indices
 from gateway.models import RunRequest, TaskItem
 from gateway.pipeline import Cancelled, Collected, Stages, collect
 from gateway.state import GatewayState
-from gateway.stepmetrics import has_signal, step_metrics
+from gateway.stepmetrics import has_signal, step_metrics, step_samples
+from gateway.trackers import Trackers, resolve
 from loom.batching import next_batch_size
+from loom.contracts.settings import get_settings
 from loom.contracts.wire import RolloutRequest, TrainBatch
 
 log = logging.getLogger("loom.gateway.runs")
 
 WAIT_POLL_S = 0.5  # how often a run waiting on its generation looks for a cancel
+SAMPLE_GROUPS = 4  # scored groups stored per step for the run page (GatewayState.run_samples)
 
 
 @dataclass
@@ -83,7 +86,9 @@ class RunLoop:
         stages: Stages,
         data_dir: Path,
         stop: threading.Event | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
+        """``trackers``: already open ones to log to instead of the run's own (tests)."""
         self.run_id = run_id
         self.state = state
         self.stages = stages
@@ -94,7 +99,16 @@ class RunLoop:
         self.req = RunRequest.model_validate(json.loads(row["config"]))
         self.dataset: Sequence[TaskItem] = load_dataset(self.req.dataset, self.req.mode, data_dir)
         self.adaptive = adaptive_config(self.req)
-        self.jsonl = data_dir / "runs" / run_id / "metrics.jsonl"
+        self.run_dir = data_dir / "runs" / run_id
+        self.jsonl = self.run_dir / "metrics.jsonl"
+        try:
+            self.tracker_specs = resolve(self.req.trackers, get_settings().trackers)
+        except ValueError:  # a bad LOOM_TRACKERS entry: the run goes on without trackers
+            log.exception("run %s: LOOM_TRACKERS cannot be read; no trackers", run_id)
+            self.tracker_specs = []
+        if trackers is not None:
+            self.tracker_specs = []
+        self.trackers = trackers or Trackers([])
 
     # ---------------------------------------------------------------------------------------- stages
     async def generate(self, step: int, batch_size: int, gen_version: int) -> Generated:
@@ -143,6 +157,21 @@ class RunLoop:
         if not await asyncio.to_thread(self.state.start_run, self.run_id):  # cancelled before it started
             return "cancelled"
         await asyncio.to_thread(self._rewrite_jsonl)
+        if self.tracker_specs:  # a tracker that cannot open is logged and left out (gateway/trackers.py)
+            self.trackers = await asyncio.to_thread(
+                Trackers.open, self.tracker_specs, self.run_id, self.run_dir
+            )
+        status = "failed"
+        try:
+            status = await self._steps()
+            return status
+        except asyncio.CancelledError:
+            status = "interrupted"
+            raise
+        finally:
+            await asyncio.to_thread(self.trackers.close, status)
+
+    async def _steps(self) -> str:
         sched = self.req.schedule
         inflight: dict[int, asyncio.Task[Generated]] = {}
         try:
@@ -216,11 +245,17 @@ class RunLoop:
                     **gen.collected.counters,
                     **learner_metrics,
                 }
+                stored = [g for g in kept if g is not None][:SAMPLE_GROUPS]
+                await asyncio.to_thread(self.state.add_run_samples, self.run_id, step, stored)
                 if await asyncio.to_thread(
                     self.state.complete_step, self.run_id, step, metrics, new_version, new_batch
                 ):
                     await asyncio.to_thread(self._append_jsonl, metrics)
                     log.info("run %s step %d done: reward %.3f", self.run_id, step, metrics["reward_mean"])
+                    if self.trackers.trackers:
+                        per_step = max((t.samples_per_step for t in self.tracker_specs), default=4)
+                        samples = step_samples(kept, per_step)
+                        await asyncio.to_thread(self.trackers.log, step, metrics, samples)
         except Cancelled:
             return "interrupted"
         except Exception as exc:

@@ -14,7 +14,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,9 @@ CREATE TABLE IF NOT EXISTS run_plans (
   PRIMARY KEY (run_id, step));
 CREATE TABLE IF NOT EXISTS run_steps (
   run_id TEXT NOT NULL, step INTEGER NOT NULL, metrics TEXT NOT NULL, PRIMARY KEY (run_id, step));
+CREATE TABLE IF NOT EXISTS run_samples (
+  run_id TEXT NOT NULL, step INTEGER NOT NULL, idx INTEGER NOT NULL, group_id TEXT NOT NULL,
+  grp TEXT NOT NULL, rewards TEXT NOT NULL, PRIMARY KEY (run_id, step, idx));
 """
 # columns added after the first release: added to an older database when it is opened
 COST_COLUMNS = ("samples INTEGER NOT NULL DEFAULT 0", "tokens INTEGER NOT NULL DEFAULT 0")
@@ -321,6 +324,45 @@ class GatewayState:
                 (step + 1, policy_version, batch_size, time.time(), run_id),
             )
             return True
+
+    def add_run_samples(self, run_id: str, step: int, scored: Sequence[tuple[Any, Any]]) -> None:
+        """Store a few scored groups of step ``step`` (``(Group, RewardResult)`` pairs) for the run
+        page; a re-walked step (after a restart) replaces them."""
+        with self.tx() as db:
+            db.execute("DELETE FROM run_samples WHERE run_id=? AND step=?", (run_id, step))
+            db.executemany(
+                "INSERT INTO run_samples (run_id, step, idx, group_id, grp, rewards) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    (run_id, step, i, g.id, g.model_dump_json(), r.model_dump_json())
+                    for i, (g, r) in enumerate(scored)
+                ],
+            )
+
+    def run_samples(self, run_id: str, step: int | None = None, after: int = -1) -> list[dict[str, Any]]:
+        """Stored groups of a run, by step then index: ``{step, idx, group_id, group, rewards}`` with
+        ``group`` a loom.contracts.wire.Group and ``rewards`` a RewardResult, as JSON objects; one
+        step's (``step``) or every step after ``after``."""
+        where, args = ("step=?", (run_id, step)) if step is not None else ("step>?", (run_id, after))
+        rows = (
+            self._db()
+            .execute(
+                f"SELECT step, idx, group_id, grp, rewards FROM run_samples WHERE run_id=? AND {where} "
+                "ORDER BY step, idx",
+                args,
+            )
+            .fetchall()
+        )
+        return [
+            {
+                "step": int(r["step"]),
+                "idx": int(r["idx"]),
+                "group_id": r["group_id"],
+                "group": json.loads(r["grp"]),
+                "rewards": json.loads(r["rewards"]),
+            }
+            for r in rows
+        ]
 
     def run_steps(self, run_id: str, after: int = -1) -> list[dict[str, Any]]:
         rows = (

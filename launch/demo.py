@@ -66,11 +66,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "starts beside it (deploy/vllm-setup.sh; docs/vllm.md)",
     )
     p.add_argument("--api-key", default=os.environ.get("LOOM_API_KEY"), help="key for --url")
+    p.add_argument(
+        "--tracker",
+        action="append",
+        choices=("tensorboard", "wandb", "mlflow"),
+        default=[],
+        help="also log the run to this experiment tracker (repeatable; docs/trackers.md): its files go "
+        "under the demo's folder, in state/runs/<run id>/trackers/<name>",
+    )
     return p.parse_args(list(argv))
 
 
 def run_request(args: argparse.Namespace) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "run_key": f"demo-{os.getpid()}-{int(time.time())}",
         "dataset": {"builtin": args.task, "size": 4096, "seed": args.seed},
         "mode": args.mode,
@@ -94,6 +102,9 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
         },
     }
+    if args.tracker:
+        body["trackers"] = [{"name": name} for name in dict.fromkeys(args.tracker)]
+    return body
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -256,5 +267,8 @@ def _drive(client: Any, args: argparse.Namespace, out: Path, t0: float) -> int:
         plot(rows, out / "reward_curve.png", f"loom demo: {args.mode} / {args.estimator} on {args.task}")
     print(summarise(rows, seconds))
     print(f"metrics: {out / 'metrics.jsonl'}\ncurve:   {out / 'reward_curve.png'}")
+    if args.tracker:
+        where = out / "state" / "runs" / run_id / "trackers" if not args.url else "the gateway's data_dir"
+        print(f"trackers ({', '.join(args.tracker)}): {where}")
     print(f"total wall time {time.monotonic() - t0:.0f} s; run {status}")
     return 0 if status == "succeeded" else 1

@@ -16,6 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SERVICES: tuple[str, ...] = ("gateway", "rollout", "reward", "reflect", "learner")
 
+TRACKERS: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
+
 DEFAULT_PORTS: dict[str, int] = {
     "gateway": 8400,
     "rollout": 8401,
@@ -85,6 +87,14 @@ class Settings(BaseSettings):
     )
     gateway_dataset_max_bytes: int = Field(
         default=1024**3, ge=1, description="largest dataset upload (POST /v1/datasets)"
+    )
+
+    # --- experiment trackers (docs/trackers.md)
+    trackers: str = Field(
+        default="",
+        description="trackers of runs that name none: comma-separated names (tensorboard, wandb, mlflow) "
+        "or a JSON list of {name, project, dir, tracking_uri, samples_per_step}; a run's own 'trackers' "
+        "replaces it, and takes the tracking_uri of the entry with its name",
     )
 
     # --- compute
@@ -195,6 +205,19 @@ class Settings(BaseSettings):
 
         if v and (urlsplit(v).scheme not in ("http", "https") or not urlsplit(v).hostname):
             raise ValueError(f"must be an http:// or https:// URL with a host, got {v!r}")
+        return v
+
+    @field_validator("trackers")
+    @classmethod
+    def _tracker_names(cls, v: str) -> str:
+        import json
+
+        text = v.strip()
+        entries = json.loads(text) if text.startswith("[") else [{"name": n.strip()} for n in text.split(",")]
+        for e in entries:
+            name = e.get("name") if isinstance(e, dict) else None
+            if name not in TRACKERS and (name or text.startswith("[")):
+                raise ValueError(f"unknown tracker {name!r}: one of {', '.join(TRACKERS)}")
         return v
 
     def service_port(self, service: str) -> int:

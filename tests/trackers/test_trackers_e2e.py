@@ -1,0 +1,106 @@
+"""A demo-sized run of the REAL services (``loom worker rollout`` with the torch engine and the tiny
+model, ``loom worker reward``, ``loom worker learner``, the gateway API process) with all three
+trackers named in its request: the TensorBoard event files, the MLflow file store and the W&B offline
+run it leaves are read back with the libraries' own readers and hold the series the gateway serves at
+``/v1/runs/{id}/metrics``, step by step."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
+from helpers import API_KEYS, RUNS_KEY, GatewayProcess, free_port  # noqa: E402
+from readers import mlflow_series, tensorboard_scalars, tensorboard_texts, wandb_history  # noqa: E402
+
+STEPS = 2
+RUN = {
+    "run_key": "trackers-e2e",
+    "dataset": {"builtin": "countdown", "size": 16, "seed": 3},
+    # as in tests/gateway/test_resume_real.py: the length term gives groups a non-zero advantage so
+    # that steps really train (accuracy alone is nearly always 0 for the tiny model on Countdown)
+    "sampling": {"n": 4, "max_tokens": 48, "temperature": 1.0},
+    "reward": {"components": [{"name": "accuracy", "weight": 1.0}, {"name": "length_kimi", "weight": 0.5}]},
+    "schedule": {"steps": STEPS, "batch_size": 2, "staleness": 1},
+    "trackers": [{"name": "tensorboard"}, {"name": "wandb"}, {"name": "mlflow", "project": "e2e"}],
+}
+KEYS = [
+    "reward_mean",
+    "reward/accuracy",
+    "reward/length_kimi",
+    "accuracy",
+    "length_mean",
+    "policy_version",
+    "staleness",
+    "tokens_per_s",
+]
+
+
+def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
+def test_a_real_run_fills_tensorboard_mlflow_and_wandb_with_its_metrics(
+    broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
+    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
+    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
+    try:
+        gw.start()
+        for w in workers:
+            w.wait_ready()
+        created = gw.post("/v1/runs", RUNS_KEY, RUN)
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        view = _wait(
+            lambda: (
+                (v := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["status"] in ("succeeded", "failed")
+                and v
+            ),
+            240,
+            "the run to finish",
+        )
+        assert view["status"] == "succeeded", (view, gw.log_path.read_text()[-3000:])
+        metrics = gw.get(f"/v1/runs/{run_id}/metrics", RUNS_KEY).json()
+        run_dir = tmp_path / "loom-data" / "runs" / run_id / "trackers"
+        # the trackers close after the run's status is recorded: W&B's offline file is complete then
+        rows = _wait(
+            lambda: len(wandb_history(run_dir / "wandb")) == STEPS and wandb_history(run_dir / "wandb"),
+            60,
+            "W&B history",
+        )
+    finally:
+        gw.kill()
+
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert any("learner/loss" in m for m in metrics), ("no step trained", metrics)
+    expected = {k: [(m["step"], pytest.approx(float(m[k]))) for m in metrics] for k in KEYS}
+    trained = [m["step"] for m in metrics if "learner/loss" in m]
+    expected["learner/loss"] = [
+        (m["step"], pytest.approx(m["learner/loss"])) for m in metrics if m["step"] in trained
+    ]
+
+    tb = tensorboard_scalars(run_dir / "tensorboard")
+    assert {k: tb[k] for k in expected} == expected
+    texts = tensorboard_texts(run_dir / "tensorboard")
+    assert [s for s, _ in texts] == list(range(STEPS)) and "| group_id |" in texts[0][1]
+
+    uri = (run_dir / "mlflow").resolve().as_uri()
+    assert mlflow_series(uri, run_id, list(expected)) == expected
+
+    assert {k: [(r["_step"], pytest.approx(r[k])) for r in rows if k in r] for k in expected} == expected
