@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from loom.contracts.modes import ModeLimits, parse_mode_params
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
+from loom.remote_store import open_policy_store
 from loom.store import PolicyStore
 from rollout_svc.engines.base import Engine, EngineError, check_prompt
 from rollout_svc.modes import MODES, ModeError, mode_runner
@@ -173,8 +174,9 @@ def stored_policy(settings: Settings, version: int | None, path: str | None = No
 
 
 async def _load_at_least(engine: Engine, wanted: int, settings: Settings) -> None:
-    store = PolicyStore(settings.policy_store_path)
-    policy = store.serving(wanted)
+    # with LOOM_POLICY_STORE_URL this pulls the version into the local cache first (off the loop)
+    store = open_policy_store(settings)
+    policy = await asyncio.to_thread(store.serving, wanted)
     if policy is None:
         raise ModeError(f"policy version {wanted} is not in the policy store at {store.root}")
     await engine.load_policy(policy)
