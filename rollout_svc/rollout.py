@@ -19,7 +19,6 @@ from loom.contracts.modes import ModeLimits, parse_mode_params
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
 from loom.remote_store import open_policy_store
-from loom.store import PolicyStore
 from rollout_svc.engines.base import Engine, EngineError, check_prompt
 from rollout_svc.modes import MODES, ModeError, mode_runner
 
@@ -149,8 +148,9 @@ def stored_policy(settings: Settings, version: int | None, path: str | None = No
     """The policy a load request names: a version of the policy store (None: the newest; 0: the base
     model), or ``path`` when it is one of the store's version directories (``<store>/v<N>``).
     ``PolicyPathRefused`` for any other path (decided on the path's text and the store's own
-    links only, so the answer says nothing of what exists elsewhere); ``PolicyNotFound``."""
-    store = PolicyStore(settings.policy_store_path)
+    links only, so the answer says nothing of what exists elsewhere); ``PolicyNotFound``. With
+    ``LOOM_POLICY_STORE_URL`` the store is this replica's cache and a version is pulled on demand."""
+    store = open_policy_store(settings)
     if path is not None:
         root = store.root.resolve()
         given = Path(os.path.normpath(root / path))  # lexically: ".." cannot climb out unseen
