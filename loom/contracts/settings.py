@@ -224,6 +224,11 @@ class Settings(BaseSettings):
         return self.policy_cache or self.data_dir / "policy-cache"
 
     @property
+    def policy_local_root(self) -> Path:
+        """Where this process finds the versions it loads: the remote store's cache, or the store."""
+        return self.policy_cache_path if self.policy_store_url else self.policy_store_path
+
+    @property
     def embedded(self) -> bool:
         return self.broker_url == "embedded"
 
