@@ -306,6 +306,13 @@ def test_rollout_hosts_without_a_shared_filesystem_serve_every_policy_version(
     assert refused["status_code"] == 422 and f"the newest is {STEPS}" in json.dumps(refused["body"])
 
     learner_store = learner_dir / "policy"
+    # seen through each running process's own mount namespace (/proc/PID/root): the learner's store
+    # exists for the learner only
+    pids = {name: proc.pid for name, proc, _ in cluster.procs}
+    for name in ("rollout-a", "rollout-b", "gateway-api", "reward-worker"):
+        view = Path(f"/proc/{pids[name]}/root") / learner_store.relative_to("/")
+        assert not view.exists(), f"{name} sees the learner's policy store"
+    assert (Path(f"/proc/{pids['learner-api']}/root") / learner_store.relative_to("/") / "v1").is_dir()
     assert sorted(p.name for p in learner_store.glob("v*")) == [f"v{v}" for v in range(1, STEPS + 1)]
     # staleness 0: step k generated with version k, so each replica was asked for versions 1..STEPS-1
     # (and both served the job's groups at STEPS or at least one did: it holds what it was asked for)
