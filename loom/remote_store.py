@@ -177,6 +177,8 @@ class RemotePolicyStore:
         with _locked(self.root / f".pull-v{version}.lock", deadline):
             if (found := self.cached(version)) is not None:  # another worker on this host pulled it
                 return found
+            for stale in self.root.glob(f".tmp-v{version}-*"):  # a pull killed mid-way (we hold the lock)
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = self.root / f".tmp-v{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
                 tmp.mkdir()

@@ -1,8 +1,8 @@
 """Policy store: versioned policy checkpoints (full safetensors or LoRA adapters) on a shared path.
 
 Layout: ``<root>/v<version>/`` holds the checkpoint, ``<root>/v<version>/policy.json`` its
-PolicyVersion record and ``<root>/v<version>/manifest.json`` each file's size and sha256 (what a
-replica on another host checks after pulling it, ``loom.remote_store``); ``<root>/LATEST`` names the
+PolicyVersion record and ``<root>/v<version>/manifest.json`` (written when the version is first
+served over HTTP, ``loom.remote_store``) each file's size and sha256; ``<root>/LATEST`` names the
 newest complete version. A version becomes visible only after its directory is complete (written
 under a temporary name, then renamed), so a reader never loads a half-written checkpoint.
 """
@@ -83,7 +83,6 @@ class PolicyStore:
             meta=meta or {},
         )
         (tmp / "policy.json").write_text(record.model_dump_json(indent=2))
-        (tmp / MANIFEST).write_text(json.dumps(file_hashes(tmp), indent=1))
         os.replace(tmp, final)
         latest_tmp = self.root / f".LATEST-{os.getpid()}"
         latest_tmp.write_text(str(version))
@@ -92,7 +91,8 @@ class PolicyStore:
 
     def manifest(self, version: int) -> dict[str, Any] | None:
         """Version ``version``'s record and files (``{"policy": ..., "files": [{path, size, sha256}]}``)
-        or None. A version published before manifests existed is hashed now and its manifest kept."""
+        or None. Hashed on the first request and kept as ``manifest.json`` in the version folder, so a
+        deployment that never serves the store over HTTP never pays for the hashes."""
         record = self.get(version)
         if record is None:
             return None

@@ -88,6 +88,10 @@ def test_a_pulled_version_is_the_learners_files_in_the_replicas_own_cache(
     store, server = served
     cache = tmp_path / "replica" / "cache"
     remote = RemotePolicyStore(server.url, cache, token="s3cret")
+    killed = cache / ".tmp-v1-999-dead"  # what a pull killed mid-way leaves
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half")
+    assert not (store.path_of(1) / "manifest.json").exists()  # hashed on the first request only
     got = remote.get(1)
     assert got is not None and got.version == 1 and got.path == str(cache / "v1")
     for rel in ("model.safetensors", "tokenizer/vocab.json"):
@@ -113,6 +117,7 @@ def test_a_file_that_is_not_the_manifests_is_refused_and_nothing_is_cached(
     served: Any, tmp_path: Path
 ) -> None:
     store, server = served
+    assert store.manifest(2) is not None  # hashed (as on its first request), then the disk changes
     (store.path_of(2) / "model.safetensors").write_bytes(b"\x00" * 300_000)  # same size, other bytes
     remote = RemotePolicyStore(server.url, tmp_path / "cache", token="s3cret")
     with pytest.raises(PolicyHashMismatch, match="model.safetensors"):
