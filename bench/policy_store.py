@@ -3,7 +3,8 @@
 A version of ``--mb`` MB (two files of random bytes) is published to a store; the learner API serves
 it (``loom api learner`` on 127.0.0.1, its own process); then, ``--repeats`` times each, alternating:
 
-- pull: ``RemotePolicyStore.get`` into an empty cache (HTTP stream, sha256 of every byte, rename);
+- pull: ``RemotePolicyStore.get`` into an empty cache (HTTP stream, sha256 of every byte, rename;
+  the first pull also pays the server's hashing, which makes the version's manifest);
 - copy: ``shutil.copytree`` of the version folder (what a shared volume costs at best: no network);
 - cached: ``get`` again on a cache that holds it (a manifest-free local read).
 
