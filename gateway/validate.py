@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fastapi import HTTPException
+
 from gateway.models import TaskItem
 from gateway.runs import to_request
 from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params
 from loom.contracts.rewards import RequestError, check_spec
 from loom.contracts.settings import Settings
-from loom.store import PolicyStore
+from loom.remote_store import PolicyStoreError, open_policy_store
 
 MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in dataset's items differ
 # only in their sentences, so the first ones stand for the rest)
@@ -58,14 +60,18 @@ def submission_problem(
 def policy_version_problem(version: int | None, field: str, settings: Settings) -> dict[str, Any] | None:
     """The 422 body when no rollout replica could serve ``version`` (``PolicyStore.serving``, as
     ``rollout_svc.rollout.catch_up`` loads it; version 0 is the base model every engine starts from).
-    The gateway reads the same store as the rollout replicas (``LOOM_POLICY_STORE``; docker-compose
-    mounts it)."""
+    The gateway reads the same store as the rollout replicas: ``LOOM_POLICY_STORE`` (docker-compose
+    mounts it) or, with ``LOOM_POLICY_STORE_URL``, the remote store's manifests (no file is pulled).
+    A remote store that cannot answer is a 503 ``policy_store_unavailable``."""
     if not version:
         return None
-    store = PolicyStore(settings.policy_store_path, create=False)
-    if store.serving(version) is not None:
-        return None
-    latest = store.latest()
+    store = open_policy_store(settings, create=False)
+    try:
+        if store.serving(version) is not None:
+            return None
+        latest = store.latest()
+    except PolicyStoreError as exc:
+        raise HTTPException(503, {"error": "policy_store_unavailable", "detail": str(exc)}) from exc
     newest = "none is" if latest is None else f"the newest is {latest.version}"
     msg = f"policy version {version} is not in the policy store ({newest})"
     return {

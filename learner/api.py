@@ -5,8 +5,10 @@ the policy), returns schemas.
   The batch is checked here first (every trajectory has a reward, the tree/threads an estimator
   needs), so a bad batch is a 422, never a failed task.
 - ``POST /v1/score/attention``: FCI scores of a response's steps under the current policy.
+- ``GET /v1/store/...``: the policy store's versions, manifests and files (``loom.remote_store``), so
+  rollout replicas on other hosts pull each version without a shared filesystem.
 
-Both are internal routes: with ``LOOM_SERVICE_TOKEN`` set they need it (401 otherwise). A wait a
+All are internal routes: with ``LOOM_SERVICE_TOKEN`` set they need it (401 otherwise). A wait a
 request asks for (``?timeout=``, the body's ``timeout``) above ``LOOM_LEARNER_MAX_WAIT_S`` is a 422;
 none asked: that bound (docs/security-workers.md).
 """
@@ -24,6 +26,7 @@ from pydantic import Field, model_validator
 from learner.assign import assign_batch
 from loom.contracts.settings import Settings
 from loom.contracts.wire import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
+from loom.remote_store import add_store_routes
 from loom.service import add_ping_route, broker_check, create_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
 
@@ -132,6 +135,7 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
         out = await asyncio.to_thread(_run, celery_app, "learner.score_attention", kwargs, wait)
         return AttentionScores.model_validate(out)
 
+    add_store_routes(app, internal)  # the policy store for replicas on other hosts (LOOM_POLICY_STORE_URL)
     return app
 
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from loom.contracts.modes import ModeLimits, parse_mode_params
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
-from loom.store import PolicyStore
+from loom.remote_store import open_policy_store
 from rollout_svc.engines.base import Engine, EngineError, check_prompt
 from rollout_svc.modes import MODES, ModeError, mode_runner
 
@@ -148,8 +148,9 @@ def stored_policy(settings: Settings, version: int | None, path: str | None = No
     """The policy a load request names: a version of the policy store (None: the newest; 0: the base
     model), or ``path`` when it is one of the store's version directories (``<store>/v<N>``).
     ``PolicyPathRefused`` for any other path (decided on the path's text and the store's own
-    links only, so the answer says nothing of what exists elsewhere); ``PolicyNotFound``."""
-    store = PolicyStore(settings.policy_store_path)
+    links only, so the answer says nothing of what exists elsewhere); ``PolicyNotFound``. With
+    ``LOOM_POLICY_STORE_URL`` the store is this replica's cache and a version is pulled on demand."""
+    store = open_policy_store(settings)
     if path is not None:
         root = store.root.resolve()
         given = Path(os.path.normpath(root / path))  # lexically: ".." cannot climb out unseen
@@ -173,8 +174,9 @@ def stored_policy(settings: Settings, version: int | None, path: str | None = No
 
 
 async def _load_at_least(engine: Engine, wanted: int, settings: Settings) -> None:
-    store = PolicyStore(settings.policy_store_path)
-    policy = store.serving(wanted)
+    # with LOOM_POLICY_STORE_URL this pulls the version into the local cache first (off the loop)
+    store = open_policy_store(settings)
+    policy = await asyncio.to_thread(store.serving, wanted)
     if policy is None:
         raise ModeError(f"policy version {wanted} is not in the policy store at {store.root}")
     await engine.load_policy(policy)

@@ -34,6 +34,18 @@ class Settings(BaseSettings):
     # --- where things live
     data_dir: Path = Field(default=Path(".loom"), description="state: embedded broker, results, runs")
     policy_store: Path | None = Field(default=None, description="policy versions; default data_dir/policy")
+    policy_store_url: str = Field(
+        default="",
+        description="a store served over HTTP (the learner API's /v1/store, docs/operations.md): replicas "
+        "pull versions into policy_cache and check each file's sha256; empty: the local policy_store",
+    )
+    policy_cache: Path | None = Field(
+        default=None,
+        description="where a replica keeps the versions it pulled (default data_dir/policy-cache)",
+    )
+    policy_pull_timeout_s: float = Field(
+        default=600.0, gt=0, description="the longest one version's pull (manifest and files) may take"
+    )
 
     # --- queue fabric
     broker_url: str = Field(default="embedded", description="'embedded' or amqp://user:pass@host:5672//")
@@ -198,7 +210,7 @@ class Settings(BaseSettings):
         "score/attention timeout); more is a 422",
     )
 
-    @field_validator("attention_url")
+    @field_validator("attention_url", "policy_store_url")
     @classmethod
     def _http_url(cls, v: str) -> str:
         from urllib.parse import urlsplit
@@ -229,6 +241,15 @@ class Settings(BaseSettings):
     @property
     def policy_store_path(self) -> Path:
         return self.policy_store or self.data_dir / "policy"
+
+    @property
+    def policy_cache_path(self) -> Path:
+        return self.policy_cache or self.data_dir / "policy-cache"
+
+    @property
+    def policy_local_root(self) -> Path:
+        """Where this process finds the versions it loads: the remote store's cache, or the store."""
+        return self.policy_cache_path if self.policy_store_url else self.policy_store_path
 
     @property
     def embedded(self) -> bool:

@@ -32,7 +32,7 @@ def make_engine(settings: Settings) -> Engine:
             timeout=settings.engine_timeout_s,
             retries=settings.engine_retries,
             logprobs_mode=settings.engine_logprobs_mode,
-            policy_store=settings.policy_store_path,
+            policy_store=settings.policy_local_root,  # vLLM loads pulled versions from the cache
             pause_mode=settings.vllm_pause_mode,
             lora_keep=settings.vllm_lora_keep,
         )
