@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loom.contracts.wire import Contract, Group, RolloutRequest
+from loom.remote_store import PolicyStoreError
 from loom.service import ErrorBody, add_ping_route, broker_check, create_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
 from rollout_svc.engines import get_engine_async, get_tokenizer
@@ -119,13 +120,18 @@ async def rollouts(body: RolloutRequest) -> Group | JSONResponse:
     responses={
         **UNAUTHORIZED,
         404: {"model": ErrorBody, "description": "no such version in the policy store"},
+        503: {"model": ErrorBody, "description": "the remote policy store did not answer"},
         422: {"model": ErrorBody, "description": "a path outside the store, or the version did not load"},
     },
 )
 async def load_policy(body: PolicyRequest) -> JSONResponse:
     settings = app.state.settings
-    try:
-        policy = stored_policy(settings, body.version, body.path)
+    try:  # off the event loop: with LOOM_POLICY_STORE_URL this may pull a version over HTTP
+        policy = await asyncio.to_thread(stored_policy, settings, body.version, body.path)
+    except PolicyStoreError as exc:
+        log.warning("policy store unavailable: %s", exc)
+        detail = f"the policy store did not answer ({type(exc).__name__})"
+        return JSONResponse(status_code=503, content={"error": "policy_store_unavailable", "detail": detail})
     except PolicyPathRefused as exc:
         return JSONResponse(status_code=422, content={"error": "path_refused", "detail": str(exc)})
     except PolicyNotFound as exc:

@@ -34,7 +34,8 @@ async def submit_job(body: JobRequest, request: Request, gw: GatewayDep) -> Any:
     quota of the key: 422 (never fits) or 429 (not beside its other work)."""
     await asyncio.to_thread(gw.backpressure.check)
     items = body.items()
-    problem = submission_problem(items, body, gw.settings, "tasks" if body.tasks is not None else None)
+    per_item = "tasks" if body.tasks is not None else None
+    problem = await asyncio.to_thread(submission_problem, items, body, gw.settings, per_item)
     if problem is not None:
         return JSONResponse(status_code=422, content=problem)
     create_row = partial(

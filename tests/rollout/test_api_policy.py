@@ -253,3 +253,26 @@ def test_a_policy_path_outside_the_store_is_refused_and_a_bad_version_is_422(
     assert "config" not in r.text and str(store.root) not in r.text
     r = c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 2}})
     assert r.status_code == 200  # the engine still serves its model
+
+
+def test_a_remote_policy_store_that_does_not_answer_is_a_503(client: Any, tmp_path: Path) -> None:
+    """With LOOM_POLICY_STORE_URL a load pulls over HTTP: a store that refuses the connection is a typed
+    503 naming the store, not a 500, and the engine keeps the policy it had."""
+    import socket
+
+    from rollout_svc.api import app
+
+    c, engine = client
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app.state.settings = Settings(
+        data_dir=tmp_path / "data",
+        policy_store_url=f"http://127.0.0.1:{port}",
+        policy_pull_timeout_s=5,
+    )
+    before = engine.policy_version
+    r = c.post("/v1/policy", json={"version": 1})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"] == "policy_store_unavailable"
+    assert engine.policy_version == before
