@@ -24,13 +24,18 @@ from learner import logprobs as lp
 from learner.assign import Assigned, assign_batch
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
+from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
 from loom.batching import next_batch_size
 from loom.contracts.estimators import estimator_params
-from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TrainBatch
+from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.store import PolicyStore
 from loom.vocab import outside_vocabulary
 
 log = logging.getLogger("loom.learner")
+
+# the behaviour-vs-learner metrics of a multi-pass step are the first pass's (pi_old = the policy
+# that started the batch); later passes' log-probs have moved away from it
+FIRST_PASS_METRICS = ("logprob_mismatch_", "mismatch_", "tis_")
 
 OPTIMIZER_FILE = "optimizer.pt"
 TOKENIZER_FILES = (
@@ -259,8 +264,13 @@ class Learner:
         def consume(mb: lp.MicroBatchOut) -> None:
             rows = [samples[i] for i in mb.index]
             mask = _pad([s.mask for s in rows], mb.logp.shape[1], mb.logp.device)
-            old, known = old_logprobs(mb, rows, frozen, spec.temperature)
-            totals.add_mismatch(mb.logp.detach(), old, mask, known, rows)
+            tis_on = spec.tis != "off"
+            old, behaviour, known = old_logprobs(mb, rows, frozen, spec.temperature, decoupled=tis_on)
+            # the mismatch is taken on the first pass, where the recomputed log-probs are pi_old's
+            totals.add_mismatch(mb.logp.detach(), behaviour, mask, known, rows)
+            is_weight = None
+            if tis_on:
+                is_weight = totals.add_tis(old, behaviour, mask, known, spec.tis, spec.tis_cap)
             ref_logp = None
             if ref is not None:
                 with torch.no_grad():
@@ -270,7 +280,7 @@ class Learner:
                         autocast_dtype=autocast,
                         temperature=spec.temperature,
                     )
-            parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals)
+            parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals, is_weight)
             parts.loss.backward()
             totals.add_loss(parts, mask)
 
@@ -328,8 +338,8 @@ class Passes:
         metrics["updates"] = float(self.done)
         metrics["first_pass_loss"] = self.first["loss"]
         metrics["last_pass_clip_frac"] = self.last["clip_frac"]
-        first_mismatch = ("logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_k3")
-        return {**self.last, **{k: self.first[k] for k in first_mismatch}}
+        first = {k: v for k, v in self.first.items() if k.startswith(FIRST_PASS_METRICS)}
+        return {**self.last, **first}
 
 
 @dataclass
@@ -349,6 +359,11 @@ class PassTotals:
     behaviour_rows: float = 0.0
     unmatched_rows: float = 0.0
     adv_abs: float = 0.0
+    log_ratios: list[Tensor] = field(default_factory=list)  # log pi_old - log pi_behaviour per token
+    tis_weight: float = 0.0
+    tis_truncated: float = 0.0
+    tis_n: float = 0.0
+    tis: bool = False
 
     def add_mismatch(
         self, logp: Tensor, old: Tensor, mask: Tensor, known: list[bool], rows: Sequence[TokenAdvantages]
@@ -356,12 +371,28 @@ class PassTotals:
         """|recomputed - behaviour| log-prob statistics over the rows whose behaviour log-probs count."""
         self.unmatched_rows += float(sum(s.trajectory.logprobs is not None for s in rows) - sum(known))
         k = torch.tensor(known, device=logp.device, dtype=torch.bool)[:, None]
+        self.log_ratios.append(mismatch_log_ratio(logp, old, mask * k).cpu())
         d = (logp - old) * mask * k
         self.mismatch_abs += float(d.abs().sum())
         self.mismatch_max = max(self.mismatch_max, float(d.abs().max()) if d.numel() else 0.0)
         self.mismatch_k3 += float(((torch.exp(d) - d - 1.0) * mask * k).sum())
         self.mismatch_n += float((mask * k).sum())
         self.behaviour_rows += float(sum(known))
+
+    def add_tis(
+        self, old: Tensor, behaviour: Tensor, mask: Tensor, known: list[bool], level: TisLevel, cap: float
+    ) -> Tensor:
+        """The TIS weights of a micro-batch (learner/mismatch.py), counted for ``tis_weight_mean``
+        and ``tis_truncated_frac`` over the tokens whose behaviour log-probs count."""
+        k = torch.tensor(known, device=old.device, dtype=torch.bool)
+        counted = mask * k[:, None]
+        raw = tis_weights(old, behaviour, counted, level, math.inf)
+        weights = weights_or_one(torch.clamp(raw, max=cap), k) * mask
+        self.tis = True
+        self.tis_weight += float((weights * counted).sum())
+        self.tis_truncated += float(((raw > cap).float() * counted).sum())
+        self.tis_n += float(counted.sum())
+        return weights
 
     def add_loss(self, parts: LossParts, mask: Tensor) -> None:
         share = float(mask.sum()) / max(self.n_tokens, 1.0)
@@ -387,6 +418,22 @@ class PassTotals:
                 "seq_tokens": float(seq_tokens),
             }
         )
+        log_ratio = torch.cat(self.log_ratios) if self.log_ratios else torch.zeros(0)
+        p05, p50, p95 = ratio_percentiles(log_ratio)
+        out.update(
+            {
+                # KL(pi_behaviour || pi_old) on the behaviour's samples, k1 and k3 estimators
+                "mismatch_kl_k1": kl_k1(log_ratio),
+                "mismatch_kl_k3": kl_k3(log_ratio),
+                # r = pi_old / pi_behaviour per token
+                "mismatch_ratio_p05": p05,
+                "mismatch_ratio_p50": p50,
+                "mismatch_ratio_p95": p95,
+            }
+        )
+        if self.tis:
+            out["tis_weight_mean"] = self.tis_weight / max(self.tis_n, 1.0)
+            out["tis_truncated_frac"] = self.tis_truncated / max(self.tis_n, 1.0)
         if not with_entropy:
             out.pop("entropy")
         if not with_kl:
@@ -395,23 +442,32 @@ class PassTotals:
 
 
 def old_logprobs(
-    mb: lp.MicroBatchOut, rows: Sequence[TokenAdvantages], frozen: dict[int, Tensor], temperature: float
-) -> tuple[Tensor, list[bool]]:
-    """The log-probs the ratio is taken against: the behaviour ones where they match what the learner
-    computes (``lp.behaviour_matches``), else the row's first-pass log-probs (recorded in ``frozen``)."""
+    mb: lp.MicroBatchOut,
+    rows: Sequence[TokenAdvantages],
+    frozen: dict[int, Tensor],
+    temperature: float,
+    *,
+    decoupled: bool = False,
+) -> tuple[Tensor, Tensor, list[bool]]:
+    """(the log-probs the ratio is taken against, the behaviour log-probs, which rows' behaviour
+    log-probs count). The ratio's are the behaviour ones where they match what the learner computes
+    (``lp.behaviour_matches``), else the row's first-pass log-probs (recorded in ``frozen``); with
+    ``decoupled`` (TIS on) every row's are its first-pass log-probs, pi_old."""
     width, dev = mb.logp.shape[1], mb.logp.device
     known = [lp.behaviour_matches(s.trajectory, temperature) for s in rows]
-    old = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
+    behaviour = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
     detached = mb.logp.detach()
     stand_in = detached.clone()
     for r, i in enumerate(mb.index):
-        if not known[r]:
+        if decoupled or not known[r]:
             n_i = len(rows[r].mask)
             if i not in frozen:
                 frozen[i] = detached[r, :n_i].clone()
             stand_in[r, :n_i] = frozen[i]
+    if decoupled:
+        return stand_in, behaviour, known
     k = torch.tensor(known, device=dev, dtype=torch.bool)[:, None]
-    return torch.where(k, old, stand_in), known
+    return torch.where(k, behaviour, stand_in), behaviour, known
 
 
 def micro_batch_loss(
@@ -422,9 +478,10 @@ def micro_batch_loss(
     ref_logp: Tensor | None,
     batch: TrainBatch,
     totals: PassTotals,
+    is_weight: Tensor | None = None,
 ) -> LossParts:
     """-J of one micro-batch (HRPO's three-term loss, or the clipped policy loss), normalised by the
-    whole batch's counts in ``totals``."""
+    whole batch's counts in ``totals``; ``is_weight``: the TIS weights (None: off)."""
     spec = batch.loss
     width, dev = mb.logp.shape[1], mb.logp.device
     adv = _pad([s.adv for s in rows], width, dev)
@@ -438,6 +495,7 @@ def micro_batch_loss(
         "entropy_coef": spec.entropy_coef,
         "seq_weight": torch.tensor([s.weight for s in rows], device=dev, dtype=torch.float32),
         "n_seqs": totals.n_seqs,
+        "is_weight": is_weight,
     }
     if batch.estimator == "hrpo":
         return hrpo_loss(
