@@ -8,6 +8,7 @@ store. A batch whose step was already published (a redelivered task) returns the
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import shutil
@@ -38,6 +39,7 @@ log = logging.getLogger("loom.learner")
 FIRST_PASS_METRICS = ("logprob_mismatch_", "mismatch_", "tis_")
 
 OPTIMIZER_FILE = "optimizer.pt"
+ADAPTER_DIR = "adapter"  # the trained adapter inside a merged LoRA version (lora_merge)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -63,6 +65,9 @@ class LearnerConfig:
     lora_rank: int = 0  # > 0: train a LoRA adapter (needs peft) and publish adapters
     lora_alpha: int = 16
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # with LoRA: publish the merged model (W + (alpha/r) B A) as a full checkpoint for engines
+    # without adapter support; the adapter itself is kept in ADAPTER_DIR of the version for resume
+    lora_merge: bool = False
     save_optimizer: bool = True
     keep_versions: int = 0  # > 0: prune older versions after publishing
     drop_zero: bool = True
@@ -118,7 +123,8 @@ class Learner:
                 raise RuntimeError("lora_rank > 0 needs the 'peft' package (pip install peft)") from exc
             base = _load_causal_lm(self.base_path)
             if latest is not None:
-                return PeftModel.from_pretrained(base, latest.path, is_trainable=True)
+                adapter = Path(latest.path) / ADAPTER_DIR if latest.kind == "full" else Path(latest.path)
+                return PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
             lcfg = LoraConfig(
                 r=self.cfg.lora_rank,
                 lora_alpha=self.cfg.lora_alpha,
@@ -137,7 +143,13 @@ class Learner:
         return self._ref
 
     def _write(self, out: Path) -> None:
-        self.model.save_pretrained(str(out), safe_serialization=True)
+        if self.cfg.lora_rank > 0 and self.cfg.lora_merge:
+            self.model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True)
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            merged.save_pretrained(str(out), safe_serialization=True)
+            del merged
+        else:
+            self.model.save_pretrained(str(out), safe_serialization=True)
         for name in TOKENIZER_FILES:
             src = self.base_path / name
             if src.exists() and not (out / name).exists():
@@ -146,7 +158,8 @@ class Learner:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
 
     def publish(self, meta: dict[str, Any]) -> PolicyVersion:
-        kind: Literal["full", "lora"] = "lora" if self.cfg.lora_rank > 0 else "full"
+        lora = self.cfg.lora_rank > 0 and not self.cfg.lora_merge
+        kind: Literal["full", "lora"] = "lora" if lora else "full"
         record = self.store.publish(
             self.version + 1, self._write, kind=kind, meta={"base": str(self.base_path), **meta}
         )
