@@ -23,6 +23,7 @@ from torch import Tensor
 
 from learner import logprobs as lp
 from learner.assign import Assigned, assign_batch
+from learner.distributed import RankFailure, Ranks
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
@@ -88,8 +89,10 @@ def _load_causal_lm(path: Path) -> Any:
 
 
 class Learner:
-    def __init__(self, cfg: LearnerConfig) -> None:
+    def __init__(self, cfg: LearnerConfig, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
+        # N ranks (learner/distributed.py): each trains its share, gradients summed, rank 0 publishes
+        self.ranks = ranks if ranks is not None and ranks.world > 1 else None
         self.store = PolicyStore(cfg.store)
         self.base_path = resolve_model_path(cfg.model)
         self.device = torch.device(cfg.device)
@@ -158,6 +161,21 @@ class Learner:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
 
     def publish(self, meta: dict[str, Any]) -> PolicyVersion:
+        if self.ranks is not None and not self.ranks.is_main:
+            self.ranks.barrier()  # rank 0 has published: the same version, read back
+            record = self.store.latest()
+            if record is None or record.version != self.version + 1:
+                raise RankFailure(
+                    f"rank {self.ranks.rank}: rank 0 did not publish version {self.version + 1}"
+                )
+            self.version, self.record = record.version, record
+            return record
+        record = self._publish(meta)
+        if self.ranks is not None:
+            self.ranks.barrier()
+        return record
+
+    def _publish(self, meta: dict[str, Any]) -> PolicyVersion:
         lora = self.cfg.lora_rank > 0 and not self.cfg.lora_merge
         kind: Literal["full", "lora"] = "lora" if lora else "full"
         record = self.store.publish(
@@ -173,6 +191,8 @@ class Learner:
     def train_step(self, batch: TrainBatch) -> StepResult:
         """One optimizer step per batch, read top to bottom: advantages, the passes (PPO's epochs:
         recompute log-probs, loss, backward, clip, AdamW), then the new version is published."""
+        if self.ranks is not None and self.ranks.is_main:  # the helper ranks train the same batch
+            self.ranks.broadcast(batch.model_dump(mode="json"))
         if self.record is not None and self.record.meta.get("step") == batch.step:
             return self._replayed(batch, self.record)
         t0 = time.perf_counter()
@@ -246,9 +266,10 @@ class Learner:
 
     def _optimizer_step(self, max_grad_norm: float) -> float | None:
         """Clip the accumulated gradient and step; None (nothing applied) when its norm is not finite."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], max_grad_norm
-        )
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        if self.ranks is not None:
+            self.ranks.sum_gradients(trained)  # each rank's loss has the global normaliser
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         # a NaN/inf gradient would write NaN into every weight: that pass is not applied
@@ -269,8 +290,13 @@ class Learner:
         on later ones."""
         frozen: dict[int, Tensor] = {} if first_pass_logp is None else first_pass_logp
         spec = batch.loss
+        if self.ranks is not None:
+            samples = self.ranks.share(samples)
         trajs = [s.trajectory for s in samples]
-        totals = PassTotals(n_tokens=float(sum(sum(s.mask) for s in samples)), n_seqs=float(len(samples)))
+        counts = [float(sum(sum(s.mask) for s in samples)), float(len(samples))]
+        if self.ranks is not None:  # the normalisers of the WHOLE batch, before any backward
+            counts = self.ranks.all_sum(counts)
+        totals = PassTotals(n_tokens=counts[0], n_seqs=counts[1])
         autocast = torch.bfloat16 if (self.device.type == "cuda" and self.cfg.bf16) else None
         ref = self.reference_model() if spec.kl_coef > 0 else None
 
@@ -297,16 +323,19 @@ class Learner:
             parts.loss.backward()
             totals.add_loss(parts, mask)
 
-        lp.recompute(
-            self.model,
-            trajs,
-            token_budget=self.cfg.token_budget,
-            with_entropy=spec.entropy_coef != 0.0,
-            autocast_dtype=autocast,
-            each=consume,
-            temperature=spec.temperature,
-        )
+        if trajs:  # a rank may have no share of a small batch: it adds zero gradients
+            lp.recompute(
+                self.model,
+                trajs,
+                token_budget=self.cfg.token_budget,
+                with_entropy=spec.entropy_coef != 0.0,
+                autocast_dtype=autocast,
+                each=consume,
+                temperature=spec.temperature,
+            )
         seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
+        if self.ranks is not None:
+            seq_tokens = int(totals.reduce(self.ranks, seq_tokens))
         return totals.summary(seq_tokens, with_entropy=spec.entropy_coef != 0.0, with_kl=spec.kl_coef != 0)
 
 
@@ -413,6 +442,19 @@ class PassTotals:
         self.clip_frac += float(parts.clip_frac) * share
         self.kl += float(parts.kl) * share
         self.entropy += float(parts.entropy) * share
+
+    def reduce(self, ranks: Ranks, seq_tokens: int) -> float:
+        """The sums over every rank's share (the token-ratio percentiles stay this rank's); returns
+        the summed ``seq_tokens``."""
+        names = (
+            "loss", "clip_frac", "kl", "entropy", "mismatch_abs", "mismatch_k3", "mismatch_n",
+            "behaviour_rows", "unmatched_rows", "adv_abs", "tis_weight", "tis_truncated", "tis_n",
+        )  # fmt: skip
+        summed = ranks.all_sum([getattr(self, n) for n in names] + [float(seq_tokens)])
+        for n, v in zip(names, summed, strict=False):
+            setattr(self, n, v)
+        self.mismatch_max = ranks.all_max([self.mismatch_max])[0]
+        return summed[-1]
 
     def summary(self, seq_tokens: int, *, with_entropy: bool, with_kl: bool) -> dict[str, float]:
         n = max(self.mismatch_n, 1.0)

@@ -1,0 +1,101 @@
+"""The learner as 2 ranks on CPU with gloo (learner/distributed.py): each step equals the one-process
+step on the same batch for every aggregation mode and HRPO, and a killed rank fails the step with
+nothing published."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.distributed import STOP, RankFailure, Ranks, start_helpers
+from learner.train import Learner, LearnerConfig
+from loom.contracts.wire import LossSpec, TrainBatch
+from loom.store import PolicyStore
+
+# float32 gradient sums in another order, then AdamW: a step's weights agree to 1e-6 (lr 1e-4)
+ATOL = 1e-6
+
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _batches(batch_parts) -> list[TrainBatch]:
+    groups, rewards = batch_parts(n_groups=3, seed=4)
+    specs = [("grpo", m) for m in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")]
+    return [
+        TrainBatch(step=i, groups=groups, rewards=rewards, estimator=est, loss=LossSpec(aggregation=agg))
+        for i, (est, agg) in enumerate([*specs, ("hrpo", "token_mean")])
+    ]
+
+
+class TwoRanks:
+    """Rank 0 in this process (as in the learner worker), rank 1 a child process."""
+
+    def __init__(self, model_dir: Path, store: Path) -> None:
+        torch.set_num_threads(1)
+        port = _port()
+        self.helpers = start_helpers(2, "127.0.0.1", port, str(model_dir), str(store), "cpu")
+        self.ranks = Ranks.init(0, 2, "127.0.0.1", port, timeout_s=60)
+        self.learner = Learner(LearnerConfig(model=model_dir, store=store), ranks=self.ranks)
+
+    def close(self, stop: bool = True) -> list[int | None]:
+        try:
+            if stop:
+                self.ranks.broadcast(STOP)
+        finally:
+            self.ranks.close()
+            torch.set_num_threads(os.cpu_count() or 1)
+        return [h.wait(timeout=60) for h in self.helpers]
+
+
+def test_two_ranks_take_the_one_process_step_for_every_aggregation_and_hrpo(model_dir, tmp_path, batch_parts):
+    batches = _batches(batch_parts)
+    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one"))
+    two = TwoRanks(model_dir, tmp_path / "two")
+    try:
+        for batch in batches:
+            r1, r2 = one.train_step(batch), two.learner.train_step(batch)
+            assert r1.policy_version == r2.policy_version == batch.step + 1
+            assert r2.metrics["loss"] == pytest.approx(r1.metrics["loss"], rel=1e-5, abs=1e-7)
+            assert r2.n_tokens == r1.n_tokens and r2.metrics["seq_tokens"] == r1.metrics["seq_tokens"]
+            a, b = _state(one.model), _state(two.learner.model)
+            worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+            assert worst <= ATOL, (batch.estimator, batch.loss.aggregation, worst)
+        assert any(
+            not torch.equal(v, w)
+            for v, w in zip(
+                _state(one.model).values(),
+                _state(Learner(LearnerConfig(model=model_dir, store=tmp_path / "fresh")).model).values(),
+                strict=True,
+            )
+        )
+    finally:
+        codes = two.close()
+    assert codes == [0]  # the helper rank left its loop on STOP
+
+
+def test_a_killed_rank_fails_the_step_and_nothing_is_published(model_dir, tmp_path, batch_parts):
+    batch = _batches(batch_parts)[0]
+    two = TwoRanks(model_dir, tmp_path / "store")
+    try:
+        two.helpers[0].send_signal(signal.SIGKILL)
+        two.helpers[0].wait(timeout=30)
+        with pytest.raises(RankFailure):
+            two.learner.train_step(batch)
+    finally:
+        two.close(stop=False)
+    assert PolicyStore(tmp_path / "store").latest() is None
