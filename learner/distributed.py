@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -124,6 +125,12 @@ def serve(learner: Any) -> None:
             learner.train_step(TrainBatch.model_validate(got))
         except ValueError as exc:  # a bad batch: rank 0 refuses it the same way, before any collective
             log.info("rank %d: batch refused: %s", ranks.rank, exc)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def start_helpers(
