@@ -21,11 +21,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,6 +105,38 @@ class Ranks:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+SHARDED_DIR = "sharded"  # under the policy store: sharded/v<N>, the ranks' model + optimizer state
+
+
+def sharded_path(store_root: Path, version: int) -> Path:
+    return store_root / SHARDED_DIR / f"v{version}"
+
+
+def save_sharded(ranks: Ranks, model: Any, optimizer: Any, path: Path) -> None:
+    """Every rank's model and optimizer state with ``torch.distributed.checkpoint`` (a collective:
+    each rank writes its shard, replicated tensors once); rank 0 then drops the older checkpoints."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    _collective(save, {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    if ranks.is_main:
+        for old in path.parent.glob("v*"):
+            if old != path and old.name[1:].isdigit() and int(old.name[1:]) < int(path.name[1:]):
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def load_sharded(model: Any, optimizer: Any, path: Path) -> None:
+    """The model and optimizer state of :func:`save_sharded` (a collective), in place."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    _collective(load, state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _collective(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from learner import logprobs as lp
 from learner.assign import Assigned, assign_batch
-from learner.distributed import RankFailure, Ranks
+from learner.distributed import RankFailure, Ranks, load_sharded, save_sharded, sharded_path
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
@@ -114,6 +114,10 @@ class Learner:
             )
             self.optimizer.load_state_dict(state)
         self._ref: Any = None
+        if self.ranks is not None and latest is not None:
+            sharded = sharded_path(self.store.root, latest.version)
+            if sharded.exists():  # the ranks' own checkpoint of this version (model + optimizer)
+                load_sharded(self.model, self.optimizer, sharded)
         if latest is not None:
             log.info("learner resumed from policy version %d (%s)", latest.version, latest.path)
 
@@ -169,10 +173,14 @@ class Learner:
                     f"rank {self.ranks.rank}: rank 0 did not publish version {self.version + 1}"
                 )
             self.version, self.record = record.version, record
-            return record
-        record = self._publish(meta)
+        else:
+            record = self._publish(meta)
+            if self.ranks is not None:
+                self.ranks.barrier()
         if self.ranks is not None:
-            self.ranks.barrier()
+            save_sharded(
+                self.ranks, self.model, self.optimizer, sharded_path(self.store.root, record.version)
+            )
         return record
 
     def _publish(self, meta: dict[str, Any]) -> PolicyVersion:
