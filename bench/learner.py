@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # `python bench/learner.py` puts bench/ first on sys.path, where this file would shadow the package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -163,17 +164,15 @@ def compare_ranks(
         root = Path(tmp)
         os.environ["OMP_NUM_THREADS"] = "1"
         port = free_port()
-        helpers = start_helpers(n, "127.0.0.1", port, str(path), str(root / "ranks"), args.device)
+        cfg: dict[str, Any] = {"device": args.device, "token_budget": args.token_budget}
+        rank_cfg = LearnerConfig(model=path, store=root / "ranks", **cfg)
+        helpers = start_helpers(n, "127.0.0.1", port, rank_cfg.to_json())
         ranks = Ranks.init(0, n, "127.0.0.1", port, "nccl" if args.device.startswith("cuda") else "gloo")
         try:
-            cfg = {"device": args.device, "token_budget": args.token_budget}
             learners = {
                 "1 process, 1 thread": (Learner(LearnerConfig(model=path, store=root / "a", **cfg)), 1),
                 f"1 process, {n} threads": (Learner(LearnerConfig(model=path, store=root / "b", **cfg)), n),
-                f"{n} ranks, 1 thread each": (
-                    Learner(LearnerConfig(model=path, store=root / "ranks", **cfg), ranks=ranks),
-                    1,
-                ),
+                f"{n} ranks, 1 thread each": (Learner(rank_cfg, ranks=ranks), 1),
             }
             for step in range(args.steps + 1):  # step 0 is warm-up
                 order = list(learners) if step % 2 == 0 else list(reversed(learners))

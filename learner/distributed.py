@@ -19,6 +19,7 @@ reduce-scatter on every torch build); see docs/benchmarks/learner.md.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import shutil
@@ -167,43 +168,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_helpers(
-    world: int, addr: str, port: int, model: str, store: str, device: str
-) -> list[subprocess.Popen[bytes]]:
-    """Ranks 1..world-1 as child processes of rank 0 (``python -m learner.distributed``); one torch
-    thread each unless OMP_NUM_THREADS says otherwise."""
+def start_helpers(world: int, addr: str, port: int, config: dict[str, Any]) -> list[subprocess.Popen[bytes]]:
+    """Ranks 1..world-1 as child processes of rank 0 (``python -m learner.distributed``), each with
+    rank 0's ``LearnerConfig`` (``config``: its fields as JSON values); one torch thread each unless
+    OMP_NUM_THREADS says otherwise."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cfg = json.dumps(config)
     return [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "learner.distributed",
-                str(r),
-                str(world),
-                addr,
-                str(port),
-                model,
-                store,
-                device,
-            ],
-            env=env,
+            [sys.executable, "-m", "learner.distributed", str(r), str(world), addr, str(port), cfg], env=env
         )
         for r in range(1, world)
     ]
 
 
 def main(argv: Sequence[str]) -> int:
-    """A helper rank: ``python -m learner.distributed RANK WORLD ADDR PORT MODEL STORE DEVICE``."""
-    from learner.train import Learner, LearnerConfig
+    """A helper rank: ``python -m learner.distributed RANK WORLD ADDR PORT CONFIG_JSON``."""
+    from learner.train import Learner, learner_config_from_json
 
-    rank, world, addr, port, model, store, device = argv
+    rank, world, addr, port, config = argv
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = learner_config_from_json(json.loads(config))
     ranks = Ranks.init(
-        int(rank), int(world), addr, int(port), "nccl" if device.startswith("cuda") else "gloo"
+        int(rank), int(world), addr, int(port), "nccl" if cfg.device.startswith("cuda") else "gloo"
     )
     try:
-        serve(Learner(LearnerConfig(model=model, store=store, device=device), ranks=ranks))
+        serve(Learner(cfg, ranks=ranks))
     except RankFailure as exc:
         log.error("%s", exc)
         return 1

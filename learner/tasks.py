@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from learner.distributed import RankFailure, Ranks, free_port, start_helpers
-from learner.train import Learner, LearnerConfig, resolve_model_path
+from learner.train import Learner, LearnerConfig
 from loom.contracts.settings import Settings, get_settings
 from loom.contracts.wire import TrainBatch
 from loom.queue import make_celery
@@ -51,8 +51,7 @@ def get_learner() -> Learner:
 
 def _start_ranks(cfg: LearnerConfig) -> Ranks:
     port = free_port()
-    model = str(resolve_model_path(cfg.model))
-    start_helpers(_nproc, "127.0.0.1", port, model, str(cfg.store), cfg.device)
+    start_helpers(_nproc, "127.0.0.1", port, cfg.to_json())
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     return Ranks.init(0, _nproc, "127.0.0.1", port, backend)
 

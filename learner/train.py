@@ -9,6 +9,7 @@ store. A batch whose step was already published (a redelivered task) returns the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import shutil
@@ -72,6 +73,19 @@ class LearnerConfig:
     save_optimizer: bool = True
     keep_versions: int = 0  # > 0: prune older versions after publishing
     drop_zero: bool = True
+    activation_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON values (the helper ranks get rank 0's config this way)."""
+        return {
+            k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(self).items()
+        }
+
+
+def learner_config_from_json(values: dict[str, Any]) -> LearnerConfig:
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return LearnerConfig(**fields)
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -95,9 +109,14 @@ class Learner:
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
         self.store = PolicyStore(cfg.store)
         self.base_path = resolve_model_path(cfg.model)
-        self.device = torch.device(cfg.device)
+        device = cfg.device
+        if self.ranks is not None and device == "cuda":  # one GPU per rank
+            device = f"cuda:{self.ranks.rank}"
+        self.device = torch.device(device)
         latest = self.store.latest()
         self.model = self._load(latest)
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device)
         self.model.train()
         self.optimizer = torch.optim.AdamW(

@@ -48,9 +48,9 @@ class TwoRanks:
     def __init__(self, model_dir: Path, store: Path, save_optimizer: bool = True) -> None:
         torch.set_num_threads(1)
         port = _port()
-        self.helpers = start_helpers(2, "127.0.0.1", port, str(model_dir), str(store), "cpu")
-        self.ranks = Ranks.init(0, 2, "127.0.0.1", port, timeout_s=60)
         cfg = LearnerConfig(model=model_dir, store=store, save_optimizer=save_optimizer)
+        self.helpers = start_helpers(2, "127.0.0.1", port, cfg.to_json())
+        self.ranks = Ranks.init(0, 2, "127.0.0.1", port, timeout_s=60)
         self.learner = Learner(cfg, ranks=self.ranks)
 
     def close(self, stop: bool = True) -> list[int | None]:
