@@ -94,6 +94,12 @@ class Ranks:
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
 
+    def same_weights(self, model: Any) -> None:
+        """Every rank takes rank 0's parameters and buffers (as DDP does at construction): a freshly
+        initialised part (a LoRA adapter's A) is drawn by each process's own random state."""
+        for t in [*model.parameters(), *model.buffers()]:
+            _collective(dist.broadcast, t.data, src=0)
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         box = [obj if self.is_main else None]

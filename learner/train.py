@@ -119,6 +119,8 @@ class Learner:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device)
         self.model.train()
+        if self.ranks is not None:
+            self.ranks.same_weights(self.model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=LossSpec().lr,

@@ -45,10 +45,10 @@ def _batches(batch_parts) -> list[TrainBatch]:
 class TwoRanks:
     """Rank 0 in this process (as in the learner worker), rank 1 a child process."""
 
-    def __init__(self, model_dir: Path, store: Path, save_optimizer: bool = True) -> None:
+    def __init__(self, model_dir: Path, store: Path, save_optimizer: bool = True, lora_rank: int = 0) -> None:
         torch.set_num_threads(1)
         port = _port()
-        cfg = LearnerConfig(model=model_dir, store=store, save_optimizer=save_optimizer)
+        cfg = LearnerConfig(model=model_dir, store=store, save_optimizer=save_optimizer, lora_rank=lora_rank)
         self.helpers = start_helpers(2, "127.0.0.1", port, cfg.to_json())
         self.ranks = Ranks.init(0, 2, "127.0.0.1", port, timeout_s=60)
         self.learner = Learner(cfg, ranks=self.ranks)
@@ -124,3 +124,22 @@ def test_resume_from_the_sharded_checkpoint_continues_the_same_loss_curve(model_
     assert len(set(curve)) == 4  # the curve moves: a reset optimizer would not give the same losses
     a = _state(one.model)
     assert max(float((a[k] - state[k]).abs().max()) for k in a) <= 10 * ATOL
+
+
+def test_two_ranks_train_a_lora_adapter_as_one_process(model_dir, tmp_path, batch_parts):
+    pytest.importorskip("peft")
+    batch = _batches(batch_parts)[0].model_copy(update={"loss": LossSpec(lr=1e-2)})
+    # the adapter's A is drawn at random: the same seed in both processes' rank 0; rank 1 gets rank 0's
+    torch.manual_seed(0)
+    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one", lora_rank=8))
+    torch.manual_seed(0)
+    two = TwoRanks(model_dir, tmp_path / "two", lora_rank=8)
+    try:
+        r1, r2 = one.train_step(batch), two.learner.train_step(batch)
+        a, b = _state(one.model), _state(two.learner.model)
+    finally:
+        two.close()
+    assert r1.policy is not None and r2.policy is not None and r2.policy.kind == "lora"
+    lora = [k for k in a if "lora_B" in k]
+    assert lora and all(float(a[k].abs().max()) > 0 for k in lora)  # B starts at 0: the step moved it
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= ATOL
