@@ -1,11 +1,16 @@
-"""Learner train-step cost: HRPO vs GRPO on the same batch (ratio), and train-step tokens/s.
+"""Learner train-step cost: HRPO vs GRPO on the same batch (ratio), train-step tokens/s, and 1 vs N ranks.
 
 HRPO's three terms share one forward and one backward (AdaSR eq. 10), so its step should cost about
 what a GRPO step costs. Both estimators train the SAME streaming batch (stream / observation / deep
 segments, HRPO reward components), alternating step by step in one run on fresh copies of the model;
 ``train_seconds`` is the step without publishing, ``wall`` includes writing the version to the store.
 
+With ``--ranks N`` (N > 1) the same GRPO step also runs on N data-parallel ranks (learner/distributed.py:
+this process is rank 0, the others its children, gloo on CPU, one torch thread per rank) alternating
+step by step with a one-process learner at one torch thread and at N threads: tokens/s side by side.
+
     python bench/learner.py [--model tiny|PATH] [--groups 4] [--g 8] [--len 96] [--steps 5] [--device cpu]
+                            [--ranks 2]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # `python bench/learner.py` puts bench/ first on sys.path, where this file would shadow the package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -80,6 +86,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--ranks", type=int, default=1, help="> 1: also compare 1 process with N ranks (CPU)")
     args = p.parse_args()
     configure_process()
     import torch
@@ -136,6 +143,55 @@ def main() -> None:
         )
     ratio = statistics.median(times["hrpo"]) / statistics.median(times["grpo"])
     print(f"HRPO / GRPO train-step time ratio: {ratio:.3f} (target <= 1.10)")
+    if args.ranks > 1:
+        compare_ranks(path, groups, rewards, args)
+
+
+def compare_ranks(
+    path: Path, groups: list[Group], rewards: list[RewardResult], args: argparse.Namespace
+) -> None:
+    """GRPO steps on 1 process (1 thread, N threads) and on N ranks (1 thread each), interleaved."""
+    import os
+
+    import torch
+
+    from learner.distributed import STOP, Ranks, free_port, start_helpers
+    from learner.train import Learner, LearnerConfig
+
+    n = args.ranks
+    tps: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        port = free_port()
+        cfg: dict[str, Any] = {"device": args.device, "token_budget": args.token_budget}
+        rank_cfg = LearnerConfig(model=path, store=root / "ranks", **cfg)
+        helpers = start_helpers(n, "127.0.0.1", port, rank_cfg.to_json())
+        ranks = Ranks.init(0, n, "127.0.0.1", port, "nccl" if args.device.startswith("cuda") else "gloo")
+        try:
+            learners = {
+                "1 process, 1 thread": (Learner(LearnerConfig(model=path, store=root / "a", **cfg)), 1),
+                f"1 process, {n} threads": (Learner(LearnerConfig(model=path, store=root / "b", **cfg)), n),
+                f"{n} ranks, 1 thread each": (Learner(rank_cfg, ranks=ranks), 1),
+            }
+            for step in range(args.steps + 1):  # step 0 is warm-up
+                order = list(learners) if step % 2 == 0 else list(reversed(learners))
+                for name in order:
+                    learner, threads = learners[name]
+                    torch.set_num_threads(threads)
+                    res = learner.train_step(TrainBatch(step=step, groups=groups, rewards=rewards))
+                    if step > 0:
+                        tps.setdefault(name, []).append(res.metrics["tokens_per_s"])
+            ranks.broadcast(STOP)
+        finally:
+            ranks.close()
+            for h in helpers:
+                h.wait(timeout=60)
+    print(f"cores: {os.cpu_count()}  (GRPO step, median of {args.steps}, ranks interleaved with 1 process)")
+    base = statistics.median(tps["1 process, 1 thread"])
+    for name, values in tps.items():
+        med = statistics.median(values)
+        print(f"{name:24s} tokens/s {med:9.0f}  ({med / base:.2f}x the 1-thread process)")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,15 @@ def worker_main(argv: Sequence[str]) -> int:
         default=None,
         help="tasks at once (rollout: groups on the engine at once; see LOOM_ROLLOUT_READY)",
     )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="learner: train as N data-parallel ranks (gloo on CPU, NCCL on GPU); this worker is rank 0",
+    )
     args, extra = p.parse_known_args(argv)
+    if args.nproc > 1 and args.service != "learner":
+        p.error("--nproc is the learner's option")
     settings = get_settings()
     configure_process(settings)
     tasks = importlib.import_module(f"{SERVICE_PACKAGES[args.service]}.tasks")
@@ -84,6 +92,8 @@ def worker_main(argv: Sequence[str]) -> int:
         from loom.queue import rollout_slots
 
         tasks.set_engine_slots(rollout_slots(settings, args.concurrency)[0])
+    if args.service == "learner":
+        tasks.set_nproc(args.nproc)
     tasks.celery_app.worker_main(worker_argv(args.service, settings, args.concurrency) + list(extra))
     return 0
 

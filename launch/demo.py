@@ -51,6 +51,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=1, help="optimizer steps per batch (PPO's mu)")
     # 1.3: the tiny model is so peaked that at 1.0 its sampled accuracy already equals its greedy one
     # (0.66 vs 0.75 measured on arithmetic); at 1.3 sampling leaves the policy room to improve.
+    p.add_argument(
+        "--tis",
+        choices=("off", "token", "sequence"),
+        default="off",
+        help="truncated importance sampling for the rollout-train mismatch (docs/algorithms.md §5.2)",
+    )
+    p.add_argument("--tis-cap", type=float, default=2.0, help="C, the TIS truncation cap")
     p.add_argument("--temperature", type=float, default=1.3)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--staleness", type=int, default=1, help="0 = synchronous; 1 = one-step off-policy")
@@ -94,6 +101,8 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
             "warmup_steps": args.warmup,
             "updates_per_batch": args.updates,
             "temperature": args.temperature,  # train the policy that was sampled
+            "tis": args.tis,
+            "tis_cap": args.tis_cap,
         },
         "schedule": {
             "steps": args.steps,
@@ -185,6 +194,16 @@ def summarise(rows: list[dict[str, Any]], seconds: float) -> str:
         f"change: reward {avg(last, 'reward_mean') - avg(first, 'reward_mean'):+.3f}"
         f"  accuracy {avg(last, 'accuracy') - avg(first, 'accuracy'):+.3f}",
     ]
+    if any("mismatch_kl_k3" in r for r in rows):  # the learner's metrics (docs/algorithms.md §5.2)
+        lines.append(
+            f"rollout-train mismatch (all steps): KL k3 {avg(rows, 'mismatch_kl_k3'):.2e}"
+            f"  ratio p05/p95 {avg(rows, 'mismatch_ratio_p05'):.3f}/{avg(rows, 'mismatch_ratio_p95'):.3f}"
+        )
+    if any("tis_weight_mean" in r for r in rows):
+        lines.append(
+            f"TIS: weight mean {avg(rows, 'tis_weight_mean'):.3f}"
+            f"  truncated {avg(rows, 'tis_truncated_frac'):.3%} of tokens"
+        )
     return "\n".join(lines)
 
 

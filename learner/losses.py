@@ -121,9 +121,13 @@ def policy_loss(
     seq_weight: Tensor | None = None,
     n_tokens: float | None = None,
     n_seqs: float | None = None,
+    is_weight: Tensor | None = None,
 ) -> LossParts:
-    """-(agg[C(r, A)] - kl_coef agg[k3] + entropy_coef agg[H]) with one aggregation for every term."""
+    """-(agg[w C(r, A)] - kl_coef agg[k3] + entropy_coef agg[H]) with one aggregation for every term;
+    ``is_weight`` w [B, T] is the TIS weight (learner/mismatch.py; a constant, 1 when None)."""
     surrogate, clipped = clipped_surrogate(logp, old_logp, adv, eps_low, eps_high)
+    if is_weight is not None:
+        surrogate = surrogate * is_weight.detach()
     per_token, kl = _regularised(surrogate, logp, ref_logp, kl_coef, entropy, entropy_coef)
     objective = aggregate(
         per_token, mask, aggregation, seq_weight=seq_weight, n_tokens=n_tokens, n_seqs=n_seqs
@@ -164,6 +168,7 @@ def hrpo_loss(
     entropy_coef: float = 0.0,
     seq_weight: Tensor | None = None,
     n_seqs: float | None = None,
+    is_weight: Tensor | None = None,
 ) -> LossParts:
     """-J_HRPO (AdaSR eq. 5, computed in the time-grouped form of eq. 10): per trajectory
 
@@ -171,12 +176,16 @@ def hrpo_loss(
         + 1/|o| sum_t (C(r_t, A^g) - kl_coef KL_t + entropy_coef H_t),
 
     averaged over trajectories (1/G per group, 1/B over the batch). One forward: all three terms share
-    the same ratio r_t; at r = 1 the per-token gradient weights are appendix B eq. 17.
+    the same ratio r_t; at r = 1 the per-token gradient weights are appendix B eq. 17. ``is_weight``
+    (TIS, learner/mismatch.py) multiplies each of the three surrogates per token.
     """
     w_s, w_d, w_g = hrpo_token_weights(mask, stream_mask, lam)
     c_s, clip_s = clipped_surrogate(logp, old_logp, adv_stream, eps_low, eps_high)
     c_d, clip_d = clipped_surrogate(logp, old_logp, adv_deep, eps_low, eps_high)
     c_g, clip_g = clipped_surrogate(logp, old_logp, adv_global, eps_low, eps_high)
+    if is_weight is not None:
+        w = is_weight.detach()
+        c_s, c_d, c_g = c_s * w, c_d * w, c_g * w
     global_tok, kl = _regularised(c_g, logp, ref_logp, kl_coef, entropy, entropy_coef)
     per_seq = (w_s * c_s + w_d * c_d + w_g * global_tok).sum(dim=1)
     if seq_weight is not None:

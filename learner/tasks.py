@@ -5,9 +5,12 @@ Run ONE learner worker with concurrency 1: it owns the policy (``loom worker lea
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from typing import Any
 
+from learner.distributed import RankFailure, Ranks, free_port, start_helpers
 from learner.train import Learner, LearnerConfig
 from loom.contracts.settings import Settings, get_settings
 from loom.contracts.wire import TrainBatch
@@ -18,6 +21,17 @@ celery_app = make_celery("learner")
 
 _learner: Learner | None = None
 _lock = threading.Lock()
+_nproc = 1
+log = logging.getLogger("loom.learner")
+
+RANK_FAILURE_EXIT = 70  # EX_SOFTWARE: the worker process ends so the broker redelivers the batch
+
+
+def set_nproc(n: int) -> None:
+    """Train as ``n`` ranks (``loom worker learner --nproc N``): this process is rank 0 and starts
+    ranks 1..n-1 as its children when the learner is first used (learner/distributed.py)."""
+    global _nproc
+    _nproc = max(1, int(n))
 
 
 def learner_config(settings: Settings) -> LearnerConfig:
@@ -30,8 +44,16 @@ def get_learner() -> Learner:
     with _lock:
         if _learner is None:
             configure_process()
-            _learner = Learner(learner_config(get_settings()))
+            cfg = learner_config(get_settings())
+            _learner = Learner(cfg, ranks=_start_ranks(cfg) if _nproc > 1 else None)
         return _learner
+
+
+def _start_ranks(cfg: LearnerConfig) -> Ranks:
+    port = free_port()
+    start_helpers(_nproc, "127.0.0.1", port, cfg.to_json())
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    return Ranks.init(0, _nproc, "127.0.0.1", port, backend)
 
 
 @celery_app.task(name="learner.train_step")
@@ -41,7 +63,14 @@ def train_step(batch: dict[str, Any]) -> dict[str, Any]:
     parsed = TrainBatch.model_validate(batch)
     learner = get_learner()
     with _lock:
-        result = learner.train_step(parsed)
+        try:
+            result = learner.train_step(parsed)
+        except RankFailure:
+            # acknowledging a failed task would drop the batch: end the process instead, so the late
+            # ack never happens and the broker redelivers it to the restarted worker (new ranks)
+            log.critical("step %d: a learner rank failed; exiting for redelivery", parsed.step, exc_info=True)
+            logging.shutdown()
+            os._exit(RANK_FAILURE_EXIT)
     return result.model_dump(mode="json")
 
 

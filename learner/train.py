@@ -8,6 +8,8 @@ store. A batch whose step was already published (a redelivered task) returns the
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import math
 import shutil
@@ -22,17 +24,24 @@ from torch import Tensor
 
 from learner import logprobs as lp
 from learner.assign import Assigned, assign_batch
+from learner.distributed import RankFailure, Ranks, load_sharded, save_sharded, sharded_path
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
+from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
 from loom.batching import next_batch_size
 from loom.contracts.estimators import estimator_params
-from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TrainBatch
+from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.store import PolicyStore
 from loom.vocab import outside_vocabulary
 
 log = logging.getLogger("loom.learner")
 
+# the behaviour-vs-learner metrics of a multi-pass step are the first pass's (pi_old = the policy
+# that started the batch); later passes' log-probs have moved away from it
+FIRST_PASS_METRICS = ("logprob_mismatch_", "mismatch_", "tis_")
+
 OPTIMIZER_FILE = "optimizer.pt"
+ADAPTER_DIR = "adapter"  # the trained adapter inside a merged LoRA version (lora_merge)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -58,9 +67,25 @@ class LearnerConfig:
     lora_rank: int = 0  # > 0: train a LoRA adapter (needs peft) and publish adapters
     lora_alpha: int = 16
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # with LoRA: publish the merged model (W + (alpha/r) B A) as a full checkpoint for engines
+    # without adapter support; the adapter itself is kept in ADAPTER_DIR of the version for resume
+    lora_merge: bool = False
     save_optimizer: bool = True
     keep_versions: int = 0  # > 0: prune older versions after publishing
     drop_zero: bool = True
+    activation_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON values (the helper ranks get rank 0's config this way)."""
+        return {
+            k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(self).items()
+        }
+
+
+def learner_config_from_json(values: dict[str, Any]) -> LearnerConfig:
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return LearnerConfig(**fields)
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -78,15 +103,24 @@ def _load_causal_lm(path: Path) -> Any:
 
 
 class Learner:
-    def __init__(self, cfg: LearnerConfig) -> None:
+    def __init__(self, cfg: LearnerConfig, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
+        # N ranks (learner/distributed.py): each trains its share, gradients summed, rank 0 publishes
+        self.ranks = ranks if ranks is not None and ranks.world > 1 else None
         self.store = PolicyStore(cfg.store)
         self.base_path = resolve_model_path(cfg.model)
-        self.device = torch.device(cfg.device)
+        device = cfg.device
+        if self.ranks is not None and device == "cuda":  # one GPU per rank
+            device = f"cuda:{self.ranks.rank}"
+        self.device = torch.device(device)
         latest = self.store.latest()
         self.model = self._load(latest)
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device)
         self.model.train()
+        if self.ranks is not None:
+            self.ranks.same_weights(self.model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=LossSpec().lr,
@@ -101,6 +135,10 @@ class Learner:
             )
             self.optimizer.load_state_dict(state)
         self._ref: Any = None
+        if self.ranks is not None and latest is not None:
+            sharded = sharded_path(self.store.root, latest.version)
+            if sharded.exists():  # the ranks' own checkpoint of this version (model + optimizer)
+                load_sharded(self.model, self.optimizer, sharded)
         if latest is not None:
             log.info("learner resumed from policy version %d (%s)", latest.version, latest.path)
 
@@ -113,7 +151,8 @@ class Learner:
                 raise RuntimeError("lora_rank > 0 needs the 'peft' package (pip install peft)") from exc
             base = _load_causal_lm(self.base_path)
             if latest is not None:
-                return PeftModel.from_pretrained(base, latest.path, is_trainable=True)
+                adapter = Path(latest.path) / ADAPTER_DIR if latest.kind == "full" else Path(latest.path)
+                return PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
             lcfg = LoraConfig(
                 r=self.cfg.lora_rank,
                 lora_alpha=self.cfg.lora_alpha,
@@ -132,7 +171,13 @@ class Learner:
         return self._ref
 
     def _write(self, out: Path) -> None:
-        self.model.save_pretrained(str(out), safe_serialization=True)
+        if self.cfg.lora_rank > 0 and self.cfg.lora_merge:
+            self.model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True)
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            merged.save_pretrained(str(out), safe_serialization=True)
+            del merged
+        else:
+            self.model.save_pretrained(str(out), safe_serialization=True)
         for name in TOKENIZER_FILES:
             src = self.base_path / name
             if src.exists() and not (out / name).exists():
@@ -141,7 +186,27 @@ class Learner:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
 
     def publish(self, meta: dict[str, Any]) -> PolicyVersion:
-        kind: Literal["full", "lora"] = "lora" if self.cfg.lora_rank > 0 else "full"
+        if self.ranks is not None and not self.ranks.is_main:
+            self.ranks.barrier()  # rank 0 has published: the same version, read back
+            record = self.store.latest()
+            if record is None or record.version != self.version + 1:
+                raise RankFailure(
+                    f"rank {self.ranks.rank}: rank 0 did not publish version {self.version + 1}"
+                )
+            self.version, self.record = record.version, record
+        else:
+            record = self._publish(meta)
+            if self.ranks is not None:
+                self.ranks.barrier()
+        if self.ranks is not None:
+            save_sharded(
+                self.ranks, self.model, self.optimizer, sharded_path(self.store.root, record.version)
+            )
+        return record
+
+    def _publish(self, meta: dict[str, Any]) -> PolicyVersion:
+        lora = self.cfg.lora_rank > 0 and not self.cfg.lora_merge
+        kind: Literal["full", "lora"] = "lora" if lora else "full"
         record = self.store.publish(
             self.version + 1, self._write, kind=kind, meta={"base": str(self.base_path), **meta}
         )
@@ -155,6 +220,8 @@ class Learner:
     def train_step(self, batch: TrainBatch) -> StepResult:
         """One optimizer step per batch, read top to bottom: advantages, the passes (PPO's epochs:
         recompute log-probs, loss, backward, clip, AdamW), then the new version is published."""
+        if self.ranks is not None and self.ranks.is_main:  # the helper ranks train the same batch
+            self.ranks.broadcast(batch.model_dump(mode="json"))
         if self.record is not None and self.record.meta.get("step") == batch.step:
             return self._replayed(batch, self.record)
         t0 = time.perf_counter()
@@ -228,9 +295,10 @@ class Learner:
 
     def _optimizer_step(self, max_grad_norm: float) -> float | None:
         """Clip the accumulated gradient and step; None (nothing applied) when its norm is not finite."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], max_grad_norm
-        )
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        if self.ranks is not None:
+            self.ranks.sum_gradients(trained)  # each rank's loss has the global normaliser
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         # a NaN/inf gradient would write NaN into every weight: that pass is not applied
@@ -251,16 +319,26 @@ class Learner:
         on later ones."""
         frozen: dict[int, Tensor] = {} if first_pass_logp is None else first_pass_logp
         spec = batch.loss
+        if self.ranks is not None:
+            samples = self.ranks.share(samples)
         trajs = [s.trajectory for s in samples]
-        totals = PassTotals(n_tokens=float(sum(sum(s.mask) for s in samples)), n_seqs=float(len(samples)))
+        counts = [float(sum(sum(s.mask) for s in samples)), float(len(samples))]
+        if self.ranks is not None:  # the normalisers of the WHOLE batch, before any backward
+            counts = self.ranks.all_sum(counts)
+        totals = PassTotals(n_tokens=counts[0], n_seqs=counts[1])
         autocast = torch.bfloat16 if (self.device.type == "cuda" and self.cfg.bf16) else None
         ref = self.reference_model() if spec.kl_coef > 0 else None
 
         def consume(mb: lp.MicroBatchOut) -> None:
             rows = [samples[i] for i in mb.index]
             mask = _pad([s.mask for s in rows], mb.logp.shape[1], mb.logp.device)
-            old, known = old_logprobs(mb, rows, frozen, spec.temperature)
-            totals.add_mismatch(mb.logp.detach(), old, mask, known, rows)
+            tis_on = spec.tis != "off"
+            old, behaviour, known = old_logprobs(mb, rows, frozen, spec.temperature, decoupled=tis_on)
+            # the mismatch is taken on the first pass, where the recomputed log-probs are pi_old's
+            totals.add_mismatch(mb.logp.detach(), behaviour, mask, known, rows)
+            is_weight = None
+            if tis_on:
+                is_weight = totals.add_tis(old, behaviour, mask, known, spec.tis, spec.tis_cap)
             ref_logp = None
             if ref is not None:
                 with torch.no_grad():
@@ -270,20 +348,23 @@ class Learner:
                         autocast_dtype=autocast,
                         temperature=spec.temperature,
                     )
-            parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals)
+            parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals, is_weight)
             parts.loss.backward()
             totals.add_loss(parts, mask)
 
-        lp.recompute(
-            self.model,
-            trajs,
-            token_budget=self.cfg.token_budget,
-            with_entropy=spec.entropy_coef != 0.0,
-            autocast_dtype=autocast,
-            each=consume,
-            temperature=spec.temperature,
-        )
+        if trajs:  # a rank may have no share of a small batch: it adds zero gradients
+            lp.recompute(
+                self.model,
+                trajs,
+                token_budget=self.cfg.token_budget,
+                with_entropy=spec.entropy_coef != 0.0,
+                autocast_dtype=autocast,
+                each=consume,
+                temperature=spec.temperature,
+            )
         seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
+        if self.ranks is not None:
+            seq_tokens = int(totals.reduce(self.ranks, seq_tokens))
         return totals.summary(seq_tokens, with_entropy=spec.entropy_coef != 0.0, with_kl=spec.kl_coef != 0)
 
 
@@ -328,8 +409,8 @@ class Passes:
         metrics["updates"] = float(self.done)
         metrics["first_pass_loss"] = self.first["loss"]
         metrics["last_pass_clip_frac"] = self.last["clip_frac"]
-        first_mismatch = ("logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_k3")
-        return {**self.last, **{k: self.first[k] for k in first_mismatch}}
+        first = {k: v for k, v in self.first.items() if k.startswith(FIRST_PASS_METRICS)}
+        return {**self.last, **first}
 
 
 @dataclass
@@ -349,6 +430,11 @@ class PassTotals:
     behaviour_rows: float = 0.0
     unmatched_rows: float = 0.0
     adv_abs: float = 0.0
+    log_ratios: list[Tensor] = field(default_factory=list)  # log pi_old - log pi_behaviour per token
+    tis_weight: float = 0.0
+    tis_truncated: float = 0.0
+    tis_n: float = 0.0
+    tis: bool = False
 
     def add_mismatch(
         self, logp: Tensor, old: Tensor, mask: Tensor, known: list[bool], rows: Sequence[TokenAdvantages]
@@ -356,6 +442,7 @@ class PassTotals:
         """|recomputed - behaviour| log-prob statistics over the rows whose behaviour log-probs count."""
         self.unmatched_rows += float(sum(s.trajectory.logprobs is not None for s in rows) - sum(known))
         k = torch.tensor(known, device=logp.device, dtype=torch.bool)[:, None]
+        self.log_ratios.append(mismatch_log_ratio(logp, old, mask * k).cpu())
         d = (logp - old) * mask * k
         self.mismatch_abs += float(d.abs().sum())
         self.mismatch_max = max(self.mismatch_max, float(d.abs().max()) if d.numel() else 0.0)
@@ -363,12 +450,40 @@ class PassTotals:
         self.mismatch_n += float((mask * k).sum())
         self.behaviour_rows += float(sum(known))
 
+    def add_tis(
+        self, old: Tensor, behaviour: Tensor, mask: Tensor, known: list[bool], level: TisLevel, cap: float
+    ) -> Tensor:
+        """The TIS weights of a micro-batch (learner/mismatch.py), counted for ``tis_weight_mean``
+        and ``tis_truncated_frac`` over the tokens whose behaviour log-probs count."""
+        k = torch.tensor(known, device=old.device, dtype=torch.bool)
+        counted = mask * k[:, None]
+        raw = tis_weights(old, behaviour, counted, level, math.inf)
+        weights = weights_or_one(torch.clamp(raw, max=cap), k) * mask
+        self.tis = True
+        self.tis_weight += float((weights * counted).sum())
+        self.tis_truncated += float(((raw > cap).float() * counted).sum())
+        self.tis_n += float(counted.sum())
+        return weights
+
     def add_loss(self, parts: LossParts, mask: Tensor) -> None:
         share = float(mask.sum()) / max(self.n_tokens, 1.0)
         self.loss += float(parts.loss.detach())
         self.clip_frac += float(parts.clip_frac) * share
         self.kl += float(parts.kl) * share
         self.entropy += float(parts.entropy) * share
+
+    def reduce(self, ranks: Ranks, seq_tokens: int) -> float:
+        """The sums over every rank's share (the token-ratio percentiles stay this rank's); returns
+        the summed ``seq_tokens``."""
+        names = (
+            "loss", "clip_frac", "kl", "entropy", "mismatch_abs", "mismatch_k3", "mismatch_n",
+            "behaviour_rows", "unmatched_rows", "adv_abs", "tis_weight", "tis_truncated", "tis_n",
+        )  # fmt: skip
+        summed = ranks.all_sum([getattr(self, n) for n in names] + [float(seq_tokens)])
+        for n, v in zip(names, summed, strict=False):
+            setattr(self, n, v)
+        self.mismatch_max = ranks.all_max([self.mismatch_max])[0]
+        return summed[-1]
 
     def summary(self, seq_tokens: int, *, with_entropy: bool, with_kl: bool) -> dict[str, float]:
         n = max(self.mismatch_n, 1.0)
@@ -387,6 +502,22 @@ class PassTotals:
                 "seq_tokens": float(seq_tokens),
             }
         )
+        log_ratio = torch.cat(self.log_ratios) if self.log_ratios else torch.zeros(0)
+        p05, p50, p95 = ratio_percentiles(log_ratio)
+        out.update(
+            {
+                # KL(pi_behaviour || pi_old) on the behaviour's samples, k1 and k3 estimators
+                "mismatch_kl_k1": kl_k1(log_ratio),
+                "mismatch_kl_k3": kl_k3(log_ratio),
+                # r = pi_old / pi_behaviour per token
+                "mismatch_ratio_p05": p05,
+                "mismatch_ratio_p50": p50,
+                "mismatch_ratio_p95": p95,
+            }
+        )
+        if self.tis:
+            out["tis_weight_mean"] = self.tis_weight / max(self.tis_n, 1.0)
+            out["tis_truncated_frac"] = self.tis_truncated / max(self.tis_n, 1.0)
         if not with_entropy:
             out.pop("entropy")
         if not with_kl:
@@ -395,23 +526,32 @@ class PassTotals:
 
 
 def old_logprobs(
-    mb: lp.MicroBatchOut, rows: Sequence[TokenAdvantages], frozen: dict[int, Tensor], temperature: float
-) -> tuple[Tensor, list[bool]]:
-    """The log-probs the ratio is taken against: the behaviour ones where they match what the learner
-    computes (``lp.behaviour_matches``), else the row's first-pass log-probs (recorded in ``frozen``)."""
+    mb: lp.MicroBatchOut,
+    rows: Sequence[TokenAdvantages],
+    frozen: dict[int, Tensor],
+    temperature: float,
+    *,
+    decoupled: bool = False,
+) -> tuple[Tensor, Tensor, list[bool]]:
+    """(the log-probs the ratio is taken against, the behaviour log-probs, which rows' behaviour
+    log-probs count). The ratio's are the behaviour ones where they match what the learner computes
+    (``lp.behaviour_matches``), else the row's first-pass log-probs (recorded in ``frozen``); with
+    ``decoupled`` (TIS on) every row's are its first-pass log-probs, pi_old."""
     width, dev = mb.logp.shape[1], mb.logp.device
     known = [lp.behaviour_matches(s.trajectory, temperature) for s in rows]
-    old = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
+    behaviour = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
     detached = mb.logp.detach()
     stand_in = detached.clone()
     for r, i in enumerate(mb.index):
-        if not known[r]:
+        if decoupled or not known[r]:
             n_i = len(rows[r].mask)
             if i not in frozen:
                 frozen[i] = detached[r, :n_i].clone()
             stand_in[r, :n_i] = frozen[i]
+    if decoupled:
+        return stand_in, behaviour, known
     k = torch.tensor(known, device=dev, dtype=torch.bool)[:, None]
-    return torch.where(k, old, stand_in), known
+    return torch.where(k, behaviour, stand_in), behaviour, known
 
 
 def micro_batch_loss(
@@ -422,9 +562,10 @@ def micro_batch_loss(
     ref_logp: Tensor | None,
     batch: TrainBatch,
     totals: PassTotals,
+    is_weight: Tensor | None = None,
 ) -> LossParts:
     """-J of one micro-batch (HRPO's three-term loss, or the clipped policy loss), normalised by the
-    whole batch's counts in ``totals``."""
+    whole batch's counts in ``totals``; ``is_weight``: the TIS weights (None: off)."""
     spec = batch.loss
     width, dev = mb.logp.shape[1], mb.logp.device
     adv = _pad([s.adv for s in rows], width, dev)
@@ -438,6 +579,7 @@ def micro_batch_loss(
         "entropy_coef": spec.entropy_coef,
         "seq_weight": torch.tensor([s.weight for s in rows], device=dev, dtype=torch.float32),
         "n_seqs": totals.n_seqs,
+        "is_weight": is_weight,
     }
     if batch.estimator == "hrpo":
         return hrpo_loss(

@@ -284,6 +284,9 @@ class RewardRequest(Contract):
 # Learning
 
 
+TisLevel = Literal["off", "token", "sequence"]
+
+
 class LossSpec(Contract):
     eps_low: float = Field(default=0.2, ge=0.0)
     eps_high: float = Field(default=0.28, ge=0.0)
@@ -318,6 +321,14 @@ class LossSpec(Contract):
         "the clipped ratio is taken against the behaviour log-probs (for rows without usable ones, "
         "against the first pass's), and warmup counts per batch",
     )
+    tis: TisLevel = Field(
+        default="off",
+        description="truncated importance sampling for the rollout-train mismatch (docs/algorithms.md "
+        "§5.2): the ratio is taken against the learner's own old log-probs and each token's surrogate "
+        "is weighted by min(pi_old / pi_behaviour, tis_cap), per token ('token') or per sequence "
+        "('sequence', the product over its tokens); rows without usable behaviour log-probs get 1",
+    )
+    tis_cap: float = Field(default=2.0, gt=0.0, le=1e4, description="C, the TIS truncation cap")
 
 
 class TrainBatch(Contract):

@@ -163,3 +163,18 @@ def test_warmup_scales_the_first_steps_linearly_then_holds():
 
     assert warmup_lr(1e-4, 0, 0) == 1e-4
     assert [round(warmup_lr(1e-4, 4, k), 12) for k in range(6)] == [2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4]
+
+
+def test_activation_checkpointing_gives_the_same_gradient(model_dir, tmp_path, batch_parts):
+    groups, rewards = batch_parts(seed=7)
+    batch = TrainBatch(step=0, groups=groups, rewards=rewards)
+    samples = assign_batch(batch).samples
+    grads = []
+    for ckpt in (False, True):
+        cfg = LearnerConfig(model=model_dir, store=tmp_path / str(ckpt), activation_checkpointing=ckpt)
+        learner = Learner(cfg)
+        assert learner.model.is_gradient_checkpointing == ckpt
+        learner.accumulate_gradients(samples, batch)
+        grads.append({n: p.grad.clone() for n, p in learner.model.named_parameters()})
+    assert sum(float(g.abs().sum()) for g in grads[0].values()) > 0
+    assert _same(grads[0], grads[1], atol=1e-6)

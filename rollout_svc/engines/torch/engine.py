@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import threading
 from collections import Counter
@@ -53,7 +54,7 @@ from rollout_svc.engines.base import (
 )
 from rollout_svc.engines.torch import model as model_io
 from rollout_svc.engines.torch.alone import generate_alone
-from rollout_svc.engines.torch.model import block_mask, eos_ids, load_model, load_tokenizer
+from rollout_svc.engines.torch.model import block_mask, eos_ids, load_adapter, load_model, load_tokenizer
 from rollout_svc.engines.torch.prefix_cache import Key, PrefixCache
 from rollout_svc.engines.torch.sampling import LogprobsMode, accept, sample
 from rollout_svc.engines.torch.scheduler import Scheduler
@@ -65,7 +66,7 @@ class TorchEngine(Engine):
     """transformers in-process (CPU or GPU), Loom's reference implementation."""
 
     name = "torch"
-    capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores"})
+    capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores", "lora"})
 
     def __init__(
         self,
@@ -197,13 +198,16 @@ class TorchEngine(Engine):
         await asyncio.to_thread(self.load_policy_sync, policy)
 
     def load_policy_sync(self, policy: PolicyVersion) -> None:
-        if policy.kind == "lora":
-            raise UnsupportedCapability(self.name, "lora", "publish full checkpoints for the torch engine")
+        if policy.kind == "lora" and importlib.util.find_spec("peft") is None:
+            raise UnsupportedCapability(self.name, "lora", "install peft (pip install 'loom[lora]')")
         with self._load_lock:
             if self._loaded == (policy.version, str(policy.path)):
                 return  # several groups asked for the same new version: it is loaded once
             try:
-                model = load_model(policy.path, self.device)
+                if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
+                    model = load_adapter(policy.path, self.model_path, self.device)
+                else:
+                    model = load_model(policy.path, self.device)
             except (OSError, ValueError) as exc:  # no such directory, not a checkpoint, an unknown model
                 raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
             with self._exclusive():

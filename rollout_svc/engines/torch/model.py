@@ -4,6 +4,7 @@ visibility mask (``block_mask``) is shared with the engine's decoding."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,24 @@ def load_model(path: str | Path, device: str = "cpu") -> Any:
         str(path), dtype=torch.float32, attn_implementation="sdpa"
     )
     return model.to(device).eval()
+
+
+def load_adapter(adapter: str | Path, base: str | Path, device: str = "cpu") -> Any:
+    """A peft LoRA adapter directory (a ``kind=lora`` policy version) merged into its base: W + (alpha/r)
+    B A on every target module, so the engine decodes a plain model at full speed. The base is the
+    adapter's ``base_model_name_or_path`` when that directory exists here, else ``base`` (the model the
+    engine was started with: another host's path in the adapter config must not break loading)."""
+    from peft import PeftModel
+
+    adapter = Path(adapter)
+    config = adapter / "adapter_config.json"
+    if not config.is_file():
+        raise ValueError(f"{adapter} is not a LoRA adapter (no adapter_config.json)")
+    named = json.loads(config.read_text()).get("base_model_name_or_path")
+    base_path = Path(named) if named and Path(named).is_dir() else Path(base)
+    model = PeftModel.from_pretrained(load_model(base_path, "cpu"), str(adapter))
+    merged: Any = model.merge_and_unload()
+    return merged.to(device).eval()
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -1,0 +1,212 @@
+"""The learner as N ranks (docs/algorithms.md §5.2): data parallel over ``torch.distributed`` (gloo on
+CPU, NCCL on GPU). Rank 0 is the process that consumes the queue; it broadcasts each TrainBatch, every
+rank trains its share of the samples (samples[rank::N]) and the gradients are summed over the ranks
+before the clip and the AdamW step, so every rank takes the same step; rank 0 publishes.
+
+Exact normalisation: each rank's loss is divided by the GLOBAL counts (trained tokens for
+``token_mean``, trajectories for the sequence means and HRPO), all-reduced before the first backward,
+so the summed gradient is the one-process gradient of the whole batch.
+
+A rank that dies or stops answering makes the collective on rank 0 raise: ``RankFailure``. The Celery
+task then ends its worker process (learner/tasks.py), so the late-acknowledged message is redelivered
+instead of acknowledged with half a step.
+
+Every rank holds the whole model (DDP's layout, with the all-reduce done by hand after accumulation):
+FSDP2's ``fully_shard`` is not used here (the tiny CPU models do not need sharding, and gloo has no
+reduce-scatter on every torch build); see docs/benchmarks/learner.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("loom.learner.dist")
+
+STOP = "stop"  # the broadcast that ends the helper ranks' loop
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank died or timed out; the step did not happen."""
+
+
+@dataclass
+class Ranks:
+    rank: int
+    world: int
+
+    @classmethod
+    def init(
+        cls, rank: int, world: int, addr: str, port: int, backend: str = "gloo", timeout_s: float = 120.0
+    ) -> Ranks:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        return cls(rank, world)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, items: Sequence[Any]) -> list[Any]:
+        """This rank's items: every ``world``-th from ``rank`` (balanced whatever the batch order)."""
+        return list(items[self.rank :: self.world])
+
+    def all_sum(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64)
+        _collective(dist.all_reduce, t, op=dist.ReduceOp.SUM)
+        return [float(x) for x in t]
+
+    def all_max(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64)
+        _collective(dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return [float(x) for x in t]
+
+    def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """grad <- sum over ranks, one flat buffer (a rank with no sample contributes zeros)."""
+        ps = list(params)
+        for p in ps:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in ps if p.grad is not None])
+        _collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in ps:
+            assert p.grad is not None
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+
+    def same_weights(self, model: Any) -> None:
+        """Every rank takes rank 0's parameters and buffers (as DDP does at construction): a freshly
+        initialised part (a LoRA adapter's A) is drawn by each process's own random state."""
+        for t in [*model.parameters(), *model.buffers()]:
+            _collective(dist.broadcast, t.data, src=0)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        box = [obj if self.is_main else None]
+        _collective(dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        _collective(dist.barrier)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+SHARDED_DIR = "sharded"  # under the policy store: sharded/v<N>, the ranks' model + optimizer state
+
+
+def sharded_path(store_root: Path, version: int) -> Path:
+    return store_root / SHARDED_DIR / f"v{version}"
+
+
+def save_sharded(ranks: Ranks, model: Any, optimizer: Any, path: Path) -> None:
+    """Every rank's model and optimizer state with ``torch.distributed.checkpoint`` (a collective:
+    each rank writes its shard, replicated tensors once); rank 0 then drops the older checkpoints."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    _collective(save, {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    if ranks.is_main:
+        for old in path.parent.glob("v*"):
+            if old != path and old.name[1:].isdigit() and int(old.name[1:]) < int(path.name[1:]):
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def load_sharded(model: Any, optimizer: Any, path: Path) -> None:
+    """The model and optimizer state of :func:`save_sharded` (a collective), in place."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    _collective(load, state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _collective(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, ConnectionError) as exc:  # gloo: "Connection closed by peer", timeouts
+        raise RankFailure(f"a learner rank failed during {fn.__name__}: {exc}") from exc
+
+
+def serve(learner: Any) -> None:
+    """Ranks > 0: train every batch rank 0 broadcasts, until it broadcasts ``STOP``."""
+    from loom.contracts.wire import TrainBatch
+
+    ranks: Ranks = learner.ranks
+    while True:
+        got = ranks.broadcast(None)
+        if got == STOP:
+            return
+        try:
+            learner.train_step(TrainBatch.model_validate(got))
+        except ValueError as exc:  # a bad batch: rank 0 refuses it the same way, before any collective
+            log.info("rank %d: batch refused: %s", ranks.rank, exc)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_helpers(world: int, addr: str, port: int, config: dict[str, Any]) -> list[subprocess.Popen[bytes]]:
+    """Ranks 1..world-1 as child processes of rank 0 (``python -m learner.distributed``), each with
+    rank 0's ``LearnerConfig`` (``config``: its fields as JSON values); one torch thread each unless
+    OMP_NUM_THREADS says otherwise."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cfg = json.dumps(config)
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "learner.distributed", str(r), str(world), addr, str(port), cfg], env=env
+        )
+        for r in range(1, world)
+    ]
+
+
+def main(argv: Sequence[str]) -> int:
+    """A helper rank: ``python -m learner.distributed RANK WORLD ADDR PORT CONFIG_JSON``."""
+    from learner.train import Learner, learner_config_from_json
+
+    rank, world, addr, port, config = argv
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = learner_config_from_json(json.loads(config))
+    ranks = Ranks.init(
+        int(rank), int(world), addr, int(port), "nccl" if cfg.device.startswith("cuda") else "gloo"
+    )
+    try:
+        serve(Learner(cfg, ranks=ranks))
+    except RankFailure as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        ranks.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,145 @@
+"""The learner as 2 ranks on CPU with gloo (learner/distributed.py): each step equals the one-process
+step on the same batch for every aggregation mode and HRPO, and a killed rank fails the step with
+nothing published."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.distributed import STOP, RankFailure, Ranks, start_helpers
+from learner.train import Learner, LearnerConfig
+from loom.contracts.wire import LossSpec, TrainBatch
+from loom.store import PolicyStore
+
+# float32 gradient sums in another order, then AdamW: a step's weights agree to 1e-6 (lr 1e-4)
+ATOL = 1e-6
+
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _batches(batch_parts) -> list[TrainBatch]:
+    groups, rewards = batch_parts(n_groups=3, seed=4)
+    specs = [("grpo", m) for m in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")]
+    return [
+        TrainBatch(step=i, groups=groups, rewards=rewards, estimator=est, loss=LossSpec(aggregation=agg))
+        for i, (est, agg) in enumerate([*specs, ("hrpo", "token_mean")])
+    ]
+
+
+class TwoRanks:
+    """Rank 0 in this process (as in the learner worker), rank 1 a child process."""
+
+    def __init__(self, model_dir: Path, store: Path, save_optimizer: bool = True, lora_rank: int = 0) -> None:
+        torch.set_num_threads(1)
+        port = _port()
+        cfg = LearnerConfig(model=model_dir, store=store, save_optimizer=save_optimizer, lora_rank=lora_rank)
+        self.helpers = start_helpers(2, "127.0.0.1", port, cfg.to_json())
+        self.ranks = Ranks.init(0, 2, "127.0.0.1", port, timeout_s=60)
+        self.learner = Learner(cfg, ranks=self.ranks)
+
+    def close(self, stop: bool = True) -> list[int | None]:
+        try:
+            if stop:
+                self.ranks.broadcast(STOP)
+        finally:
+            self.ranks.close()
+            torch.set_num_threads(os.cpu_count() or 1)
+        return [h.wait(timeout=60) for h in self.helpers]
+
+
+def test_two_ranks_take_the_one_process_step_for_every_aggregation_and_hrpo(model_dir, tmp_path, batch_parts):
+    batches = _batches(batch_parts)
+    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one"))
+    two = TwoRanks(model_dir, tmp_path / "two")
+    try:
+        for batch in batches:
+            r1, r2 = one.train_step(batch), two.learner.train_step(batch)
+            assert r1.policy_version == r2.policy_version == batch.step + 1
+            assert r2.metrics["loss"] == pytest.approx(r1.metrics["loss"], rel=1e-5, abs=1e-7)
+            assert r2.n_tokens == r1.n_tokens and r2.metrics["seq_tokens"] == r1.metrics["seq_tokens"]
+            a, b = _state(one.model), _state(two.learner.model)
+            worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+            assert worst <= ATOL, (batch.estimator, batch.loss.aggregation, worst)
+        assert any(
+            not torch.equal(v, w)
+            for v, w in zip(
+                _state(one.model).values(),
+                _state(Learner(LearnerConfig(model=model_dir, store=tmp_path / "fresh")).model).values(),
+                strict=True,
+            )
+        )
+    finally:
+        codes = two.close()
+    assert codes == [0]  # the helper rank left its loop on STOP
+
+
+def test_a_killed_rank_fails_the_step_and_nothing_is_published(model_dir, tmp_path, batch_parts):
+    batch = _batches(batch_parts)[0]
+    two = TwoRanks(model_dir, tmp_path / "store")
+    try:
+        two.helpers[0].send_signal(signal.SIGKILL)
+        two.helpers[0].wait(timeout=30)
+        with pytest.raises(RankFailure):
+            two.learner.train_step(batch)
+    finally:
+        two.close(stop=False)
+    assert PolicyStore(tmp_path / "store").latest() is None
+
+
+def test_resume_from_the_sharded_checkpoint_continues_the_same_loss_curve(model_dir, tmp_path, batch_parts):
+    groups, rewards = batch_parts(n_groups=3, seed=6)
+    batches = [TrainBatch(step=i, groups=groups, rewards=rewards, loss=LossSpec(lr=1e-3)) for i in range(4)]
+    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one"))
+    curve = [one.train_step(b).metrics["loss"] for b in batches]
+    store = tmp_path / "two"
+    got = []
+    for part in (batches[:2], batches[2:]):
+        # no optimizer.pt in the versions: AdamW's moments come back only from the sharded checkpoint
+        two = TwoRanks(model_dir, store, save_optimizer=False)
+        try:
+            assert two.learner.version == part[0].step
+            got += [two.learner.train_step(b).metrics["loss"] for b in part]
+            state = _state(two.learner.model)
+        finally:
+            two.close()
+        assert sorted(p.name for p in (store / "sharded").iterdir()) == [f"v{part[-1].step + 1}"]
+    assert not (store / "v4" / "optimizer.pt").exists()
+    assert got == pytest.approx(curve, rel=1e-5, abs=1e-7)
+    assert len(set(curve)) == 4  # the curve moves: a reset optimizer would not give the same losses
+    a = _state(one.model)
+    assert max(float((a[k] - state[k]).abs().max()) for k in a) <= 10 * ATOL
+
+
+def test_two_ranks_train_a_lora_adapter_as_one_process(model_dir, tmp_path, batch_parts):
+    pytest.importorskip("peft")
+    batch = _batches(batch_parts)[0].model_copy(update={"loss": LossSpec(lr=1e-2)})
+    # the adapter's A is drawn at random: the same seed in both processes' rank 0; rank 1 gets rank 0's
+    torch.manual_seed(0)
+    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one", lora_rank=8))
+    torch.manual_seed(0)
+    two = TwoRanks(model_dir, tmp_path / "two", lora_rank=8)
+    try:
+        r1, r2 = one.train_step(batch), two.learner.train_step(batch)
+        a, b = _state(one.model), _state(two.learner.model)
+    finally:
+        two.close()
+    assert r1.policy is not None and r2.policy is not None and r2.policy.kind == "lora"
+    lora = [k for k in a if "lora_B" in k]
+    assert lora and all(float(a[k].abs().max()) > 0 for k in lora)  # B starts at 0: the step moved it
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= ATOL
