@@ -35,7 +35,17 @@ def set_nproc(n: int) -> None:
 
 
 def learner_config(settings: Settings) -> LearnerConfig:
-    return LearnerConfig(model=settings.model, store=settings.policy_store_path, device=settings.device)
+    """The learner service's configuration, from its settings (``LOOM_LEARNER_*``)."""
+    return LearnerConfig(
+        model=settings.model,
+        store=settings.policy_store_path,
+        device=settings.device,
+        lora_rank=settings.learner_lora_rank,
+        lora_alpha=settings.learner_lora_alpha,
+        lora_targets=tuple(t.strip() for t in settings.learner_lora_targets.split(",") if t.strip()),
+        lora_merge=settings.learner_lora_merge,
+        activation_checkpointing=settings.learner_activation_checkpointing,
+    )
 
 
 def get_learner() -> Learner:

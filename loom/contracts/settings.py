@@ -209,6 +209,19 @@ class Settings(BaseSettings):
         description="the longest a learner API request may ask to wait (train_step ?timeout=, "
         "score/attention timeout); more is a 422",
     )
+    learner_lora_rank: int = Field(
+        default=0, ge=0, description="> 0: the learner trains a LoRA adapter of this rank (needs peft)"
+    )
+    learner_lora_alpha: int = Field(default=16, ge=1, description="the LoRA adapter's alpha")
+    learner_lora_targets: str = Field(
+        default="q_proj,k_proj,v_proj,o_proj", description="comma-separated module names LoRA adapts"
+    )
+    learner_lora_merge: bool = Field(
+        default=False, description="publish the merged model as a full checkpoint (the adapter kept beside)"
+    )
+    learner_activation_checkpointing: bool = Field(
+        default=False, description="recompute activations in backward: less memory, more time"
+    )
 
     @field_validator("attention_url", "policy_store_url")
     @classmethod

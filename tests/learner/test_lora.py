@@ -88,3 +88,21 @@ def test_merge_and_publish_writes_a_full_checkpoint_and_resumes_from_its_adapter
     for (n, a), b in zip(learner.model.named_parameters(), resumed.model.parameters(), strict=True):
         if "lora_" in n:
             assert torch.equal(a.detach(), b.detach()), n
+
+
+def test_the_learner_service_takes_lora_from_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOOM_LEARNER_LORA_* reach the learner service's configuration (learner.tasks.learner_config)."""
+    from learner.tasks import learner_config
+    from loom.contracts.settings import Settings
+
+    monkeypatch.setenv("LOOM_LEARNER_LORA_RANK", "8")
+    monkeypatch.setenv("LOOM_LEARNER_LORA_TARGETS", "q_proj, v_proj")
+    monkeypatch.setenv("LOOM_LEARNER_LORA_MERGE", "true")
+    cfg = learner_config(Settings())
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_merge) == (
+        8,
+        16,
+        ("q_proj", "v_proj"),
+        True,
+    )
+    assert learner_config(Settings(learner_lora_rank=0)).lora_rank == 0
