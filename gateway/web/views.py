@@ -56,7 +56,7 @@ class NodeView:
     n_leaves: int
     branch_point: int | None = None
     strategy: str | None = None
-    score: str | None = None  # "entropy 2.31" or "FCI 0.42"
+    score: str | None = None  # "-log p 2.31" (entropy) or "FCI max 0.42" (attention)
     children: list[NodeView] = field(default_factory=list)
 
 
@@ -143,7 +143,7 @@ def _branch_score(t: dict[str, Any], parent: dict[str, Any] | None, group_meta: 
     if strategy == "entropy":
         lp = parent.get("logprobs") or []
         if 0 <= b < len(lp) and lp[b] is not None and math.isfinite(lp[b]):
-            return f"entropy {-lp[b]:.3f}"
+            return f"-log p {-lp[b]:.3f}"
         return None
     if strategy == "attention":
         fci = (group_meta.get("fci") or {}).get(parent["id"])

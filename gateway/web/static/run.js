@@ -8,7 +8,11 @@
   var FAMILIES = [
     ["reward per component", function (k) { return k === "reward_mean" || k === "accuracy" || k.indexOf("component/") === 0; }],
     ["length (tokens)", function (k) { return k === "length_mean" || k === "length_max"; }],
-    ["learner", function (k) { return k.indexOf("learner/") === 0 && k.indexOf("_seconds") < 0; }],
+    ["learner: loss, clipping, advantages", function (k) {
+      return ["learner/loss", "learner/clip_frac", "learner/adv_abs_mean", "learner/kl", "learner/entropy"].indexOf(k) >= 0;
+    }],
+    ["learner: grad norm", function (k) { return k === "learner/grad_norm"; }],
+    ["behaviour / learner log-prob mismatch", function (k) { return k.indexOf("learner/logprob_mismatch") === 0; }],
     ["throughput (tokens/s)", function (k) { return k === "tokens_per_s"; }],
     ["staleness / policy version", function (k) { return k === "staleness" || k === "staleness_observed" || k === "policy_version"; }],
   ];
@@ -44,6 +48,17 @@
       charts[title] = { plot: plot, keys: keys, div: div };
     });
     document.getElementById("points").textContent = String(points.length);
+    var last = document.getElementById("last-step");
+    if (last && points.length) {
+      var p = points[points.length - 1];
+      last.innerHTML = "";
+      Object.keys(p).sort().forEach(function (k) {
+        var tr = document.createElement("tr"), a = document.createElement("td"), b = document.createElement("td");
+        a.textContent = k;
+        b.textContent = Number.isInteger(p[k]) ? String(p[k]) : p[k].toPrecision(4);
+        tr.appendChild(a); tr.appendChild(b); last.appendChild(tr);
+      });
+    }
     if (points.length) document.getElementById("version").textContent = String(points[points.length - 1].policy_version);
   }
 
