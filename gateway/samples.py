@@ -48,7 +48,9 @@ def scored_groups(kept: Sequence[tuple[Group, RewardResult] | None], limit: int)
             continue
         if len(out) >= limit:
             break
-        out.append({"index": i, "group": item[0].model_dump(mode="json"), "rewards": item[1].model_dump(mode="json")})
+        out.append(
+            {"index": i, "group": item[0].model_dump(mode="json"), "rewards": item[1].model_dump(mode="json")}
+        )
     return out
 
 
@@ -78,12 +80,15 @@ def run_components(path: str | Path, run_id: str, after: int = -1) -> dict[int, 
     """step -> component means, for the steps after ``after``."""
     with closing(_connect(Path(path))) as db:
         rows = db.execute(
-            "SELECT step, components FROM run_samples WHERE run_id=? AND step>? ORDER BY step", (run_id, after)
+            "SELECT step, components FROM run_samples WHERE run_id=? AND step>? ORDER BY step",
+            (run_id, after),
         ).fetchall()
     return {int(r["step"]): json.loads(r["components"]) for r in rows}
 
 
-def run_samples(path: str | Path, run_id: str, step: int | None = None) -> tuple[int | None, list[dict[str, Any]]]:
+def run_samples(
+    path: str | Path, run_id: str, step: int | None = None
+) -> tuple[int | None, list[dict[str, Any]]]:
     """(step, its ScoredGroup payloads): of ``step``, or of the last step stored when None."""
     with closing(_connect(Path(path))) as db:
         if step is None:

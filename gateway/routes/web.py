@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
@@ -56,7 +56,7 @@ def render(name: str, status: int = 200, **context: Any) -> HTMLResponse:
 
 
 def scopes(request: Request) -> frozenset[str]:
-    found = getattr(request.state, "key_scopes", frozenset())
+    found: frozenset[str] = getattr(request.state, "key_scopes", frozenset())
     return frozenset({"jobs", "runs"}) if "admin" in found else frozenset(found)
 
 
@@ -164,7 +164,9 @@ def step_points(state: GatewayState, run_id: str, after: int) -> list[dict[str, 
     return out
 
 
-async def run_event_stream(state: GatewayState, run_id: str, after: int, request: Request) -> AsyncIterator[bytes]:
+async def run_event_stream(
+    state: GatewayState, run_id: str, after: int, request: Request
+) -> AsyncIterator[bytes]:
     """``step`` events (id = step) after ``after``, then ``end`` once the run has ended."""
     while True:
         points = await asyncio.to_thread(step_points, state, run_id, after)

@@ -109,10 +109,15 @@ def test_a_runs_steps_and_samples_reach_the_page(client: TestClient, tmp_path: P
     state = client.app.state.gateway_state  # type: ignore[attr-defined]
     for step in range(2):
         kept = [scored(step), None]
-        assert state.complete_step(run_id, step, {"step": step, "reward_mean": 0.5, "policy_version": step + 1}, 1, 1)
+        assert state.complete_step(
+            run_id, step, {"step": step, "reward_mean": 0.5, "policy_version": step + 1}, 1, 1
+        )
         store_samples(state.path, run_id, step, kept)
         store_samples(state.path, run_id, step, [None])  # a resumed step keeps its first row
-    assert run_components(state.path, run_id) == {0: {"accuracy": 0.5, "format": 0.5}, 1: {"accuracy": 0.5, "format": 0.5}}
+    assert run_components(state.path, run_id) == {
+        0: {"accuracy": 0.5, "format": 0.5},
+        1: {"accuracy": 0.5, "format": 0.5},
+    }
     assert run_samples(state.path, run_id, 0)[1][0]["index"] == 0
     login(client, RUNS_KEY)
     points = client.get(f"/ui/runs/{run_id}/steps.json").json()

@@ -26,7 +26,7 @@ from helpers import API_KEYS, RUNS_KEY, auth, free_port  # noqa: E402
 from gateway.datasets import load_dataset  # noqa: E402
 from gateway.models import DatasetSpec  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a stack start and a 6-step run
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "run-page"
@@ -100,7 +100,11 @@ def test_a_request_without_a_key_gets_no_page_data(gateway_url: str) -> None:
     run_id = submit(
         gateway_url,
         "/v1/runs",
-        {"run_key": "no-key-probe", "dataset": {"builtin": "arith", "size": 8}, "schedule": {"steps": 1, "batch_size": 1}},
+        {
+            "run_key": "no-key-probe",
+            "dataset": {"builtin": "arith", "size": 8},
+            "schedule": {"steps": 1, "batch_size": 1},
+        },
     )
     for path in ("/ui/", f"/ui/runs/{run_id}"):
         r = httpx.get(gateway_url + path, follow_redirects=False, timeout=30.0)
@@ -174,7 +178,13 @@ def test_the_browser_follows_a_run_and_shows_trees_and_spawn_forests(gateway_url
             "job_key": "browser-tree",
             "tasks": [t.model_dump(mode="json") for t in arith],
             "mode": "tree",
-            "mode_params": {"initial": 2, "branches": 2, "continuations": 2, "strategy": "entropy", "min_distance": 4},
+            "mode_params": {
+                "initial": 2,
+                "branches": 2,
+                "continuations": 2,
+                "strategy": "entropy",
+                "min_distance": 4,
+            },
             "sampling": {"n": 2, "max_tokens": 48, "temperature": 1.3},
         },
     )
@@ -204,7 +214,9 @@ def test_the_browser_follows_a_run_and_shows_trees_and_spawn_forests(gateway_url
         view = wait_job(gateway_url, job_id)
         assert view["status"] == "succeeded", json.dumps(view)[:2000]
         group = view["groups"][0]["group"]
-        expected = [n["id"] for n in group["tree"]] if kind == "tree" else [t["id"] for t in group["trajectories"]]
+        expected = (
+            [n["id"] for n in group["tree"]] if kind == "tree" else [t["id"] for t in group["trajectories"]]
+        )
         page.goto(f"{gateway_url}/ui/jobs/{job_id}")
         shown = page.eval_on_selector_all(
             f"section.group[data-group='{group['id']}'] li.{kind}-node", "els => els.map(e => e.dataset.node)"
@@ -214,8 +226,12 @@ def test_the_browser_follows_a_run_and_shows_trees_and_spawn_forests(gateway_url
             # every branch's first node names its branch point and the entropy that chose it
             n_branches = sum(1 for t in group["trajectories"] if t.get("parent_id"))
             assert n_branches > 0
-            assert page.locator(f"section.group[data-group='{group['id']}'] li.branch .bp").count() == n_branches
-            assert "entropy" in page.inner_text(f"section.group[data-group='{group['id']}'] li.branch .bp >> nth=0")
+            assert (
+                page.locator(f"section.group[data-group='{group['id']}'] li.branch .bp").count() == n_branches
+            )
+            assert "entropy" in page.inner_text(
+                f"section.group[data-group='{group['id']}'] li.branch .bp >> nth=0"
+            )
         else:
             links = group["threads"] or []
             nested = page.locator(f"section.group[data-group='{group['id']}'] li.forest-node li.forest-node")
