@@ -119,6 +119,16 @@ def test_a_request_without_a_key_gets_no_page_data(gateway_url: str) -> None:
 def test_the_browser_follows_a_run_and_shows_trees_and_spawn_forests(gateway_url: str, browser: Any) -> None:
     if ARTIFACTS.exists():
         shutil.rmtree(ARTIFACTS)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(gateway_url + "/ui/")
+    assert page.url.endswith("/ui/login")  # no session yet: the form, no data
+    page.fill("#api_key", RUNS_KEY)
+    page.click("#login")
+    page.wait_for_url("**/ui/")
+    assert RUNS_KEY not in page.url
+    cookie = next(c for c in page.context.cookies() if c["name"] == "loom_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["value"] != RUNS_KEY
+    # logged in first, so the run page opens while the run's first steps are still going
     run_id = submit(
         gateway_url,
         "/v1/runs",
@@ -130,15 +140,7 @@ def test_the_browser_follows_a_run_and_shows_trees_and_spawn_forests(gateway_url
             "schedule": {"steps": STEPS, "batch_size": 2, "staleness": 1},
         },
     )
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.goto(gateway_url + "/ui/")
-    assert page.url.endswith("/ui/login")  # no session yet: the form, no data
-    page.fill("#api_key", RUNS_KEY)
-    page.click("#login")
-    page.wait_for_url("**/ui/")
-    assert RUNS_KEY not in page.url
-    cookie = next(c for c in page.context.cookies() if c["name"] == "loom_session")
-    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["value"] != RUNS_KEY
+    page.reload()
     page.click(f"a[href='/ui/runs/{run_id}']")
     page.wait_for_url(f"**/ui/runs/{run_id}")
 
@@ -165,7 +167,9 @@ def test_the_browser_follows_a_run_and_shows_trees_and_spawn_forests(gateway_url
     assert "component/accuracy" in chart["keys"] and chart["x"] == STEPS
     assert page.inner_text("#points") == str(STEPS)
     page.reload()  # the samples of the last step, rendered by the server
-    assert page.locator("tr.sample").count() > 0
+    assert page.locator("tr.sample").count() > 0  # prompt, response, reward breakdown, status
+    first = page.inner_text("tr.sample >> nth=0")
+    assert "accuracy" in first and any(s in first for s in ("ok", "parse_error", "no_answer", "timeout"))
     page.wait_for_selector("#run-status.s-succeeded")  # the stream's end: every chart is drawn
     shot(page, "run-done.png")
 
