@@ -141,6 +141,7 @@ def test_the_browser_follows_a_run_and_shows_trees_and_spawn_forests(gateway_url
         },
     )
     page.reload()
+    shot(page, "index.png")
     page.click(f"a[href='/ui/runs/{run_id}']")
     page.wait_for_url(f"**/ui/runs/{run_id}")
 
