@@ -32,7 +32,6 @@ from gateway.adaptive import AdaptiveConfig
 from gateway.datasets import load_dataset, step_indices
 from gateway.models import RunRequest, TaskItem
 from gateway.pipeline import Cancelled, Collected, Stages, collect
-from gateway.samples import store_samples
 from gateway.state import GatewayState
 from gateway.stepmetrics import has_signal, step_metrics, step_samples
 from gateway.trackers import Trackers, resolve
@@ -252,7 +251,6 @@ class RunLoop:
                     self.state.complete_step, self.run_id, step, metrics, new_version, new_batch
                 ):
                     await asyncio.to_thread(self._append_jsonl, metrics)
-                    await asyncio.to_thread(store_samples, self.state.path, self.run_id, step, kept)
                     log.info("run %s step %d done: reward %.3f", self.run_id, step, metrics["reward_mean"])
                     if self.trackers.trackers:
                         per_step = max((t.samples_per_step for t in self.tracker_specs), default=4)

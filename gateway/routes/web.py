@@ -1,6 +1,7 @@
 """``/ui``: the run page (docs/run-page.md). Server-rendered HTML over the same state as ``/v1``: the
-key's runs and jobs, a run's live curves (server-sent events of its step metrics and per-component
-reward means), its stored samples, and a job's scored groups with their trees and spawn forests.
+key's runs and jobs, a run's live curves (server-sent events of its step metrics, per-component reward
+means included), its stored samples (GatewayState.run_samples), and a job's scored groups with their
+trees and spawn forests.
 
 Authentication is gateway/auth.py's: the login form trades an API key for a session cookie; every other
 ``/ui`` path needs that session (or the key in a header) and the scope of its kind (runs or jobs).
@@ -26,7 +27,6 @@ from gateway.quotas import QuotaExceeded
 from gateway.routes.deps import Gateway, GatewayDep, owned, owner, refused
 from gateway.routes.jobs import TERMINAL, CountedStream
 from gateway.routes.runs import finite_metrics
-from gateway.samples import run_components, run_samples
 from gateway.state import GatewayState
 from gateway.web import STATIC, TEMPLATES
 from gateway.web.listing import owned_items
@@ -120,7 +120,9 @@ async def run_page(
     run_id: str, request: Request, gw: GatewayDep, step: int | None = Query(None, ge=0, le=MAX_VERSION)
 ) -> HTMLResponse:
     row = owned(gw.state.run(run_id), request, "run", run_id)
-    shown, payloads = await asyncio.to_thread(run_samples, gw.state.path, run_id, step)
+    done = int(row["completed_steps"])
+    shown = step if step is not None else (done - 1 if done else None)  # default: the last recorded step
+    samples = [] if shown is None else await asyncio.to_thread(gw.state.run_samples, run_id, shown)
     config = json.loads(row["config"])
     return render(
         "run.html",
@@ -129,7 +131,7 @@ async def run_page(
         mode=config.get("mode", "plain"),
         estimator=config.get("estimator", ""),
         step=shown,
-        groups=[group_view(p) for p in payloads],
+        groups=[group_view(p) for p in samples],
     )
 
 
@@ -152,16 +154,9 @@ async def job_page(job_id: str, request: Request, gw: GatewayDep) -> HTMLRespons
 
 # ---------------------------------------------------------------------------------- run's curves
 def step_points(state: GatewayState, run_id: str, after: int) -> list[dict[str, float]]:
-    """The run's steps after ``after``: finite step metrics plus ``component/<name>`` reward means."""
-    rows = state.run_steps(run_id, after)
-    components = run_components(state.path, run_id, after)
-    out = []
-    for row in rows:
-        point = finite_metrics(row)
-        for name, value in components.get(int(row["step"]), {}).items():
-            point[f"component/{name}"] = value
-        out.append(point)
-    return out
+    """The run's steps after ``after``: their finite step metrics, as ``/v1/runs/{id}/metrics`` serves
+    them (``reward/<component>`` is a component's mean: gateway/stepmetrics.py)."""
+    return [finite_metrics(row) for row in state.run_steps(run_id, after)]
 
 
 async def run_event_stream(

@@ -1,7 +1,8 @@
 """What the run page shows of a scored group, as plain data for the templates. Pure.
 
 A group is a ``ScoredGroup`` payload (``{"index", "group", "rewards"}``, the shape ``/v1/jobs/{id}``
-answers and gateway/samples.py stores). Trees (``Group.tree``: TreeNode parents and completion-token
+answers) or a run's stored sample (``{"step", "idx", "group_id", "group", "rewards"}``,
+GatewayState.run_samples; ``idx`` is its index). Trees (``Group.tree``: TreeNode parents and completion-token
 spans; rollout_svc/modes/tree.py) become nested nodes with their node value (the mean reward of the
 trajectories through the node, TreeRL's V(n): docs/algorithms.md §2.3) and, for the first node of a
 branch, its branch point and the score that chose it; spawn groups (``Group.threads``: ThreadLink
@@ -227,7 +228,7 @@ def forest_view(payload: dict[str, Any]) -> list[CallView]:
 def group_view(payload: dict[str, Any]) -> GroupView:
     group = payload.get("group") or {}
     return GroupView(
-        index=int(payload.get("index", 0)),
+        index=int(payload["index"] if "index" in payload else payload.get("idx", 0)),
         id=group.get("id", ""),
         mode=group.get("mode", ""),
         prompt=group.get("prompt") or "",

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
 from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, RUNS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
-from gateway.samples import run_components, run_samples, store_samples  # noqa: E402
+from gateway.stepmetrics import step_metrics  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.contracts.wire import Group, RewardResult, Trajectory, TrajectoryReward  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
@@ -109,19 +109,21 @@ def test_a_runs_steps_and_samples_reach_the_page(client: TestClient, tmp_path: P
     state = client.app.state.gateway_state  # type: ignore[attr-defined]
     for step in range(2):
         kept = [scored(step), None]
-        assert state.complete_step(
-            run_id, step, {"step": step, "reward_mean": 0.5, "policy_version": step + 1}, 1, 1
-        )
-        store_samples(state.path, run_id, step, kept)
-        store_samples(state.path, run_id, step, [None])  # a resumed step keeps its first row
-    assert run_components(state.path, run_id) == {
-        0: {"accuracy": 0.5, "format": 0.5},
-        1: {"accuracy": 0.5, "format": 0.5},
-    }
-    assert run_samples(state.path, run_id, 0)[1][0]["index"] == 0
+        # as the run loop does (gateway/runs.py): the samples, then the step with its metrics
+        state.add_run_samples(run_id, step, [scored(99)])
+        state.add_run_samples(run_id, step, [g for g in kept if g is not None])  # a re-walk replaces
+        metrics = {"step": step, "policy_version": step + 1, **step_metrics(kept, kept[:1], 1.0)}
+        assert state.complete_step(run_id, step, metrics, 1, 1)
+    assert [(r["step"], r["idx"], r["group_id"]) for r in state.run_samples(run_id)] == [
+        (0, 0, "g0"),
+        (1, 0, "g1"),
+    ]
     login(client, RUNS_KEY)
     points = client.get(f"/ui/runs/{run_id}/steps.json").json()
-    assert [p["step"] for p in points] == [0, 1] and points[1]["component/accuracy"] == 0.5
+    assert [p["step"] for p in points] == [0, 1]
+    assert [(p["reward/accuracy"], p["reward/format"]) for p in points] == [(0.5, 0.5)] * 2
+    # the same points as the API's metrics
+    assert points == client.get(f"/v1/runs/{run_id}/metrics", headers=auth(RUNS_KEY)).json()
     with client.stream("GET", f"/ui/runs/{run_id}/events", headers={"Last-Event-ID": "0"}) as events:
         lines = []
         for line in events.iter_lines():

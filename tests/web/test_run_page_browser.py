@@ -165,7 +165,7 @@ def test_the_browser_follows_a_run_and_shows_trees_and_spawn_forests(gateway_url
         "(() => { const c = window.loomRun.charts['reward per component'];"
         " return {keys: c.keys, x: c.plot.data[0].length}; })()"
     )
-    assert "component/accuracy" in chart["keys"] and chart["x"] == STEPS
+    assert "reward/accuracy" in chart["keys"] and chart["x"] == STEPS
     assert page.inner_text("#points") == str(STEPS)
     page.reload()  # the samples of the last step, rendered by the server
     assert page.locator("tr.sample").count() > 0  # prompt, response, reward breakdown, status

@@ -6,7 +6,7 @@
   if (!box) return;
   var run = box.dataset.run;
   var FAMILIES = [
-    ["reward per component", function (k) { return k === "reward_mean" || k === "accuracy" || k.indexOf("component/") === 0; }],
+    ["reward per component", function (k) { return k === "reward_mean" || k === "accuracy" || k.indexOf("reward/") === 0; }],
     ["length (tokens)", function (k) { return k === "length_mean" || k === "length_max"; }],
     ["learner: loss, clipping, advantages", function (k) {
       return ["learner/loss", "learner/clip_frac", "learner/adv_abs_mean", "learner/kl", "learner/entropy"].indexOf(k) >= 0;
