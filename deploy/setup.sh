@@ -36,3 +36,14 @@ stray = pathlib.Path(sysconfig.get_paths()["purelib"]) / "tests"
 if stray.is_dir():
     shutil.rmtree(stray)
 PY
+# issue 28: tests/web drive Debian's chromium headless with playwright (dev extra); never
+# `playwright install`, which downloads a browser of its own. Installed only where it is missing.
+if [ ! -x /usr/bin/chromium ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+  else
+    echo "deploy/setup.sh: no apt-get; install chromium at /usr/bin/chromium for tests/web" >&2
+  fi
+fi

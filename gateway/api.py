@@ -27,6 +27,7 @@ from gateway.quotas import Quotas
 from gateway.ratelimit import TokenBuckets
 from gateway.routes import api_router
 from gateway.routes.deps import Backpressure, Gateway
+from gateway.routes.web import mount as mount_run_page
 from gateway.state import GatewayState
 from loom.contracts.settings import SERVICES, Settings, get_settings
 from loom.service import add_ping_route, broker_check, create_app
@@ -86,6 +87,7 @@ def build_app(
 
     app.router.lifespan_context = lifespan
     app.include_router(api_router)
+    mount_run_page(app)  # /ui: the run page (docs/run-page.md)
     return app
 
 

@@ -6,21 +6,107 @@ bucket, ``LOOM_GATEWAY_AUTH_FAIL_RATE``/``_BURST``: it is checked BEFORE a prese
 guessing keys costs a 429, not a key check). Only ``/healthz`` and ``/readyz`` are open (probes carry
 no secrets). Behind a reverse proxy the client address is the proxy's unless uvicorn is told to trust
 its ``X-Forwarded-For`` (``--proxy-headers --forwarded-allow-ips``; docs/security.md).
+
+The run page (``/ui``, gateway/routes/web.py) also takes a session: ``POST /ui/login`` with the key in a
+form sets an HttpOnly, SameSite=Strict cookie holding a random session id that this process maps to
+the key's name and scopes (the key itself is never stored or put in a URL). A session counts only on
+``/ui`` paths, never on the ``/v1`` API; a ``/ui`` page without one redirects to the login form, its
+event streams and JSON answer 401.
 """
 
 from __future__ import annotations
 
+import secrets
+import threading
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 
-from gateway.keys import KeyRing
+from gateway.keys import ApiKey, KeyRing
 from gateway.ratelimit import TokenBuckets, retry_after_header
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 ADMIN_PATHS = frozenset({"/metrics", "/v1/ping", "/v1/queues"})
+UI_PREFIX = "/ui"
+UI_OPEN_PATHS = frozenset({"/ui/login"})  # the form itself, and the vendored script and style below
+UI_STATIC = "/ui/static/"
+SESSION_COOKIE = "loom_session"
+SESSION_TTL_S = 8 * 3600.0
+MAX_SESSIONS = 10_000  # the oldest is dropped beyond: memory stays bounded whatever logs in
+
+
+@dataclass(frozen=True)
+class Session:
+    key: ApiKey
+    expires: float
+
+
+class Sessions:
+    """Random session ids -> the key that logged in, in this process's memory (a restart logs out)."""
+
+    def __init__(self, ttl: float = SESSION_TTL_S, limit: int = MAX_SESSIONS) -> None:
+        self.ttl, self.limit = ttl, limit
+        self._by_id: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def create(self, key: ApiKey) -> str:
+        sid = secrets.token_urlsafe(32)
+        with self._lock:
+            while len(self._by_id) >= self.limit:
+                del self._by_id[next(iter(self._by_id))]
+            self._by_id[sid] = Session(key, time.monotonic() + self.ttl)
+        return sid
+
+    def get(self, sid: str | None) -> ApiKey | None:
+        if not sid:
+            return None
+        with self._lock:
+            found = self._by_id.get(sid)
+            if found is None:
+                return None
+            if found.expires < time.monotonic():
+                del self._by_id[sid]
+                return None
+            return found.key
+
+    def drop(self, sid: str | None) -> None:
+        with self._lock:
+            self._by_id.pop(sid or "", None)
+
+
+@dataclass
+class WebAuth:
+    """What the run page's login and logout routes need (``request.state.web_auth`` on /ui paths)."""
+
+    keys: KeyRing
+    sessions: Sessions
+    failures: TokenBuckets
+
+    def login(self, request: Request, presented: str) -> tuple[str | None, float]:
+        """(a new session id, 0) for a known key; (None, seconds to wait) when this address is over its
+        failed-authentication budget; (None, 0) for a wrong key (counted as a failure)."""
+        address = client_address(request)
+        blocked = self.failures.wait(address)
+        if blocked > 0:
+            return None, blocked
+        found = self.keys.verify(presented) if presented else None
+        if found is None:
+            self.failures.take(address)
+            return None, 0.0
+        return self.sessions.create(found), 0.0
+
+
+def is_ui(path: str) -> bool:
+    return path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
+
+
+def wants_page(request: Request) -> bool:
+    """A /ui request that a browser navigates to (HTML), not its event stream or JSON."""
+    return request.method == "GET" and not request.url.path.endswith(("/events", ".json"))
 
 
 def required_scope(path: str) -> str | None:
@@ -31,6 +117,8 @@ def required_scope(path: str) -> str | None:
         return "jobs"
     if path == "/v1/runs" or path.startswith("/v1/runs/"):
         return "runs"
+    if path.startswith(("/ui/jobs/", "/ui/runs/")):
+        return path.split("/")[2]
     return None
 
 
@@ -50,12 +138,25 @@ def client_address(request: Request) -> str:
 
 
 def auth_middleware(
-    keys: KeyRing, buckets: TokenBuckets, failures: TokenBuckets
+    keys: KeyRing, buckets: TokenBuckets, failures: TokenBuckets, sessions: Sessions | None = None
 ) -> Callable[..., Awaitable[Any]]:
+    web = WebAuth(keys, sessions or Sessions(), failures)
+
     async def check(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
         path = request.url.path
         if path in OPEN_PATHS:
             return await call_next(request)
+        if is_ui(path):
+            request.state.web_auth = web
+            if path in UI_OPEN_PATHS or path.startswith(UI_STATIC):
+                return await call_next(request)
+            if presented_key(request) is None:  # a browser: its session, or the login form
+                found_key = web.sessions.get(request.cookies.get(SESSION_COOKIE))
+                if found_key is None:
+                    if wants_page(request):
+                        return RedirectResponse("/ui/login", status_code=303)
+                    return _refuse(401, "unauthenticated", "no session: log in at /ui/login")
+                return await _admitted(request, call_next, found_key, buckets)
         address = client_address(request)
         blocked = failures.wait(address)
         if blocked > 0:
@@ -72,18 +173,26 @@ def auth_middleware(
             failures.take(address)
             what = "missing API key" if key is None else "invalid API key"
             return _refuse(401, "unauthenticated", what, {"WWW-Authenticate": "Bearer"})
-        scope = required_scope(path)
-        if scope is not None and scope not in found.scopes and "admin" not in found.scopes:
-            return _refuse(403, "forbidden", f"key {found.name!r} lacks the {scope!r} scope")
-        wait = buckets.take(found.name)
-        if wait > 0:
-            return _refuse(
-                429,
-                "rate_limited",
-                "too many requests for this key",
-                {"Retry-After": retry_after_header(wait)},
-            )
-        request.state.key_name = found.name
-        return await call_next(request)
+        return await _admitted(request, call_next, found, buckets)
 
     return check
+
+
+async def _admitted(
+    request: Request, call_next: Callable[[Request], Awaitable[Any]], found: ApiKey, buckets: TokenBuckets
+) -> Any:
+    """The scope and rate checks of an authenticated request, then the route."""
+    scope = required_scope(request.url.path)
+    if scope is not None and scope not in found.scopes and "admin" not in found.scopes:
+        return _refuse(403, "forbidden", f"key {found.name!r} lacks the {scope!r} scope")
+    wait = buckets.take(found.name)
+    if wait > 0:
+        return _refuse(
+            429,
+            "rate_limited",
+            "too many requests for this key",
+            {"Retry-After": retry_after_header(wait)},
+        )
+    request.state.key_name = found.name
+    request.state.key_scopes = found.scopes
+    return await call_next(request)

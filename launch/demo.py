@@ -279,6 +279,8 @@ def _drive(client: Any, args: argparse.Namespace, out: Path, t0: float) -> int:
     (out / "run_request.json").write_text(json.dumps(body, indent=2))
     run_id = client.start_run(body)
     print(f"run {run_id}: mode={args.mode} estimator={args.estimator} task={args.task} steps={args.steps}")
+    login = "your API key" if args.url else "this stack's key " + client.http.headers["authorization"][7:]
+    print(f"run page: {client.http.base_url}/ui/runs/{run_id} (log in with {login})", flush=True)
     t_run = time.monotonic()
     status, rows = follow(client, run_id, args, out)
     seconds = time.monotonic() - t_run

@@ -1,0 +1,237 @@
+"""``/ui``: the run page (docs/run-page.md). Server-rendered HTML over the same state as ``/v1``: the
+key's runs and jobs, a run's live curves (server-sent events of its step metrics, per-component reward
+means included), its stored samples (GatewayState.run_samples), and a job's scored groups with their
+trees and spawn forests.
+
+Authentication is gateway/auth.py's: the login form trades an API key for a session cookie; every other
+``/ui`` path needs that session (or the key in a header) and the scope of its kind (runs or jobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from gateway.auth import SESSION_COOKIE, WebAuth
+from gateway.models import MAX_VERSION
+from gateway.quotas import QuotaExceeded
+from gateway.routes.deps import Gateway, GatewayDep, owned, owner, refused
+from gateway.routes.jobs import TERMINAL, CountedStream
+from gateway.routes.runs import finite_metrics
+from gateway.state import GatewayState
+from gateway.web import STATIC, TEMPLATES
+from gateway.web.listing import owned_items
+from gateway.web.views import group_view
+
+STREAM_POLL_S = 0.5  # how often a run's event stream looks for new steps
+LOGIN_FORM_MAX_BYTES = 4096
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+static = StaticFiles(directory=STATIC)
+templates = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(default=True))
+
+
+def render(name: str, status: int = 200, **context: Any) -> HTMLResponse:
+    html = templates.get_template(name).render(**context)
+    return HTMLResponse(
+        html,
+        status_code=status,
+        headers={
+            "Cache-Control": "no-store",
+            # only this origin's own script and style; no framing, no form posts elsewhere
+            "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+            "frame-ancestors 'none'; form-action 'self'",
+            "X-Content-Type-Options": "nosniff",
+        },
+    )
+
+
+def scopes(request: Request) -> frozenset[str]:
+    found: frozenset[str] = getattr(request.state, "key_scopes", frozenset())
+    return frozenset({"jobs", "runs"}) if "admin" in found else frozenset(found)
+
+
+# ---------------------------------------------------------------------------------------- session
+@router.get("/login")
+async def login_form(request: Request) -> HTMLResponse:
+    return render("login.html", error=None)
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    """The key comes in the form body (never a URL); a session cookie goes back."""
+    web: WebAuth = request.state.web_auth
+    body = await request.body()
+    if len(body) > LOGIN_FORM_MAX_BYTES:
+        return render("login.html", status=413, error="form too large")
+    key = (parse_qs(body.decode("utf-8", "replace")).get("api_key") or [""])[0].strip()
+    sid, wait = web.login(request, key)
+    if sid is None:
+        if wait > 0:
+            return render("login.html", status=429, error="too many failed logins; wait a minute")
+        return render("login.html", status=401, error="unknown API key")
+    response = RedirectResponse("/ui/", status_code=303)
+    response.set_cookie(
+        SESSION_COOKIE,
+        sid,
+        max_age=int(web.sessions.ttl),
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path="/ui",
+    )
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    web: WebAuth = request.state.web_auth
+    web.sessions.drop(request.cookies.get(SESSION_COOKIE))
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path="/ui")
+    return response
+
+
+# ------------------------------------------------------------------------------------------ pages
+@router.get("/")
+async def index(request: Request, gw: GatewayDep) -> HTMLResponse:
+    items = await asyncio.to_thread(owned_items, gw.state.path, owner(request))
+    allowed = scopes(request)
+    return render(
+        "index.html",
+        key=owner(request),
+        runs=items["runs"] if "runs" in allowed else None,
+        jobs=items["jobs"] if "jobs" in allowed else None,
+        now=time.time(),
+    )
+
+
+@router.get("/runs/{run_id}")
+async def run_page(
+    run_id: str, request: Request, gw: GatewayDep, step: int | None = Query(None, ge=0, le=MAX_VERSION)
+) -> HTMLResponse:
+    row = owned(gw.state.run(run_id), request, "run", run_id)
+    done = int(row["completed_steps"])
+    shown = step if step is not None else (done - 1 if done else None)  # default: the last recorded step
+    samples = [] if shown is None else await asyncio.to_thread(gw.state.run_samples, run_id, shown)
+    config = json.loads(row["config"])
+    return render(
+        "run.html",
+        key=owner(request),
+        run=row,
+        mode=config.get("mode", "plain"),
+        estimator=config.get("estimator", ""),
+        step=shown,
+        groups=[group_view(p) for p in samples],
+    )
+
+
+@router.get("/jobs/{job_id}")
+async def job_page(job_id: str, request: Request, gw: GatewayDep) -> HTMLResponse:
+    row = owned(gw.state.job(job_id), request, "job", job_id)
+    payloads = sorted((p for _, p in gw.state.job_groups(job_id)), key=lambda p: int(p.get("index", 0)))
+    request_body = json.loads(row["request"])
+    return render(
+        "job.html",
+        key=owner(request),
+        job=row,
+        mode=request_body.get("mode", "plain"),
+        counters=json.loads(row["counters"] or "{}"),
+        groups=[group_view(p) for p in payloads],
+        running=row["status"] not in TERMINAL,
+        refresh=3 if row["status"] not in TERMINAL else None,  # a running job's page follows it
+    )
+
+
+# ---------------------------------------------------------------------------------- run's curves
+def step_points(state: GatewayState, run_id: str, after: int) -> list[dict[str, float]]:
+    """The run's steps after ``after``: their finite step metrics, as ``/v1/runs/{id}/metrics`` serves
+    them (``reward/<component>`` is a component's mean: gateway/stepmetrics.py)."""
+    return [finite_metrics(row) for row in state.run_steps(run_id, after)]
+
+
+async def run_event_stream(
+    state: GatewayState, run_id: str, after: int, request: Request
+) -> AsyncIterator[bytes]:
+    """``step`` events (id = step) after ``after``, then ``end`` once the run has ended."""
+    while True:
+        points = await asyncio.to_thread(step_points, state, run_id, after)
+        for point in points:
+            after = int(point["step"])
+            yield f"event: step\nid: {after}\ndata: {json.dumps(point)}\n\n".encode()
+        row = state.run(run_id) or {}
+        if row.get("status") in TERMINAL and not points:
+            end = {"status": row.get("status"), "error": row.get("error")}
+            yield f"event: end\ndata: {json.dumps(end)}\n\n".encode()
+            return
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(STREAM_POLL_S)
+
+
+@router.get("/runs/{run_id}/events")
+async def run_events(run_id: str, request: Request, gw: GatewayDep) -> Response:
+    """The run's step points as server-sent events (reconnect with ``Last-Event-ID``); the key's
+    open streams count against ``LOOM_GATEWAY_QUOTA_STREAMS`` like the jobs' streams."""
+    owned(gw.state.run(run_id), request, "run", run_id)
+    try:
+        after = min(max(int(request.headers.get("last-event-id", "-1")), -1), MAX_VERSION)
+    except ValueError:
+        after = -1
+    release = _take_stream(gw, owner(request))
+    if isinstance(release, Response):
+        return release
+    return CountedStream(
+        release,
+        run_event_stream(gw.state, run_id, after, request),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
+def _take_stream(gw: Gateway, key: str) -> Any:
+    """A release function for one more open stream of ``key``, or the 429 when it holds too many."""
+    streams, limit = gw.streams, gw.quotas.streams
+    if streams.get(key, 0) >= limit:
+        return refused(
+            QuotaExceeded(
+                429,
+                "streams",
+                limit,
+                1,
+                streams.get(key, 0),
+                f"this key has {limit} event streams open, the most it may (LOOM_GATEWAY_QUOTA_STREAMS)",
+            )
+        )
+    streams[key] = streams.get(key, 0) + 1
+
+    def release() -> None:
+        streams[key] -= 1
+        if not streams[key]:
+            del streams[key]
+
+    return release
+
+
+@router.get("/runs/{run_id}/steps.json")
+async def run_steps_json(
+    run_id: str, request: Request, gw: GatewayDep, after: int = Query(-1, ge=-1, le=MAX_VERSION)
+) -> list[dict[str, float]]:
+    """The same points as the event stream, in one answer."""
+    owned(gw.state.run(run_id), request, "run", run_id)
+    return await asyncio.to_thread(step_points, gw.state, run_id, after)
+
+
+def mount(app: Any) -> None:
+    """The run page's routes and its static files on ``app`` (gateway/api.py)."""
+    app.include_router(router)
+    app.mount("/ui/static", static, name="ui-static")
