@@ -169,6 +169,8 @@ main() {
   if [ "$WITH_VLLM" = 1 ]; then
     build_vllm_cpu
   fi
+  # the images these replaced, now untagged
+  docker image prune -f --filter "label=$LABEL" >/dev/null
   docker image ls --filter "label=$LABEL" --format '{{.Repository}}:{{.Tag}}  {{.Size}}' >&2
 }
 
