@@ -166,7 +166,65 @@ def test_healthchecks_and_dependency_conditions(
 
 def test_dockerfile_builds_cpu_and_cuda_variants() -> None:
     text = DOCKERFILE.read_text()
-    assert "ARG VARIANT" in text and "whl/cpu" in text and "whl/cu" in text
+    assert "ARG VARIANT" in text and "cpu)" in text and "cuda)" in text
+    # the CPU variant installs torch's CPU wheel that deploy/images/build.sh copies into the context
+    assert "COPY deploy/images/wheels/ /tmp/wheels/" in text and "--find-links /tmp/wheels" in text
     for pkg in ("loom", "launch", *SERVICE_PACKAGES.values()):
         assert f"COPY {pkg} ./{pkg}" in text, pkg
     assert "curl" in text, "API healthchecks use curl"
+
+
+def test_every_image_is_built_from_the_local_base() -> None:
+    """No registry is needed: every FROM names the base image deploy/images/build.sh imports, and no
+    `# syntax=` line sends BuildKit to a registry for its frontend."""
+    build = (REPO / "deploy" / "images" / "build.sh").read_text()
+    assert "debootstrap --variant=minbase" in build and "docker import" in build
+    dockerfiles = [DOCKERFILE, *sorted((REPO / "deploy" / "images").glob("*.Dockerfile"))]
+    assert len(dockerfiles) >= 4, dockerfiles  # loom, rabbitmq, redis, vllm-cpu
+    for path in dockerfiles:
+        text = path.read_text()
+        assert "ARG BASE_IMAGE=loom/debian:bookworm" in text, path
+        assert [ln for ln in text.splitlines() if ln.startswith("FROM")] == ["FROM ${BASE_IMAGE}"], path
+        assert "# syntax" not in text, path
+        assert path.name in build or path == DOCKERFILE, f"build.sh does not build {path.name}"
+
+
+def test_cpu_profile_runs_local_images_and_publishes_only_the_gateway(compose: dict[str, Any]) -> None:
+    cpu = yaml.load((REPO / "deploy" / "compose.cpu.yml").read_text(), Loader=_ComposeTagLoader)
+    services = cpu["services"]
+    assert set(services) <= set(compose["services"]), "the CPU file only overrides services"
+    for name, svc in services.items():
+        if name == "flower":  # mher/flower is not built here: the CPU profile leaves it out by default
+            assert svc["profiles"] == ["flower"]
+            continue
+        assert svc["image"].startswith(("loom:", "loom/")), (name, svc["image"])
+        assert svc["pull_policy"] == "never", name
+        if name not in INFRA:
+            assert svc["image"] == "loom:cpu" and _env(svc)["LOOM_MODEL"] == "tiny", name
+    # the torch engine behind vLLM's protocol takes the vllm service's place, on its port
+    vllm = services["vllm"]
+    assert vllm["entrypoint"] == ["loom", "engine"] and "--port" in vllm["command"]
+    assert vllm["command"][vllm["command"].index("--port") + 1] == "8000"
+    assert services["learner"]["deploy"] == {} and services["vllm"]["deploy"] == {}, "no GPU reservation"
+    published = {name for name, svc in services.items() if svc.get("ports")}
+    assert published == {"gateway"}, published
+    assert services["gateway"]["ports"] == ["127.0.0.1:${LOOM_GATEWAY_PORT:-8400}:8400"]
+    for name, svc in compose["services"].items():  # init: a PID 1 that reaps and forwards signals
+        if name != "flower":
+            assert svc.get("init") is True or services[name].get("init") is True, name
+
+
+class _ComposeTagLoader(yaml.SafeLoader):
+    """Reads compose's merge tags (!reset, !override) as the value they carry."""
+
+
+def _tagged(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    return loader.construct_scalar(node)  # type: ignore[arg-type]
+
+
+for _tag in ("!reset", "!override"):
+    _ComposeTagLoader.add_constructor(_tag, _tagged)
