@@ -35,6 +35,7 @@ from fastapi.responses import FileResponse
 
 from loom.contracts.settings import Settings
 from loom.contracts.wire import PolicyVersion
+from loom.service import ErrorBody
 from loom.service_token import UNAUTHORIZED, service_headers
 from loom.store import MANIFEST, PolicyStore, serving_of
 
@@ -97,20 +98,25 @@ def add_store_routes(app: FastAPI, guard: Any) -> None:
     def store() -> PolicyStore:
         return PolicyStore(app.state.settings.policy_store_path, create=False)
 
+    answers: dict[int | str, dict[str, Any]] = {
+        **UNAUTHORIZED,
+        404: {"model": ErrorBody, "description": "no such version (or file) in the policy store"},
+    }
+
     def manifest_or_404(version: int) -> dict[str, Any]:
         found = store().manifest(version) if store().root.is_dir() else None
         if found is None:
             raise HTTPException(404, {"error": "not_found", "detail": f"no policy version {version}"})
         return found
 
-    @app.get("/v1/store/latest", tags=["store"], dependencies=[guard], responses=UNAUTHORIZED)
+    @app.get("/v1/store/latest", tags=["store"], dependencies=[guard], responses=answers)
     async def latest() -> dict[str, int]:
         found = store().latest() if store().root.is_dir() else None
         if found is None:
             raise HTTPException(404, {"error": "not_found", "detail": "the policy store holds no version"})
         return {"version": found.version}
 
-    @app.get("/v1/store/v/{version}/manifest", tags=["store"], dependencies=[guard], responses=UNAUTHORIZED)
+    @app.get("/v1/store/v/{version}/manifest", tags=["store"], dependencies=[guard], responses=answers)
     def manifest(version: int) -> dict[str, Any]:  # sync: hashing an old version runs off the loop
         return manifest_or_404(version)
 
@@ -118,7 +124,7 @@ def add_store_routes(app: FastAPI, guard: Any) -> None:
         "/v1/store/v/{version}/files/{path:path}",
         tags=["store"],
         dependencies=[guard],
-        responses=UNAUTHORIZED,
+        responses=answers,
         response_class=FileResponse,
     )
     def file(version: int, path: str) -> FileResponse:
