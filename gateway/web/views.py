@@ -136,7 +136,8 @@ def trajectory_views(payload: dict[str, Any]) -> list[TrajectoryView]:
 
 def _branch_score(t: dict[str, Any], parent: dict[str, Any] | None, group_meta: dict[str, Any]) -> str | None:
     """The score that chose this branch: the parent token's -log-prob at the branch point (entropy
-    strategy, TreeRL) or the parent path's step FCIs (attention, AttnRL eq. 7)."""
+    strategy, TreeRL) or the FCI of the step it starts (attention, AttnRL eq. 6; groups made before
+    trajectories recorded it show the parent path's highest step FCI)."""
     meta = t.get("meta", {})
     strategy, b = meta.get("strategy"), meta.get("branch_point")
     if parent is None or b is None:
@@ -147,6 +148,9 @@ def _branch_score(t: dict[str, Any], parent: dict[str, Any] | None, group_meta: 
             return f"-log p {-lp[b]:.3f}"
         return None
     if strategy == "attention":
+        at = meta.get("branch_fci")
+        if isinstance(at, int | float) and math.isfinite(at):
+            return f"FCI {at:.3f}"
         fci = (group_meta.get("fci") or {}).get(parent["id"])
         if fci:
             return "FCI max " + f"{max(fci):.3f}"

@@ -564,9 +564,22 @@ class _Grower:
             t.loss_mask = [int(cfg.train_prefix)] * p.start + [1] * (len(p.c.token_ids) - p.start)
             t.parent_id = p.parent.tid
             t.meta = {"branch_point": p.start, "branch_index": p.branch_index, "strategy": cfg.strategy}
+            fci = _fci_at(p.parent, p.start)
+            if fci is not None:  # the attention score of the step this branch starts (AttnRL eq. 6)
+                t.meta["branch_fci"] = fci
             if cfg.iterations > 1:
                 t.meta["iteration"] = p.iteration
         return t
+
+
+def _fci_at(p: _Path, start: int) -> float | None:
+    """The FCI of ``p``'s step that begins at token ``start`` (None: no scores, or no step begins there)."""
+    if not p.fci:
+        return None
+    for s, (a, _) in enumerate(p.steps[: len(p.fci)]):
+        if a == start:
+            return p.fci[s]
+    return None
 
 
 def _tree_nodes(paths: Sequence[_Path]) -> tuple[list[TreeNode], dict[tuple[str, int], str]]:

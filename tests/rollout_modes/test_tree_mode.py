@@ -68,6 +68,11 @@ def test_tree_structure_parents_and_spans(tiny_engine, strategy):
         assert nodes[own.parent].trajectory_id == parent.id and nodes[own.parent].end == b
         assert [s.kind for s in t.segments] == ["tree_node"] * len(t.segments)
         assert t.segments[-1].meta["node"] == own.id
+        if strategy == "attention":  # the FCI of the parent's step this branch starts: one that chose it
+            assert t.meta["branch_fci"] > 0.0
+            assert t.meta["branch_fci"] in group.meta["fci"][parent.id]
+        else:
+            assert "branch_fci" not in t.meta
     assert group.meta["tokens_generated"] < group.meta["tokens_independent"]
 
 

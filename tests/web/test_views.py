@@ -66,6 +66,12 @@ def test_tree_nodes_carry_their_value_branch_point_and_entropy_score() -> None:
     assert kids["b:0"].value == 0.0 and kids["b:0"].branch_point == 2 and kids["b:0"].strategy == "entropy"
     assert kids["b:0"].score == "-log p 2.500"  # the parent's sampled token at the branch point
 
+    # attention: the FCI tree mode recorded for the step the branch starts, not the path's highest
+    b.meta = {"branch_point": 2, "branch_index": 0, "strategy": "attention", "branch_fci": 0.25}
+    attention = Group(id="g", mode="tree", trajectories=[a, b], tree=tree, meta={"fci": {"a": [0.25, 0.9]}})
+    (root,) = tree_view(payload(attention, {"a": 1.0, "b": 0.0}))
+    assert {n.id: n for n in root.children}["b:0"].score == "FCI 0.250"
+
 
 def test_spawn_calls_nest_by_their_thread_links() -> None:
     calls = [
