@@ -7,14 +7,17 @@ Pass rates are drawn from Beta(a, b) (default a=b=0.35: most prompts are nearly 
 never solved, as in the paper's Fig. 2); a response is correct with its prompt's pass rate. The same
 prompts and the same random stream feed every method, side by side in one run.
 
-Tiny model (``--tiny``, on by default): real generation with Loom's built-in checkpoint through the
-in-process torch engine (rollout_svc's TorchEngine, plain mode prompts) on built-in Countdown problems
+Tiny model (``--tiny``, on by default): real generation with a built-in checkpoint (``--model tiny``,
+the default, or ``search``, the model trained on Countdown search traces, or a checkpoint directory)
+through the in-process torch engine (rollout_svc's TorchEngine, plain mode prompts) on the model's own
+Countdown problems (``loom.tiny.tiny_problems``; the search model's ``loom.search.search_problems``)
 at temperature 1.0, scored by the exact verifier (boxed answer after ``</think>``, loom.exact via
 ``Problem.verify``); the rounds and the down-sampling are gateway/adaptive.py's. Every method gets the
 same prompts; each (method, prompt, round) has its own sampling seed.
 
     python bench/adaptive.py [--prompts 2000] [--n 4] [--M 8] [--R 4] [--alpha 0.35] [--beta 0.35]
-                             [--tiny/--no-tiny] [--tiny-prompts 40] [--max-tokens 64]
+                             [--tiny/--no-tiny] [--model tiny|search|DIR] [--tiny-prompts 40]
+                             [--max-tokens 64 (tiny) / 256 (search)]
 """
 
 from __future__ import annotations
@@ -98,18 +101,27 @@ def simulated(args: argparse.Namespace) -> list[Row]:
 
 
 def tiny(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
-    """The same comparison with real generation and exact scoring on the tiny model."""
+    """The same comparison with real generation and exact scoring on a built-in model (``--model``)."""
     from loom.runtime import configure_process
 
     configure_process()
     from loom.answers import last_boxed
     from loom.contracts.wire import SamplingParams
-    from loom.tiny import CHECKPOINT_DIR, plain_prompt, tiny_problems
+    from loom.models import resolve_model_path
+    from loom.tiny import plain_prompt, tiny_problems
     from rollout_svc.engines.torch import TorchEngine
 
-    engine = TorchEngine(CHECKPOINT_DIR, cache_entries=0)
+    path = resolve_model_path(args.model)
+    if not (path / "config.json").exists():
+        raise SystemExit(f"no model at {path} (the search model appears after `loom train-search`)")
+    engine = TorchEngine(path, cache_entries=0)
     tok = engine.tokenizer
-    problems = tiny_problems("countdown", args.tiny_prompts, seed=args.seed, split="train")
+    if args.model == "search":
+        from loom.search import search_problems
+
+        problems = search_problems("countdown", args.tiny_prompts, seed=args.seed, split="train")
+    else:
+        problems = tiny_problems("countdown", args.tiny_prompts, seed=args.seed, split="train")
     prompt_ids = [tok.encode(plain_prompt(p), add_special_tokens=False) for p in problems]
     info = {"samples": 0.0, "correct": 0.0, "seconds": 0.0}
 
@@ -161,9 +173,17 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.35)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=True, help="tiny-model part")
-    p.add_argument("--tiny-prompts", type=int, default=40, help="Countdown prompts for the tiny model")
-    p.add_argument("--max-tokens", type=int, default=64, help="tiny model: max new tokens per response")
+    p.add_argument("--model", default="tiny", help="model of the real-generation part: tiny | search | DIR")
+    p.add_argument("--tiny-prompts", type=int, default=40, help="Countdown prompts for the model")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="max new tokens per response (default 64; 256 for the search model, whose searches are longer)",
+    )
     args = p.parse_args()
+    if args.max_tokens is None:
+        args.max_tokens = 256 if args.model == "search" else 64
 
     sim = simulated(args)
     print(f"simulated pass rates: Beta({args.alpha}, {args.beta}), {args.prompts} prompts, n={args.n}")
@@ -174,7 +194,7 @@ def main() -> None:
     real, info = tiny(args)
     print()
     print(
-        f"tiny model: {args.tiny_prompts} Countdown prompts (train split), temperature 1.0,"
+        f"{args.model} model: {args.tiny_prompts} Countdown prompts (train split), temperature 1.0,"
         f" max_tokens {args.max_tokens}, exact verifier, n={args.n}"
         f" ({int(info['samples'])} samples, pass rate {info['correct'] / max(1.0, info['samples']):.3f},"
         f" {time.perf_counter() - t0:.0f} s)"
@@ -182,7 +202,8 @@ def main() -> None:
     print_rows(real)
     print()
     print("side by side (signal groups | samples/prompt):")
-    print(f"{'method':<34}{'simulated':>20}{'tiny model':>20}")
+    label = f"{args.model} model" if args.model in ("tiny", "search") else "model"
+    print(f"{'method':<34}{'simulated':>20}{label:>20}")
     for s, r in zip(sim, real, strict=True):
         print(f"{s[0]:<34}{s[1]:>9.3f} | {s[2]:>7.2f}{r[1]:>9.3f} | {r[2]:>7.2f}")
 

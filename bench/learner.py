@@ -8,19 +8,38 @@ segments, HRPO reward components), alternating step by step in one run on fresh 
 With ``--ranks N`` (N > 1) the same GRPO step also runs on N data-parallel ranks (learner/distributed.py:
 this process is rank 0, the others its children, gloo on CPU, one torch thread per rank) alternating
 step by step with a one-process learner at one torch thread and at N threads: tokens/s side by side.
+``--sharding replicate,fsdp`` runs the ranks once per layout (a process has one process group, so the
+layouts run one after the other, each interleaved with its own one-process learners) and adds what
+each rank holds: parameter + AdamW state bytes on rank 0, and rank 1's peak RSS (VmHWM).
+
+With ``--size NAME`` (``SIZES``: 2m, 20m, 125m, 350m, 1b) the bench builds a Llama model of that size
+from a config with random weights (seeded; a throughput figure needs no trained weights) and trains
+one synthetic GRPO batch, the same for each ``--variants`` entry, one variant after the other: ``full``
+(one process, full fine-tuning), ``lora`` (one process, a rank ``--lora-rank`` adapter), ``fsdp``
+(``--ranks`` ranks, FSDP2-sharded; on CUDA it needs one GPU per rank). Per variant: median step
+seconds and tokens/s of ``--steps`` steps after a warm-up, the trainable parameters + AdamW state and
+all parameters + AdamW state this process holds, and the peak memory: ``torch.cuda.max_memory_allocated``
+on CUDA (reset before each variant), on CPU the growth of the process's peak RSS (VmHWM, reset through
+/proc/self/clear_refs) over its RSS before the variant. ``--mixed-precision`` and
+``--activation-checkpointing`` pass through to ``LearnerConfig``.
 
     python bench/learner.py [--model tiny|PATH] [--groups 4] [--g 8] [--len 96] [--steps 5] [--device cpu]
-                            [--ranks 2]
+                            [--ranks 2] [--sharding replicate,fsdp]
+    python bench/learner.py --size 1b --variants full,lora,fsdp [--device cuda] [--mixed-precision bf16]
+                            [--activation-checkpointing] [--lora-rank 8] [--ranks 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import random
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +105,27 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--token-budget", type=int, default=8192)
-    p.add_argument("--ranks", type=int, default=1, help="> 1: also compare 1 process with N ranks (CPU)")
+    p.add_argument(
+        "--ranks", type=int, help="> 1: also compare 1 process with N ranks (CPU); with --size: fsdp's (2)"
+    )
+    p.add_argument(
+        "--sharding", default="replicate", help="with --ranks: layouts to compare, e.g. replicate,fsdp"
+    )
+    p.add_argument("--size", choices=list(SIZES), help="a random-weight Llama of this size (not --model)")
+    p.add_argument("--variants", default="full,lora,fsdp", help="with --size: of full, lora, fsdp")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     configure_process()
+    if args.size:
+        args.ranks = args.ranks or 2
+        if args.ranks < 2:
+            raise SystemExit("--ranks: fsdp shards over 2 or more ranks")
+        compare_variants(args)
+        return
+    args.ranks = args.ranks or 1
     import torch
 
     from learner.train import Learner, LearnerConfig, resolve_model_path
@@ -144,11 +181,50 @@ def main() -> None:
     ratio = statistics.median(times["hrpo"]) / statistics.median(times["grpo"])
     print(f"HRPO / GRPO train-step time ratio: {ratio:.3f} (target <= 1.10)")
     if args.ranks > 1:
-        compare_ranks(path, groups, rewards, args)
+        for sharding in args.sharding.split(","):
+            compare_ranks(path, groups, rewards, args, sharding.strip())
+
+
+def _local_bytes(t: Any) -> int:
+    """The bytes of ``t`` in this process (its shard when it is an FSDP DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return int(local.numel() * local.element_size())
+
+
+def optimizer_bytes(learner: Any) -> int:
+    import torch
+
+    return sum(
+        _local_bytes(v)
+        for state in learner.optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v)
+    )
+
+
+def held_bytes(learner: Any) -> int:
+    """Parameter + optimizer-state bytes this process holds for ``learner`` (its shards under FSDP)."""
+    return sum(_local_bytes(p) for p in learner.model.parameters()) + optimizer_bytes(learner)
+
+
+def trained_bytes(learner: Any) -> int:
+    """Trainable-parameter + optimizer-state bytes: what full fine-tuning pays for and LoRA does not."""
+    trainable = sum(_local_bytes(p) for p in learner.model.parameters() if p.requires_grad)
+    return trainable + optimizer_bytes(learner)
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM), bytes (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def compare_ranks(
-    path: Path, groups: list[Group], rewards: list[RewardResult], args: argparse.Namespace
+    path: Path, groups: list[Group], rewards: list[RewardResult], args: argparse.Namespace, sharding: str
 ) -> None:
     """GRPO steps on 1 process (1 thread, N threads) and on N ranks (1 thread each), interleaved."""
     import os
@@ -160,19 +236,21 @@ def compare_ranks(
 
     n = args.ranks
     tps: dict[str, list[float]] = {}
+    held: dict[str, int] = {}
+    rss = 0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         os.environ["OMP_NUM_THREADS"] = "1"
         port = free_port()
         cfg: dict[str, Any] = {"device": args.device, "token_budget": args.token_budget}
-        rank_cfg = LearnerConfig(model=path, store=root / "ranks", **cfg)
+        rank_cfg = LearnerConfig(model=path, store=root / "ranks", sharding=sharding, **cfg)  # type: ignore[arg-type]
         helpers = start_helpers(n, "127.0.0.1", port, rank_cfg.to_json())
         ranks = Ranks.init(0, n, "127.0.0.1", port, "nccl" if args.device.startswith("cuda") else "gloo")
         try:
             learners = {
                 "1 process, 1 thread": (Learner(LearnerConfig(model=path, store=root / "a", **cfg)), 1),
                 f"1 process, {n} threads": (Learner(LearnerConfig(model=path, store=root / "b", **cfg)), n),
-                f"{n} ranks, 1 thread each": (Learner(rank_cfg, ranks=ranks), 1),
+                f"{n} ranks {sharding}": (Learner(rank_cfg, ranks=ranks), 1),
             }
             for step in range(args.steps + 1):  # step 0 is warm-up
                 order = list(learners) if step % 2 == 0 else list(reversed(learners))
@@ -182,16 +260,247 @@ def compare_ranks(
                     res = learner.train_step(TrainBatch(step=step, groups=groups, rewards=rewards))
                     if step > 0:
                         tps.setdefault(name, []).append(res.metrics["tokens_per_s"])
+            held = {name: held_bytes(learner) for name, (learner, _) in learners.items()}
+            rss = peak_rss(helpers[0].pid)
             ranks.broadcast(STOP)
         finally:
             ranks.close()
             for h in helpers:
                 h.wait(timeout=60)
-    print(f"cores: {os.cpu_count()}  (GRPO step, median of {args.steps}, ranks interleaved with 1 process)")
+    print(
+        f"cores: {os.cpu_count()}  sharding: {sharding}  (GRPO step, median of {args.steps}, ranks "
+        f"interleaved with 1 process; held: parameters + AdamW state in this process / on rank 0)"
+    )
     base = statistics.median(tps["1 process, 1 thread"])
-    for name, values in tps.items():
-        med = statistics.median(values)
-        print(f"{name:24s} tokens/s {med:9.0f}  ({med / base:.2f}x the 1-thread process)")
+    for name in held:  # the learners' order
+        med = statistics.median(tps[name])
+        print(
+            f"{name:24s} tokens/s {med:9.0f}  ({med / base:.2f}x the 1-thread process)  "
+            f"held {held[name] / 2**20:8.2f} MiB"
+        )
+    print(f"rank 1 peak RSS: {rss / 2**20:.0f} MiB")
+
+
+@dataclass(frozen=True)
+class Size:
+    """A Llama shape; the name in ``SIZES`` is its parameter count, rounded."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+
+SIZES = {
+    "2m": Size(hidden=128, layers=4, heads=4, kv_heads=4, intermediate=344, vocab=4096),
+    "20m": Size(hidden=384, layers=6, heads=6, kv_heads=6, intermediate=1024, vocab=16000),
+    "125m": Size(hidden=768, layers=12, heads=12, kv_heads=12, intermediate=2048, vocab=32000),
+    "350m": Size(hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=2816, vocab=32000),
+    "1b": Size(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, vocab=32000),  # TinyLlama
+}
+
+
+def build_checkpoint(size: Size, out: Path, seed: int = 0) -> int:
+    """A ``LlamaForCausalLM`` of ``size`` with seeded random weights, saved to ``out`` as an HF checkpoint
+    (the Learner reads the config and weights only; no tokenizer). Returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=size.hidden,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        intermediate_size=size.intermediate,
+        vocab_size=size.vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return sum(p.numel() for p in model.parameters())
+
+
+@dataclass
+class VariantRow:
+    name: str
+    trainable: int = 0  # parameters with a gradient (this rank's shard under FSDP)
+    step_s: float = 0.0  # median train step (publishing excluded)
+    tokens_per_s: float = 0.0
+    trained_bytes: int = 0  # trainable parameters + AdamW state, this process
+    held_bytes: int = 0  # all parameters + AdamW state, this process
+    peak_bytes: int = 0
+    note: str = ""
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak(device: Any) -> int:
+    """Frees the last variant and resets the peak counter; returns the baseline the peak is measured from."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return 0
+    try:  # return freed heap to the OS, then restart VmHWM from the current RSS (Linux)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _rss("VmRSS")
+
+
+def _peak(device: Any, baseline: int) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return _rss("VmHWM") - baseline
+
+
+def run_variant(
+    learner: Any, groups: list[Group], rewards: list[RewardResult], steps: int, row: VariantRow
+) -> None:
+    """Warm-up + ``steps`` GRPO steps on ``learner``; the medians and what it holds into ``row``."""
+    times, tps = [], []
+    for step in range(steps + 1):  # step 0 is warm-up
+        res = learner.train_step(TrainBatch(step=step, groups=groups, rewards=rewards))
+        if step > 0:
+            times.append(res.metrics["train_seconds"])
+            tps.append(res.metrics["tokens_per_s"])
+    row.step_s, row.tokens_per_s = statistics.median(times), statistics.median(tps)
+    row.trainable = sum(
+        _local_bytes(p) // p.element_size() for p in learner.model.parameters() if p.requires_grad
+    )
+    row.trained_bytes, row.held_bytes = trained_bytes(learner), held_bytes(learner)
+
+
+def compare_variants(args: argparse.Namespace) -> None:
+    """``--size``: full fine-tuning vs LoRA vs FSDP on one random-weight model and one batch."""
+    import os
+
+    import torch
+
+    from learner.distributed import STOP, Ranks, free_port, start_helpers
+    from learner.train import Learner, LearnerConfig
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := set(variants) - {"full", "lora", "fsdp"}:
+        raise SystemExit(f"unknown variants {sorted(unknown)}: use full, lora, fsdp")
+    size = SIZES[args.size]
+    on_cuda = args.device.startswith("cuda")
+    if "lora" in variants:
+        import peft  # noqa: F401  (imported before the variants: its import is not a variant's memory)
+    rows: list[VariantRow] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        path = root / f"llama-{args.size}"
+        n_params = build_checkpoint(size, path, args.seed)
+        groups, rewards = make_batch(args.groups, args.g, args.len, size.vocab, args.seed)
+        seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for g in groups for t in g.trajectories)
+
+        def config(name: str) -> LearnerConfig:
+            return LearnerConfig(
+                model=path,
+                store=root / name,
+                # ranks on CUDA: "cuda" is cuda:<rank> on each rank (a "cuda:0" would put all on one)
+                device="cuda" if on_cuda and name == "fsdp" else args.device,
+                token_budget=args.token_budget,
+                mixed_precision=args.mixed_precision,
+                activation_checkpointing=args.activation_checkpointing,
+                lora_rank=args.lora_rank if name == "lora" else 0,
+                sharding="fsdp" if name == "fsdp" else "replicate",
+                save_optimizer=False,  # publishing is outside the step time; keep the disk small
+                keep_versions=1,
+            )
+
+        for name in variants:
+            row = VariantRow(name if name != "fsdp" else f"fsdp x{args.ranks}")
+            rows.append(row)
+            if name != "fsdp":
+                baseline = _reset_peak(torch.device(args.device))
+                learner = Learner(config(name))
+                run_variant(learner, groups, rewards, args.steps, row)
+                row.peak_bytes = _peak(learner.device, baseline)
+                del learner
+                continue
+            if on_cuda and torch.cuda.device_count() < args.ranks:
+                row.note = (
+                    f"needs >= {args.ranks} GPUs (NCCL: one GPU per rank), {torch.cuda.device_count()} here"
+                )
+                continue
+            os.environ["OMP_NUM_THREADS"] = "1"
+            port = free_port()
+            rank_cfg = config(name)
+            helpers = start_helpers(args.ranks, "127.0.0.1", port, rank_cfg.to_json())
+            ranks = Ranks.init(0, args.ranks, "127.0.0.1", port, "nccl" if on_cuda else "gloo")
+            try:
+                device = torch.device("cuda:0" if on_cuda else "cpu")
+                baseline = _reset_peak(device)
+                learner = Learner(rank_cfg, ranks=ranks)
+                run_variant(learner, groups, rewards, args.steps, row)
+                row.peak_bytes = _peak(device, baseline)
+                del learner
+                ranks.broadcast(STOP)
+            finally:
+                ranks.close()
+                for h in helpers:
+                    h.wait(timeout=120)
+    print_variants(args, n_params, seq_tokens, rows)
+
+
+def print_variants(args: argparse.Namespace, n_params: int, seq_tokens: int, rows: list[VariantRow]) -> None:
+    import torch
+
+    size = SIZES[args.size]
+    device = args.device
+    if device.startswith("cuda"):
+        device += f" ({torch.cuda.get_device_name()})"
+    peak = "torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS growth (VmHWM)"
+    print(
+        f"model=llama-{args.size} ({n_params / 1e6:.1f} M parameters: hidden {size.hidden}, "
+        f"{size.layers} layers, {size.heads} heads ({size.kv_heads} kv), "
+        f"intermediate {size.intermediate}, vocab {size.vocab}; "
+        f"random weights, seed {args.seed})"
+    )
+    print(
+        f"device={device} torch_threads={torch.get_num_threads()} mixed_precision={args.mixed_precision} "
+        f"activation_checkpointing={args.activation_checkpointing} lora_rank={args.lora_rank}"
+    )
+    print(
+        f"batch: {args.groups} groups x {args.g} trajectories, {seq_tokens} tokens (prompt+completion), "
+        f"GRPO; median of {args.steps} steps after a warm-up, publishing excluded"
+    )
+    print(
+        "trainable + AdamW: trainable parameters + AdamW state; held: all parameters + AdamW state; both "
+        f"in this process (rank 0's shards for fsdp); peak: {peak} from before the model is loaded"
+    )
+    print(
+        "| variant | trainable params (this process) | step s | tokens/s | trainable + AdamW MiB | held MiB "
+        "| peak MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.note:
+            print(f"| {r.name} | {r.note} | | | | | |")
+            continue
+        print(
+            f"| {r.name} | {r.trainable / 1e6:.2f} M | {r.step_s:.3f} | {r.tokens_per_s:.0f} | "
+            f"{r.trained_bytes / 2**20:.1f} | {r.held_bytes / 2**20:.1f} | {r.peak_bytes / 2**20:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -121,18 +121,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs of every prompt in every setting")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=11, help="seed of the Countdown problems")
+    p.add_argument("--model", choices=("tiny", "search"), default="tiny", help="search: issue 29's model")
     a = p.parse_args()
     configure_process()
     import torch
 
     from loom.contracts.modes import parse_mode_params
-    from loom.tiny import CHECKPOINT_DIR, make_problems, spawn_prompt
+    from loom.models import resolve_model_path
+    from loom.search import search_problems
+    from loom.tiny import make_problems, spawn_prompt
     from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.spawn import spawn
 
-    batched = TorchEngine(CHECKPOINT_DIR, cache_entries=64, batching=True)
+    path = resolve_model_path(a.model)
+    batched = TorchEngine(path, cache_entries=64, batching=True)
     serial = TorchEngine(
-        CHECKPOINT_DIR, cache_entries=64, batching=False, model=batched.model, tokenizer=batched.tokenizer
+        path, cache_entries=64, batching=False, model=batched.model, tokenizer=batched.tokenizer
     )
     tok = batched.tokenizer
     requests = [
@@ -141,7 +145,11 @@ def main() -> None:
             prompt=spawn_prompt(prob),
             sampling=SamplingParams(max_tokens=a.max_tokens, temperature=0.0, n=1),
         )
-        for prob in make_problems("countdown", a.prompts, seed=a.seed)
+        for prob in (
+            make_problems("countdown", a.prompts, seed=a.seed)
+            if a.model == "tiny"
+            else search_problems("countdown", a.prompts, seed=a.seed)
+        )
     ]
 
     def run_spawn(engine: Any, req: RolloutRequest) -> tuple[Group, list[Call]]:
@@ -202,7 +210,7 @@ def main() -> None:
 
     chain_s = settings["chain"].wall_s
     print(
-        f"tiny model, spawn mode, {a.prompts} Countdown prompts x {a.repeats}, greedy, "
+        f"{a.model} model, spawn mode, {a.prompts} Countdown prompts x {a.repeats}, greedy, "
         f"max_tokens={a.max_tokens}, device={batched.device}, torch threads={torch.get_num_threads()}"
     )
     head = (

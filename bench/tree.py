@@ -17,7 +17,13 @@ already share a prefix, so each adds leaves at a lower cost. Printed beside the 
 per tree and their mean position f (fraction of the parent path). At T = 2, 0.6 needs f >= 0.5 with
 two points per tree and f >= 0.6 with one.
 
-Usage: ``python bench/tree.py [--prompts 4] [--delta 2] [--min-distance 8] [--iterations 1,2,3]``.
+With ``--model search`` (issue 29): the search model's plain-format Countdown search traces (one line
+per move tried, so many more steps than the tiny model's), and beside the token ratio the
+valid-group ratio of each branching strategy (AttnRL Fig. 4): the fraction of trees whose leaves'
+rewards (exact Countdown check) are not all equal, i.e. groups that carry a learning signal.
+
+Usage: ``python bench/tree.py [--model tiny|search] [--prompts 4] [--delta 2] [--min-distance 8]
+[--iterations 1,2,3]``.
 """
 
 from __future__ import annotations
@@ -49,31 +55,49 @@ def main() -> None:
     p.add_argument(
         "--iterations", default="1,2,3", help="L values, each measured: expansion rounds (TreeRL's EPTree)"
     )
+    p.add_argument("--model", choices=("tiny", "search"), default="tiny")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--record", action="store_true", help="write docs/benchmarks/tree-<model>.md and .png")
     a = p.parse_args()
     configure_process()
+    from loom.answers import last_boxed
     from loom.contracts.modes import parse_mode_params
-    from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems
+    from loom.models import resolve_model_path
+    from loom.search import search_problems
+    from loom.tiny import plain_prompt, reflect_prompt, tiny_problems
     from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.tree import tree
 
-    engine = TorchEngine(CHECKPOINT_DIR, cache_entries=64)
+    engine = TorchEngine(resolve_model_path(a.model), cache_entries=64)
     tok = engine.tokenizer
-    problems = tiny_problems("arith", a.prompts, seed=7)  # the distribution the tiny model was trained on
+    if a.model == "tiny":  # the distribution the tiny model was trained on
+        problems, build, what = (
+            tiny_problems("arith", a.prompts, seed=7),
+            reflect_prompt,
+            "reflect-format arithmetic",
+        )
+    else:
+        problems, build, what = (
+            search_problems("countdown", a.prompts, seed=7),
+            plain_prompt,
+            "plain Countdown search",
+        )
     print(
-        f"tiny model, {a.prompts} reflect-format arithmetic prompts, "
-        f"M'=6 N=2 T={a.continuations}, max_tokens={a.max_tokens}"
+        f"{a.model} model, {a.prompts} {what} prompts, "
+        f"M'=6 N=2 T={a.continuations}, max_tokens={a.max_tokens}, temperature={a.temperature}"
     )
+    rows: list[tuple[int, str, float, float, float, float, float]] = []
     for iterations in [int(x) for x in a.iterations.split(",")]:
         for strategy in ("attention", "entropy", "random"):
             tree_c = indep_c = leaves = gen = indep_gen = own = 0
             points: set[tuple[str, int]] = set()  # distinct (parent path, branch point)
             fractions: list[float] = []  # each point's position as a fraction of its parent path
-            trees = 0
+            trees = valid = indep_valid = 0
             for k, prob in enumerate(problems):
                 req = RolloutRequest(
                     mode="tree",
-                    prompt=reflect_prompt(prob),
-                    sampling=SamplingParams(max_tokens=a.max_tokens, seed=100 + k),
+                    prompt=build(prob),
+                    sampling=SamplingParams(max_tokens=a.max_tokens, seed=100 + k, temperature=a.temperature),
                     mode_params={
                         "strategy": strategy,
                         "delta": a.delta,
@@ -95,6 +119,8 @@ def main() -> None:
                         points.add((t.parent_id, t.meta["branch_point"]))
                         fractions.append(t.meta["branch_point"] / len(by_id[t.parent_id].completion_ids))
                 leaves += n
+                rewards = {prob.verify(last_boxed(tok.decode(t.completion_ids))) for t in g.trajectories}
+                valid += len(rewards) > 1  # a group with a learning signal (AttnRL Fig. 4)
                 gen += g.meta["tokens_generated"]
                 own += g.meta["tokens_independent"]  # the tree's own leaves, each sampled from scratch
                 asyncio.run(engine.reset_cache())
@@ -104,13 +130,75 @@ def main() -> None:
                 )
                 indep_c += computed(engine) - before
                 indep_gen += sum(len(c.token_ids) for c in outs)
+                indep_valid += len({prob.verify(last_boxed(tok.decode(c.token_ids))) for c in outs}) > 1
             print(
                 f"L={iterations} {strategy:9s} leaves={leaves:3d}  computed tokens: tree={tree_c:6d} "
                 f"independent={indep_c:6d} ratio={tree_c / indep_c:.3f} (target <= 0.6) | generated: "
                 f"tree={gen} independent={indep_gen} | vs the tree's own leaves from scratch: {own} tokens, "
                 f"ratio={gen / own:.3f} | branch points per tree {len(points) / trees:.2f} at "
-                f"{statistics.fmean(fractions) if fractions else 0.0:.2f} of the parent path (mean)"
+                f"{statistics.fmean(fractions) if fractions else 0.0:.2f} of the parent path (mean) | "
+                f"valid groups {valid}/{len(problems)} = {valid / len(problems):.2f} "
+                f"(independent sampling: {indep_valid / len(problems):.2f})"
             )
+            frac = statistics.fmean(fractions) if fractions else 0.0
+            rows.append(
+                (
+                    iterations,
+                    strategy,
+                    tree_c / indep_c,
+                    valid / len(problems),
+                    indep_valid / len(problems),
+                    len(points) / trees,
+                    frac,
+                )
+            )
+    if a.record:
+        record(a, what, len(problems), rows)
+
+
+def record(a, what: str, n: int, rows: list[tuple[int, str, float, float, float, float, float]]) -> None:  # type: ignore[no-untyped-def]
+    from bench.report import write
+
+    table = [
+        "| L | strategy | computed tokens tree / independent (target <= 0.6) | valid groups, tree "
+        "| valid groups, independent | branch points per tree | mean branch position |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.2f} |"
+            for r in rows
+        ),
+    ]
+
+    def plot(fig) -> None:  # type: ignore[no-untyped-def]
+
+        ax = fig.subplots()
+        strategies = ("attention", "entropy", "random")
+        levels = sorted({r[0] for r in rows})
+        width = 0.8 / len(strategies)
+        for k, strategy in enumerate(strategies):
+            got = {r[0]: r for r in rows if r[1] == strategy}
+            xs = [i + k * width for i in range(len(levels))]
+            ax.bar(xs, [got[lv][2] for lv in levels], width, label=f"{strategy}: token ratio")
+            ax.plot(
+                xs, [got[lv][3] for lv in levels], ("k^", "kv", "kx")[k], label=f"{strategy}: valid groups"
+            )
+        ax.axhline(0.6, color="grey", linestyle="--", linewidth=1)
+        ax.set_xticks([i + width for i in range(len(levels))], [f"L={lv}" for lv in levels])
+        ax.set_ylabel("tree/independent tokens (bars), valid groups (marks)")
+        ax.legend(fontsize=8)
+
+    path = write(
+        f"tree-{a.model}",
+        f"Tree mode vs independent sampling ({a.model} model, {n} {what} prompts)",
+        table,
+        notes=[
+            f"Settings: M'=6 N=2 T={a.continuations}, delta {a.delta}, min distance {a.min_distance}, "
+            f"max_tokens {a.max_tokens}, temperature {a.temperature}. Valid group: a tree (or the same "
+            "number of independent samples) whose leaves' exact rewards are not all equal (AttnRL Fig. 4)."
+        ],
+        plot=plot,
+    )
+    print(f"recorded in {path}")
 
 
 if __name__ == "__main__":

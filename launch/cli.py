@@ -7,6 +7,7 @@ loom worker SERVICE          one service's Celery worker on its own queue
 loom engine                  the torch engine behind a vLLM-compatible HTTP server
 loom demo                    a short RL run on the built-in tiny model
 loom train-tiny              reproduce the built-in tiny model
+loom train-search            reproduce the built-in search model (Countdown search traces)
 loom bench NAME              run a benchmark from bench/
 """
 
@@ -16,6 +17,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from launch import SERVICE_PACKAGES
 from loom.contracts.settings import SERVICES
@@ -29,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("rollout_svc.engines.server:main", "torch engine behind a vLLM-compatible server"),
     "demo": ("launch.demo:main", "a short RL run on the built-in tiny model"),
     "train-tiny": ("loom.tiny.train:main", "reproduce the built-in tiny model"),
+    "train-search": ("loom.search.train:main", "reproduce the built-in search model"),
     "bench": ("launch.cli:bench_main", "run a benchmark from bench/"),
 }
 
@@ -62,6 +65,11 @@ def api_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def learner_nproc(given: int | None, settings: Any) -> int:
+    """The learner's ranks: ``--nproc`` when given, else ``LOOM_LEARNER_NPROC`` (compose and k8s set it)."""
+    return int(given) if given is not None else int(settings.learner_nproc)
+
+
 def worker_main(argv: Sequence[str]) -> int:
     from loom.contracts.settings import get_settings
     from loom.queue import worker_argv
@@ -79,11 +87,12 @@ def worker_main(argv: Sequence[str]) -> int:
     p.add_argument(
         "--nproc",
         type=int,
-        default=1,
-        help="learner: train as N data-parallel ranks (gloo on CPU, NCCL on GPU); this worker is rank 0",
+        default=None,
+        help="learner: train as N data-parallel ranks (gloo on CPU, NCCL on GPU); this worker is rank 0 "
+        "(default: LOOM_LEARNER_NPROC, 1)",
     )
     args, extra = p.parse_known_args(argv)
-    if args.nproc > 1 and args.service != "learner":
+    if args.nproc is not None and args.nproc > 1 and args.service != "learner":
         p.error("--nproc is the learner's option")
     settings = get_settings()
     configure_process(settings)
@@ -93,7 +102,7 @@ def worker_main(argv: Sequence[str]) -> int:
 
         tasks.set_engine_slots(rollout_slots(settings, args.concurrency)[0])
     if args.service == "learner":
-        tasks.set_nproc(args.nproc)
+        tasks.set_nproc(learner_nproc(args.nproc, settings))
     tasks.celery_app.worker_main(worker_argv(args.service, settings, args.concurrency) + list(extra))
     return 0
 

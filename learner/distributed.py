@@ -11,9 +11,17 @@ A rank that dies or stops answering makes the collective on rank 0 raise: ``Rank
 task then ends its worker process (learner/tasks.py), so the late-acknowledged message is redelivered
 instead of acknowledged with half a step.
 
-Every rank holds the whole model (DDP's layout, with the all-reduce done by hand after accumulation):
-FSDP2's ``fully_shard`` is not used here (the tiny CPU models do not need sharding, and gloo has no
-reduce-scatter on every torch build); see docs/benchmarks/learner.md.
+Two layouts (``LearnerConfig.sharding``): ``replicate`` (the default) holds the whole model on every
+rank (DDP's layout, with the all-reduce done by hand after accumulation, ``Ranks.sum_gradients``);
+``fsdp`` wraps it with FSDP2's ``fully_shard`` (each decoder layer, then the root), so the parameters,
+gradients and AdamW's moments are sharded over the ranks: FSDP all-gathers a layer's parameters for
+its forward and backward and reduce-scatters its gradient, summed (``shard``: divide factor 1, because
+each rank's loss already has the global normaliser). Every rank then runs as many forward/backward
+passes as the rank with the most micro-batches (``idle_pass``), since each is a collective. Gloo has
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` on torch 2.13, so FSDP runs on CPU too.
+The clip takes the global norm of the sharded (DTensor) gradients. To publish, every rank gathers the
+full state dict to rank 0 (``full_state``, ``full_optimizer_state``), which writes the same plain HF
+checkpoint and optimizer.pt as one process; ``save_sharded`` keeps each rank's shards.
 """
 
 from __future__ import annotations
@@ -71,12 +79,12 @@ class Ranks:
 
     def all_sum(self, values: Sequence[float]) -> list[float]:
         t = torch.tensor(list(values), dtype=torch.float64)
-        _collective(dist.all_reduce, t, op=dist.ReduceOp.SUM)
+        collective(dist.all_reduce, t, op=dist.ReduceOp.SUM)
         return [float(x) for x in t]
 
     def all_max(self, values: Sequence[float]) -> list[float]:
         t = torch.tensor(list(values), dtype=torch.float64)
-        _collective(dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        collective(dist.all_reduce, t, op=dist.ReduceOp.MAX)
         return [float(x) for x in t]
 
     def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -86,7 +94,7 @@ class Ranks:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in ps if p.grad is not None])
-        _collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+        collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
         offset = 0
         for p in ps:
             assert p.grad is not None
@@ -98,16 +106,16 @@ class Ranks:
         """Every rank takes rank 0's parameters and buffers (as DDP does at construction): a freshly
         initialised part (a LoRA adapter's A) is drawn by each process's own random state."""
         for t in [*model.parameters(), *model.buffers()]:
-            _collective(dist.broadcast, t.data, src=0)
+            collective(dist.broadcast, t.data, src=0)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         box = [obj if self.is_main else None]
-        _collective(dist.broadcast_object_list, box, src=0)
+        collective(dist.broadcast_object_list, box, src=0)
         return box[0]
 
     def barrier(self) -> None:
-        _collective(dist.barrier)
+        collective(dist.barrier)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -128,7 +136,7 @@ def save_sharded(ranks: Ranks, model: Any, optimizer: Any, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    _collective(save, {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    collective(save, {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     if ranks.is_main:
         for old in path.parent.glob("v*"):
             if old != path and old.name[1:].isdigit() and int(old.name[1:]) < int(path.name[1:]):
@@ -142,15 +150,96 @@ def load_sharded(model: Any, optimizer: Any, path: Path) -> None:
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    _collective(load, state, checkpoint_id=str(path))
+    collective(load, state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _collective(fn: Any, *args: Any, **kwargs: Any) -> Any:
+def shard(model: Any, mixed_precision: str = "no") -> None:
+    """FSDP2 over the ranks, in place: ``fully_shard`` on each decoder layer (the classes the HF model
+    names in ``_no_split_modules``), then on the root. Gradients are summed, not averaged;
+    ``mixed_precision="bf16"`` computes in bf16 and reduces the gradients in float32."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    layer_policy = root_policy = MixedPrecisionPolicy()
+    if mixed_precision == "bf16":
+        layer_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # the logits leave the root in float32 (a layer's output stays bf16: the next one reads it)
+        root_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, mp_policy=layer_policy)
+    fully_shard(model, mp_policy=root_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # a plain SUM of the ranks' gradients (gloo has no PREMUL_SUM; FSDP's default is AVG)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def idle_pass(model: Any) -> None:
+    """A forward and backward of one token with a zero loss: a rank with fewer micro-batches joins
+    the others' FSDP all-gathers and reduce-scatters, adding zero gradients."""
+    device = next(model.parameters()).device
+    logits = collective(model, input_ids=torch.zeros((1, 1), dtype=torch.long, device=device)).logits
+    collective((logits.float().sum() * 0.0).backward)
+
+
+def full_state(model: Any) -> dict[str, Any]:
+    """The whole model's state dict gathered from the shards, on the CPU (a collective: every rank
+    calls it; rank 0 writes the plain checkpoint from it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dict(collective(get_model_state_dict, model, options=options))
+
+
+def _trained_names(model: Any) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def full_optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The sharded AdamW state gathered on rank 0 (a collective) in ``optimizer.state_dict()``'s own layout
+    (parameters by index), so optimizer.pt reads the same whichever way the version was trained."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = collective(get_optimizer_state_dict, model, optimizer, options=options)
+    if not full:  # ranks > 0: cpu_offload leaves the full state on rank 0 alone
+        return {}
+    index = {name: i for i, name in enumerate(_trained_names(model))}
+    return {
+        "state": {index[k]: v for k, v in full["state"].items()},
+        "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in full["param_groups"]],
+    }
+
+
+def set_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+    """An ``optimizer.state_dict()`` (parameters by index) into the sharded optimizer (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = _trained_names(model)
+    full = {
+        "state": {names[int(i)]: v for i, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+    options = StateDictOptions(full_state_dict=True)
+    collective(set_optimizer_state_dict, model, optimizer, optim_state_dict=full, options=options)
+
+
+def collective(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; a failure of the transport (another rank gone) is a ``RankFailure``."""
     try:
         return fn(*args, **kwargs)
+    except RankFailure:
+        raise
     except (RuntimeError, ConnectionError) as exc:  # gloo: "Connection closed by peer", timeouts
-        raise RankFailure(f"a learner rank failed during {fn.__name__}: {exc}") from exc
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise RankFailure(f"a learner rank failed during {name}: {exc}") from exc
 
 
 def serve(learner: Any) -> None:

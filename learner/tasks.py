@@ -45,6 +45,8 @@ def learner_config(settings: Settings) -> LearnerConfig:
         lora_targets=tuple(t.strip() for t in settings.learner_lora_targets.split(",") if t.strip()),
         lora_merge=settings.learner_lora_merge,
         activation_checkpointing=settings.learner_activation_checkpointing,
+        sharding=settings.learner_sharding,
+        mixed_precision=settings.learner_mixed_precision,
     )
 
 
@@ -93,6 +95,12 @@ def score_attention(
     from learner.train import check_vocabulary
 
     learner = get_learner()
+    if learner.sharded:
+        # a forward on rank 0 alone would wait for the other ranks' all-gathers
+        raise ValueError(
+            "score_attention needs the whole model in one process: not with LOOM_LEARNER_SHARDING=fsdp "
+            "(score with an engine, LOOM_ATTENTION_URL)"
+        )
     check_vocabulary(learner.model, [token_ids])
     with _lock:
         scores = fci_scores(

@@ -21,16 +21,30 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from learner import logprobs as lp
 from learner.assign import Assigned, assign_batch
-from learner.distributed import RankFailure, Ranks, load_sharded, save_sharded, sharded_path
+from learner.distributed import (
+    RankFailure,
+    Ranks,
+    collective,
+    full_optimizer_state,
+    full_state,
+    idle_pass,
+    load_sharded,
+    save_sharded,
+    set_full_optimizer_state,
+    shard,
+    sharded_path,
+)
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
 from loom.batching import next_batch_size
 from loom.contracts.estimators import estimator_params
 from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
+from loom.models import resolve_model_path  # re-exported: bench/learner.py names it
 from loom.store import PolicyStore
 from loom.vocab import outside_vocabulary
 
@@ -63,7 +77,12 @@ class LearnerConfig:
     token_budget: int = 8192  # padded tokens per micro-batch
     weight_decay: float = 0.01  # AdaSR Table 9
     betas: tuple[float, float] = (0.9, 0.999)
-    bf16: bool = True  # autocast to bf16 on CUDA (fp32 master weights); ignored on CPU
+    # bf16 compute with float32 master weights: "auto" is bf16 on CUDA and none on CPU; replicated
+    # ranks autocast, FSDP casts the gathered parameters (MixedPrecisionPolicy, float32 reductions)
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    # N ranks: "replicate" holds the whole model on every rank, "fsdp" shards parameters, gradients
+    # and optimizer state with FSDP2 (learner/distributed.py); one process ignores it
+    sharding: Literal["replicate", "fsdp"] = "replicate"
     lora_rank: int = 0  # > 0: train a LoRA adapter (needs peft) and publish adapters
     lora_alpha: int = 16
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -88,14 +107,6 @@ def learner_config_from_json(values: dict[str, Any]) -> LearnerConfig:
     return LearnerConfig(**fields)
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    if str(model) == "tiny":
-        from loom.tiny import CHECKPOINT_DIR
-
-        return Path(CHECKPOINT_DIR)
-    return Path(model)
-
-
 def _load_causal_lm(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -107,6 +118,14 @@ class Learner:
         self.cfg = cfg
         # N ranks (learner/distributed.py): each trains its share, gradients summed, rank 0 publishes
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
+        self.sharded = self.ranks is not None and cfg.sharding == "fsdp"
+        if cfg.sharding not in ("replicate", "fsdp"):
+            raise ValueError(f"sharding must be 'replicate' or 'fsdp', not {cfg.sharding!r}")
+        if cfg.mixed_precision not in ("auto", "no", "bf16"):
+            raise ValueError(f"mixed_precision must be 'auto', 'no' or 'bf16', not {cfg.mixed_precision!r}")
+        if cfg.sharding == "fsdp" and cfg.lora_rank > 0:
+            # peft's adapter save/merge walks plain tensors; an FSDP-sharded adapter is not supported
+            raise ValueError("LoRA (lora_rank > 0) with sharding='fsdp' is not supported: use 'replicate'")
         self.store = PolicyStore(cfg.store)
         self.base_path = resolve_model_path(cfg.model)
         device = cfg.device
@@ -121,6 +140,8 @@ class Learner:
         self.model.train()
         if self.ranks is not None:
             self.ranks.same_weights(self.model)
+        if self.sharded:
+            shard(self.model, "bf16" if self.compute_dtype() is not None else "no")
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=LossSpec().lr,
@@ -133,14 +154,23 @@ class Learner:
             state = torch.load(
                 Path(latest.path) / OPTIMIZER_FILE, map_location=self.device, weights_only=True
             )
-            self.optimizer.load_state_dict(state)
+            if self.sharded:
+                set_full_optimizer_state(self.model, self.optimizer, state)
+            else:
+                self.optimizer.load_state_dict(state)
         self._ref: Any = None
+        self._gathered: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         if self.ranks is not None and latest is not None:
             sharded = sharded_path(self.store.root, latest.version)
             if sharded.exists():  # the ranks' own checkpoint of this version (model + optimizer)
                 load_sharded(self.model, self.optimizer, sharded)
         if latest is not None:
             log.info("learner resumed from policy version %d (%s)", latest.version, latest.path)
+
+    def compute_dtype(self) -> torch.dtype | None:
+        """bf16 when ``mixed_precision`` asks for it ("auto": on CUDA), else None (float32)."""
+        mode = self.cfg.mixed_precision
+        return torch.bfloat16 if mode == "bf16" or (mode == "auto" and self.device.type == "cuda") else None
 
     # ------------------------------------------------------------------ model I/O
     def _load(self, latest: PolicyVersion | None) -> Any:
@@ -171,6 +201,13 @@ class Learner:
         return self._ref
 
     def _write(self, out: Path) -> None:
+        if self._gathered is not None:  # FSDP: the state dicts every rank gathered for rank 0
+            model_sd, optim_sd = self._gathered
+            self.model.save_pretrained(str(out), state_dict=model_sd, safe_serialization=True)
+            _copy_tokenizer(self.base_path, out)
+            if optim_sd is not None:
+                torch.save(optim_sd, out / OPTIMIZER_FILE)
+            return
         if self.cfg.lora_rank > 0 and self.cfg.lora_merge:
             self.model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True)
             merged = copy.deepcopy(self.model).merge_and_unload()
@@ -178,14 +215,20 @@ class Learner:
             del merged
         else:
             self.model.save_pretrained(str(out), safe_serialization=True)
-        for name in TOKENIZER_FILES:
-            src = self.base_path / name
-            if src.exists() and not (out / name).exists():
-                shutil.copy2(src, out / name)
+        _copy_tokenizer(self.base_path, out)
         if self.cfg.save_optimizer:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
 
     def publish(self, meta: dict[str, Any]) -> PolicyVersion:
+        if self.sharded:  # the plain checkpoint is gathered from the shards: a collective
+            optim_sd = full_optimizer_state(self.model, self.optimizer) if self.cfg.save_optimizer else None
+            self._gathered = (full_state(self.model), optim_sd)
+        try:
+            return self._publish_ranks(meta)
+        finally:
+            self._gathered = None
+
+    def _publish_ranks(self, meta: dict[str, Any]) -> PolicyVersion:
         if self.ranks is not None and not self.ranks.is_main:
             self.ranks.barrier()  # rank 0 has published: the same version, read back
             record = self.store.latest()
@@ -296,9 +339,12 @@ class Learner:
     def _optimizer_step(self, max_grad_norm: float) -> float | None:
         """Clip the accumulated gradient and step; None (nothing applied) when its norm is not finite."""
         trained = [p for p in self.model.parameters() if p.requires_grad]
-        if self.ranks is not None:
+        if self.ranks is not None and not self.sharded:
             self.ranks.sum_gradients(trained)  # each rank's loss has the global normaliser
-        grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
+        # FSDP: the gradients are summed shards (DTensors); the clip takes the global norm over them
+        grad_norm = collective(torch.nn.utils.clip_grad_norm_, trained, max_grad_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         # a NaN/inf gradient would write NaN into every weight: that pass is not applied
@@ -325,8 +371,19 @@ class Learner:
         counts = [float(sum(sum(s.mask) for s in samples)), float(len(samples))]
         if self.ranks is not None:  # the normalisers of the WHOLE batch, before any backward
             counts = self.ranks.all_sum(counts)
+        idle = 0
+        if self.ranks is not None and self.sharded:
+            # each FSDP forward and backward is a collective: every rank runs as many as the rank
+            # with the most micro-batches, the others' extra ones on one token with a zero loss
+            mine = len(
+                lp.micro_batches(
+                    [len(t.prompt_ids) + len(t.completion_ids) for t in trajs], self.cfg.token_budget
+                )
+            )
+            idle = int(self.ranks.all_max([float(mine)])[0]) - mine
         totals = PassTotals(n_tokens=counts[0], n_seqs=counts[1])
-        autocast = torch.bfloat16 if (self.device.type == "cuda" and self.cfg.bf16) else None
+        compute = self.compute_dtype()
+        autocast = None if self.sharded else compute  # FSDP casts by its MixedPrecisionPolicy
         ref = self.reference_model() if spec.kl_coef > 0 else None
 
         def consume(mb: lp.MicroBatchOut) -> None:
@@ -345,7 +402,7 @@ class Learner:
                     ref_logp, _, _ = lp.completion_logprobs(
                         ref,
                         [lp.layout_of(s.trajectory) for s in rows],
-                        autocast_dtype=autocast,
+                        autocast_dtype=compute,
                         temperature=spec.temperature,
                     )
             parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals, is_weight)
@@ -353,7 +410,9 @@ class Learner:
             totals.add_loss(parts, mask)
 
         if trajs:  # a rank may have no share of a small batch: it adds zero gradients
-            lp.recompute(
+            # with FSDP every forward and backward is a collective: a failure there is a RankFailure
+            (collective if self.sharded else _call)(
+                lp.recompute,
                 self.model,
                 trajs,
                 token_budget=self.cfg.token_budget,
@@ -362,6 +421,8 @@ class Learner:
                 each=consume,
                 temperature=spec.temperature,
             )
+        for _ in range(idle):  # FSDP: as many forward/backward passes as the busiest rank
+            idle_pass(self.model)
         seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
         if self.ranks is not None:
             seq_tokens = int(totals.reduce(self.ranks, seq_tokens))
@@ -609,6 +670,17 @@ def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:
             raise ValueError(f"token id {ids[i]} is outside the model's vocabulary [0, {size})")
         if context is not None and len(ids) > int(context):
             raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's context {context}")
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _copy_tokenizer(base: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        src = base / name
+        if src.exists() and not (out / name).exists():
+            shutil.copy2(src, out / name)
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:

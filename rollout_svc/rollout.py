@@ -136,12 +136,10 @@ class PolicyPathRefused(ValueError):
 
 
 def base_policy(settings: Settings) -> PolicyVersion:
-    """Version 0: the model every engine starts from (``LOOM_MODEL``; ``tiny``: the built-in one)."""
-    if settings.model == "tiny":
-        from loom.tiny import CHECKPOINT_DIR
+    """Version 0: the model every engine starts from (``LOOM_MODEL``: ``tiny``, ``search`` or a path)."""
+    from loom.models import resolve_model_path
 
-        return PolicyVersion(version=0, path=str(CHECKPOINT_DIR))
-    return PolicyVersion(version=0, path=settings.model)
+    return PolicyVersion(version=0, path=str(resolve_model_path(settings.model)))
 
 
 def stored_policy(settings: Settings, version: int | None, path: str | None = None) -> PolicyVersion:

@@ -142,7 +142,10 @@ class Settings(BaseSettings):
     # --- engines
     engine: Literal["torch", "vllm"] = "torch"
     engine_url: str = Field(default="", description="OpenAI-compatible server; empty = the torch engine")
-    model: str = Field(default="tiny", description="'tiny' (the built-in checkpoint) or a model path")
+    model: str = Field(
+        default="tiny",
+        description="'tiny' or 'search' (the built-in checkpoints, loom/models.py) or a model path",
+    )
     device: str = "cpu"
     engine_timeout_s: float = Field(
         default=120.0, gt=0, description="per engine request: HTTP, or a call to the torch engine's process"
@@ -221,6 +224,21 @@ class Settings(BaseSettings):
     )
     learner_activation_checkpointing: bool = Field(
         default=False, description="recompute activations in backward: less memory, more time"
+    )
+    learner_sharding: Literal["replicate", "fsdp"] = Field(
+        default="replicate",
+        description="with --nproc N > 1: 'replicate' holds the whole model on every rank, 'fsdp' shards "
+        "parameters, gradients and optimizer state over the ranks (FSDP2)",
+    )
+    learner_mixed_precision: Literal["auto", "no", "bf16"] = Field(
+        default="auto",
+        description="bf16 compute with float32 master weights; 'auto' is bf16 on CUDA, float32 on CPU",
+    )
+    learner_nproc: int = Field(
+        default=1,
+        ge=1,
+        description="learner ranks `loom worker learner` starts when --nproc is not given (one per GPU, "
+        "NCCL; gloo on CPU)",
     )
 
     @field_validator("attention_url", "policy_store_url")

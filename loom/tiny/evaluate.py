@@ -61,6 +61,19 @@ def generate_batch(
     return out
 
 
+@dataclass(frozen=True)
+class Budgets:
+    """Greedy token limits per generation call (the search model's traces are longer: loom/search)."""
+
+    plain: int = 100
+    reflect: int = 160
+    thought: int = 24
+    final: int = 100
+    spawn_head: int = 140
+    child: int = 80
+    join_answer: int = 40
+
+
 @dataclass
 class FormatResult:
     correct: int = 0
@@ -73,10 +86,12 @@ class FormatResult:
         return self.correct / max(1, self.total)
 
 
-def eval_plain(model, tok, problems: list[Problem], reflect: bool = False) -> FormatResult:  # type: ignore[no-untyped-def]
+def eval_plain(
+    model, tok, problems: list[Problem], reflect: bool = False, b: Budgets = Budgets()
+) -> FormatResult:  # type: ignore[no-untyped-def]
     build = reflect_prompt if reflect else plain_prompt
     prompts = [build(p) for p in problems]
-    outs = generate_batch(model, tok, prompts, [], 160 if reflect else 100)
+    outs = generate_batch(model, tok, prompts, [], b.reflect if reflect else b.plain)
     res = FormatResult(total=len(problems), sample=prompts[0] + outs[0] if outs else "")
     for p, o in zip(problems, outs, strict=True):
         ans = last_boxed(o) if "</think>" in o else None
@@ -85,7 +100,7 @@ def eval_plain(model, tok, problems: list[Problem], reflect: bool = False) -> Fo
     return res
 
 
-def eval_stream(model, tok, problems: list[Problem]) -> FormatResult:  # type: ignore[no-untyped-def]
+def eval_stream(model, tok, problems: list[Problem], b: Budgets = Budgets()) -> FormatResult:  # type: ignore[no-untyped-def]
     m = DEFAULT_MARKERS
     states, sentences = [], []
     for p in problems:
@@ -96,12 +111,12 @@ def eval_stream(model, tok, problems: list[Problem]) -> FormatResult:  # type: i
     for t in range(max(len(s) for s in sentences)):
         active = [i for i, s in enumerate(sentences) if t < len(s)]
         texts = [states[i] + sentences[i][t] for i in active]
-        outs = generate_batch(model, tok, texts, [m.thought_end], 24)
+        outs = generate_batch(model, tok, texts, [m.thought_end], b.thought)
         for i, text, o in zip(active, texts, outs, strict=True):
             states[i] = text + o
             thoughts[i].append(o)
     texts = [s + stream_connector() for s in states]
-    finals = generate_batch(model, tok, texts, [m.answer_end], 100)
+    finals = generate_batch(model, tok, texts, [m.answer_end], b.final)
     res = FormatResult(total=len(problems), sample=texts[0] + finals[0] if finals else "")
     for p, th, fin in zip(problems, thoughts, finals, strict=True):
         parsed = parse_stream(th, fin)
@@ -110,10 +125,10 @@ def eval_stream(model, tok, problems: list[Problem]) -> FormatResult:  # type: i
     return res
 
 
-def eval_spawn(model, tok, problems: list[Problem]) -> FormatResult:  # type: ignore[no-untyped-def]
+def eval_spawn(model, tok, problems: list[Problem], b: Budgets = Budgets()) -> FormatResult:  # type: ignore[no-untyped-def]
     s = DEFAULT_SPAWN
     prompts = [spawn_prompt(p) for p in problems]
-    heads = generate_batch(model, tok, prompts, [s.spawn_close], 140)
+    heads = generate_batch(model, tok, prompts, [s.spawn_close], b.spawn_head)
     texts = [pr + h for pr, h in zip(prompts, heads, strict=True)]
     spawns = [parse_spawn(h) if h.endswith(s.spawn_close) else None for h in heads]
     child_texts, owners = [], []
@@ -121,12 +136,12 @@ def eval_spawn(model, tok, problems: list[Problem]) -> FormatResult:  # type: ig
         for _, _, message in children or []:
             child_texts.append(child_prompt(message))
             owners.append(i)
-    child_outs = generate_batch(model, tok, child_texts, [], 80)
+    child_outs = generate_batch(model, tok, child_texts, [], b.child)
     messages: list[list[str]] = [[] for _ in problems]
     for i, o in zip(owners, child_outs, strict=True):
         messages[i].append(child_message(o))
     resumed = [t + join_block(msgs) for t, msgs in zip(texts, messages, strict=True)]
-    finals = generate_batch(model, tok, resumed, [], 40)
+    finals = generate_batch(model, tok, resumed, [], b.join_answer)
     res = FormatResult(total=len(problems), sample=resumed[0] + finals[0] if finals else "")
     for p, sp, fin in zip(problems, spawns, finals, strict=True):
         ans = last_boxed(fin) if sp else None
@@ -135,17 +150,19 @@ def eval_spawn(model, tok, problems: list[Problem]) -> FormatResult:  # type: ig
     return res
 
 
-def evaluate(model, tok, problems: dict[str, list[Problem]]) -> dict[str, FormatResult]:  # type: ignore[no-untyped-def]
+def evaluate(
+    model, tok, problems: dict[str, list[Problem]], b: Budgets = Budgets()
+) -> dict[str, FormatResult]:  # type: ignore[no-untyped-def]
     """``problems``: format -> held-out problems. Returns format -> result."""
     model.eval()
     out = {}
     for fmt, ps in problems.items():
         if fmt == "plain":
-            out[fmt] = eval_plain(model, tok, ps)
+            out[fmt] = eval_plain(model, tok, ps, b=b)
         elif fmt == "reflect":
-            out[fmt] = eval_plain(model, tok, ps, reflect=True)
+            out[fmt] = eval_plain(model, tok, ps, reflect=True, b=b)
         elif fmt == "stream":
-            out[fmt] = eval_stream(model, tok, ps)
+            out[fmt] = eval_stream(model, tok, ps, b)
         elif fmt == "spawn":
-            out[fmt] = eval_spawn(model, tok, ps)
+            out[fmt] = eval_spawn(model, tok, ps, b)
     return out

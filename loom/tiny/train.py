@@ -96,53 +96,7 @@ def train(cfg: TrainConfig, out_dir: Path | None, progress: bool = True, evaluat
     tok = train_tokenizer([trace_text(s) for s in seqs])
     data = encode(seqs, tok, cfg.max_len)
     model = build_model(tok, TinyConfig())
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.98),
-    )
-
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + torch.cos(torch.tensor(frac * torch.pi)).item()))
-
-    rng = random.Random(cfg.seed)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    model.train()
-    bar = tqdm(range(cfg.steps), desc="train-tiny", disable=not progress)
-    queue: list[list[tuple[list[int], list[int]]]] = []
-    for step in bar:
-        if not queue:  # draw 4 batches at once and group them by length: less padding, same mix
-            pool = sorted(
-                (data[rng.randrange(len(data))] for _ in range(4 * cfg.batch_size)), key=lambda d: len(d[0])
-            )
-            queue = [pool[k : k + cfg.batch_size] for k in range(0, len(pool), cfg.batch_size)]
-            rng.shuffle(queue)
-        batch = queue.pop()
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), tok.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (ids, lab) in enumerate(batch):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            labels[i, : len(lab)] = torch.tensor(lab)
-            mask[i, : len(ids)] = 1
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 20 == 0:
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-    train_s = time.perf_counter() - t0
+    losses, train_s = fit(model, tok, data, cfg, progress, "train-tiny")
     card: dict = {
         "config": asdict(cfg),
         "model": asdict(TinyConfig()),
@@ -174,6 +128,61 @@ def train(cfg: TrainConfig, out_dir: Path | None, progress: bool = True, evaluat
     if out_dir is not None:
         save(model, tok, card, out_dir)
     return card
+
+
+def fit(model, tok, data: list[tuple[list[int], list[int]]], cfg: TrainConfig, progress: bool, desc: str):  # type: ignore[no-untyped-def]
+    """AdamW with warm-up and cosine decay on ``data`` (ids, labels), batches of similar lengths;
+    returns (per-step losses, seconds). Shared by the tiny and the search model (loom/search/train.py)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + torch.cos(torch.tensor(frac * torch.pi)).item()))
+
+    rng = random.Random(cfg.seed)
+    losses: list[float] = []
+    device = next(model.parameters()).device  # a GPU when the caller put the model there
+    t0 = time.perf_counter()
+    model.train()
+    bar = tqdm(range(cfg.steps), desc=desc, disable=not progress)
+    queue: list[list[tuple[list[int], list[int]]]] = []
+    for step in bar:
+        if not queue:  # draw 4 batches at once and group them by length: less padding, same mix
+            pool = sorted(
+                (data[rng.randrange(len(data))] for _ in range(4 * cfg.batch_size)), key=lambda d: len(d[0])
+            )
+            queue = [pool[k : k + cfg.batch_size] for k in range(0, len(pool), cfg.batch_size)]
+            rng.shuffle(queue)
+        batch = queue.pop()
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), tok.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (ids, lab) in enumerate(batch):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, : len(lab)] = torch.tensor(lab)
+            mask[i, : len(ids)] = 1
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = model(
+            input_ids=input_ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)
+        ).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    return losses, time.perf_counter() - t0
 
 
 def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-untyped-def]

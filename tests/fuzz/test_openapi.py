@@ -53,6 +53,7 @@ CHECKS = [
     response_headers_conformance,
     response_schema_conformance,
 ]
+WAIT_FLOOR_S = 60.0  # the shortest wait on a worker a fuzzed request asks for (``_small``)
 REQUEST_TIMEOUT_S = 300  # a loaded machine; every wait of an operation here is capped (``_small``)
 ADMIN_KEY = "loom_fuzz_admin_key"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -65,13 +66,25 @@ FUZZ = settings(
 )
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _small(body: Any) -> Any:
-    """Cap what a valid request may ask the tiny model or the verifier to do (sizes and timeouts)."""
+    """Cap what a valid request may ask the tiny model or the verifier to do (sizes and timeouts).
+
+    A positive ``timeout`` (how long a route waits on its worker) is also raised to
+    ``WAIT_FLOOR_S``: a wait of 0.05 s that expires answers the documented 504 ``timeout`` by design,
+    and whether it expires depends on the machine's load (CI once drew 0.05 s for
+    ``POST /v1/train_step`` on a loaded machine). The 504 path has its own tests
+    (tests/learner/test_api.py, tests/security/test_workers_bounds.py)."""
     if isinstance(body, dict):
         out = {k: _small(v) for k, v in body.items()}
         for key, cap in (("n", 2), ("max_tokens", 8), ("timeout_s", 2), ("timeout", 120.0)):
-            if isinstance(out.get(key), int | float) and not isinstance(out.get(key), bool):
+            if _number(out.get(key)):
                 out[key] = min(out[key], cap)
+        if _number(out.get("timeout")) and 0 < out["timeout"] < WAIT_FLOOR_S:
+            out["timeout"] = WAIT_FLOOR_S
         return out
     if isinstance(body, list):
         return [_small(v) for v in body]

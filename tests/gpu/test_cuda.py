@@ -250,7 +250,7 @@ def _mean_logp(model: Any, batch: TrainBatch, rewarded: bool) -> float:
 
 def test_the_learner_on_cuda_in_float32_takes_the_cpu_step(batch: TrainBatch, tmp_path: Path) -> None:
     on_cpu = Learner(LearnerConfig(model="tiny", store=tmp_path / "cpu"))
-    on_gpu = Learner(LearnerConfig(model="tiny", store=tmp_path / "gpu", device="cuda", bf16=False))
+    on_gpu = Learner(LearnerConfig(model="tiny", store=tmp_path / "gpu", device="cuda", mixed_precision="no"))
     a, b = on_cpu.train_step(batch), on_gpu.train_step(batch)
     assert a.policy_version == b.policy_version == 1
     for key in ("first_pass_loss", "grad_norm", "logprob_mismatch_mean"):

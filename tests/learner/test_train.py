@@ -178,3 +178,10 @@ def test_activation_checkpointing_gives_the_same_gradient(model_dir, tmp_path, b
         grads.append({n: p.grad.clone() for n, p in learner.model.named_parameters()})
     assert sum(float(g.abs().sum()) for g in grads[0].values()) > 0
     assert _same(grads[0], grads[1], atol=1e-6)
+
+
+def test_lora_with_fsdp_sharding_is_refused_with_its_reason(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="LoRA .* with sharding='fsdp' is not supported"):
+        Learner(LearnerConfig(model=model_dir, store=tmp_path, lora_rank=8, sharding="fsdp"))
+    with pytest.raises(ValueError, match="mixed_precision must be"):
+        Learner(LearnerConfig(model=model_dir, store=tmp_path, mixed_precision="fp16"))  # type: ignore[arg-type]

@@ -104,6 +104,19 @@ def test_rollout_scales(loom_services: dict[str, Any]) -> None:
     assert not rollout.get("ports")
 
 
+def test_the_learner_takes_its_ranks_from_a_setting(compose: dict[str, Any]) -> None:
+    """`loom worker learner` reads --nproc from LOOM_LEARNER_NPROC (launch/cli.py): one rank per GPU."""
+    from loom.contracts.settings import Settings
+
+    env = _env(compose["services"]["learner"])
+    assert env["LOOM_LEARNER_NPROC"] == "${LOOM_LEARNER_NPROC:-1}"
+    assert env["LOOM_LEARNER_SHARDING"] == "${LOOM_LEARNER_SHARDING:-replicate}"
+    assert Settings(learner_nproc=2, learner_sharding="fsdp").learner_nproc == 2
+    cpu = yaml.load((REPO / "deploy" / "compose.cpu.yml").read_text(), Loader=_ComposeTagLoader)
+    assert _env(cpu["services"]["learner"])["LOOM_LEARNER_NPROC"] == "${LOOM_LEARNER_NPROC:-1}"
+    assert _env(cpu["services"]["learner"])["LOOM_DEVICE"] == "cpu"
+
+
 def test_gpu_reservations(compose: dict[str, Any]) -> None:
     for name in GPU_SERVICES:
         assert _gpu_reserved(compose["services"][name]), name

@@ -142,6 +142,13 @@ def test_the_keda_schema_refuses_a_misspelt_field(docs: list[tuple[str, dict[str
         jsonschema.validate(bad, {**schemas["ScaledObject"], "definitions": schemas["definitions"]})
 
 
+def test_the_learner_pod_sets_its_ranks(docs: list[tuple[str, dict[str, Any]]]) -> None:
+    learner, _ = containers(docs)["learner"]
+    env = container_env(learner, docs)
+    assert env["LOOM_LEARNER_NPROC"] == "1" and env["LOOM_LEARNER_SHARDING"] == "replicate"
+    assert learner["resources"]["limits"]["nvidia.com/gpu"] == int(env["LOOM_LEARNER_NPROC"])
+
+
 def test_gpus_are_requested_by_vllm_and_the_learner_only(docs: list[tuple[str, dict[str, Any]]]) -> None:
     for name, (c, _) in containers(docs).items():
         gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")

@@ -11,16 +11,8 @@ from typing import Any
 import torch
 
 from loom.layout import group_positions, group_visibility
+from loom.models import resolve_model_path as resolve_model_path  # re-exported by the engine package
 from rollout_svc.engines.base import Layout, PromptLogprobs
-
-
-def resolve_model_path(model: str) -> Path:
-    """``tiny`` is Loom's built-in checkpoint; anything else is a Hugging Face model directory."""
-    if model == "tiny":
-        from loom.tiny import CHECKPOINT_DIR  # type: ignore[attr-defined]
-
-        return Path(CHECKPOINT_DIR)
-    return Path(model)
 
 
 def load_model(path: str | Path, device: str = "cpu") -> Any:

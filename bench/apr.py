@@ -1,0 +1,157 @@
+"""APR's comparison (issue 29; APR Fig. 6): accuracy against the tokens on the critical path, spawn/join
+against serial search, on the search model (loom/search), side by side in one run.
+
+Workload: held-out Countdown search problems (``loom.search.search_problems``, the model's own
+distribution), greedy decoding on the in-process torch engine.
+  serial   the plain format (one search written out move by move), ``max_tokens`` = L for each L in
+           ``--serial-budgets``: every token is on the critical path (sequential = total).
+  spawn    the spawn format through spawn mode (rollout_svc.modes.spawn): the parent spawns one child
+           per pair of numbers, the children search in parallel, the parent answers after the join;
+           ``child_max_tokens`` = C for each C in ``--child-budgets``. Sequential tokens = the parent's
+           tokens plus the longest child's (``Group.meta["sequential_tokens"]``), total = all calls.
+Printed per setting: accuracy (exact Countdown check of the boxed answer), mean sequential and mean
+total tokens per problem; then, for each spawn setting, serial accuracy at the smallest serial budget
+whose mean sequential tokens reach the spawn setting's ("equal latency") and at the one whose mean
+total reaches the spawn setting's total ("equal total budget"). APR's direction: spawn more accurate
+at equal latency.
+
+Usage: ``python bench/apr.py [--problems 40] [--serial-budgets 32,48,64,96,128,192,256,400]
+[--child-budgets 16,24,32,48,96]`` (or ``loom bench apr``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from loom.contracts.wire import RolloutRequest, SamplingParams  # noqa: E402
+from loom.runtime import configure_process  # noqa: E402
+
+
+@dataclass
+class Row:
+    name: str
+    correct: list[bool] = field(default_factory=list)
+    sequential: list[int] = field(default_factory=list)
+    total: list[int] = field(default_factory=list)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / max(1, len(self.correct))
+
+    @property
+    def seq(self) -> float:
+        return statistics.fmean(self.sequential)
+
+    @property
+    def tot(self) -> float:
+        return statistics.fmean(self.total)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--problems", type=int, default=40)
+    p.add_argument("--serial-budgets", default="32,48,64,96,128,192,256,400")
+    p.add_argument("--child-budgets", default="16,24,32,48,96")
+    p.add_argument("--model", default="search", help="a built-in model name or a checkpoint directory")
+    p.add_argument("--record", action="store_true", help="write docs/benchmarks/apr.md and apr.png")
+    a = p.parse_args()
+    configure_process()
+    from loom.answers import last_boxed
+    from loom.contracts.modes import parse_mode_params
+    from loom.models import resolve_model_path
+    from loom.search import search_problems
+    from loom.tiny import HELDOUT_SEED, plain_prompt, spawn_prompt
+    from rollout_svc.engines.torch import TorchEngine
+    from rollout_svc.modes.spawn import spawn
+
+    engine = TorchEngine(resolve_model_path(a.model), cache_entries=256)
+    tok = engine.tokenizer
+    problems = search_problems("countdown", a.problems, HELDOUT_SEED, "test")
+    greedy = SamplingParams(temperature=0.0, n=1, max_tokens=512)
+
+    rows: list[Row] = []
+    for budget in [int(x) for x in a.serial_budgets.split(",")]:
+        row = Row(f"serial L={budget}")
+        params = greedy.model_copy(update={"max_tokens": budget})
+        for prob in problems:
+            ids = tok.encode(plain_prompt(prob), add_special_tokens=False)
+            (out,) = asyncio.run(engine.generate(ids, params))
+            text = tok.decode(out.token_ids)
+            row.correct.append(prob.verify(last_boxed(text) if "</think>" in text else None))
+            row.sequential.append(len(out.token_ids))
+            row.total.append(len(out.token_ids))
+        rows.append(row)
+        print(f"{row.name:16s} accuracy {row.accuracy:.3f}  sequential {row.seq:6.1f}  total {row.tot:6.1f}")
+
+    spawn_rows: list[Row] = []
+    for child in [int(x) for x in a.child_budgets.split(",")]:
+        row = Row(f"spawn C={child}")
+        for prob in problems:
+            req = RolloutRequest(
+                mode="spawn",
+                prompt=spawn_prompt(prob),
+                sampling=greedy,
+                mode_params={"child_max_tokens": child},
+            )
+            ids = tok.encode(req.prompt, add_special_tokens=False)
+            group = asyncio.run(spawn(req, ids, "apr", engine, tok, parse_mode_params(req)))
+            root = next(t for t in group.trajectories if t.meta.get("depth") == 0)
+            text = tok.decode(root.completion_ids)
+            row.correct.append(prob.verify(last_boxed(text) if "</think>" in text else None))
+            row.sequential.append(group.meta["sequential_tokens"])
+            row.total.append(group.meta["total_tokens"])
+        spawn_rows.append(row)
+        print(f"{row.name:16s} accuracy {row.accuracy:.3f}  sequential {row.seq:6.1f}  total {row.tot:6.1f}")
+
+    print("\nspawn vs serial (serial at the smallest budget reaching the spawn setting's mean tokens):")
+    table = [
+        "| setting | accuracy | sequential tokens | total tokens |",
+        "|---|---|---|---|",
+        *(f"| {r.name} | {r.accuracy:.3f} | {r.seq:.1f} | {r.tot:.1f} |" for r in [*rows, *spawn_rows]),
+        "",
+    ]
+    for row in spawn_rows:
+        lat = next((r for r in rows if r.seq >= row.seq), None)
+        tot = next((r for r in rows if r.tot >= row.tot), None)
+        if lat is None or tot is None:
+            print(f"{row.name:12s} no serial budget reaches its tokens: add a larger --serial-budgets value")
+            continue
+        line = (
+            f"{row.name:12s} acc {row.accuracy:.3f} at {row.seq:5.1f} sequential / {row.tot:5.1f} total | "
+            f"equal latency: {lat.name} acc {lat.accuracy:.3f} ({lat.seq:5.1f} seq) -> "
+            f"{row.accuracy - lat.accuracy:+.3f} | equal total: {tot.name} acc {tot.accuracy:.3f} "
+            f"({tot.tot:5.1f}) -> {row.accuracy - tot.accuracy:+.3f}"
+        )
+        print(line)
+        table.append(f"- {line.strip()}")
+    if a.record:
+        from bench.report import write
+
+        def plot(fig) -> None:  # type: ignore[no-untyped-def]
+
+            ax = fig.subplots()
+            ax.plot([r.seq for r in rows], [r.accuracy for r in rows], "o-", label="serial search")
+            ax.plot([r.seq for r in spawn_rows], [r.accuracy for r in spawn_rows], "s-", label="spawn/join")
+            ax.set_xlabel("tokens on the critical path (mean per problem)")
+            ax.set_ylabel("held-out accuracy (greedy)")
+            ax.legend()
+
+        path = write(
+            "apr",
+            f"APR: spawn/join vs serial search ({a.model} model, {len(problems)} problems)",
+            table,
+            plot=plot,
+        )
+        print(f"recorded in {path}")
+
+
+if __name__ == "__main__":
+    main()

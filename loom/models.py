@@ -1,0 +1,23 @@
+"""The built-in models by name (``LOOM_MODEL``): ``tiny`` (loom/tiny, the fast model of the tests and
+the demo) and ``search`` (loom/search, trained on Countdown search traces, issue 29); any other value is
+a Hugging Face model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUILTIN = ("tiny", "search")
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """The checkpoint directory of a built-in model's name, or ``model`` itself as a path."""
+    name = str(model)
+    if name == "tiny":
+        from loom.tiny import CHECKPOINT_DIR
+
+        return Path(CHECKPOINT_DIR)
+    if name == "search":
+        from loom.search import SEARCH_CHECKPOINT_DIR
+
+        return Path(SEARCH_CHECKPOINT_DIR)
+    return Path(model)

@@ -1,0 +1,40 @@
+"""Loom's second built-in model (issue 29): a small Llama trained by ``loom train-search`` on
+Countdown search traces (loom/search/traces.py) in the plain, reflect, stream and spawn formats, plus
+the tiny model's arithmetic. The prompts, markers and parsers are the tiny model's (loom.tiny), so
+every rollout mode serves either model; ``loom.tiny`` stays the fast model of the tests.
+
+Stable API: SEARCH_CHECKPOINT_DIR, load_model(path=None), load_tokenizer(path=None), search_problems.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loom.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems, solving_moves
+from loom.tiny import load_model as _load_model
+from loom.tiny import load_tokenizer as _load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+SEARCH_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
+
+
+def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
+    return _load_tokenizer(path or SEARCH_CHECKPOINT_DIR)
+
+
+def load_model(path: str | Path | None = None, **kwargs: object) -> LlamaForCausalLM:
+    return _load_model(path or SEARCH_CHECKPOINT_DIR, **kwargs)
+
+
+__all__ = [
+    "MAX_SOLVING",
+    "SEARCH_CHECKPOINT_DIR",
+    "SEARCH_KNOBS",
+    "load_model",
+    "load_tokenizer",
+    "search_problems",
+    "solving_moves",
+]

@@ -1,0 +1,25 @@
+"""Built-in model names (loom/models.py) resolve the same way for every service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loom.contracts.settings import Settings
+from loom.models import resolve_model_path
+from loom.search import SEARCH_CHECKPOINT_DIR
+from loom.tiny import CHECKPOINT_DIR
+from rollout_svc.rollout import base_policy
+
+
+def test_names_resolve_to_the_shipped_checkpoints_and_anything_else_is_a_path(tmp_path: Path):
+    assert resolve_model_path("tiny") == CHECKPOINT_DIR
+    assert resolve_model_path("search") == SEARCH_CHECKPOINT_DIR
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+    assert CHECKPOINT_DIR != SEARCH_CHECKPOINT_DIR
+
+
+def test_the_rollout_services_base_policy_follows_loom_model(monkeypatch):
+    monkeypatch.setenv("LOOM_MODEL", "search")
+    assert base_policy(Settings()).path == str(SEARCH_CHECKPOINT_DIR)
+    monkeypatch.setenv("LOOM_MODEL", "tiny")
+    assert base_policy(Settings()).path == str(CHECKPOINT_DIR)
