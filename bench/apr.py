@@ -15,6 +15,11 @@ whose mean sequential tokens reach the spawn setting's ("equal latency") and at 
 total reaches the spawn setting's total ("equal total budget"). APR's direction: spawn more accurate
 at equal latency.
 
+Then where spawn loses, stage by stage on the same problems (greedy, each stage given the gold input
+of ``loom.search.traces.spawn_trace``, so one stage's errors do not reach the next): the parent's spawn
+block exactly as in the trace; each child's returned message (a child whose pair leads to a solution
+must return it, the others ``No solution``); the parent's boxed answer read off the gold join block.
+
 Usage: ``python bench/apr.py [--problems 40] [--serial-budgets 32,48,64,96,128,192,256,400]
 [--child-budgets 16,24,32,48,96]`` (or ``loom bench apr``).
 """
@@ -132,6 +137,7 @@ def main() -> None:
         )
         print(line)
         table.append(f"- {line.strip()}")
+    table += ["", *stages(engine, tok, problems)]
     if a.record:
         from bench.report import write
 
@@ -151,6 +157,49 @@ def main() -> None:
             plot=plot,
         )
         print(f"recorded in {path}")
+
+
+def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
+    """Each stage of spawn/join on its gold input: a table (markdown lines), also printed."""
+    from loom.answers import last_boxed
+    from loom.search.traces import spawn_trace
+
+    def greedy(text: str, max_tokens: int) -> str:
+        ids = tok.encode(text, add_special_tokens=False)
+        params = SamplingParams(temperature=0.0, n=1, max_tokens=max_tokens)
+        (out,) = asyncio.run(engine.generate(ids, params))
+        return str(tok.decode(out.token_ids, skip_special_tokens=True))
+
+    head = found = solving = declined = unsolving = answer = 0
+    for prob in problems:
+        gold = spawn_trace(prob)
+        head += greedy(gold.parent[0].text, 160).strip().startswith(gold.parent[1].text.strip())
+        for child, message in zip(gold.children, gold.messages, strict=True):
+            returned = greedy(child[0].text, 200).split("</think>")[-1].strip()
+            if message == "No solution":
+                unsolving += 1
+                declined += returned == message
+            else:
+                solving += 1
+                found += returned == message
+        context = "".join(piece.text for piece in gold.parent[:3])
+        answer += prob.verify(last_boxed(greedy(context, 40)))
+    n = len(problems)
+    rows = [
+        ("spawn block exactly as the trace's", head, n),
+        ("a child whose pair solves returns the solution", found, solving),
+        ("a child whose pair does not solve returns `No solution`", declined, unsolving),
+        ("the parent's answer from the gold join block is correct", answer, n),
+    ]
+    lines = [
+        "| spawn/join stage, on its gold input (greedy) | correct | of | rate |",
+        "|---|---|---|---|",
+        *(f"| {name} | {k} | {m} | {k / max(1, m):.3f} |" for name, k, m in rows),
+    ]
+    print("\nstage by stage, each on its gold input:")
+    for name, k, m in rows:
+        print(f"  {name:58s} {k:3d}/{m:3d} = {k / max(1, m):.3f}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ two points per tree and f >= 0.6 with one.
 With ``--model search`` (issue 29): the search model's plain-format Countdown search traces (one line
 per move tried, so many more steps than the tiny model's), and beside the token ratio the
 valid-group ratio of each branching strategy (AttnRL Fig. 4): the fraction of trees whose leaves'
-rewards (exact Countdown check) are not all equal, i.e. groups that carry a learning signal.
+rewards (exact Countdown check) are not all equal, i.e. groups that carry a learning signal; and,
+finer, the mixed-branch ratio: the fraction of branch points whose outcomes differ (the parent path's
+reward and its T continuations' are not all equal): a branch at a step that decides the search splits
+right and wrong answers there (AttnRL's claim for high-FCI steps), a branch at a step that does not
+reproduces the parent's outcome. The valid-group ratio saturates at 1.00 once trees have ~15 leaves and
+accuracy is near 0.3 (measured 2026-11-24); the mixed-branch ratio does not.
 
 Usage: ``python bench/tree.py [--model tiny|search] [--prompts 4] [--delta 2] [--min-distance 8]
 [--iterations 1,2,3]``.
@@ -39,6 +44,9 @@ sys.path.insert(0, str(REPO))
 
 from loom.contracts.wire import RolloutRequest, SamplingParams  # noqa: E402
 from loom.runtime import configure_process  # noqa: E402
+
+# L, strategy, token ratio, valid groups (tree, independent), branch points per tree, position, mixed
+Row = tuple[int, str, float, float, float, float, float, float]
 
 
 def computed(engine) -> int:
@@ -86,13 +94,14 @@ def main() -> None:
         f"{a.model} model, {a.prompts} {what} prompts, "
         f"M'=6 N=2 T={a.continuations}, max_tokens={a.max_tokens}, temperature={a.temperature}"
     )
-    rows: list[tuple[int, str, float, float, float, float, float]] = []
+    rows: list[Row] = []
     for iterations in [int(x) for x in a.iterations.split(",")]:
         for strategy in ("attention", "entropy", "random"):
             tree_c = indep_c = leaves = gen = indep_gen = own = 0
             points: set[tuple[str, int]] = set()  # distinct (parent path, branch point)
             fractions: list[float] = []  # each point's position as a fraction of its parent path
             trees = valid = indep_valid = 0
+            mixed: list[bool] = []  # per branch point: do the parent's and continuations' outcomes differ
             for k, prob in enumerate(problems):
                 req = RolloutRequest(
                     mode="tree",
@@ -119,8 +128,9 @@ def main() -> None:
                         points.add((t.parent_id, t.meta["branch_point"]))
                         fractions.append(t.meta["branch_point"] / len(by_id[t.parent_id].completion_ids))
                 leaves += n
-                rewards = {prob.verify(last_boxed(tok.decode(t.completion_ids))) for t in g.trajectories}
-                valid += len(rewards) > 1  # a group with a learning signal (AttnRL Fig. 4)
+                reward = {t.id: prob.verify(last_boxed(tok.decode(t.completion_ids))) for t in g.trajectories}
+                valid += len(set(reward.values())) > 1  # a group with a learning signal (AttnRL Fig. 4)
+                mixed.extend(branch_outcomes_differ(g.trajectories, reward))
                 gen += g.meta["tokens_generated"]
                 own += g.meta["tokens_independent"]  # the tree's own leaves, each sampled from scratch
                 asyncio.run(engine.reset_cache())
@@ -138,7 +148,8 @@ def main() -> None:
                 f"ratio={gen / own:.3f} | branch points per tree {len(points) / trees:.2f} at "
                 f"{statistics.fmean(fractions) if fractions else 0.0:.2f} of the parent path (mean) | "
                 f"valid groups {valid}/{len(problems)} = {valid / len(problems):.2f} "
-                f"(independent sampling: {indep_valid / len(problems):.2f})"
+                f"(independent sampling: {indep_valid / len(problems):.2f}) | mixed branch points "
+                f"{sum(mixed)}/{len(mixed)} = {sum(mixed) / max(1, len(mixed)):.2f}"
             )
             frac = statistics.fmean(fractions) if fractions else 0.0
             rows.append(
@@ -150,23 +161,31 @@ def main() -> None:
                     indep_valid / len(problems),
                     len(points) / trees,
                     frac,
+                    sum(mixed) / max(1, len(mixed)),
                 )
             )
     if a.record:
         record(a, what, len(problems), rows)
 
 
-def record(a, what: str, n: int, rows: list[tuple[int, str, float, float, float, float, float]]) -> None:  # type: ignore[no-untyped-def]
+def branch_outcomes_differ(trajectories, reward: dict[str, bool]) -> list[bool]:  # type: ignore[no-untyped-def]
+    """Per branch point (parent path, token index): whether the parent path's reward and the rewards of
+    the continuations sampled there are not all equal."""
+    at: dict[tuple[str, int], set[bool]] = {}
+    for t in trajectories:
+        if t.parent_id is not None:
+            at.setdefault((t.parent_id, t.meta["branch_point"]), {reward[t.parent_id]}).add(reward[t.id])
+    return [len(outcomes) > 1 for outcomes in at.values()]
+
+
+def record(a, what: str, n: int, rows: list[Row]) -> None:  # type: ignore[no-untyped-def]
     from bench.report import write
 
     table = [
         "| L | strategy | computed tokens tree / independent (target <= 0.6) | valid groups, tree "
-        "| valid groups, independent | branch points per tree | mean branch position |",
-        "|---|---|---|---|---|---|---|",
-        *(
-            f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.2f} |"
-            for r in rows
-        ),
+        "| valid groups, independent | branch points per tree | mean branch position | mixed branch points |",
+        "|---|---|---|---|---|---|---|---|",
+        *(f"| {r[0]} | {r[1]} | {r[2]:.3f} | " + " | ".join(f"{x:.2f}" for x in r[3:]) + " |" for r in rows),
     ]
 
     def plot(fig) -> None:  # type: ignore[no-untyped-def]
@@ -182,9 +201,12 @@ def record(a, what: str, n: int, rows: list[tuple[int, str, float, float, float,
             ax.plot(
                 xs, [got[lv][3] for lv in levels], ("k^", "kv", "kx")[k], label=f"{strategy}: valid groups"
             )
+            ax.plot(
+                xs, [got[lv][7] for lv in levels], ("r^", "rv", "rx")[k], label=f"{strategy}: mixed branches"
+            )
         ax.axhline(0.6, color="grey", linestyle="--", linewidth=1)
         ax.set_xticks([i + width for i in range(len(levels))], [f"L={lv}" for lv in levels])
-        ax.set_ylabel("tree/independent tokens (bars), valid groups (marks)")
+        ax.set_ylabel("tree/independent tokens (bars); valid groups, mixed branch points (marks)")
         ax.legend(fontsize=8)
 
     path = write(
@@ -194,7 +216,9 @@ def record(a, what: str, n: int, rows: list[tuple[int, str, float, float, float,
         notes=[
             f"Settings: M'=6 N=2 T={a.continuations}, delta {a.delta}, min distance {a.min_distance}, "
             f"max_tokens {a.max_tokens}, temperature {a.temperature}. Valid group: a tree (or the same "
-            "number of independent samples) whose leaves' exact rewards are not all equal (AttnRL Fig. 4)."
+            "number of independent samples) whose leaves' exact rewards are not all equal (AttnRL Fig. 4). "
+            "Mixed branch point: the parent path's reward and those of the continuations sampled at that "
+            "point are not all equal."
         ],
         plot=plot,
     )

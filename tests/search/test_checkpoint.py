@@ -70,8 +70,10 @@ def test_the_plain_answer_is_a_written_search_through_the_torch_engine(engine):
 
 def test_spawn_mode_runs_one_child_per_pair(engine):
     """Greedy spawn rollouts: one child per pair, each child a search in the trained layout, the
-    parent answers after the join. (Measured: the children find solutions; the parent often copies
-    the wrong numbers into its expression, hence the card's spawn accuracy of 0.125.)"""
+    parent answers after the join. (Measured stage by stage on 40 held-out problems, bench/apr.py: a
+    child whose pair solves returns the solution 6 of 57 times, writing `no` after the target among its
+    values; the parent's answer from a correct join block is right 34 of 40 times; hence the card's
+    spawn accuracy of 0.125.)"""
     from rollout_svc.modes.spawn import spawn
 
     tok = engine.tokenizer
