@@ -206,8 +206,8 @@ def record(a, what: str, n: int, rows: list[Row]) -> None:  # type: ignore[no-un
             )
         ax.axhline(0.6, color="grey", linestyle="--", linewidth=1)
         ax.set_xticks([i + width for i in range(len(levels))], [f"L={lv}" for lv in levels])
-        ax.set_ylabel("tree/independent tokens (bars); valid groups, mixed branch points (marks)")
-        ax.legend(fontsize=8)
+        ax.set_ylabel("token ratio (bars), fractions (marks)")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
 
     path = write(
         f"tree-{a.model}",
@@ -221,6 +221,7 @@ def record(a, what: str, n: int, rows: list[Row]) -> None:  # type: ignore[no-un
             "point are not all equal."
         ],
         plot=plot,
+        figsize=(9.0, 4.0),
     )
     print(f"recorded in {path}")
 
