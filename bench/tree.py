@@ -28,7 +28,7 @@ reproduces the parent's outcome. The valid-group ratio saturates at 1.00 once tr
 accuracy is near 0.3 (measured 2026-11-24); the mixed-branch ratio does not.
 
 Usage: ``python bench/tree.py [--model tiny|search] [--prompts 4] [--delta 2] [--min-distance 8]
-[--iterations 1,2,3]``.
+[--iterations 1,2,3] [--seed 0]`` (``--seed`` moves every sampling seed, same prompts).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
     )
     p.add_argument("--model", choices=("tiny", "search"), default="tiny")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seeds (same prompts); 0: the recorded runs'")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks/tree-<model>.md and .png")
     a = p.parse_args()
     configure_process()
@@ -106,7 +107,9 @@ def main() -> None:
                 req = RolloutRequest(
                     mode="tree",
                     prompt=build(prob),
-                    sampling=SamplingParams(max_tokens=a.max_tokens, seed=100 + k, temperature=a.temperature),
+                    sampling=SamplingParams(
+                        max_tokens=a.max_tokens, seed=100 + k + 1000 * a.seed, temperature=a.temperature
+                    ),
                     mode_params={
                         "strategy": strategy,
                         "delta": a.delta,
@@ -136,7 +139,9 @@ def main() -> None:
                 asyncio.run(engine.reset_cache())
                 before = computed(engine)
                 outs = asyncio.run(
-                    engine.generate(ids, req.sampling.model_copy(update={"n": n, "seed": 900 + k}))
+                    engine.generate(
+                        ids, req.sampling.model_copy(update={"n": n, "seed": 900 + k + 1000 * a.seed})
+                    )
                 )
                 indep_c += computed(engine) - before
                 indep_gen += sum(len(c.token_ids) for c in outs)
