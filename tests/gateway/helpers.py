@@ -123,3 +123,18 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait(timeout=10)
+
+
+def trained_steps(metrics: list[dict[str, Any]]) -> list[int]:
+    """The steps of a run's per-step metrics (``GET /v1/runs/{id}/metrics``) that trained, after checking
+    that the policy version moved by exactly one on each of them and not at all on a skipped one (a
+    step whose groups all got one reward, or whose prompts were all dropped, trains nothing)."""
+    trained: list[int] = []
+    version = 0
+    for m in metrics:
+        skipped = m.get("learner/skipped", 0.0) == 1.0 or m.get("skipped_update", 0.0) == 1.0
+        assert m["policy_version"] == version + (0 if skipped else 1), (m, metrics)
+        if not skipped:
+            trained.append(m["step"])
+        version = m["policy_version"]
+    return trained
