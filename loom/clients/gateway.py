@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from loom.clients.base import ServiceClient
+from loom.clients.base import LoomHTTPError, ServiceClient
 
 
 class GatewayClient(ServiceClient):
@@ -35,17 +35,31 @@ class GatewayClient(ServiceClient):
 
     def job_events(self, job_id: str, last_event_id: int | None = None) -> Iterator[tuple[str, Any]]:
         """Server-sent events of a job: ("group", ScoredGroup dict) ..., then ("end", status dict)."""
+        for kind, _, data in self.job_events_with_ids(job_id, last_event_id):
+            yield kind, data
+
+    def job_events_with_ids(
+        self, job_id: str, last_event_id: int | None = None
+    ) -> Iterator[tuple[str, int | None, Any]]:
+        """``job_events`` with each event's id (a group's sequence number; None for ``end``): give the
+        last one seen as ``last_event_id`` to go on after a dropped connection."""
         headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
         with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=None) as r:
-            r.raise_for_status()
-            kind = "message"
+            if r.status_code >= 400:
+                r.read()
+                json_body = r.headers.get("content-type", "").startswith("application/json")
+                raise LoomHTTPError(r.status_code, r.json() if json_body else r.text)
+            kind, event_id = "message", None
             for line in r.iter_lines():
                 if line.startswith("event: "):
                     kind = line[7:]
+                elif line.startswith("id: "):
+                    event_id = int(line[4:])
                 elif line.startswith("data: "):
-                    yield kind, json.loads(line[6:])
+                    yield kind, event_id if kind != "end" else None, json.loads(line[6:])
                     if kind == "end":
                         return
+                    kind, event_id = "message", None
 
     # ---- datasets and runs
     def upload_dataset(self, rows: Iterable[dict[str, Any]], chunk_rows: int = 1000) -> dict[str, Any]:
