@@ -2,7 +2,8 @@
 
 Public routes (all need an API key, see gateway/auth.py): ``/v1/jobs`` (scored groups for external
 trainers; poll or server-sent events; cancel), ``/v1/runs`` (RL runs driven by this process),
-``/v1/datasets`` (JSONL uploads for runs, streamed to disk), ``/v1/queues`` and ``/v1/ping`` (admin).
+``/v1/datasets`` (JSONL uploads for runs, streamed to disk), ``/v1/policies`` (a trainer's policy
+versions, docs/interop-rollout.md), ``/v1/queues`` and ``/v1/ping`` (admin).
 The internal services' APIs are not proxied: the gateway reaches them only through the named tasks of
 its pipelines. Per-key quotas, failed-key limits and error bodies: docs/security.md.
 """
@@ -26,6 +27,7 @@ from gateway.pipeline import CeleryStages, Stages
 from gateway.quotas import Quotas
 from gateway.ratelimit import TokenBuckets
 from gateway.routes import api_router
+from gateway.routes import policies as policy_routes
 from gateway.routes.deps import Backpressure, Gateway
 from gateway.routes.web import mount as mount_run_page
 from gateway.state import GatewayState
@@ -87,6 +89,7 @@ def build_app(
 
     app.router.lifespan_context = lifespan
     app.include_router(api_router)
+    app.include_router(policy_routes.router, prefix="/v1")  # trainers publish policy versions
     mount_run_page(app)  # /ui: the run page (docs/run-page.md)
     return app
 

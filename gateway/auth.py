@@ -20,6 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,9 @@ from gateway.keys import ApiKey, KeyRing
 from gateway.ratelimit import TokenBuckets, retry_after_header
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# the name of the key a request came with, for checks below the route (gateway/validate.py: a job may
+# name only its own key's policy namespace)
+KEY_NAME: ContextVar[str | None] = ContextVar("loom_key_name", default=None)
 ADMIN_PATHS = frozenset({"/metrics", "/v1/ping", "/v1/queues"})
 UI_PREFIX = "/ui"
 UI_OPEN_PATHS = frozenset({"/ui/login"})  # the form itself, and the vendored script and style below
@@ -117,6 +121,8 @@ def required_scope(path: str) -> str | None:
         return "jobs"
     if path == "/v1/runs" or path.startswith("/v1/runs/"):
         return "runs"
+    if path == "/v1/policies" or path.startswith("/v1/policies/"):
+        return "policy"
     if path.startswith(("/ui/jobs/", "/ui/runs/")):
         return path.split("/")[2]
     return None
@@ -194,5 +200,6 @@ async def _admitted(
             {"Retry-After": retry_after_header(wait)},
         )
     request.state.key_name = found.name
+    KEY_NAME.set(found.name)
     request.state.key_scopes = found.scopes
     return await call_next(request)

@@ -15,8 +15,16 @@ from gateway.models import JobRequest
 from gateway.pipeline import Cancelled, Stages, collect, gather_all
 from gateway.runs import adaptive_config, to_request
 from gateway.state import GatewayState
+from loom.contracts.wire import RolloutRequest
 
 log = logging.getLogger("loom.gateway.jobs")
+
+
+def at_policy(request: RolloutRequest, req: JobRequest) -> RolloutRequest:
+    """``request`` at the job's policy namespace and match (the version is ``collect``'s)."""
+    return request.model_copy(
+        update={"policy_namespace": req.policy_namespace, "policy_match": req.policy_match}
+    )
 
 
 async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: int = 8) -> str:
@@ -27,6 +35,10 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
     if row is None:
         raise KeyError(job_id)
     req = JobRequest.model_validate(json.loads(row["request"]))
+    if req.policy_namespace not in (None, row["owner"]):  # submission refuses it; a stored row too
+        error = f"policy version {req.policy_version} is not in the policy store"
+        await asyncio.to_thread(state.finish, "jobs", job_id, "failed", error=error)
+        return "failed"
     items = req.items()
     adaptive = adaptive_config(req)
     done = state.job_done_indices(job_id)
@@ -40,7 +52,7 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
             got = await collect(
                 stages,
                 f"{job_id}.p{i}",
-                [to_request(items[i], req)],
+                [at_policy(to_request(items[i], req), req)],
                 req.reward,
                 adaptive=adaptive,
                 policy_version=req.policy_version,

@@ -1,7 +1,8 @@
 """API keys: hashed at rest, checked in constant time.
 
 ``LOOM_API_KEYS`` holds comma-separated ``name:sha256hex`` pairs, optionally ``name:sha256hex:scopes``
-with ``scopes`` a ``+``-separated subset of ``jobs``, ``runs``, ``admin`` (default ``jobs+runs``).
+with ``scopes`` a ``+``-separated subset of ``jobs``, ``runs``, ``policy`` (publishing policy
+versions, docs/interop-rollout.md), ``admin`` (default ``jobs+runs``).
 Only the SHA-256 of a key is configured; the key itself is shown once by
 ``python -m gateway.keys new NAME [--scopes jobs+runs+admin]``.
 """
@@ -16,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SCOPES: tuple[str, ...] = ("jobs", "runs", "admin")
+SCOPES: tuple[str, ...] = ("jobs", "runs", "policy", "admin")
 DEFAULT_SCOPES: frozenset[str] = frozenset({"jobs", "runs"})
 KEY_PREFIX = "loom_"
 
@@ -80,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     new = sub.add_parser("new", help="print a new key once, and the LOOM_API_KEYS entry for it")
     new.add_argument("name")
-    new.add_argument("--scopes", default="jobs+runs", help="'+'-separated subset of jobs, runs, admin")
+    new.add_argument(
+        "--scopes", default="jobs+runs", help="'+'-separated subset of jobs, runs, policy, admin"
+    )
     h = sub.add_parser("hash", help="print the LOOM_API_KEYS entry of an existing key (read from stdin)")
     h.add_argument("name")
     h.add_argument("--scopes", default="jobs+runs")

@@ -71,6 +71,15 @@ class JobRequest(Contract):
     reward: RewardSpec = Field(default_factory=RewardSpec)
     adaptive: AdaptiveParams | None = None
     policy_version: int | None = Field(default=None, ge=0, le=MAX_VERSION)
+    policy_namespace: str | None = Field(
+        default=None,
+        max_length=64,
+        description="the namespace policy_version is numbered in: only this key's own (its name, where "
+        "it publishes: docs/interop-rollout.md); None: Loom's learner",
+    )
+    policy_match: Literal["at_least", "exact"] = Field(
+        default="at_least", description="'exact': trajectories of that version only, never a newer one"
+    )
     reflect: bool = Field(default=False, description="add reflection revisions (reflect_svc)")
 
     @model_validator(mode="after")
@@ -79,6 +88,10 @@ class JobRequest(Contract):
             raise ValueError("give exactly one of prompts or tasks")
         if not (self.prompts or self.tasks):
             raise ValueError("no prompts")
+        if self.policy_version is None and (
+            self.policy_namespace is not None or self.policy_match == "exact"
+        ):
+            raise ValueError("policy_namespace and policy_match 'exact' need a policy_version")
         return self
 
     def items(self) -> list[TaskItem]:

@@ -10,11 +10,14 @@ from typing import Any
 
 from fastapi import HTTPException
 
+from gateway.auth import KEY_NAME
 from gateway.models import TaskItem
 from gateway.runs import to_request
 from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params
+from loom.contracts.policies import is_namespace
 from loom.contracts.rewards import RequestError, check_spec
 from loom.contracts.settings import Settings
+from loom.contracts.wire import PolicyVersion
 from loom.remote_store import PolicyStoreError, open_policy_store
 
 MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in dataset's items differ
@@ -31,7 +34,9 @@ def submission_problem(
     except RequestError as exc:
         return exc.body()
     field = "policy_version" if hasattr(req, "policy_version") else "initial_policy_version"
-    problem = policy_version_problem(getattr(req, field), field, settings)
+    namespace = getattr(req, "policy_namespace", None)
+    match = getattr(req, "policy_match", "at_least")
+    problem = policy_version_problem(getattr(req, field), field, settings, namespace, match)
     if problem is not None:
         return problem
     limits = ModeLimits.from_settings(settings)
@@ -57,21 +62,36 @@ def submission_problem(
     return None
 
 
-def policy_version_problem(version: int | None, field: str, settings: Settings) -> dict[str, Any] | None:
+def policy_version_problem(
+    version: int | None,
+    field: str,
+    settings: Settings,
+    namespace: str | None = None,
+    match: str = "at_least",
+) -> dict[str, Any] | None:
     """The 422 body when no rollout replica could serve ``version`` (``PolicyStore.serving``, as
-    ``rollout_svc.rollout.catch_up`` loads it; version 0 is the base model every engine starts from).
-    The gateway reads the same store as the rollout replicas: ``LOOM_POLICY_STORE`` (docker-compose
-    mounts it) or, with ``LOOM_POLICY_STORE_URL``, the remote store's manifests (no file is pulled).
-    A remote store that cannot answer is a 503 ``policy_store_unavailable``."""
+    ``rollout_svc.rollout.catch_up`` loads it; version 0 is the base model every engine starts from;
+    ``match`` "exact": that version itself). The gateway reads the same store as the rollout replicas:
+    ``LOOM_POLICY_STORE`` (docker-compose mounts it) or, with ``LOOM_POLICY_STORE_URL``, the remote
+    store's manifests (no file is pulled). A remote store that cannot answer is a 503
+    ``policy_store_unavailable``. A ``namespace`` other than the requesting key's own is answered as
+    a namespace without the version (another key's versions are invisible)."""
     if not version:
         return None
-    store = open_policy_store(settings, create=False)
+    if namespace is not None and (namespace != KEY_NAME.get() or not is_namespace(namespace)):
+        return _missing(version, field, None)
+    store = open_policy_store(settings, create=False).namespace(namespace)
     try:
-        if store.serving(version) is not None:
+        found = store.get(version) if match == "exact" else store.serving(version)
+        if found is not None:
             return None
         latest = store.latest()
     except PolicyStoreError as exc:
         raise HTTPException(503, {"error": "policy_store_unavailable", "detail": str(exc)}) from exc
+    return _missing(version, field, latest)
+
+
+def _missing(version: int, field: str, latest: PolicyVersion | None) -> dict[str, Any]:
     newest = "none is" if latest is None else f"the newest is {latest.version}"
     msg = f"policy version {version} is not in the policy store ({newest})"
     return {

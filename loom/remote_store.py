@@ -19,6 +19,7 @@ settings (``LOOM_POLICY_STORE_URL``; docs/operations.md).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import json
@@ -26,24 +27,40 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import FileResponse
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import StreamingResponse
 
+from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket, is_namespace
 from loom.contracts.settings import Settings
 from loom.contracts.wire import PolicyVersion
 from loom.service import ErrorBody
 from loom.service_token import UNAUTHORIZED, service_headers
-from loom.store import MANIFEST, PolicyStore, serving_of
+from loom.store import (
+    MANIFEST,
+    NAMESPACES,
+    REGISTERED,
+    IntegrityError,
+    PolicyStore,
+    PublishConflict,
+    PublishError,
+    PublishForbidden,
+    PublishNotFound,
+    Uploads,
+    serving_of,
+)
 
 
 class PolicyReader(Protocol):
     """What the rollout catch-up and the gateway's submission check read (both stores have it)."""
 
     root: Path
+
+    def namespace(self, name: str | None) -> PolicyReader: ...
 
     def get(self, version: int) -> PolicyVersion | None: ...
 
@@ -93,45 +110,289 @@ def open_policy_store(settings: Settings, *, create: bool = True) -> PolicyReade
 
 
 def add_store_routes(app: FastAPI, guard: Any) -> None:
-    """Mount the store routes on ``app``; they serve ``app.state.settings.policy_store_path``."""
+    """Mount the store routes on ``app``; they serve ``app.state.settings.policy_store_path``: the
+    learner's versions under ``/v1/store``, a trainer's under ``/v1/store/ns/{namespace}``, and the
+    internal publishing routes the gateway forwards its ``/v1/policies`` uploads to."""
 
-    def store() -> PolicyStore:
-        return PolicyStore(app.state.settings.policy_store_path, create=False)
+    def store(namespace: str | None) -> PolicyStore:
+        if namespace is not None and not is_namespace(namespace):
+            raise HTTPException(404, {"error": "not_found", "detail": "no such namespace"})
+        return PolicyStore(app.state.settings.policy_store_path, create=False, namespace=namespace)
 
     answers: dict[int | str, dict[str, Any]] = {
         **UNAUTHORIZED,
         404: {"model": ErrorBody, "description": "no such version (or file) in the policy store"},
     }
 
-    def manifest_or_404(version: int) -> dict[str, Any]:
-        found = store().manifest(version) if store().root.is_dir() else None
+    def manifest_or_404(namespace: str | None, version: int) -> dict[str, Any]:
+        s = store(namespace)
+        found = s.manifest(version) if s.root.is_dir() else None
         if found is None:
             raise HTTPException(404, {"error": "not_found", "detail": f"no policy version {version}"})
         return found
 
-    @app.get("/v1/store/latest", tags=["store"], dependencies=[guard], responses=answers)
-    async def latest() -> dict[str, int]:
-        found = store().latest() if store().root.is_dir() else None
+    def latest_of(namespace: str | None) -> dict[str, int]:
+        s = store(namespace)
+        found = s.latest() if s.root.is_dir() else None
         if found is None:
             raise HTTPException(404, {"error": "not_found", "detail": "the policy store holds no version"})
         return {"version": found.version}
 
+    def file_of(namespace: str | None, version: int, path: str) -> StreamingResponse:
+        listed = {f["path"]: f for f in manifest_or_404(namespace, version)["files"]}
+        if path not in listed:  # only what the manifest names: no path is resolved from the request
+            raise HTTPException(404, {"error": "not_found", "detail": f"version {version} has no {path}"})
+        try:
+            with store(namespace).open_file(version, path) as f:
+                fd = os.dup(f.fileno())
+        except FileNotFoundError:  # a link, or no longer a regular file: never served
+            raise HTTPException(
+                404, {"error": "not_found", "detail": f"version {version} has no {path}"}
+            ) from None
+        out = os.fdopen(fd, "rb")
+        size = os.fstat(fd).st_size
+
+        def chunks() -> Iterator[bytes]:
+            with out:
+                while chunk := out.read(1 << 20):
+                    yield chunk
+
+        return StreamingResponse(
+            chunks(), media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        )
+
+    @app.get("/v1/store/latest", tags=["store"], dependencies=[guard], responses=answers)
+    def latest() -> dict[str, int]:
+        return latest_of(None)
+
     @app.get("/v1/store/v/{version}/manifest", tags=["store"], dependencies=[guard], responses=answers)
-    def manifest(version: int) -> dict[str, Any]:  # sync: hashing an old version runs off the loop
-        return manifest_or_404(version)
+    def manifest(version: int) -> dict[str, Any]:
+        return manifest_or_404(None, version)
+
+    file_answers = {**answers, 200: {"content": {"application/octet-stream": {}}}}
 
     @app.get(
         "/v1/store/v/{version}/files/{path:path}",
         tags=["store"],
         dependencies=[guard],
-        responses=answers,
-        response_class=FileResponse,
+        responses=file_answers,
+        response_class=StreamingResponse,
     )
-    def file(version: int, path: str) -> FileResponse:
-        listed = {f["path"] for f in manifest_or_404(version)["files"]}
-        if path not in listed:  # only what the manifest names: no path is resolved from the request
-            raise HTTPException(404, {"error": "not_found", "detail": f"version {version} has no {path}"})
-        return FileResponse(store().path_of(version) / path, media_type="application/octet-stream")
+    def file(version: int, path: str) -> StreamingResponse:
+        return file_of(None, version, path)
+
+    @app.get("/v1/store/ns/{namespace}/latest", tags=["store"], dependencies=[guard], responses=answers)
+    def ns_latest(namespace: str) -> dict[str, int]:
+        return latest_of(namespace)
+
+    @app.get(
+        "/v1/store/ns/{namespace}/v/{version}/manifest",
+        tags=["store"],
+        dependencies=[guard],
+        responses=answers,
+    )
+    def ns_manifest(namespace: str, version: int) -> dict[str, Any]:
+        return manifest_or_404(namespace, version)
+
+    @app.get(
+        "/v1/store/ns/{namespace}/v/{version}/files/{path:path}",
+        tags=["store"],
+        dependencies=[guard],
+        responses=file_answers,
+        response_class=StreamingResponse,
+    )
+    def ns_file(namespace: str, version: int, path: str) -> StreamingResponse:
+        return file_of(namespace, version, path)
+
+    add_publish_routes(app, guard)
+
+
+def add_publish_routes(app: FastAPI, guard: Any) -> None:
+    """The internal publishing routes (``/v1/store/ns/{namespace}/...``): the gateway, which checked
+    the key, its ``policy`` scope and its namespace, forwards a trainer's upload here when the store
+    is on another host (``LOOM_POLICY_STORE_URL``)."""
+    prefix = "/v1/store/ns/{namespace}"
+    answers: dict[int | str, dict[str, Any]] = {
+        **UNAUTHORIZED,
+        **{s: {"model": ErrorBody} for s in (403, 404, 409, 422)},
+    }
+
+    def writer() -> LocalPolicyWriter:
+        return LocalPolicyWriter.from_settings(app.state.settings)
+
+    @app.post(f"{prefix}/uploads", tags=["store"], dependencies=[guard], responses=answers, status_code=201)
+    async def declare(namespace: str, body: UploadRequest) -> UploadTicket:
+        return await answer(writer().declare(namespace, body))
+
+    @app.put(f"{prefix}/uploads/{{upload_id}}/files/{{path:path}}", tags=["store"], dependencies=[guard])
+    async def put(
+        namespace: str, upload_id: str, path: str, request: Request, offset: int = 0
+    ) -> dict[str, int]:
+        return {"received": await answer(writer().put(namespace, upload_id, path, offset, request.stream()))}
+
+    @app.post(
+        f"{prefix}/uploads/{{upload_id}}/commit",
+        tags=["store"],
+        dependencies=[guard],
+        responses=answers,
+        status_code=201,
+    )
+    async def commit(namespace: str, upload_id: str) -> PolicyRef:
+        return await answer(writer().commit(namespace, upload_id))
+
+    @app.post(f"{prefix}/register", tags=["store"], dependencies=[guard], responses=answers, status_code=201)
+    async def register(namespace: str, body: RegisterRequest) -> PolicyRef:
+        return await answer(writer().register(namespace, body))
+
+    @app.get(f"{prefix}/refs", tags=["store"], dependencies=[guard], responses=answers)
+    async def refs(namespace: str) -> list[PolicyRef]:
+        return await answer(writer().refs(namespace))
+
+
+T = TypeVar("T")
+
+
+async def answer(work: Awaitable[T]) -> T:
+    """``work``'s result, or its ``PublishError`` as the HTTP answer it names."""
+    try:
+        return await work
+    except PublishError as exc:
+        raise HTTPException(exc.status, exc.body()) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# publishing: into the local store, or forwarded to the store's host
+
+
+class PolicyWriter(Protocol):
+    """Where a gateway's ``/v1/policies`` routes publish (``policy_writer``); errors are
+    ``PublishError``s."""
+
+    async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket: ...
+
+    async def put(
+        self, namespace: str, upload_id: str, path: str, offset: int, chunks: AsyncIterator[bytes]
+    ) -> int: ...
+
+    async def commit(self, namespace: str, upload_id: str) -> PolicyRef: ...
+
+    async def register(self, namespace: str, req: RegisterRequest) -> PolicyRef: ...
+
+    async def refs(self, namespace: str) -> list[PolicyRef]: ...
+
+
+def policy_writer(settings: Settings) -> PolicyWriter:
+    """The store this process publishes into: the local one, or the learner's over HTTP
+    (``LOOM_POLICY_STORE_URL``, the service token)."""
+    if settings.policy_store_url:
+        return RemotePolicyWriter(settings.policy_store_url, settings.service_token)
+    return LocalPolicyWriter.from_settings(settings)
+
+
+def register_roots(settings: Settings) -> list[Path]:
+    return [Path(r.strip()) for r in settings.gateway_policy_register_roots.split(",") if r.strip()]
+
+
+class LocalPolicyWriter:
+    def __init__(self, uploads: Uploads, roots: list[Path]) -> None:
+        self.uploads, self.roots = uploads, roots
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LocalPolicyWriter:
+        store = PolicyStore(settings.policy_store_path)
+        uploads = Uploads(
+            store, max_bytes=settings.gateway_policy_max_bytes, ttl_s=settings.gateway_policy_upload_ttl_s
+        )
+        return cls(uploads, register_roots(settings))
+
+    async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
+        return await asyncio.to_thread(self.uploads.declare, namespace, req)
+
+    async def put(
+        self, namespace: str, upload_id: str, path: str, offset: int, chunks: AsyncIterator[bytes]
+    ) -> int:
+        part = await asyncio.to_thread(self.uploads.part, namespace, upload_id, path, offset)
+        try:
+            async for chunk in chunks:
+                part.write(chunk)  # an IntegrityError drops the file
+        except BaseException:
+            part.abort()  # a broken part: the file starts again from 0
+            raise
+        return await asyncio.to_thread(part.finish)
+
+    async def commit(self, namespace: str, upload_id: str) -> PolicyRef:
+        return await asyncio.to_thread(self.uploads.commit, namespace, upload_id)
+
+    async def register(self, namespace: str, req: RegisterRequest) -> PolicyRef:
+        return await asyncio.to_thread(self.uploads.register, namespace, req, self.roots)
+
+    async def refs(self, namespace: str) -> list[PolicyRef]:
+        if not is_namespace(namespace):
+            return []
+        return await asyncio.to_thread(self.uploads.store.namespace(namespace).refs)
+
+
+class RemotePolicyWriter:
+    """The internal publishing routes of the store's host (``add_publish_routes``)."""
+
+    def __init__(self, url: str, token: str = "", timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.headers = service_headers(token)
+        self.timeout = httpx.Timeout(timeout_s, connect=10.0)
+
+    async def _call(self, method: str, route: str, **kw: Any) -> Any:
+        url = self.url + route
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout) as client:
+                resp = await client.request(method, url, headers=self.headers, **kw)
+        except httpx.HTTPError as exc:
+            raise PublishUnavailable(f"the policy store did not answer ({type(exc).__name__})") from exc
+        if resp.status_code >= 300:
+            try:
+                body = resp.json()
+                detail = body.get("detail", "")
+            except ValueError:
+                body, detail = {}, ""
+            kinds = {403: PublishForbidden, 404: PublishNotFound, 409: PublishConflict}
+            if resp.status_code == 422 and body.get("error") == "integrity_error":
+                raise IntegrityError(str(detail))
+            if resp.status_code in kinds or resp.status_code == 422:
+                raise kinds.get(resp.status_code, PublishError)(
+                    detail if isinstance(detail, str) else json.dumps(detail)
+                )
+            raise PublishUnavailable(f"the policy store answered {resp.status_code}")
+        return resp.json()
+
+    async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
+        body = await self._call("POST", f"/v1/store/ns/{namespace}/uploads", json=req.model_dump(mode="json"))
+        return UploadTicket.model_validate(body)
+
+    async def put(
+        self, namespace: str, upload_id: str, path: str, offset: int, chunks: AsyncIterator[bytes]
+    ) -> int:
+        route = f"/v1/store/ns/{namespace}/uploads/{upload_id}/files/{path}?offset={offset}"
+        body = await self._call("PUT", route, content=chunks)
+        return int(body["received"])
+
+    async def commit(self, namespace: str, upload_id: str) -> PolicyRef:
+        return PolicyRef.model_validate(
+            await self._call("POST", f"/v1/store/ns/{namespace}/uploads/{upload_id}/commit")
+        )
+
+    async def register(self, namespace: str, req: RegisterRequest) -> PolicyRef:
+        body = await self._call(
+            "POST", f"/v1/store/ns/{namespace}/register", json=req.model_dump(mode="json")
+        )
+        return PolicyRef.model_validate(body)
+
+    async def refs(self, namespace: str) -> list[PolicyRef]:
+        return [
+            PolicyRef.model_validate(r) for r in await self._call("GET", f"/v1/store/ns/{namespace}/refs")
+        ]
+
+
+class PublishUnavailable(PublishError):
+    status, error = 503, "policy_store_unavailable"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,16 +401,35 @@ def add_store_routes(app: FastAPI, guard: Any) -> None:
 
 class RemotePolicyStore:
     def __init__(
-        self, url: str, cache: str | Path, *, token: str = "", timeout_s: float = 600.0, pull: bool = True
+        self,
+        url: str,
+        cache: str | Path,
+        *,
+        token: str = "",
+        timeout_s: float = 600.0,
+        pull: bool = True,
+        namespace: str | None = None,
     ) -> None:
-        """``pull=False``: answer from the manifests alone (records keep the server's paths)."""
+        """``pull=False``: answer from the manifests alone (records keep the server's paths).
+        ``namespace``: a trainer's versions (cached under ``<cache>/ns/<name>``)."""
+        if namespace is not None and not is_namespace(namespace):
+            raise ValueError(f"{namespace!r} is not a policy namespace name")
         self.url = url.rstrip("/")
-        self.root = Path(cache)
+        self.cache = Path(cache)
+        self.name = namespace
+        self.root = self.cache if namespace is None else self.cache / NAMESPACES / namespace
+        self.prefix = "/v1/store" if namespace is None else f"/v1/store/ns/{namespace}"
         self.timeout_s = timeout_s
         self.pull = pull
+        self._token = token
         self._headers = service_headers(token)
         if pull:
             self.root.mkdir(parents=True, exist_ok=True)
+
+    def namespace(self, name: str | None) -> RemotePolicyStore:
+        return RemotePolicyStore(
+            self.url, self.cache, token=self._token, timeout_s=self.timeout_s, pull=self.pull, namespace=name
+        )
 
     def path_of(self, version: int) -> Path:
         return self.root / f"v{version}"
@@ -159,7 +439,7 @@ class RemotePolicyStore:
         return PolicyVersion.model_validate_json(meta.read_text()) if meta.exists() else None
 
     def latest(self) -> PolicyVersion | None:
-        body = self._get_json("/v1/store/latest", time.monotonic() + self.timeout_s)
+        body = self._get_json(f"{self.prefix}/latest", time.monotonic() + self.timeout_s)
         return None if body is None else self.get(int(body["version"]))
 
     def serving(self, version: int) -> PolicyVersion | None:
@@ -169,7 +449,7 @@ class RemotePolicyStore:
         if self.pull and (found := self.cached(version)) is not None:
             return found
         deadline = time.monotonic() + self.timeout_s
-        manifest = self._get_json(f"/v1/store/v/{version}/manifest", deadline)
+        manifest = self._get_json(f"{self.prefix}/v/{version}/manifest", deadline)
         if manifest is None:
             return None
         files = _checked_files(manifest)
@@ -191,7 +471,9 @@ class RemotePolicyStore:
                 for f in files:
                     self._download(version, f, tmp, deadline)
                 record = PolicyVersion.model_validate(manifest["policy"])
-                record = record.model_copy(update={"path": str(self.path_of(version))})
+                record = record.model_copy(
+                    update={"path": str(self.path_of(version)), "meta": local_meta(record)}
+                )
                 (tmp / "policy.json").write_text(record.model_dump_json(indent=2))
                 (tmp / MANIFEST).write_text(json.dumps(files, indent=1))
                 os.rename(tmp, self.path_of(version))
@@ -204,7 +486,7 @@ class RemotePolicyStore:
         target.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
         size = 0
-        url = f"{self.url}/v1/store/v/{version}/files/{f['path']}"
+        url = f"{self.url}{self.prefix}/v/{version}/files/{f['path']}"
         try:
             with (
                 httpx.stream("GET", url, headers=self._headers, timeout=_timeout(deadline)) as resp,
@@ -245,6 +527,11 @@ class RemotePolicyStore:
             return resp.json()
         except ValueError as exc:
             raise PolicyManifestInvalid(f"{url}: not JSON") from exc
+
+
+def local_meta(record: PolicyVersion) -> dict[str, Any]:
+    """A pulled version's meta: its files are in the cache now, not at a registered path."""
+    return {k: v for k, v in record.meta.items() if k != REGISTERED}
 
 
 def _timeout(deadline: float) -> httpx.Timeout:

@@ -11,11 +11,13 @@ import os
 import re
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from loom.contracts.modes import ModeLimits, parse_mode_params
+from loom.contracts.policies import is_namespace
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
 from loom.remote_store import open_policy_store
@@ -51,17 +53,20 @@ async def generate_group(
     # engines check again; the vllm client's limits are its server's, whose 400 is a 422 here)
     field = "prompt_ids" if request.prompt_ids is not None else "prompt"
     check_prompt(prompt_ids, engine.vocab_size, engine.max_model_len, field)
-    await catch_up(engine, request.policy_version, settings)
     limit = settings.rollout_group_timeout_s
-    try:
-        async with asyncio.timeout(limit) as bound:
-            group = await _generate(request, prompt_ids, group_id, engine, tokenizer, settings)
-    except TimeoutError:
-        if not bound.expired():
-            raise
-        raise GroupTimeout(
-            f"the group took longer than {limit} s (LOOM_ROLLOUT_GROUP_TIMEOUT_S) and was abandoned"
-        ) from None
+    at = (request.policy_version, request.policy_namespace, request.policy_match)
+    async with holding_policy(engine, settings, *at):
+        try:
+            async with asyncio.timeout(limit) as bound:
+                group = await _generate(request, prompt_ids, group_id, engine, tokenizer, settings)
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            raise GroupTimeout(
+                f"the group took longer than {limit} s (LOOM_ROLLOUT_GROUP_TIMEOUT_S) and was abandoned"
+            ) from None
+        for t in group.trajectories:  # the policy held through the whole generation
+            t.policy_version, t.policy_namespace = engine.policy_version, engine.policy_namespace
     return with_text(with_processing(group, request.sampling), tokenizer)
 
 
@@ -106,25 +111,82 @@ def loop_local(store: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, T], m
     return obj
 
 
-_catch_up_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
-    weakref.WeakKeyDictionary()
-)
+def serves(
+    engine: Engine, version: int | None, namespace: str | None = None, match: str = "at_least"
+) -> bool:
+    """Whether the policy ``engine`` holds answers a request for ``version`` of ``namespace``: that
+    version (``match`` "exact") or a newer one of the same namespace; version 0, the base model every
+    engine starts from, belongs to every namespace."""
+    if version is None:
+        return True
+    if engine.policy_version != 0 and engine.policy_namespace != namespace:
+        return False
+    return engine.policy_version == version if match == "exact" else engine.policy_version >= version
 
 
-async def catch_up(engine: Engine, wanted: int | None, settings: Settings) -> None:
-    """Load policy version ``wanted`` (or the newest stored one above it) when the engine is older.
+class _Gate:
+    """The groups generating on one engine (``held``) and whether a load waits for them to end."""
 
-    Every replica pulls the version a request asks for, so no broadcast has to reach all of them.
+    def __init__(self) -> None:
+        self.changed = asyncio.Condition()
+        self.held = 0
+        self.loading = False
+
+
+_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Gate] = weakref.WeakKeyDictionary()
+
+
+@asynccontextmanager
+async def holding_policy(
+    engine: Engine,
+    settings: Settings,
+    version: int | None,
+    namespace: str | None = None,
+    match: str = "at_least",
+) -> AsyncIterator[None]:
+    """Generate under policy ``version`` of ``namespace`` (``serves``): load it first when the engine
+    holds another, and keep it until the group ends. Every replica pulls the version a request asks
+    for, so no broadcast has to reach all of them.
+
     The groups a replica has in flight (threads-pool tasks share one event loop, as do the API's
-    requests) catch up one at a time and re-check after waiting: a new version is loaded once, not
-    once per group (on vLLM, one reload per group), and a group asking for an older version never
-    loads it over a newer one another group has just loaded.
-    """
-    if wanted is None or engine.policy_version >= wanted:
-        return
-    async with loop_local(_catch_up_locks, asyncio.Lock):
-        if engine.policy_version < wanted:
-            await _load_at_least(engine, wanted, settings)
+    requests) share the policy they were served by: a load waits until they end (new groups wait
+    behind it), so a group never mixes two policies and its trajectories carry the one they were
+    generated with, even when another group asks for another namespace or for an exact older version.
+    A version is loaded once, not once per group (on vLLM, one reload per group)."""
+    gate = loop_local(_gates, _Gate)
+    async with gate.changed:
+        while not (not gate.loading and serves(engine, version, namespace, match)):
+            if gate.loading:
+                await gate.changed.wait()
+                continue
+            gate.loading = True
+            try:
+                await gate.changed.wait_for(lambda: gate.held == 0)
+                if version is not None and not serves(engine, version, namespace, match):
+                    await _load(engine, version, namespace, match, settings)
+            finally:
+                gate.loading = False
+                gate.changed.notify_all()
+        gate.held += 1
+    try:
+        yield
+    finally:
+        async with gate.changed:
+            gate.held -= 1
+            gate.changed.notify_all()
+
+
+async def catch_up(
+    engine: Engine,
+    wanted: int | None,
+    settings: Settings,
+    namespace: str | None = None,
+    match: str = "at_least",
+) -> None:
+    """Load policy version ``wanted`` of ``namespace`` (``match`` "at_least": or the newest stored
+    one above it) when the engine does not hold it (``holding_policy`` without the hold)."""
+    async with holding_policy(engine, settings, wanted, namespace, match):
+        pass
 
 
 class PolicyNotFound(LookupError):
@@ -171,12 +233,18 @@ def stored_policy(settings: Settings, version: int | None, path: str | None = No
     return found
 
 
-async def _load_at_least(engine: Engine, wanted: int, settings: Settings) -> None:
+async def _load(engine: Engine, wanted: int, namespace: str | None, match: str, settings: Settings) -> None:
     # with LOOM_POLICY_STORE_URL this pulls the version into the local cache first (off the loop)
-    store = open_policy_store(settings)
-    policy = await asyncio.to_thread(store.serving, wanted)
+    if namespace is not None and not is_namespace(namespace):
+        raise ModeError(f"{namespace!r} is not a policy namespace")
+    if wanted == 0:
+        policy: PolicyVersion | None = base_policy(settings)
+    else:
+        store = open_policy_store(settings).namespace(namespace)
+        policy = await asyncio.to_thread(store.get if match == "exact" else store.serving, wanted)
     if policy is None:
-        raise ModeError(f"policy version {wanted} is not in the policy store at {store.root}")
+        where = "the policy store" if namespace is None else f"policy namespace {namespace!r}"
+        raise ModeError(f"policy version {wanted} is not in {where}")
     await engine.load_policy(policy)
 
 

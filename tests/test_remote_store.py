@@ -91,7 +91,7 @@ def test_a_pulled_version_is_the_learners_files_in_the_replicas_own_cache(
     killed = cache / ".tmp-v1-999-dead"  # what a pull killed mid-way leaves
     killed.mkdir()
     (killed / "model.safetensors").write_bytes(b"half")
-    assert not (store.path_of(1) / "manifest.json").exists()  # hashed on the first request only
+    assert (store.path_of(1) / "manifest.json").exists()  # hashed at publish
     got = remote.get(1)
     assert got is not None and got.version == 1 and got.path == str(cache / "v1")
     for rel in ("model.safetensors", "tokenizer/vocab.json"):
@@ -117,8 +117,10 @@ def test_a_file_that_is_not_the_manifests_is_refused_and_nothing_is_cached(
     served: Any, tmp_path: Path
 ) -> None:
     store, server = served
-    assert store.manifest(2) is not None  # hashed (as on its first request), then the disk changes
-    (store.path_of(2) / "model.safetensors").write_bytes(b"\x00" * 300_000)  # same size, other bytes
+    assert store.manifest(2) is not None  # hashed at publish, then the disk changes
+    weights = store.path_of(2) / "model.safetensors"
+    weights.chmod(0o644)  # published files are read-only: this is someone with the store's rights
+    weights.write_bytes(b"\x00" * 300_000)  # same size, other bytes
     remote = RemotePolicyStore(server.url, tmp_path / "cache", token="s3cret")
     with pytest.raises(PolicyHashMismatch, match="model.safetensors"):
         remote.get(2)
@@ -155,7 +157,7 @@ def test_two_workers_pulling_one_version_download_it_once(served: Any, tmp_path:
         w.join(60)
     assert len(results) == 4 and all(r is not None and r.version == 2 for r in results)
     files = [p for p in server.file_requests if "/v/2/" in p]
-    assert sorted(files) == sorted(set(files)) and len(files) == 3  # model, vocab, policy.json: once each
+    assert sorted(files) == sorted(set(files)) and len(files) == 2  # model, vocab: once each
 
 
 def test_a_store_that_does_not_answer_is_a_typed_error(tmp_path: Path) -> None:

@@ -240,6 +240,9 @@ class RolloutRequest(Contract):
         return self
 
 
+    policy_namespace: str | None = Field(
+        default=None, description="the namespace of policy_version (None: Loom's learner store)"
+    )
 # --------------------------------------------------------------------------------------------------
 # Rewards
 
@@ -325,11 +328,22 @@ class LossSpec(Contract):
         default="off",
         description="truncated importance sampling for the rollout-train mismatch (docs/algorithms.md "
         "§5.2): the ratio is taken against the learner's own old log-probs and each token's surrogate "
+    policy_namespace: str | None = Field(
+        default=None,
+        max_length=64,
+        description="the namespace policy_version is numbered in (a trainer's published versions, "
+        "docs/interop-rollout.md); None: Loom's learner store",
+    )
+    policy_match: Literal["at_least", "exact"] = Field(
+        default="at_least", description="'exact': that version and no newer one"
+    )
         "is weighted by min(pi_old / pi_behaviour, tis_cap), per token ('token') or per sequence "
         "('sequence', the product over its tokens); rows without usable behaviour log-probs get 1",
     )
     tis_cap: float = Field(default=2.0, gt=0.0, le=1e4, description="C, the TIS truncation cap")
 
+        if self.policy_version is None and (self.policy_namespace is not None or self.policy_match == "exact"):
+            raise ValueError("policy_namespace and policy_match 'exact' need a policy_version")
 
 class TrainBatch(Contract):
     step: int = Field(ge=0)
@@ -478,3 +492,4 @@ class VersionInfo(Contract):
     service: str
     version: str
     schema_version: str = SCHEMA_VERSION
+    namespace: str | None = Field(default=None, description="None: Loom's learner store")

@@ -191,6 +191,7 @@ class Engine(ABC):
 
     def __init__(self) -> None:
         self.policy_version = 0
+        self.policy_namespace: str | None = None  # with policy_version, the policy's identity
         self.stats = EngineStats()
 
     @property

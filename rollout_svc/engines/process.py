@@ -188,9 +188,11 @@ class ProcessEngine(Engine):
             raise value
         self._apply_state(state)
 
-    def _apply_state(self, state: tuple[int, dict[str, Any], tuple[int | None, int | None]]) -> None:
-        version, stats, limits = state
-        self.policy_version = version
+    def _apply_state(
+        self, state: tuple[tuple[int, str | None], dict[str, Any], tuple[int | None, int | None]]
+    ) -> None:
+        (version, namespace), stats, limits = state
+        self.policy_version, self.policy_namespace = version, namespace
         self.stats = EngineStats(**stats)
         self._limits = limits
 
@@ -326,8 +328,9 @@ def _picklable(e: BaseException) -> BaseException:
         return EngineError(f"{type(e).__name__}: {e}")
 
 
-def _state(engine: Any) -> tuple[int, dict[str, Any], tuple[int | None, int | None]]:
-    return engine.policy_version, asdict(engine.stats), (engine.vocab_size, engine.max_model_len)
+def _state(engine: Any) -> tuple[tuple[int, str | None], dict[str, Any], tuple[int | None, int | None]]:
+    policy = (engine.policy_version, engine.policy_namespace)
+    return policy, asdict(engine.stats), (engine.vocab_size, engine.max_model_len)
 
 
 async def _serve(conn: Connection, engine: Any) -> None:
@@ -335,7 +338,7 @@ async def _serve(conn: Connection, engine: Any) -> None:
     tasks: dict[int, asyncio.Task[Any]] = {}
     send_lock = threading.Lock()
 
-    def state() -> tuple[int, dict[str, Any], tuple[int | None, int | None]]:
+    def state() -> tuple[tuple[int, str | None], dict[str, Any], tuple[int | None, int | None]]:
         return _state(engine)
 
     def reply(rid: int, ok: bool, value: Any) -> None:

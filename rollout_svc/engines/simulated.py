@@ -43,7 +43,7 @@ class SimulatedEngine(Engine):
         ]
 
     async def load_policy(self, policy: PolicyVersion) -> None:
-        self.policy_version = policy.version
+        self.policy_version, self.policy_namespace = policy.version, policy.namespace
 
     async def reset_cache(self) -> None:
         return None

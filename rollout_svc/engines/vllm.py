@@ -46,6 +46,7 @@ from typing import Any, Literal
 import httpx
 
 from loom.contracts.wire import PolicyVersion, SamplingParams
+from loom.store import NAMESPACES
 from rollout_svc.engines.base import (
     Completion,
     Engine,
@@ -385,7 +386,10 @@ class VLLMEngine(Engine):
         if named.version == 0 and named.path == self._base_path:
             return named
         meta = Path(named.path) / "policy.json"
-        if self.policy_store is not None and Path(named.path).resolve().parent != self.policy_store.resolve():
+        folder = Path(named.path).resolve().parent
+        if folder.parent.name == NAMESPACES:  # a trainer's version: <store>/ns/<name>/v<N>
+            folder = folder.parent.parent
+        if self.policy_store is not None and folder != self.policy_store.resolve():
             return None
         try:
             record = PolicyVersion.model_validate_json(meta.read_text())
@@ -423,7 +427,7 @@ class VLLMEngine(Engine):
                     log.warning("%s holds %s, not this client's policy: reloading it", self.base_url, label)
                     await self._load_full(self._policy)
             elif (held := self._verified(label)) is not None:
-                self.policy_version = held.version
+                self.policy_version, self.policy_namespace = held.version, held.namespace
             else:
                 log.warning("%s holds unknown weights (%s): reloading the served model", self.base_url, label)
                 await self._load_full(PolicyVersion(version=0, path=self._base_path or ""))
@@ -519,7 +523,7 @@ class VLLMEngine(Engine):
         log.info("vLLM %s serves policy version %d (%s)", self.base_url, policy.version, policy.path)
 
     def _adopt_full(self, policy: PolicyVersion) -> None:
-        self.policy_version = policy.version
+        self.policy_version, self.policy_namespace = policy.version, policy.namespace
         self.model = self._base_name
         self._policy = policy if policy.path != self._base_path else None
 
@@ -560,7 +564,7 @@ class VLLMEngine(Engine):
             if not (exc.status == 400 and "has already been loaded" in str(exc)):
                 raise PolicyLoadError(f"vLLM did not load LoRA policy {policy.version}: {exc}") from exc
         self.model = name
-        self.policy_version = policy.version
+        self.policy_version, self.policy_namespace = policy.version, policy.namespace
         self._policy = policy
         if name in self._adapters:
             self._adapters.remove(name)

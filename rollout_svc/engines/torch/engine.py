@@ -213,7 +213,7 @@ class TorchEngine(Engine):
             with self._exclusive():
                 self.model = model
                 self.prefix.clear()
-                self.policy_version = policy.version
+                self.policy_version, self.policy_namespace = policy.version, policy.namespace
             self._loaded = (policy.version, str(policy.path))
         log.info("loaded policy version %d from %s", policy.version, policy.path)
 
