@@ -119,8 +119,8 @@ def required_scope(path: str) -> str | None:
         return "admin"
     if path == "/v1/jobs" or path.startswith("/v1/jobs/"):
         return "jobs"
-    if path == "/v1/runs" or path.startswith("/v1/runs/"):
-        return "runs"
+    if path in ("/v1/runs", "/v1/datasets") or path.startswith(("/v1/runs/", "/v1/datasets/")):
+        return "runs"  # datasets exist for runs: a jobs-only key stores none
     if path == "/v1/policies" or path.startswith("/v1/policies/"):
         return "policy"
     if path.startswith(("/ui/jobs/", "/ui/runs/")):

@@ -6,6 +6,11 @@ Uploaded JSONL is never held whole in memory: ``DatasetWriter`` takes it in chun
 of the content, so the same upload is the same dataset. A run reads the rows of each step from the
 file (``StoredDataset``): a 150k-line dataset costs the gateway its index (8 bytes a line), not
 150k parsed items.
+
+A stored dataset belongs to the keys that stored it (``GatewayState.add_dataset``, inside the
+transaction that checks the key's dataset quota): a run of another key that names its id is told
+exactly what an unknown id is told (``open_owned``), and the same content stored by two keys is one
+file with two owners.
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ import os
 import random
 import tempfile
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from gateway.models import DATASET_ID, KNOBS, DatasetSpec, TaskItem
+from loom.contracts.wire import unencodable_path
+
+if TYPE_CHECKING:
+    from gateway.quotas import Quotas
+    from gateway.state import GatewayState
 
 MAX_PROMPT_CHARS = 100_000  # TaskItem.prompt's limit
 
@@ -29,6 +39,24 @@ BUILTIN_TASK_KIND = {"arith": "arithmetic", "countdown": "countdown"}
 
 class DatasetError(ValueError):
     pass
+
+
+class DatasetTooLarge(DatasetError):
+    """The upload passed the writer's ``max_bytes`` (``size``: its bytes so far)."""
+
+    def __init__(self, max_bytes: int, size: int) -> None:
+        self.max_bytes, self.size = max_bytes, size
+        super().__init__(f"the dataset exceeds {max_bytes} bytes")
+
+
+# (dataset id, items, bytes, place): store the dataset for its key; ``place()`` puts its files in place
+Admit = Callable[[str, int, int, Callable[[], None]], Any]
+
+
+def no_dataset(dataset_id: str) -> DatasetError:
+    """What a run naming an id it cannot read is told, whether the id was never stored or is another
+    key's: the answer says nothing of other keys' datasets."""
+    return DatasetError(f"no dataset {dataset_id} (POST /v1/datasets stores one)")
 
 
 def builtin_item(problem: Any, mode: str) -> TaskItem:
@@ -69,6 +97,12 @@ def _check_line(line: str, lineno: int) -> bool:
         raise DatasetError(f"jsonl line {lineno}: 'prompt' must be a non-empty string")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise DatasetError(f"jsonl line {lineno}: 'prompt' is longer than {MAX_PROMPT_CHARS} characters")
+    where = unencodable_path(row)  # a \ud800 escape: a lone surrogate, which UTF-8 cannot encode
+    if where is not None:
+        raise DatasetError(
+            f"jsonl line {lineno}: '{where.lstrip('.')[:200]}' holds a lone surrogate (a \\ud800-\\udfff "
+            "escape), which UTF-8 cannot encode: text must be valid Unicode"
+        )
     return True
 
 
@@ -88,13 +122,15 @@ class DatasetWriter:
         self._rest = b""
         self._written = 0
         self._lineno = 0
+        self._placed = False
 
     def feed(self, chunk: bytes) -> None:
         """The complete lines of ``chunk`` (after what is left of the previous one) are checked and
         written; an unfinished last line waits for the next chunk."""
-        if self.max_bytes is not None and self._written + len(self._rest) + len(chunk) > self.max_bytes:
+        size = self._written + len(self._rest) + len(chunk)
+        if self.max_bytes is not None and size > self.max_bytes:
             self.abort()
-            raise DatasetError(f"the dataset exceeds {self.max_bytes} bytes")
+            raise DatasetTooLarge(self.max_bytes, size)
         data = self._rest + chunk
         cut = data.rfind(b"\n") + 1
         self._rest = data[cut:]
@@ -125,7 +161,9 @@ class DatasetWriter:
         self._file.write(out)
         self._hash.update(out)
 
-    def finish(self) -> tuple[str, int]:
+    def finish(self, admit: Admit | None = None) -> tuple[str, int]:
+        """(id, items) of the stored dataset. ``admit``: stores it for a key (its quota, its ownership),
+        calling ``place`` to put the files in place; what it raises leaves nothing stored."""
         if self._rest:  # a last line without a newline
             rest, self._rest = self._rest, b""
             self._lines(rest + b"\n")
@@ -135,25 +173,72 @@ class DatasetWriter:
             raise DatasetError("the dataset is empty")
         dataset_id = "ds-" + self._hash.hexdigest()[:24]
         data, index = self.root / f"{dataset_id}.jsonl", self.root / f"{dataset_id}.idx"
-        with open(index.with_suffix(".idx.tmp"), "wb") as f:
+        fd, name = tempfile.mkstemp(dir=self.root, prefix=".upload-", suffix=".idx")
+        index_tmp = Path(name)
+        with os.fdopen(fd, "wb") as f:
             self._offsets.tofile(f)
-        os.replace(index.with_suffix(".idx.tmp"), index)  # the index first: a data file implies one
-        os.replace(self._tmp, data)
+
+        def place() -> None:
+            os.replace(index_tmp, index)  # the index first: a data file implies one
+            os.replace(self._tmp, data)
+            self._placed = True
+
+        try:
+            if admit is None:
+                place()
+            else:
+                admit(dataset_id, len(self._offsets), self._written, place)
+        finally:
+            if not self._placed:
+                index_tmp.unlink(missing_ok=True)
+                self.abort()
         return dataset_id, len(self._offsets)
 
     def abort(self) -> None:
+        """Remove what was written (nothing once the dataset is in place)."""
         if not self._file.closed:
             self._file.close()
-        self._tmp.unlink(missing_ok=True)
+        if not self._placed:
+            self._tmp.unlink(missing_ok=True)
 
 
-def store_jsonl(text: str, root: Path) -> tuple[str, int]:
+def store_jsonl(text: str, root: Path, admit: Admit | None = None) -> tuple[str, int]:
     """A run's inline JSONL text as a stored dataset (the same checks and id as an upload)."""
     writer = DatasetWriter(root)
-    data = text.encode()
+    try:
+        data = text.encode()
+    except UnicodeEncodeError:
+        writer.abort()
+        raise DatasetError("the jsonl holds a lone surrogate, which UTF-8 cannot encode") from None
     for i in range(0, len(data), 1 << 20):
         writer.feed(data[i : i + (1 << 20)])
-    return writer.finish()
+    return writer.finish(admit)
+
+
+def owner_admit(state: GatewayState, owner: str, quotas: Quotas | None) -> Admit:
+    """``finish``'s ``admit`` for ``owner``: its ownership row, checked against its dataset quota
+    (QuotaExceeded) in the same transaction."""
+
+    def admit(dataset_id: str, n_items: int, n_bytes: int, place: Callable[[], None]) -> None:
+        state.add_dataset(owner, dataset_id, n_bytes, n_items, quotas, place)
+
+    return admit
+
+
+def open_owned(
+    state: GatewayState, root: Path, owner: str, dataset_id: str, task: Any = None
+) -> StoredDataset:
+    """``owner``'s stored dataset ``dataset_id``; another key's is refused exactly as an unknown id."""
+    if not DATASET_ID.fullmatch(dataset_id) or not state.owns_dataset(owner, dataset_id):
+        raise no_dataset(dataset_id)
+    return StoredDataset(root, dataset_id, task)
+
+
+def remove_files(root: Path, dataset_id: str) -> None:
+    """A dataset's files (the data first: an index without data is no dataset)."""
+    if DATASET_ID.fullmatch(dataset_id):
+        (root / f"{dataset_id}.jsonl").unlink(missing_ok=True)
+        (root / f"{dataset_id}.idx").unlink(missing_ok=True)
 
 
 class StoredDataset(Sequence[TaskItem]):
@@ -163,7 +248,7 @@ class StoredDataset(Sequence[TaskItem]):
         self.path = root / f"{dataset_id}.jsonl"
         self.task = task
         if not DATASET_ID.fullmatch(dataset_id) or not self.path.exists():
-            raise DatasetError(f"no dataset {dataset_id} (POST /v1/datasets stores one)")
+            raise no_dataset(dataset_id)
         self._offsets = array("q")
         with open(root / f"{dataset_id}.idx", "rb") as f:
             self._offsets.frombytes(f.read())

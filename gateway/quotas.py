@@ -8,7 +8,13 @@ samples per prompt), and its whole length is bounded on its own by ``run_samples
 
 A submission that could never fit (over a limit on its own) is a 422 naming the limit; one that fits
 alone but not beside the key's other work is a 429 with Retry-After: it can be sent again once some of
-that work has ended. Pure: no HTTP, no database (gateway/state.py checks in its insert transaction).
+that work has ended.
+
+A key's stored datasets (its uploads and its runs' inline JSONL) hold at most ``dataset_bytes`` bytes
+and ``datasets`` datasets: a dataset past them is a 413 (an upload stops as soon as its bytes pass
+the limit). Stored ones are freed only by deleting them, so waiting would not help: no Retry-After.
+
+Pure: no HTTP, no database (gateway/state.py checks in its insert transaction).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class Quotas:
     tokens: int
     run_samples: int
     streams: int
+    dataset_bytes: int = 4 * 1024**3
+    datasets: int = 256
 
     @classmethod
     def from_settings(cls, settings: Any) -> Quotas:
@@ -43,6 +51,8 @@ class Quotas:
             tokens=settings.gateway_quota_tokens,
             run_samples=settings.gateway_max_run_samples,
             streams=settings.gateway_quota_streams,
+            dataset_bytes=settings.gateway_quota_dataset_bytes,
+            datasets=settings.gateway_quota_datasets,
         )
 
 
@@ -53,6 +63,8 @@ SETTING = {
     "tokens": "LOOM_GATEWAY_QUOTA_TOKENS",
     "run_samples": "LOOM_GATEWAY_MAX_RUN_SAMPLES",
     "streams": "LOOM_GATEWAY_QUOTA_STREAMS",
+    "dataset_bytes": "LOOM_GATEWAY_QUOTA_DATASET_BYTES",
+    "datasets": "LOOM_GATEWAY_QUOTA_DATASETS",
 }
 
 
@@ -153,5 +165,39 @@ def over_quota(
             count,
             f"this key has {count} {name} queued or running, the most it may ({SETTING[name]}); "
             f"retry when one has ended (or cancel one)",
+        )
+    return None
+
+
+def dataset_too_large(n_bytes: int, quotas: Quotas, bytes_held: int) -> QuotaExceeded:
+    """413: a dataset of ``n_bytes`` (or an upload that has reached that many) does not fit beside the
+    ``bytes_held`` bytes its key stores."""
+    return QuotaExceeded(
+        413,
+        "dataset_bytes",
+        quotas.dataset_bytes,
+        n_bytes,
+        bytes_held,
+        f"the dataset reaches {n_bytes} bytes while this key stores {bytes_held} of "
+        f"{quotas.dataset_bytes} ({SETTING['dataset_bytes']}); DELETE /v1/datasets/{{id}} frees some",
+    )
+
+
+def dataset_over_quota(
+    n_bytes: int, quotas: Quotas, *, bytes_held: int, datasets_held: int
+) -> QuotaExceeded | None:
+    """The 413 when a new dataset of ``n_bytes`` does not fit beside the ``bytes_held`` bytes and
+    ``datasets_held`` datasets its key stores; else None."""
+    if n_bytes + bytes_held > quotas.dataset_bytes:
+        return dataset_too_large(n_bytes, quotas, bytes_held)
+    if datasets_held + 1 > quotas.datasets:
+        return QuotaExceeded(
+            413,
+            "datasets",
+            quotas.datasets,
+            1,
+            datasets_held,
+            f"this key stores {datasets_held} datasets, the most it may ({SETTING['datasets']}); "
+            "DELETE /v1/datasets/{id} frees one",
         )
     return None

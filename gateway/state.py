@@ -2,6 +2,9 @@
 their step plans and completed steps. Every state change is one transaction, so a killed gateway
 leaves either the old or the new state, never half of a step.
 
+Uploaded datasets are owned: a ``datasets`` row per (key, dataset) says which keys stored which
+content (the files themselves are shared, by content hash: gateway/datasets.py).
+
 Each job and run records its cost (``samples``, ``tokens``: gateway/quotas.py); a submission is checked
 against its key's quotas in the same transaction that inserts it, so concurrent submissions cannot
 both slip under a limit.
@@ -14,12 +17,12 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gateway.quotas import Cost, Quotas, over_quota
+from gateway.quotas import Cost, Quotas, dataset_over_quota, over_quota
 
 ACTIVE = ("queued", "running")
 
@@ -44,6 +47,9 @@ CREATE TABLE IF NOT EXISTS run_steps (
 CREATE TABLE IF NOT EXISTS run_samples (
   run_id TEXT NOT NULL, step INTEGER NOT NULL, idx INTEGER NOT NULL, group_id TEXT NOT NULL,
   grp TEXT NOT NULL, rewards TEXT NOT NULL, PRIMARY KEY (run_id, step, idx));
+CREATE TABLE IF NOT EXISTS datasets (
+  owner TEXT NOT NULL, id TEXT NOT NULL, bytes INTEGER NOT NULL, n_items INTEGER NOT NULL,
+  created_at REAL NOT NULL, PRIMARY KEY (owner, id));
 """
 # columns added after the first release: added to an older database when it is opened
 COST_COLUMNS = ("samples INTEGER NOT NULL DEFAULT 0", "tokens INTEGER NOT NULL DEFAULT 0")
@@ -371,3 +377,73 @@ class GatewayState:
             .fetchall()
         )
         return [json.loads(r["metrics"]) for r in rows]
+
+    # -------------------------------------------------------------------------------------- datasets
+    def dataset_usage(self, owner: str) -> tuple[int, int]:
+        """(bytes, datasets) ``owner`` stores."""
+        row = (
+            self._db()
+            .execute("SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM datasets WHERE owner=?", (owner,))
+            .fetchone()
+        )
+        return int(row[0]), int(row[1])
+
+    def owns_dataset(self, owner: str, dataset_id: str) -> bool:
+        return self._owns(self._db(), owner, dataset_id)
+
+    def add_dataset(
+        self,
+        owner: str,
+        dataset_id: str,
+        n_bytes: int,
+        n_items: int,
+        quotas: Quotas | None,
+        place: Callable[[], None],
+    ) -> bool:
+        """Make ``owner`` an owner of ``dataset_id`` (True when it was not yet): ``place()`` puts its
+        files in place inside the transaction, after ``quotas`` (QuotaExceeded: nothing placed). A
+        dataset the owner already stores is placed again (same content) and costs nothing more."""
+        with self.tx() as db:
+            if self._owns(db, owner, dataset_id):
+                place()
+                return False
+            if quotas is not None:
+                held = db.execute(
+                    "SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM datasets WHERE owner=?", (owner,)
+                ).fetchone()
+                problem = dataset_over_quota(
+                    n_bytes, quotas, bytes_held=int(held[0]), datasets_held=int(held[1])
+                )
+                if problem is not None:
+                    raise problem
+            place()
+            db.execute(
+                "INSERT INTO datasets (owner, id, bytes, n_items, created_at) VALUES (?, ?, ?, ?, ?)",
+                (owner, dataset_id, n_bytes, n_items, time.time()),
+            )
+            return True
+
+    def drop_dataset(self, owner: str, dataset_id: str, remove: Callable[[], None]) -> str | None:
+        """Forget ``owner``'s ``dataset_id``; ``remove()`` (inside the transaction, so no upload of the
+        same content interleaves) when no other key stores it. KeyError when ``owner`` does not store
+        it; the id of a queued or running run of ``owner`` that reads it (nothing dropped), else None."""
+        marks = ",".join("?" * len(ACTIVE))
+        with self.tx() as db:
+            if not self._owns(db, owner, dataset_id):
+                raise KeyError(dataset_id)
+            reader = db.execute(
+                f"SELECT id FROM runs WHERE owner=? AND status IN ({marks}) "  # noqa: S608
+                "AND json_extract(config, '$.dataset.id')=? LIMIT 1",
+                (owner, *ACTIVE, dataset_id),
+            ).fetchone()
+            if reader is not None:
+                return str(reader["id"])
+            db.execute("DELETE FROM datasets WHERE owner=? AND id=?", (owner, dataset_id))
+            if db.execute("SELECT 1 FROM datasets WHERE id=?", (dataset_id,)).fetchone() is None:
+                remove()
+            return None
+
+    @staticmethod
+    def _owns(db: sqlite3.Connection, owner: str, dataset_id: str) -> bool:
+        row = db.execute("SELECT 1 FROM datasets WHERE owner=? AND id=?", (owner, dataset_id)).fetchone()
+        return row is not None

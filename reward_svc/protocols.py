@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from loom.contracts.wire import Group, RewardResult, RewardSpec, TaskKind, Trajectory
+from loom.contracts.wire import EncodableText, Group, RewardResult, RewardSpec, TaskKind, Trajectory
 from loom.interop import LabelError, label_text, message_text
 from reward_svc.core import Refused
 
@@ -26,7 +26,7 @@ from reward_svc.core import Refused
 Prompt = str | list[dict[str, Any]]
 
 
-class _Peer(BaseModel):
+class _Peer(EncodableText):
     model_config = ConfigDict(extra="ignore")
 
 

@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from gateway.datasets import DatasetError, StoredDataset, load_dataset, store_jsonl
+from gateway.datasets import DatasetError, load_dataset, open_owned, owner_admit, store_jsonl
 from gateway.models import MAX_VERSION, Created, RunRequest, RunView, TaskItem
-from gateway.quotas import run_cost, too_long
+from gateway.quotas import QuotaExceeded, run_cost, too_long
 from gateway.routes.datasets import invalid_dataset
 from gateway.routes.deps import (
     EXISTING,
@@ -45,17 +45,19 @@ def finite_metrics(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-async def run_items(gw: Gateway, body: RunRequest) -> tuple[RunRequest, Sequence[TaskItem]]:
+async def run_items(gw: Gateway, body: RunRequest, key: str) -> tuple[RunRequest, Sequence[TaskItem]]:
     """The run's items to check before it is stored, and the run with an inline ``dataset.jsonl``
-    replaced by the id of the dataset it was stored as. Raises DatasetError."""
+    replaced by the id of the dataset it was stored as (for ``key``, within its dataset quota). A
+    dataset ``id`` must be one ``key`` stores. Raises DatasetError or QuotaExceeded."""
     spec = body.dataset
     if spec.builtin is not None:
         return body, await asyncio.to_thread(load_dataset, spec, body.mode)
     if spec.jsonl is not None:
-        dataset_id, _ = await asyncio.to_thread(store_jsonl, spec.jsonl, gw.datasets)
+        admit = owner_admit(gw.state, key, gw.quotas)
+        dataset_id, _ = await asyncio.to_thread(store_jsonl, spec.jsonl, gw.datasets, admit)
         spec = spec.model_copy(update={"jsonl": None, "id": dataset_id})
         body = body.model_copy(update={"dataset": spec})
-    stored = await asyncio.to_thread(StoredDataset, gw.datasets, spec.id or "", spec.task)
+    stored = await asyncio.to_thread(open_owned, gw.state, gw.datasets, key, spec.id or "", spec.task)
     # uploaded rows carry no mode parameters of their own: the first stands for them all
     return body, [stored[0]]
 
@@ -63,16 +65,19 @@ async def run_items(gw: Gateway, body: RunRequest) -> tuple[RunRequest, Sequence
 @router.post("", response_model=Created, status_code=201, responses={**EXISTING, **error_responses((409,))})
 async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
     """Start an RL run; idempotent by ``run_key`` when given. Inline ``dataset.jsonl`` is stored as
-    a dataset first (the run's config keeps its id). Over a quota of the key: 422 or 429."""
+    a dataset first (the run's config keeps its id). Over a quota of the key: 422 or 429 (413: the
+    inline JSONL past its dataset quota)."""
     await asyncio.to_thread(gw.backpressure.check)
     cost, total = run_cost(body)
     long = too_long(total, gw.quotas)
     if long is not None:
         return refused(long)
     try:
-        body, items = await run_items(gw, body)
+        body, items = await run_items(gw, body, owner(request))
     except DatasetError as exc:
         raise invalid_dataset(exc) from None
+    except QuotaExceeded as exc:  # inline JSONL past the key's dataset quota
+        return refused(exc)
     problem = await asyncio.to_thread(submission_problem, items, body, gw.settings, None)
     if problem is not None:
         return JSONResponse(status_code=422, content=problem)

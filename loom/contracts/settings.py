@@ -91,6 +91,13 @@ class Settings(BaseSettings):
         default=2**30, ge=1, description="a run's samples over all its steps: steps x batch x n"
     )
     gateway_quota_streams: int = Field(default=32, ge=1, description="open event streams per key")
+    gateway_quota_dataset_bytes: int = Field(
+        default=4 * 1024**3,
+        ge=1,
+        description="bytes of datasets a key stores (its uploads and its runs' inline JSONL); "
+        "DELETE /v1/datasets/{id} frees them",
+    )
+    gateway_quota_datasets: int = Field(default=256, ge=1, description="datasets a key stores")
     gateway_auth_fail_rate: float = Field(
         default=1.0, gt=0.0, description="failed authentications/s per client address (token bucket)"
     )

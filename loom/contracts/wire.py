@@ -10,17 +10,20 @@ Rules that keep them growable:
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from functools import cache
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from loom.contracts.estimators import check_estimator_params
 
@@ -59,10 +62,100 @@ Params = Annotated[dict[str, Any], AfterValidator(_finite_numbers)]
 """A free-form parameter dict (mode, estimator, component parameters) of finite numbers only."""
 
 
-class Contract(BaseModel):
+def _unencodable(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _has_unencodable(value: Any) -> bool:
+    """Whether a string anywhere in ``value`` (a str, or JSON's dicts and lists, keys included)
+    cannot be encoded as UTF-8. Iterative: a deeply nested value cannot exhaust the stack."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            if _unencodable(v):
+                return True
+        elif isinstance(v, dict):
+            if any(isinstance(k, str) and _unencodable(k) for k in v):
+                return True
+            todo.extend(v.values())
+        elif isinstance(v, list | tuple):
+            todo.extend(v)
+    return False
+
+
+def unencodable_path(value: Any) -> str | None:
+    """Where in ``value`` a string that cannot be encoded as UTF-8 is (``""``: ``value`` itself;
+    ``.key`` and ``[i]`` below it, a key shown with escapes), or None when every one can."""
+    if not _has_unencodable(value):
+        return None
+    todo: list[tuple[Any, str]] = [(value, "")]
+    while todo:
+        v, path = todo.pop()
+        if isinstance(v, str) and _unencodable(v):
+            return path
+        if isinstance(v, dict):
+            for k, x in reversed(v.items()):
+                key = k.encode("utf-8", "backslashreplace").decode() if isinstance(k, str) else str(k)
+                if isinstance(k, str) and _unencodable(k):
+                    return f"{path}.{key}"
+                todo.append((x, f"{path}.{key}"))
+        elif isinstance(v, list | tuple):
+            todo.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))
+    return None  # not reached: _has_unencodable found one
+
+
+def _holds_text(annotation: Any) -> bool:
+    """Whether a field of this type may hold a string that no nested model checks itself."""
+    if annotation is str or annotation is Any or annotation is object:
+        return True
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return False
+    if get_origin(annotation) is Literal:  # only the listed values pass
+        return False
+    return any(_holds_text(a) for a in get_args(annotation))
+
+
+@cache
+def _text_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    return tuple(name for name, f in model.model_fields.items() if _holds_text(f.annotation))
+
+
+class EncodableText(BaseModel):
+    """A model whose strings can all be encoded as UTF-8, in every field, nested dicts and lists (keys
+    included) too: a 422 naming the field otherwise. JSON's ``\\ud800`` escape decodes to a lone
+    surrogate, which pydantic passes in an unconstrained ``str`` field and in ``Any``; accepted, it
+    made every later answer that carried it a 500 (issue 35)."""
+
+    @model_validator(mode="after")
+    def _encodable_text(self) -> Any:
+        # one check a model (its text fields only); nested models check their own fields
+        for name in _text_fields(type(self)):
+            value = getattr(self, name)
+            where = None if value is None else unencodable_path(value)
+            if where is not None:
+                error = PydanticCustomError(
+                    "string_unicode",
+                    "a string{where} holds a lone surrogate (a \\ud800-\\udfff escape), which UTF-8 "
+                    "cannot encode: text must be valid Unicode",
+                    {"where": f" at {where.lstrip('.')[:200]}" if where else ""},
+                )
+                details = [InitErrorDetails(type=error, loc=(name,), input=value)]
+                raise ValidationError.from_exception_data(type(self).__name__, details)
+        return self
+
+
+class Contract(EncodableText):
     """Base of every wire type: unknown fields are an error (422 with the field path), and so is a
     NaN or infinite number in any float field (a NaN reward or log-prob would otherwise reach the
-    learner and turn the policy's weights into NaN)."""
+    learner and turn the policy's weights into NaN) and a string UTF-8 cannot encode
+    (``EncodableText``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
@@ -147,6 +240,9 @@ class Trajectory(Contract):
     finish_reason: FinishReason = "stop"
     stop_reason: str | int | None = None
     policy_version: int = Field(default=0, ge=0)
+    policy_namespace: str | None = Field(
+        default=None, description="the namespace of policy_version (None: Loom's learner store)"
+    )
     engine: str = ""
     timing: dict[str, float] = Field(default_factory=dict)
     parent_id: str | None = Field(default=None, description="tree parent / spawning call / revised original")
@@ -232,17 +328,25 @@ class RolloutRequest(Contract):
         description="generate with this policy version or a newer one; an engine holding an older "
         "version loads it from the policy store first (how every replica catches up)",
     )
+    policy_namespace: str | None = Field(
+        default=None,
+        max_length=64,
+        description="the namespace policy_version is numbered in (a trainer's published versions, "
+        "docs/interop-rollout.md); None: Loom's learner store",
+    )
+    policy_match: Literal["at_least", "exact"] = Field(
+        default="at_least", description="'exact': that version and no newer one"
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
         if (self.prompt is None) == (self.prompt_ids is None):
             raise ValueError("give exactly one of prompt or prompt_ids")
+        if self.policy_version is None and (self.policy_namespace is not None or self.policy_match == "exact"):
+            raise ValueError("policy_namespace and policy_match 'exact' need a policy_version")
         return self
 
 
-    policy_namespace: str | None = Field(
-        default=None, description="the namespace of policy_version (None: Loom's learner store)"
-    )
 # --------------------------------------------------------------------------------------------------
 # Rewards
 
@@ -328,22 +432,11 @@ class LossSpec(Contract):
         default="off",
         description="truncated importance sampling for the rollout-train mismatch (docs/algorithms.md "
         "§5.2): the ratio is taken against the learner's own old log-probs and each token's surrogate "
-    policy_namespace: str | None = Field(
-        default=None,
-        max_length=64,
-        description="the namespace policy_version is numbered in (a trainer's published versions, "
-        "docs/interop-rollout.md); None: Loom's learner store",
-    )
-    policy_match: Literal["at_least", "exact"] = Field(
-        default="at_least", description="'exact': that version and no newer one"
-    )
         "is weighted by min(pi_old / pi_behaviour, tis_cap), per token ('token') or per sequence "
         "('sequence', the product over its tokens); rows without usable behaviour log-probs get 1",
     )
     tis_cap: float = Field(default=2.0, gt=0.0, le=1e4, description="C, the TIS truncation cap")
 
-        if self.policy_version is None and (self.policy_namespace is not None or self.policy_match == "exact"):
-            raise ValueError("policy_namespace and policy_match 'exact' need a policy_version")
 
 class TrainBatch(Contract):
     step: int = Field(ge=0)
@@ -402,6 +495,7 @@ class StepResult(Contract):
 class PolicyVersion(Contract):
     version: int = Field(ge=0)
     path: str
+    namespace: str | None = Field(default=None, description="None: Loom's learner store")
     kind: Literal["full", "lora"] = "full"
     created_at: float = 0.0
     meta: dict[str, Any] = Field(default_factory=dict)
@@ -492,4 +586,3 @@ class VersionInfo(Contract):
     service: str
     version: str
     schema_version: str = SCHEMA_VERSION
-    namespace: str | None = Field(default=None, description="None: Loom's learner store")

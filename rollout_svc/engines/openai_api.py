@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from loom.contracts.wire import SamplingParams
+from loom.contracts.wire import SamplingParams, unencodable_path
 from rollout_svc.engines.base import Completion, Engine, EngineError, PromptLogprobs
 from rollout_svc.engines.openai_protocol import (
     CHAT_ONLY,
@@ -209,6 +209,12 @@ async def read(request: Request) -> Body:
         raise OpenAIError("body is not valid JSON") from None
     if not isinstance(data, dict):
         raise OpenAIError(f"body must be a JSON object, not {type(data).__name__}")
+    where = unencodable_path(data)  # a \ud800 escape: no tokenizer can take it (was a 500)
+    if where is not None:
+        param = where.lstrip(".")[:200]
+        raise OpenAIError(
+            f"{param}: a lone surrogate, which UTF-8 cannot encode: text must be valid Unicode", param
+        )
     return Body(data)
 
 
