@@ -39,3 +39,22 @@ def test_serving_is_the_version_or_the_newest_above_it(tmp_path):
     store.prune(keep=1)  # 1 and 2 are gone
     found = [reader.serving(v) for v in (1, 3, 4)]
     assert [p.version if p else None for p in found] == [3, 3, None]
+
+
+def test_a_published_version_has_its_manifest_and_read_only_files_at_once(tmp_path):
+    """Issue 35 finding 8: the manifest is written at publish (the learner's path), not on the first
+    request, so bytes changed in between are never vouched for."""
+    import json
+    import stat
+
+    store = PolicyStore(tmp_path)
+    store.publish(1, lambda d: (d / "model.safetensors").write_bytes(b"weights"))
+    folder = store.path_of(1)
+    files = json.loads((folder / "manifest.json").read_text())
+    assert [f["path"] for f in files] == ["model.safetensors"] and files[0]["size"] == 7
+    assert not (folder / "model.safetensors").stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+    try:
+        store.publish(1, lambda d: (d / "model.safetensors").write_bytes(b"other"))
+    except FileExistsError:
+        pass
+    assert (folder / "model.safetensors").read_bytes() == b"weights" and not list(tmp_path.glob(".tmp-*"))

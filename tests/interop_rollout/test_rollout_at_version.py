@@ -1,0 +1,120 @@
+"""Rollouts at a (namespace, version) on the real torch engine: a replica loads the policy a request
+names before generating, "exact" gets that version even when the replica holds a newer one, and every
+trajectory carries the policy it was generated with (checked against that policy's own weights)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.contracts.settings import Settings
+from loom.contracts.wire import Group, RolloutRequest
+from loom.store import PolicyStore
+from rollout_svc.engines.torch import TorchEngine, load_model, teacher_forced_logprobs
+from rollout_svc.modes import ModeError
+from rollout_svc.rollout import generate_group
+from tests.rollout.conftest import build_model_dir
+
+PROMPT = "1 + 1 = ?"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Settings]:
+    """A base model, the learner's version 1 and alice's versions 1 and 2: four different weights."""
+    root = tmp_path_factory.mktemp("at-version")
+    base = build_model_dir(root / "base", seed=0)
+    store = PolicyStore(root / "policy")
+    store.publish(1, lambda d: build_model_dir(d, seed=1))
+    alice = store.namespace("alice")
+    alice.publish(1, lambda d: build_model_dir(d, seed=21))
+    alice.publish(2, lambda d: build_model_dir(d, seed=22))
+    settings = Settings(data_dir=root / "data", policy_store=store.root, model=str(base), torch_threads=1)
+    return base, settings
+
+
+def engine_of(base: Path) -> TorchEngine:
+    return TorchEngine(base, device="cpu")
+
+
+def request(version: int | None, namespace: str | None = None, match: str = "at_least") -> RolloutRequest:
+    return RolloutRequest.model_validate(
+        {
+            "prompt": PROMPT,
+            "sampling": {"n": 2, "max_tokens": 6, "seed": 3},
+            "policy_version": version,
+            "policy_namespace": namespace,
+            "policy_match": match,
+        }
+    )
+
+
+def generated_by(group: Group, engine: TorchEngine, weights: Path) -> bool:
+    """Every trajectory's log-probs are those of the checkpoint at ``weights`` (teacher-forced)."""
+    model = load_model(weights)
+    for t in group.trajectories:
+        ref = teacher_forced_logprobs(model, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
+        if t.logprobs != pytest.approx(ref, abs=1e-4):
+            return False
+    return True
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_exact_gets_that_version_even_when_the_replica_holds_a_newer_one(world: Any) -> None:
+    base, settings = world
+    engine = engine_of(base)
+    alice = PolicyStore(settings.policy_store_path, create=False).namespace("alice")
+
+    async def flow() -> list[Group]:
+        tok = lambda: engine.tokenizer  # noqa: E731
+        newest = await generate_group(request(2, "alice"), engine, tok, settings)
+        older_ok = await generate_group(request(1, "alice"), engine, tok, settings)  # at least 1: keeps 2
+        exact = await generate_group(request(1, "alice", "exact"), engine, tok, settings)
+        learners = await generate_group(request(1), engine, tok, settings)  # another namespace: loads it
+        return [newest, older_ok, exact, learners]
+
+    newest, older_ok, exact, learners = run(flow())
+    seen = [
+        {(t.policy_namespace, t.policy_version) for t in g.trajectories}
+        for g in (newest, older_ok, exact, learners)
+    ]
+    assert seen == [{("alice", 2)}, {("alice", 2)}, {("alice", 1)}, {(None, 1)}]
+    assert generated_by(exact, engine, alice.path_of(1)) and not generated_by(exact, engine, alice.path_of(2))
+    assert generated_by(older_ok, engine, alice.path_of(2))
+    assert generated_by(learners, engine, settings.policy_store_path / "v1")
+
+
+def test_groups_in_flight_at_different_policies_never_mix(world: Any) -> None:
+    """Groups sharing the replica's event loop ask for three different policies at once: each is
+    generated whole by the one it names (a load waits for the groups generating to end)."""
+    base, settings = world
+    engine = engine_of(base)
+    store = PolicyStore(settings.policy_store_path, create=False)
+    wanted = [(2, "alice", "at_least"), (1, None, "at_least"), (1, "alice", "exact"), (2, "alice", "exact")]
+
+    async def together() -> list[Group]:
+        tok = lambda: engine.tokenizer  # noqa: E731
+        return list(
+            await asyncio.gather(*(generate_group(request(*w), engine, tok, settings) for w in wanted))
+        )
+
+    groups = run(together())
+    for (version, namespace, _), group in zip(wanted, groups, strict=True):
+        assert {(t.policy_namespace, t.policy_version) for t in group.trajectories} == {(namespace, version)}
+        assert generated_by(group, engine, store.namespace(namespace).path_of(version))
+
+
+def test_a_version_a_namespace_does_not_hold_is_an_error_not_another_policy(world: Any) -> None:
+    base, settings = world
+    engine = engine_of(base)
+    tok = lambda: engine.tokenizer  # noqa: E731
+    with pytest.raises(ModeError, match="policy version 3 is not in policy namespace 'alice'"):
+        run(generate_group(request(3, "alice"), engine, tok, settings))
+    with pytest.raises(ModeError, match="namespace 'bob'"):
+        run(generate_group(request(1, "bob"), engine, tok, settings))
+    assert (engine.policy_version, engine.policy_namespace) == (0, None)
