@@ -107,6 +107,17 @@ class Settings(BaseSettings):
     gateway_dataset_max_bytes: int = Field(
         default=1024**3, ge=1, description="largest dataset upload (POST /v1/datasets)"
     )
+    gateway_policy_max_bytes: int = Field(
+        default=4 * 1024**3, ge=1, description="largest policy version upload, all its files together"
+    )
+    gateway_policy_register_roots: str = Field(
+        default="",
+        description="comma-separated directories (a filesystem the replicas share) under which a key with "
+        "the 'policy' scope may register a checkpoint (POST /v1/policies/register); empty: off",
+    )
+    gateway_policy_upload_ttl_s: float = Field(
+        default=3600.0, gt=0, description="an upload not committed within this many seconds is dropped"
+    )
 
     # --- experiment trackers (docs/trackers.md)
     trackers: str = Field(
@@ -144,17 +155,6 @@ class Settings(BaseSettings):
         "verifier processes either way; prefork adds a pipe hop of the whole group per task)",
     )
     worker_max_tasks_per_child: int = 200
-    gateway_policy_max_bytes: int = Field(
-        default=4 * 1024**3, ge=1, description="largest policy version upload, all its files together"
-    )
-    gateway_policy_register_roots: str = Field(
-        default="",
-        description="comma-separated directories (a filesystem the replicas share) under which a key with "
-        "the 'policy' scope may register a checkpoint (POST /v1/policies/register); empty: off",
-    )
-    gateway_policy_upload_ttl_s: float = Field(
-        default=3600.0, gt=0, description="an upload not committed within this many seconds is dropped"
-    )
     worker_max_memory_per_child_kb: int = 2_000_000
 
     # --- engines
