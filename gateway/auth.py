@@ -11,7 +11,10 @@ The run page (``/ui``, gateway/routes/web.py) also takes a session: ``POST /ui/l
 form sets an HttpOnly, SameSite=Strict cookie holding a random session id that this process maps to
 the key's name and scopes (the key itself is never stored or put in a URL). A session counts only on
 ``/ui`` paths, never on the ``/v1`` API; a ``/ui`` page without one redirects to the login form, its
-event streams and JSON answer 401.
+event streams and JSON answer 401. A key holds at most ``LOOM_GATEWAY_SESSIONS_PER_KEY`` sessions (its
+own oldest goes, never another key's) and logs in at most ``LOOM_GATEWAY_LOGIN_RATE``/``_BURST`` times,
+per key and per client address; a login must come from the gateway's own form (its Origin or Referer,
+and the form's token: docs/security.md, "The run page's sessions and logins").
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from gateway.keys import ApiKey, KeyRing
 from gateway.ratelimit import TokenBuckets, retry_after_header
+from loom.contracts.settings import Settings
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 # the name of the key a request came with, for checks below the route (gateway/validate.py: a job may
@@ -40,7 +45,6 @@ UI_OPEN_PATHS = frozenset({"/ui/login"})  # the form itself, and the vendored sc
 UI_STATIC = "/ui/static/"
 SESSION_COOKIE = "loom_session"
 SESSION_TTL_S = 8 * 3600.0
-MAX_SESSIONS = 10_000  # the oldest is dropped beyond: memory stays bounded whatever logs in
 
 
 @dataclass(frozen=True)
@@ -50,19 +54,29 @@ class Session:
 
 
 class Sessions:
-    """Random session ids -> the key that logged in, in this process's memory (a restart logs out)."""
+    """Random session ids -> the key that logged in, in this process's memory (a restart logs out).
 
-    def __init__(self, ttl: float = SESSION_TTL_S, limit: int = MAX_SESSIONS) -> None:
-        self.ttl, self.limit = ttl, limit
+    A key holds at most ``per_key`` sessions: its new login drops its own oldest, never another key's,
+    so no key can log another out and memory stays bounded by (configured keys) x ``per_key``."""
+
+    def __init__(self, per_key: int, ttl: float = SESSION_TTL_S) -> None:
+        if per_key < 1:
+            raise ValueError("per_key must be >= 1")
+        self.per_key, self.ttl = per_key, ttl
         self._by_id: dict[str, Session] = {}
+        self._by_key: dict[str, dict[str, None]] = {}  # key name -> its session ids, oldest first
         self._lock = threading.Lock()
 
     def create(self, key: ApiKey) -> str:
         sid = secrets.token_urlsafe(32)
+        now = time.monotonic()
         with self._lock:
-            while len(self._by_id) >= self.limit:
-                del self._by_id[next(iter(self._by_id))]
-            self._by_id[sid] = Session(key, time.monotonic() + self.ttl)
+            mine = self._by_key.get(key.name, {})
+            # one ttl for all: a key's expired sessions are its oldest
+            while mine and (self._by_id[next(iter(mine))].expires < now or len(mine) >= self.per_key):
+                self._forget(next(iter(mine)))
+            self._by_key.setdefault(key.name, {})[sid] = None
+            self._by_id[sid] = Session(key, now + self.ttl)
         return sid
 
     def get(self, sid: str | None) -> ApiKey | None:
@@ -73,13 +87,36 @@ class Sessions:
             if found is None:
                 return None
             if found.expires < time.monotonic():
-                del self._by_id[sid]
+                self._forget(sid)
                 return None
             return found.key
 
     def drop(self, sid: str | None) -> None:
         with self._lock:
-            self._by_id.pop(sid or "", None)
+            self._forget(sid or "")
+
+    def count(self, name: str) -> int:
+        """The sessions key ``name`` holds (expired ones included until its next login drops them)."""
+        with self._lock:
+            return len(self._by_key.get(name, ()))
+
+    def _forget(self, sid: str) -> None:
+        found = self._by_id.pop(sid, None)
+        if found is None:
+            return
+        mine = self._by_key[found.key.name]
+        del mine[sid]
+        if not mine:
+            del self._by_key[found.key.name]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A login that made no session: its status, the sentence for the form, seconds to wait (429)."""
+
+    status: int
+    error: str
+    wait: float = 0.0
 
 
 @dataclass
@@ -88,20 +125,59 @@ class WebAuth:
 
     keys: KeyRing
     sessions: Sessions
-    failures: TokenBuckets
+    failures: TokenBuckets  # failed authentications per client address, shared with the API
+    logins_by_key: TokenBuckets
+    logins_by_address: TokenBuckets
+    origins: frozenset[str] = frozenset()  # more origins the form may be posted from (a proxy's)
 
-    def login(self, request: Request, presented: str) -> tuple[str | None, float]:
-        """(a new session id, 0) for a known key; (None, seconds to wait) when this address is over its
-        failed-authentication budget; (None, 0) for a wrong key (counted as a failure)."""
+    @classmethod
+    def from_settings(cls, keys: KeyRing, failures: TokenBuckets, settings: Settings) -> WebAuth:
+        rate, burst = settings.gateway_login_rate, settings.gateway_login_burst
+        return cls(
+            keys,
+            Sessions(settings.gateway_sessions_per_key),
+            failures,
+            TokenBuckets(rate, burst),
+            TokenBuckets(rate, burst),
+            frozenset(
+                o.strip().rstrip("/").lower() for o in settings.gateway_ui_origins.split(",") if o.strip()
+            ),
+        )
+
+    def login(self, request: Request, presented: str) -> str | Refused:
+        """A new session id for a known key, else why not. Every attempt pays the address's login
+        bucket; a wrong key also pays its failed-authentication bucket (checked first, before any key is
+        hashed); a right key pays its own login bucket."""
         address = client_address(request)
         blocked = self.failures.wait(address)
         if blocked > 0:
-            return None, blocked
+            return Refused(429, "too many failed logins from this address; wait a minute", blocked)
+        wait = self.logins_by_address.take(address)
+        if wait > 0:
+            return Refused(429, "too many logins from this address; wait a minute", wait)
         found = self.keys.verify(presented) if presented else None
         if found is None:
             self.failures.take(address)
-            return None, 0.0
-        return self.sessions.create(found), 0.0
+            return Refused(401, "unknown API key")
+        wait = self.logins_by_key.take(found.name)
+        if wait > 0:
+            return Refused(429, "too many logins with this key; wait a minute", wait)
+        self.sessions.drop(request.cookies.get(SESSION_COOKIE))  # a browser's new login replaces its old
+        return self.sessions.create(found)
+
+    def from_own_page(self, request: Request) -> bool:
+        """Whether a login post may come from this gateway's own form: its ``Origin`` (else its
+        ``Referer``) names this gateway's host (the request's ``Host``) or one of ``origins``. Browsers
+        send ``Origin`` on every POST; a client that sends neither is no browser tricked by another site
+        and passes on to the form token check (gateway/routes/web.py)."""
+        source = request.headers.get("origin") or request.headers.get("referer")
+        if source is None:
+            return True
+        parts = urlsplit(source.strip().lower())
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return False  # "null" (a sandboxed frame, a data: URL) and the like
+        host = request.headers.get("host", "").strip().lower()
+        return parts.netloc == host or f"{parts.scheme}://{parts.netloc}" in self.origins
 
 
 def is_ui(path: str) -> bool:
@@ -144,20 +220,24 @@ def client_address(request: Request) -> str:
 
 
 def auth_middleware(
-    keys: KeyRing, buckets: TokenBuckets, failures: TokenBuckets, sessions: Sessions | None = None
+    keys: KeyRing, buckets: TokenBuckets, failures: TokenBuckets, web: WebAuth | None = None
 ) -> Callable[..., Awaitable[Any]]:
-    web = WebAuth(keys, sessions or Sessions(), failures)
+    """The check; ``web`` (the run page's sessions and login limits) is built on the first /ui request
+    from the app's settings (``app.state.settings``: loom/service.py) unless given."""
+    built = [web] if web is not None else []
 
     async def check(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
         path = request.url.path
         if path in OPEN_PATHS:
             return await call_next(request)
         if is_ui(path):
-            request.state.web_auth = web
+            if not built:  # no await since the check: one WebAuth per app
+                built.append(WebAuth.from_settings(keys, failures, request.app.state.settings))
+            web_auth = request.state.web_auth = built[0]
             if path in UI_OPEN_PATHS or path.startswith(UI_STATIC):
                 return await call_next(request)
             if presented_key(request) is None:  # a browser: its session, or the login form
-                found_key = web.sessions.get(request.cookies.get(SESSION_COOKIE))
+                found_key = web_auth.sessions.get(request.cookies.get(SESSION_COOKIE))
                 if found_key is None:
                     if wants_page(request):
                         return RedirectResponse("/ui/login", status_code=303)

@@ -10,7 +10,10 @@ Authentication is gateway/auth.py's: the login form trades an API key for a sess
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import re
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,9 +24,10 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from gateway.auth import SESSION_COOKIE, WebAuth
+from gateway.auth import SESSION_COOKIE, SESSION_TTL_S, Refused, WebAuth
 from gateway.models import MAX_VERSION
 from gateway.quotas import QuotaExceeded
+from gateway.ratelimit import retry_after_header
 from gateway.routes.deps import Gateway, GatewayDep, owned, owner, refused
 from gateway.routes.jobs import TERMINAL, CountedStream
 from gateway.routes.runs import finite_metrics
@@ -34,6 +38,9 @@ from gateway.web.views import group_view
 
 STREAM_POLL_S = 0.5  # how often a run's event stream looks for new steps
 LOGIN_FORM_MAX_BYTES = 4096
+LOGIN_COOKIE = "loom_login"  # the login form's token (double-submit), on /ui/login only
+LOGIN_TOKEN = re.compile(r"[A-Za-z0-9_-]{43}")  # secrets.token_urlsafe(32)
+FORM_TYPE = "application/x-www-form-urlencoded"
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 static = StaticFiles(directory=STATIC)
@@ -61,28 +68,60 @@ def scopes(request: Request) -> frozenset[str]:
 
 
 # ---------------------------------------------------------------------------------------- session
+def login_page(request: Request, status: int = 200, error: str | None = None, wait: float = 0.0) -> Response:
+    """The login form with its token (a double-submit: the same random value in the form and in a
+    SameSite=Strict cookie only this origin's pages can make the browser send)."""
+    token = request.cookies.get(LOGIN_COOKIE, "")
+    minted = not LOGIN_TOKEN.fullmatch(token)
+    if minted:  # a browser keeps its token: two open forms both stay valid
+        token = secrets.token_urlsafe(32)
+    response = render("login.html", status=status, error=error, token=token)
+    if wait > 0:
+        response.headers["Retry-After"] = retry_after_header(wait)
+    if minted:
+        response.set_cookie(
+            LOGIN_COOKIE,
+            token,
+            max_age=int(SESSION_TTL_S),
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+            path="/ui/login",
+        )
+    return response
+
+
 @router.get("/login")
-async def login_form(request: Request) -> HTMLResponse:
-    return render("login.html", error=None)
+async def login_form(request: Request) -> Response:
+    return login_page(request)
 
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    """The key comes in the form body (never a URL); a session cookie goes back."""
+    """The key comes in the form body (never a URL); a session cookie goes back. Only from this
+    gateway's own form: a foreign Origin/Referer is a 403, a body that is no url-encoded form a 415, a
+    missing or wrong form token a 403 (docs/security.md, "The run page's sessions and logins")."""
     web: WebAuth = request.state.web_auth
+    if not web.from_own_page(request):
+        return login_page(request, 403, "a login from another site's page is refused: use this form")
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != FORM_TYPE:
+        return login_page(request, 415, "the login must be this page's form")
     body = await request.body()
     if len(body) > LOGIN_FORM_MAX_BYTES:
-        return render("login.html", status=413, error="form too large")
-    key = (parse_qs(body.decode("utf-8", "replace")).get("api_key") or [""])[0].strip()
-    sid, wait = web.login(request, key)
-    if sid is None:
-        if wait > 0:
-            return render("login.html", status=429, error="too many failed logins; wait a minute")
-        return render("login.html", status=401, error="unknown API key")
+        return login_page(request, 413, "form too large")
+    form = parse_qs(body.decode("utf-8", "replace"))
+    token = (form.get("login_token") or [""])[0]
+    cookie = request.cookies.get(LOGIN_COOKIE, "")
+    if not cookie or not hmac.compare_digest(token.encode(), cookie.encode()):
+        return login_page(request, 403, "the login form expired: log in again")
+    key = (form.get("api_key") or [""])[0].strip()
+    made = web.login(request, key)
+    if isinstance(made, Refused):
+        return login_page(request, made.status, made.error, made.wait)
     response = RedirectResponse("/ui/", status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
-        sid,
+        made,
         max_age=int(web.sessions.ttl),
         httponly=True,
         samesite="strict",

@@ -104,6 +104,21 @@ class Settings(BaseSettings):
     gateway_auth_fail_burst: int = Field(
         default=20, ge=1, description="failed authentications a client address may make at once"
     )
+    # --- the run page's sessions and logins (docs/security.md)
+    gateway_sessions_per_key: int = Field(
+        default=32, ge=1, description="run page sessions a key holds; its new login drops its own oldest"
+    )
+    gateway_login_rate: float = Field(
+        default=0.1, gt=0.0, description="run page logins/s per API key and per client address (token bucket)"
+    )
+    gateway_login_burst: int = Field(
+        default=10, ge=1, description="run page logins an API key, or a client address, may make at once"
+    )
+    gateway_ui_origins: str = Field(
+        default="",
+        description="comma-separated origins (https://host[:port]) the run page's login form may be posted "
+        "from besides the gateway's own Host: the public origin behind a proxy that rewrites Host",
+    )
     gateway_dataset_max_bytes: int = Field(
         default=1024**3, ge=1, description="largest dataset upload (POST /v1/datasets)"
     )

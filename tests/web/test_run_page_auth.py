@@ -5,6 +5,7 @@ a real embedded broker in tmp_path (no run loop: the run's steps are recorded th
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,9 +40,13 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
 
 
 def login(client: TestClient, key: str) -> httpx.Response:
+    """As a browser does: the form (its token in a hidden field and a cookie), then the post."""
+    form = client.get("/ui/login")
+    token = re.search(r'name="login_token" value="([^"]+)"', form.text)
+    assert form.status_code == 200 and token is not None
     return client.post(
         "/ui/login",
-        content=f"api_key={key}",
+        content=f"login_token={token[1]}&api_key={key}",
         headers={"Content-Type": "application/x-www-form-urlencoded"},
         follow_redirects=False,
     )
