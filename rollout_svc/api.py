@@ -88,6 +88,11 @@ class PolicyRequest(Contract):
         "any other path is refused",
     )
     kind: Literal["full", "lora"] = Field(default="full", description="unused: the store records the kind")
+    namespace: str | None = Field(
+        default=None,
+        max_length=64,
+        description="a trainer's namespace (docs/interop-rollout.md); None: the learner's",
+    )
 
 
 def _engine_error(exc: Exception) -> JSONResponse:
@@ -127,7 +132,7 @@ async def rollouts(body: RolloutRequest) -> Group | JSONResponse:
 async def load_policy(body: PolicyRequest) -> JSONResponse:
     settings = app.state.settings
     try:  # off the event loop: with LOOM_POLICY_STORE_URL this may pull a version over HTTP
-        policy = await asyncio.to_thread(stored_policy, settings, body.version, body.path)
+        policy = await asyncio.to_thread(stored_policy, settings, body.version, body.path, body.namespace)
     except PolicyStoreError as exc:
         log.warning("policy store unavailable: %s", exc)
         detail = f"the policy store did not answer ({type(exc).__name__})"

@@ -204,13 +204,18 @@ def base_policy(settings: Settings) -> PolicyVersion:
     return PolicyVersion(version=0, path=str(resolve_model_path(settings.model)))
 
 
-def stored_policy(settings: Settings, version: int | None, path: str | None = None) -> PolicyVersion:
+def stored_policy(
+    settings: Settings, version: int | None, path: str | None = None, namespace: str | None = None
+) -> PolicyVersion:
     """The policy a load request names: a version of the policy store (None: the newest; 0: the base
-    model), or ``path`` when it is one of the store's version directories (``<store>/v<N>``).
+    model), or ``path`` when it is one of the store's version directories (``<store>/v<N>``; a
+    trainer's ``namespace``: ``<store>/ns/<name>/v<N>``).
     ``PolicyPathRefused`` for any other path (decided on the path's text and the store's own
     links only, so the answer says nothing of what exists elsewhere); ``PolicyNotFound``. With
     ``LOOM_POLICY_STORE_URL`` the store is this replica's cache and a version is pulled on demand."""
-    store = open_policy_store(settings)
+    if namespace is not None and not is_namespace(namespace):
+        raise PolicyNotFound(f"no policy namespace {namespace!r}")
+    store = open_policy_store(settings).namespace(namespace)
     if path is not None:
         root = store.root.resolve()
         given = Path(os.path.normpath(root / path))  # lexically: ".." cannot climb out unseen

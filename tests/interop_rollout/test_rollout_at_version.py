@@ -118,3 +118,21 @@ def test_a_version_a_namespace_does_not_hold_is_an_error_not_another_policy(worl
     with pytest.raises(ModeError, match="namespace 'bob'"):
         run(generate_group(request(1, "bob"), engine, tok, settings))
     assert (engine.policy_version, engine.policy_namespace) == (0, None)
+
+
+def test_the_policy_load_route_names_a_trainers_version_by_its_namespace(world: Any) -> None:
+    """rollout_svc/api.py ``POST /v1/policy`` (``stored_policy``): a namespace's version by number or
+    by its folder; a folder of another namespace, or a name that is no namespace, is refused."""
+    from rollout_svc.rollout import PolicyNotFound, PolicyPathRefused, stored_policy
+
+    _, settings = world
+    alice = PolicyStore(settings.policy_store_path, create=False).namespace("alice")
+    found = stored_policy(settings, 1, namespace="alice")
+    assert (found.namespace, found.version, found.path) == ("alice", 1, str(alice.path_of(1)))
+    assert stored_policy(settings, None, str(alice.path_of(2)), namespace="alice").version == 2
+    assert stored_policy(settings, None, namespace="alice").version == 2  # its newest
+    with pytest.raises(PolicyPathRefused):
+        stored_policy(settings, None, str(alice.path_of(2)))  # not a folder of the learner's store
+    for name in ("../alice", "bob"):
+        with pytest.raises(PolicyNotFound):
+            stored_policy(settings, 1, namespace=name)
