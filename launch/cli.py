@@ -2,7 +2,7 @@
 
 loom up [--smoke]            the whole stack on this machine (embedded broker unless configured)
 loom status                  health of every service and queue depths
-loom api SERVICE             one service's HTTP API (uvicorn)
+loom api SERVICE             one service's HTTP API (uvicorn, with read deadlines)
 loom worker SERVICE          one service's Celery worker on its own queue
 loom engine                  the torch engine behind a vLLM-compatible HTTP server
 loom demo                    a short RL run on the built-in tiny model
@@ -50,15 +50,16 @@ def api_main(argv: Sequence[str]) -> int:
     p.add_argument("--port", type=int, default=None)
     args = p.parse_args(argv)
     settings = get_settings()
-    import uvicorn
-
     from loom.runtime import configure_process
+    from loom.service import serve
 
     configure_process(settings)
-    uvicorn.run(
+    # uvicorn with read deadlines on headers and bodies (slow clients are cut off: docs/security.md)
+    serve(
         f"{SERVICE_PACKAGES[args.service]}.api:app",
-        host=args.host or settings.host,
-        port=args.port or settings.service_port(args.service),
+        args.host or settings.host,
+        args.port or settings.service_port(args.service),
+        settings,
         log_level="info",
         timeout_graceful_shutdown=5,
     )

@@ -328,13 +328,18 @@ class Stack:
 
     def smoke(self, timeout: float = 30.0) -> dict[str, Any]:
         """Round-trip a task through the queues: via the gateway when the whole stack runs, else each
-        started service's own ``/v1/ping``. Returns ``{"ok": bool, "queues": {queue: result}}``."""
+        started service's own ``/v1/ping``. Returns ``{"ok": bool, "queues": {queue: result}}``.
+        The gateway's ping takes the stack's admin key, another service's the service token."""
         targets = ["gateway"] if set(SERVICES) <= set(self.services) else list(self.services)
         out: dict[str, Any] = {"ok": True, "queues": {}}
-        auth = {"Authorization": f"Bearer {self.api_key}"}
-        with httpx.Client(timeout=timeout + 10, headers=auth) as http:
+        with httpx.Client(timeout=timeout + 10) as http:
             for svc in targets:
-                r = http.post(self.settings.service_url(svc) + "/v1/ping", json={"timeout": timeout})
+                secret = self.api_key if svc == "gateway" else self.env["LOOM_SERVICE_TOKEN"]
+                r = http.post(
+                    self.settings.service_url(svc) + "/v1/ping",
+                    json={"timeout": timeout},
+                    headers={"Authorization": f"Bearer {secret}"},
+                )
                 body = r.json()
                 out["queues"].update(body.get("queues", {}))
                 out["ok"] = out["ok"] and r.status_code == 200 and bool(body.get("ok"))

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -409,8 +410,13 @@ def broker_check(celery_app: Any, ttl: float = 2.0) -> ReadyCheck:
     return check
 
 
+PING_MAX_DELAY_S = 10.0
+
+
 class PingRequest(Contract):
-    delay: float = Field(default=0.0, ge=0.0, le=60.0, description="seconds the worker sleeps")
+    delay: float = Field(
+        default=0.0, ge=0.0, le=PING_MAX_DELAY_S, description="seconds the worker sleeps (a diagnostic)"
+    )
     timeout: float = Field(default=30.0, gt=0.0, le=600.0)
 
 
@@ -422,8 +428,11 @@ class PingResult(BaseModel):
 def add_ping_route(app: FastAPI, celery_app: Any, services: tuple[str, ...]) -> None:
     """``POST /v1/ping``: a round trip through the queues of ``services`` (a task each, awaited).
 
-    Used by ``loom up --smoke`` and ``loom status`` to prove that workers consume their queues.
+    Used by ``loom up --smoke`` and ``loom status`` to prove that workers consume their queues. It
+    occupies a worker (up to ``delay``) and a thread of this process (up to ``timeout``), so it is an
+    operator's route: the service token (loom/service_token.py; on the gateway, an admin key).
     """
+    from loom.service_token import UNAUTHORIZED, internal_route_guard
 
     def _one(name: str, body: PingRequest) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -438,10 +447,180 @@ def add_ping_route(app: FastAPI, celery_app: Any, services: tuple[str, ...]) -> 
         "/v1/ping",
         tags=["ops"],
         response_model=PingResult,
-        responses={504: {"model": PingResult, "description": "A queue did not answer in time"}},
+        dependencies=[internal_route_guard(app)],
+        responses={
+            **UNAUTHORIZED,
+            504: {"model": PingResult, "description": "A queue did not answer in time"},
+        },
     )
     async def ping(body: PingRequest) -> JSONResponse:
         results = await asyncio.gather(*(asyncio.to_thread(_one, s, body) for s in services))
         out = dict(zip(services, results, strict=True))
         ok = all(r["ok"] for r in out.values())
         return JSONResponse(status_code=200 if ok else 504, content={"ok": ok, "queues": out})
+
+
+# ------------------------------------------------------------------------------------ slow clients
+#
+# uvicorn bounds only the idle time between requests (``timeout_keep_alive``): a client that sends its
+# headers or its body a byte at a time holds its connection for as long as it likes. The protocol
+# below gives each request a reading deadline (docs/security.md, "Read timeouts"), whichever of
+# uvicorn's HTTP implementations it extends: complete headers within ``header_timeout_s`` of the
+# request's first byte (of the connection, for its first request), and the body within
+# ``body_timeout_s`` plus one second per ``body_min_rate`` bytes received. Time during which the server
+# itself is not reading (the app has not consumed what came, or a pipelined request waits) does not
+# count. A connection past its deadline is closed; one still sending headers is first answered 408.
+# Once a request is read, nothing here bounds it: a long answer or an event stream is the app's.
+
+HTTP_PROTOCOLS = ("auto", "httptools", "h11")
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    body_min_rate: float  # bytes/s; 0: the body has ``body_timeout_s`` in all
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ReadLimits:
+        return cls(settings.header_timeout_s, settings.body_timeout_s, settings.body_min_rate)
+
+
+def _timeout_answer(seconds: float) -> bytes:
+    body = json.dumps(
+        {"error": "request_timeout", "detail": f"request headers not received within {seconds:g} s"}
+    ).encode()
+    head = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    return head + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+class _ReadDeadlines:
+    """Mixed into uvicorn's ``H11Protocol`` or ``HttpToolsProtocol`` (both keep ``cycle``, ``flow``
+    and ``transport``; a request's cycle exists once its headers are read, ``more_body`` is false once
+    its body is). One timer per connection, re-armed when it fires early."""
+
+    limits: ReadLimits
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
+    flow: Any
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._timer: asyncio.TimerHandle | None = None
+        self._seen: Any = None  # the cycle whose body is being timed
+        self._headers_since: float | None = self.loop.time()  # a request's first byte (here: the connection)
+        self._body_since = 0.0
+        self._body_bytes = 0
+        self._arm(self.limits.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        if self._reading_body():
+            self._body_bytes += len(data)
+        elif self._headers_since is None and self._between_requests():
+            self._headers_since = self.loop.time()  # the next request starts
+            self._arm(self.limits.header_timeout_s)
+        super().data_received(data)  # type: ignore[misc]
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        self._follow()  # h11 reads a pipelined request here
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or (self.cycle.response_complete and not self._reading_body())
+
+    def _reading_body(self) -> bool:
+        return self._seen is not None and self._seen is self.cycle and bool(self.cycle.more_body)
+
+    def _follow(self) -> None:
+        """A new request's headers are read: its body's clock starts."""
+        cycle = self.cycle
+        if cycle is not None and cycle is not self._seen:
+            self._seen = cycle
+            self._headers_since = None
+            self._body_since, self._body_bytes = self.loop.time(), 0
+            if cycle.more_body:
+                self._arm(self.limits.body_timeout_s)
+
+    def _arm(self, delay: float) -> None:
+        """A check in ``delay`` seconds, unless one comes sooner."""
+        when = self.loop.time() + max(delay, 0.0)
+        if self._timer is not None:
+            if self._timer.when() <= when:
+                return
+            self._timer.cancel()
+        self._timer = self.loop.call_at(when, self._deadline)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _deadline(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if self._reading_body():
+            if self.flow.read_paused:  # the server is behind, not the client: a fresh window
+                self._body_since, self._body_bytes = now, 0
+                self._arm(self.limits.body_timeout_s)
+                return
+            rate = self.limits.body_min_rate
+            due = self._body_since + self.limits.body_timeout_s + (self._body_bytes / rate if rate else 0.0)
+            if now < due:
+                self._arm(due - now)
+                return
+            log.info("closing %s: request body not received in time", _peer(self.transport))
+            self.transport.close()
+        elif self._headers_since is not None:
+            due = self._headers_since + self.limits.header_timeout_s
+            if now < due:
+                self._arm(due - now)
+                return
+            log.info("closing %s: request headers not received in time", _peer(self.transport))
+            if self._between_requests():
+                self.transport.write(_timeout_answer(self.limits.header_timeout_s))
+            self.transport.close()
+
+
+def _peer(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
+
+
+def http_protocol(limits: ReadLimits, implementation: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class (``auto``: httptools when installed, else h11, as uvicorn picks)
+    with ``limits``' read deadlines; pass it as ``uvicorn.run(..., http=...)``."""
+    if implementation not in HTTP_PROTOCOLS:
+        raise ValueError(f"unknown HTTP implementation {implementation!r}; expected one of {HTTP_PROTOCOLS}")
+    base: type[asyncio.Protocol]
+    if implementation == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
+    elif implementation == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
+    else:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        base = AutoHTTPProtocol
+    return type(f"Bounded{base.__name__}", (_ReadDeadlines, base), {"limits": limits})
+
+
+def serve(app: Any, host: str, port: int, settings: Settings | None = None, **uvicorn_args: Any) -> None:
+    """Run ``app`` (an ASGI app or its ``"module:attr"``) under uvicorn with Loom's read deadlines
+    (``LOOM_HEADER_TIMEOUT_S``, ``LOOM_BODY_TIMEOUT_S``, ``LOOM_BODY_MIN_RATE``) on the HTTP
+    implementation ``LOOM_HTTP_PROTOCOL`` names. No Loom route is a WebSocket: none is served."""
+    import uvicorn
+
+    settings = settings or get_settings()
+    protocol = http_protocol(ReadLimits.from_settings(settings), settings.http_protocol)
+    uvicorn.run(app, host=host, port=port, http=protocol, ws="none", **uvicorn_args)

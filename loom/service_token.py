@@ -1,10 +1,16 @@
 """The service token of the internal routes (docs/security-workers.md).
 
-``LOOM_SERVICE_TOKEN`` is a secret the services share; when it is set, the internal routes (the
-rollout service's ``POST /v1/policy``, the learner's ``POST /v1/train_step`` and
-``POST /v1/score/attention``) need ``Authorization: Bearer <token>`` and answer 401 without it. A
-service calling another's internal route sends it (``service_headers``). Empty (the default outside
-``loom up``, which generates one per stack): the routes are open, as before, for a private network.
+``LOOM_SERVICE_TOKEN`` is a secret the services share; when it is set, the internal routes need
+``Authorization: Bearer <token>`` and answer 401 without it: what changes a service's state, shows
+its configuration or occupies its workers (every service's ``POST /v1/ping``, the rollout service's
+``POST /v1/policy``, ``/engine/reset_prefix_cache`` and ``/engine/server_info``, the learner's
+routes). docs/security.md lists every route of every service and who may call it. A service calling
+another's internal route sends it (``service_headers``). Empty (the default outside ``loom up``,
+which generates one per stack): the routes are open, as before, for a private network.
+
+On the gateway, whose callers present API keys in the same header, a request its own key check has
+admitted with the ``admin`` scope (``request.state.key_scopes``) passes instead: there the token's
+routes (``/v1/ping``) are the operator's, as ``/v1/queues`` is.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ async def _require(
 ) -> None:
     expected: str = request.app.state.settings.service_token
     if not expected:
+        return
+    if "admin" in getattr(request.state, "key_scopes", ()):  # the gateway's middleware checked the key
         return
     given = credentials.credentials if credentials is not None else ""
     if not hmac.compare_digest(given.encode(), expected.encode()):

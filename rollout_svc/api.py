@@ -7,8 +7,10 @@ policy store into this process's engine: 0 is the base model; a ``path`` must be
 version directories; nothing outside the store is ever opened, and a failed load says which version
 failed, never why (the reason is in this service's log) (docs/security-workers.md).
 ``/engine/...``: the same engine behind vLLM's OpenAI surface (rollout_svc/engines/openai_api.py):
-``/engine/v1/completions``, ``/engine/v1/chat/completions``, TRL's ``/engine/server_info`` ... so
-TRL's ``VLLMClient(base_url=".../engine")`` or ``openai.OpenAI(base_url=".../engine/v1")`` generate here.
+``/engine/v1/completions``, ``/engine/v1/chat/completions``, TRL's ``/engine/get_world_size`` ... so
+TRL's ``VLLMClient(base_url=".../engine")`` or ``openai.OpenAI(base_url=".../engine/v1")`` generate here;
+``/engine/reset_prefix_cache`` and ``/engine/server_info`` (state, configuration) need the service
+token, as ``/v1/policy`` and ``/v1/ping`` do.
 Mode and engine limits are 422 naming the limit (a prompt the model cannot read names its field); a
 checkpoint that cannot be loaded is 422; an unreachable engine is 503; a group past
 ``LOOM_ROLLOUT_GROUP_TIMEOUT_S``, an engine or the attention scorer timing out is 504.
@@ -69,8 +71,10 @@ def _engine_routes() -> APIRouter:
 
     served = Served(engine, tokenizer, settings.model, {settings.model}, path, generation_defaults(path))
     router = APIRouter(prefix="/engine", tags=["engine"])
-    basic_routes(router, served)
-    router.include_router(create_router(served))
+    # what changes the engine's state or shows its configuration needs the service token; generation
+    # stays as open as on a vLLM server, for the openai client and TRL's VLLMClient (docs/security.md)
+    basic_routes(router, served, guard=[internal])
+    router.include_router(create_router(served, guard=[internal]))
     return router
 
 

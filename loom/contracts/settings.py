@@ -68,6 +68,21 @@ class Settings(BaseSettings):
     learner_port: int = DEFAULT_PORTS["learner"]
     engine_port: int = DEFAULT_PORTS["engine"]
     max_body_bytes: int = Field(default=16 * 1024 * 1024, description="larger request bodies get 413")
+    # --- read deadlines of every Loom HTTP server (loom/service.py, docs/security.md "Read timeouts")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0.0, description="a request's headers, from its first byte; past it: 408, closed"
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0.0, description="a request's body, from its headers (plus body_min_rate's time)"
+    )
+    body_min_rate: float = Field(
+        default=16384.0,
+        ge=0.0,
+        description="bytes/s: each body_min_rate bytes received add 1 s to body_timeout_s (0: no extension)",
+    )
+    http_protocol: Literal["auto", "httptools", "h11"] = Field(
+        default="auto", description="uvicorn's HTTP implementation (auto: httptools when installed)"
+    )
     api_keys: str = Field(default="", description="comma-separated 'name:sha256hex' pairs for the gateway")
     gateway_rate: float = Field(default=20.0, gt=0.0, description="requests/s per API key (token bucket)")
     gateway_burst: int = Field(default=40, ge=1, description="token bucket size per API key")

@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from loom.contracts.wire import SamplingParams, unencodable_path
+from loom.service_token import UNAUTHORIZED
 from rollout_svc.engines.base import Completion, Engine, EngineError, PromptLogprobs
 from rollout_svc.engines.openai_protocol import (
     CHAT_ONLY,
@@ -310,13 +311,14 @@ def should_skip(progress: Any, index: int, started: set[int], s: Streamer, inter
     return not progress.ended and index in started and progress.tokens - s.tokens < interval
 
 
-def create_router(served: Served, server_info: bool = True) -> APIRouter:
+def create_router(served: Served, server_info: bool = True, guard: Sequence[Any] = ()) -> APIRouter:
     """The generation routes; ``server_info``: also ``GET /server_info`` (``loom engine`` has it only
-    in vLLM's dev mode, from control.py, as vLLM does)."""
+    in vLLM's dev mode, from control.py, as vLLM does), behind ``guard`` (the dependencies of the
+    routes that show the configuration: the rollout service's service token)."""
     router = APIRouter(responses=ENGINE_ERRORS)
     completion_routes(router, served)
     chat_routes(router, served)
-    trl_routes(router, served, server_info)
+    trl_routes(router, served, server_info, guard)
     return router
 
 
@@ -797,12 +799,12 @@ class ChatChunks:
 # TRL's routes
 
 
-def trl_routes(router: APIRouter, served: Served, server_info: bool) -> None:
-    """``/server_info`` (unless control.py serves it), ``/get_world_size``, and the NCCL
-    weight-transfer routes, refused with 501."""
+def trl_routes(router: APIRouter, served: Served, server_info: bool, guard: Sequence[Any] = ()) -> None:
+    """``/server_info`` (unless control.py serves it; behind ``guard``), ``/get_world_size``, and the
+    NCCL weight-transfer routes, refused with 501."""
     if server_info:
 
-        @router.get("/server_info")
+        @router.get("/server_info", dependencies=list(guard), responses=_guarded(guard))
         async def info(config_format: str = "text") -> Any:
             engine = await served.engine()
             model = served.model_path or served.model_name
@@ -840,11 +842,16 @@ def _no_weight_transfer(route: str) -> Callable[[], Awaitable[JSONResponse]]:
     return refuse
 
 
-def basic_routes(router: APIRouter, served: Served) -> None:
-    """``/health``, ``/v1/models`` and ``/reset_prefix_cache`` (TRL calls it after a weight sync) for a
-    mount that has none of its own (the rollout service)."""
+def _guarded(guard: Sequence[Any]) -> dict[int | str, dict[str, Any]]:
+    return dict(UNAUTHORIZED) if guard else {}
 
-    @router.post("/reset_prefix_cache")
+
+def basic_routes(router: APIRouter, served: Served, guard: Sequence[Any] = ()) -> None:
+    """``/health``, ``/v1/models`` and ``/reset_prefix_cache`` (TRL calls it after a weight sync; it
+    changes the engine's state: behind ``guard``) for a mount that has none of its own (the rollout
+    service)."""
+
+    @router.post("/reset_prefix_cache", dependencies=list(guard), responses=_guarded(guard))
     async def reset_prefix_cache() -> JSONResponse:
         engine = await served.engine()
         await engine.reset_cache()
