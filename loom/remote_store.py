@@ -224,7 +224,12 @@ def add_publish_routes(app: FastAPI, guard: Any) -> None:
     async def declare(namespace: str, body: UploadRequest) -> UploadTicket:
         return await answer(writer().declare(namespace, body))
 
-    @app.put(f"{prefix}/uploads/{{upload_id}}/files/{{path:path}}", tags=["store"], dependencies=[guard])
+    @app.put(
+        f"{prefix}/uploads/{{upload_id}}/files/{{path:path}}",
+        tags=["store"],
+        dependencies=[guard],
+        responses=answers,
+    )
     async def put(
         namespace: str, upload_id: str, path: str, request: Request, offset: int = 0
     ) -> dict[str, int]:

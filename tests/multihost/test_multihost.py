@@ -160,6 +160,32 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+def start_broker(cluster: Cluster, broker_dir: Path, hide: list[Path]) -> Path:
+    """The broker host: a private RabbitMQ node (guest may log in from other hosts) and a Redis (the
+    result backend) on its own address; returns Redis's log (it says when it is ready)."""
+    rabbit = broker_dir / "rabbit"
+    rabbit.mkdir()
+    (rabbit / "enabled_plugins").write_text("[].\n")
+    (rabbit / "rabbitmq.conf").write_text(
+        f"loopback_users = none\nlisteners.tcp.1 = {cluster.addr('broker')}:5672\n"
+    )
+    rabbit_env = {
+        **clean_env(),
+        "HOME": str(rabbit),
+        "RABBITMQ_NODENAME": f"loom{cluster.tag}@localhost",
+        "RABBITMQ_MNESIA_BASE": str(rabbit / "mnesia"),
+        "RABBITMQ_LOG_BASE": str(rabbit / "log"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(rabbit / "enabled_plugins"),
+        "RABBITMQ_CONFIG_FILE": str(rabbit / "rabbitmq"),
+        "RABBITMQ_ADVANCED_CONFIG_FILE": str(rabbit / "advanced.config"),
+        "RABBITMQ_PID_FILE": str(rabbit / "pid"),
+    }
+    cluster.start("broker", "rabbitmq", [str(RABBITMQ_SERVER)], rabbit_env, hide)
+    redis_argv = ["redis-server", "--bind", cluster.addr("broker"), "--port", "6379", "--save", ""]
+    redis_argv += ["--appendonly", "no", "--protected-mode", "no", "--dir", str(broker_dir)]
+    return cluster.start("broker", "redis", redis_argv, clean_env(), hide)
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     if shutil.which("ip") is None:
@@ -191,29 +217,8 @@ def test_rollout_hosts_without_a_shared_filesystem_serve_every_policy_version(
     for host, d in dirs.items():  # no host's directory is inside another's
         assert all(host == other or not d.is_relative_to(o) for other, o in dirs.items())
 
-    # --- broker host: RabbitMQ (guest may log in from other hosts) and Redis, on its own address
-    rabbit = dirs["broker"] / "rabbit"
-    rabbit.mkdir()
-    (rabbit / "enabled_plugins").write_text("[].\n")
-    (rabbit / "rabbitmq.conf").write_text(
-        f"loopback_users = none\nlisteners.tcp.1 = {cluster.addr('broker')}:5672\n"
-    )
-    rabbit_env = {
-        **clean_env(),
-        "HOME": str(rabbit),
-        "RABBITMQ_NODENAME": f"loom{cluster.tag}@localhost",
-        "RABBITMQ_MNESIA_BASE": str(rabbit / "mnesia"),
-        "RABBITMQ_LOG_BASE": str(rabbit / "log"),
-        "RABBITMQ_ENABLED_PLUGINS_FILE": str(rabbit / "enabled_plugins"),
-        "RABBITMQ_CONFIG_FILE": str(rabbit / "rabbitmq"),
-        "RABBITMQ_ADVANCED_CONFIG_FILE": str(rabbit / "advanced.config"),
-        "RABBITMQ_PID_FILE": str(rabbit / "pid"),
-    }
     hide_learner = [learner_dir]
-    cluster.start("broker", "rabbitmq", [str(RABBITMQ_SERVER)], rabbit_env, hide_learner)
-    redis_argv = ["redis-server", "--bind", cluster.addr("broker"), "--port", "6379", "--save", ""]
-    redis_argv += ["--appendonly", "no", "--protected-mode", "no", "--dir", str(dirs["broker"])]
-    redis_log = cluster.start("broker", "redis", redis_argv, clean_env(), hide_learner)
+    redis_log = start_broker(cluster, dirs["broker"], hide_learner)
 
     # --- the Loom processes: one settings set, each host its own data directory
     base = {
@@ -328,3 +333,108 @@ def test_rollout_hosts_without_a_shared_filesystem_serve_every_policy_version(
                         learner_store / f"v{v}" / f["path"]
                     ).read_bytes()
     assert not (dirs["gateway"] / "policy-cache").exists()  # the gateway pulled nothing
+
+
+def test_a_version_uploaded_through_the_gateway_is_served_by_a_rollout_host_without_the_store(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 34: a trainer on the gateway host publishes two versions of a checkpoint through the
+    gateway (which forwards them to the learner's store); a rollout host that sees neither the
+    trainer's files nor the store pulls the version each job names, and the trajectories carry it,
+    "exact" included. A tampered upload is refused and the versions stay as they were."""
+    from gateway.keys import hash_key
+    from loom.models import resolve_model_path
+
+    hosts = ("broker", "gateway", "rollout-a", "learner")
+    dirs = {host: tmp_path / host for host in hosts}
+    for d in dirs.values():
+        d.mkdir()
+    checkpoint = dirs["gateway"] / "trainer" / "step"
+    shutil.copytree(resolve_model_path("tiny"), checkpoint)  # the trainer's checkpoint, on its host
+    hidden = [dirs["learner"], dirs["gateway"]]  # the store's host, and the uploader's
+    redis_log = start_broker(cluster, dirs["broker"], hidden)
+    key = "loom_multihost_trainer_key"
+    base = {
+        **clean_env(),
+        "LOOM_BROKER_URL": f"amqp://guest:guest@{cluster.addr('broker')}:5672//",
+        "LOOM_RESULT_BACKEND": f"redis://{cluster.addr('broker')}:6379/0",
+        "LOOM_MODEL": "tiny",
+        "LOOM_SERVICE_TOKEN": TOKEN,
+        "LOOM_TORCH_THREADS": "1",
+        "LOOM_LEARNER_PORT": str(LEARNER_PORT),
+    }
+    remote = {"LOOM_POLICY_STORE_URL": f"http://{cluster.addr('learner')}:{LEARNER_PORT}"}
+
+    def env(host: str, **extra: str) -> dict[str, str]:
+        return {**base, "LOOM_DATA_DIR": str(dirs[host]), "LOOM_HOST": cluster.addr(host), **extra}
+
+    loom = [sys.executable, "-m", "launch.cli"]
+    cluster.wait_for(redis_log, "Ready to accept connections", 60)
+    keys = {"LOOM_API_KEYS": f"trainer:{hash_key(key)}:jobs+policy"}
+    procs = {
+        "learner-api": ("learner", [*loom, "api", "learner"], env("learner"), [dirs["gateway"]]),
+        "rollout-a": (
+            "rollout-a",
+            [*loom, "worker", "rollout", "-c", "1"],
+            env("rollout-a", **remote),
+            hidden,
+        ),
+        "reward-worker": (
+            "gateway",
+            [*loom, "worker", "reward", "-c", "1"],
+            env("gateway"),
+            [dirs["learner"]],
+        ),
+        "gateway-api": (
+            "gateway",
+            [*loom, "api", "gateway"],
+            env("gateway", **remote, **keys),
+            [dirs["learner"]],
+        ),
+    }
+    logs = {name: cluster.start(host, name, argv, e, hide) for name, (host, argv, e, hide) in procs.items()}
+    for name in ("rollout-a", "reward-worker"):
+        cluster.wait_for(logs[name], " ready.", 150)
+    for name in ("learner-api", "gateway-api"):
+        cluster.wait_for(logs[name], "Application startup complete", 60)
+
+    sampling = {"n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 1}
+    job = {"tasks": [{"prompt": "1 + 1 = ?", "label": "2"}], "sampling": sampling}
+    plan = {
+        "jobs": [
+            {**job, "job_key": "at-2", "at": [2, "at_least"]},
+            {**job, "job_key": "exactly-1", "at": [1, "exact"]},
+        ]
+    }
+    gateway_url = f"http://{cluster.addr('gateway')}:8400"
+    client = [sys.executable, str(HERE / "publish_client.py"), gateway_url, key, "150", str(checkpoint)]
+    seen = json.loads(cluster.run("gateway", client, json.dumps(plan), timeout=300))
+
+    assert [(r["namespace"], r["version"]) for r in seen["refs"]] == [("trainer", 1), ("trainer", 2)]
+    put, commit = seen["tampered"]["put"], seen["tampered"]["commit"]
+    assert put[0] == 422 and put[1]["error"] == "integrity_error" and "model.safetensors" in put[1]["detail"]
+    assert commit[0] == 422 and [r["version"] for r in seen["listed"]] == [1, 2]
+    for view, want in zip(seen["jobs"], (2, 1), strict=True):
+        assert view["status"] == "succeeded", (view, cluster.logs())
+        carried = {
+            (t["policy_namespace"], t["policy_version"])
+            for g in view["groups"]
+            for t in g["group"]["trajectories"]
+        }
+        assert carried == {("trainer", want)}, (carried, cluster.logs())
+
+    store = dirs["learner"] / "policy" / "ns" / "trainer"
+    cache = dirs["rollout-a"] / "policy-cache" / "ns" / "trainer"
+    assert sorted(p.name for p in store.glob("v*")) == ["v1", "v2"]
+    assert sorted(p.name for p in cache.glob("v*")) == ["v1", "v2"]  # pulled each version a job named
+    for v in ("v1", "v2"):  # the trainer's bytes, which the rollout host could never see
+        for f in json.loads((store / v / "manifest.json").read_text()):
+            assert (cache / v / f["path"]).read_bytes() == (checkpoint / f["path"]).read_bytes()
+    pids = {name: proc.pid for name, proc, _ in cluster.procs}
+    for other in (dirs["learner"], dirs["gateway"]):
+        view = Path(f"/proc/{pids['rollout-a']}/root") / other.relative_to("/") / "policy"
+        assert (
+            not view.exists()
+            and not (Path(f"/proc/{pids['rollout-a']}/root") / checkpoint.relative_to("/")).exists()
+        )
+    assert not (dirs["gateway"] / "policy").exists()  # the gateway forwarded, and kept nothing
