@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
@@ -42,6 +42,7 @@ from loom.clients.base import LoomHTTPError
 from loom.clients.gateway import GatewayClient
 from loom.contracts.estimators import TREERL_REWARD_KEY
 from loom.contracts.modes import ModeLimits, ModeParams, _Context, parse_mode_params
+from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import (
     Group,
     Mode,
@@ -55,7 +56,6 @@ from loom.contracts.wire import (
     TreeNode,
 )
 
-PolicyMatch = Literal["at_least", "exact"]
 _RETRY_STATUS = (502, 503, 504)
 
 
@@ -123,7 +123,7 @@ def _sample(t: Trajectory, r: TrajectoryReward | None, advantages: list[float] |
         loss_mask=trained_mask(t),
         env_mask=env_mask(t),
         policy_version=t.policy_version,
-        policy_namespace=getattr(t, "policy_namespace", None),
+        policy_namespace=t.policy_namespace,
         reward=None if r is None else r.total,
         components={} if r is None else dict(r.components),
         reward_status=None if r is None else r.status,
@@ -325,6 +325,7 @@ class Rollouts:
     ) -> None:
         self.gateway = GatewayClient(url, api_key=api_key, timeout=timeout)
         self.reconnects = reconnects
+        self.reconnections = 0  # event streams resumed after a dropped connection
 
     def submit(self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any) -> str:
         """Start one job (``job_body``'s arguments); its id."""
@@ -343,15 +344,12 @@ class Rollouts:
                     last, tries = event_id, 0
                     yield RolloutGroup.from_event(data)
                 return
-            except (httpx.TransportError, httpx.RemoteProtocolError):
+            except (httpx.TransportError, LoomHTTPError) as exc:
                 tries += 1
-                if tries > self.reconnects:
+                retry = not isinstance(exc, LoomHTTPError) or exc.status in _RETRY_STATUS
+                if not retry or tries > self.reconnects:
                     raise
-                time.sleep(min(0.2 * 2**tries, 5.0))
-            except LoomHTTPError as exc:
-                tries += 1
-                if exc.status not in _RETRY_STATUS or tries > self.reconnects:
-                    raise
+                self.reconnections += 1
                 time.sleep(min(0.2 * 2**tries, 5.0))
 
     def stream(self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any) -> Iterator[RolloutGroup]:
@@ -397,6 +395,7 @@ class AsyncRollouts:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
         self.reconnects = reconnects
+        self.reconnections = 0
 
     async def submit(self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any) -> str:
         body = job_body(prompts, **kwargs)
@@ -448,6 +447,7 @@ class AsyncRollouts:
                 retry = not isinstance(exc, LoomHTTPError) or exc.status in _RETRY_STATUS
                 if not retry or tries > self.reconnects:
                     raise
+                self.reconnections += 1
                 await asyncio.sleep(min(0.2 * 2**tries, 5.0))
 
     async def stream(

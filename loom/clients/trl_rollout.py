@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Protocol
 
 from loom.clients.rollouts import RolloutGroup, Rollouts, RolloutSample
 from loom.contracts.modes import ModeParams
+from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
 from loom.interop import label_text, message_text
 
@@ -117,6 +118,7 @@ class LoomRolloutFunc:
         publish: Publish | None = None,
         publish_initial: bool = False,
         policy_namespace: str | None = None,
+        policy_match: PolicyMatch = "exact",
         timeout: float = 600.0,
     ) -> None:
         if mode == "streaming" and dict(_as_dict(mode_params)).get("layout") == "group_positions":
@@ -127,9 +129,10 @@ class LoomRolloutFunc:
         self.mode, self.mode_params = mode, mode_params
         self.sampling, self.reward, self.tasks = dict(sampling or {}), reward, tasks
         self.publish, self.publish_initial = publish, publish_initial
-        self.namespace = policy_namespace
+        self.namespace, self.match = policy_namespace, policy_match
         self.published: int | None = None  # the trainer step last published
-        self.version: int | None = None
+        # step 0 is the deployment's base model (version 0 in every namespace) unless it is published
+        self.version: int | None = 0 if publish is not None and not publish_initial else None
         self.history: list[dict[str, Any]] = []  # per call: step, version, the samples' versions
 
     # ---- TRL's entry
@@ -154,7 +157,8 @@ class LoomRolloutFunc:
             sampling=self._sampling(trainer, g),
             reward=self.reward,
             policy_version=self.version,
-            policy_namespace=self.namespace,
+            policy_namespace=None if self.version is None else self.namespace,
+            policy_match=None if self.version is None else self.match,
         )
         out: dict[str, list[Any]] = {k: [] for k in _KEYS}
         for group in groups:
@@ -169,9 +173,18 @@ class LoomRolloutFunc:
                 out["loom_reward"].append(s.reward)
                 out["loom_components"].append(s.components)
                 out["loom_policy_version"].append(s.policy_version)
+                out["loom_policy_namespace"].append(s.policy_namespace)
                 out["loom_trajectory_id"].append(s.id)
                 out["loom_group_id"].append(group.group.id)
-        self.history.append({"step": step, "version": self.version, "versions": out["loom_policy_version"]})
+        self.history.append(
+            {
+                "step": step,
+                "version": self.version,
+                "namespace": self.namespace if self.version is not None else None,
+                "versions": out["loom_policy_version"],
+                "namespaces": out["loom_policy_namespace"],
+            }
+        )
         return out
 
     def _sync(self, trainer: Any, step: int) -> None:
@@ -236,6 +249,7 @@ _KEYS = (
     "loom_reward",
     "loom_components",
     "loom_policy_version",
+    "loom_policy_namespace",
     "loom_trajectory_id",
     "loom_group_id",
 )
@@ -258,10 +272,14 @@ def _prompt_text(prompt: Any, trainer: Any) -> str:
 
 
 def off_policy_calls(history: Sequence[Mapping[str, Any]], staleness: int = 0) -> list[str]:
-    """The calls whose samples carry a policy version outside [step - staleness, step] (empty: all in)."""
+    """The calls whose samples carry a policy version outside [step - staleness, step], or a namespace
+    other than the one the call asked for (empty: every sample is the trainer's step's)."""
     bad = []
     for h in history:
         off = [v for v in h["versions"] if not h["step"] - staleness <= v <= h["step"]]
         if off:
             bad.append(f"step {h['step']}: versions {sorted(set(off))}")
+        others = {ns for ns in h["namespaces"] if ns != h["namespace"]}
+        if h["version"] is not None and others:
+            bad.append(f"step {h['step']}: namespaces {sorted(map(str, others))}")
     return bad

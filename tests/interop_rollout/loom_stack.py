@@ -14,6 +14,7 @@ from gateway.keys import hash_key
 from tests.conftest import BrokerEnv, Worker, free_port, start_worker
 from tests.gateway.helpers import GatewayProcess
 
+TRAINER = "trainer"  # the key's name: the namespace it publishes policy versions into
 TRAINER_KEY = "loom_test_rollouts_trainer_key"
 
 
@@ -27,7 +28,7 @@ class LoomStack:
             "LOOM_EMBEDDED_VISIBILITY_TIMEOUT": "30",
             "LOOM_TORCH_THREADS": "1",
             "LOOM_DEVICE": "cpu",
-            "LOOM_API_KEYS": f"trainer:{hash_key(TRAINER_KEY)}:jobs",
+            "LOOM_API_KEYS": f"{TRAINER}:{hash_key(TRAINER_KEY)}:jobs+policy",
         }
         self.benv = BrokerEnv(kind="embedded", tmp=tmp, env=env, extra_env=dict(extra_env or {}))
         self.rollout_concurrency = rollout_concurrency
@@ -69,6 +70,13 @@ class LoomStack:
         for w in self.workers:
             w.kill_group()
         self.benv.close()
+
+    def restart_gateway(self) -> None:
+        """SIGKILL the gateway and start it again on the same port and database (it resumes its jobs)."""
+        assert self.gateway is not None
+        self.gateway.kill()
+        self.gateway = GatewayProcess(self.gateway.env, self.gateway.port, self.gateway.log_path)
+        self.gateway.start(timeout=120)
 
     def job(self, job_id: str) -> dict[str, Any]:
         r = httpx.get(

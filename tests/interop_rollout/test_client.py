@@ -187,6 +187,22 @@ def test_groups_arrive_while_the_job_is_still_running(stack: LoomStack) -> None:
     assert done_at_first is not None and done_at_first < 24, "the first group came only after the whole job"
 
 
+def test_a_dropped_stream_goes_on_after_the_last_group_it_got(stack: LoomStack) -> None:
+    """The gateway is killed (-9) after the first group and started again: the client reconnects with
+    Last-Event-ID and gets every group exactly once."""
+    tasks = arith_tasks(24, seed=13)
+    seen: list[int] = []
+    with Rollouts(stack.url, TRAINER_KEY, reconnects=60) as rollouts:
+        job_id = rollouts.submit(tasks, sampling=dict(SAMPLING, n=2))
+        for g in rollouts.groups(job_id):
+            seen.append(g.index)
+            if len(seen) == 1:
+                stack.restart_gateway()
+        assert rollouts.reconnections >= 1
+    assert sorted(seen) == list(range(24)), seen
+    assert stack.job(job_id)["status"] == "succeeded"
+
+
 def test_async_client_runs_calls_concurrently(stack: LoomStack, model: Any) -> None:
     async def main() -> tuple[list[RolloutGroup], list[RolloutGroup], list[int]]:
         async with AsyncRollouts(stack.url, TRAINER_KEY) as rollouts:

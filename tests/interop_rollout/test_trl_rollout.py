@@ -1,8 +1,9 @@
 """TRL 1.16's own ``GRPOTrainer`` trains Loom's tiny model on CPU with every rollout from Loom
 (``rollout_func=LoomRolloutFunc(...)``, loom/clients/trl_rollout.py) against a live deployment: tree
 mode (3 steps) and streaming mode (2 steps). The trainer publishes its weights as a new policy version
-each step that trained; every trajectory records the step it was generated for, and its behaviour
-log-probs are those of the weights published for that step."""
+each step that trained, through the gateway's policy routes into its key's namespace
+(``PolicyPublisher``); every trajectory records the step it was generated for (namespace and version),
+and its behaviour log-probs are those of the weights published for that step."""
 
 from __future__ import annotations
 
@@ -15,18 +16,13 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from loom.clients.policies import PolicyPublisher
 from loom.clients.rollouts import RolloutGroup
-from loom.clients.trl_rollout import (
-    LoomRolloutFunc,
-    PublishedVersion,
-    job_reward,
-    off_policy_calls,
-    pick_leaves,
-)
+from loom.clients.trl_rollout import LoomRolloutFunc, job_reward, off_policy_calls, pick_leaves, publish_with
 from loom.store import PolicyStore
 from loom.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt
 from loom.tiny.traces import stream_sentences
-from tests.interop_rollout.loom_stack import TRAINER_KEY, LoomStack
+from tests.interop_rollout.loom_stack import TRAINER, TRAINER_KEY, LoomStack
 
 pytestmark = pytest.mark.slow
 
@@ -38,20 +34,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoomStack]:
     """One deployment per run: its policy store starts empty (version 0, the tiny model)."""
     with LoomStack(tmp_path_factory.mktemp("trl-rollouts")) as s:
         yield s
-
-
-def store_publish(root: Path, tokenizer: Any) -> Any:
-    """Until the gateway's upload routes are used: publish into the store the replicas read."""
-    store = PolicyStore(root)
-
-    def publish(model: Any, version: int) -> PublishedVersion:
-        def write(d: Path) -> None:
-            model.save_pretrained(d)
-            tokenizer.save_pretrained(d)
-
-        return PublishedVersion(None, store.publish(version, write).version)
-
-    return publish
 
 
 def _trainer(tmp_path: Path, rollout: Any, dataset: Dataset, steps: int) -> GRPOTrainer:
@@ -101,12 +83,16 @@ def teacher_forced(model: Any, prompt_ids: list[int], completion_ids: list[int])
     return [float(logp[len(prompt_ids) + j - 1, t]) for j, t in enumerate(completion_ids)]
 
 
-def check_versions_and_logprobs(rec: Recorded, store: PolicyStore, steps: int) -> None:
+def check_versions_and_logprobs(rec: Recorded, stack: LoomStack, steps: int) -> None:
     history = rec.inner.history
     assert [h["step"] for h in history] == list(range(steps))
     assert off_policy_calls(history, staleness=0) == []
-    assert [h["version"] for h in history] == [None, *range(1, steps)]
+    assert [h["version"] for h in history] == list(range(steps))  # 0: the base model
+    for out in rec.outputs[1:]:  # the trainer's versions live in its key's namespace
+        assert set(out["loom_policy_namespace"]) == {TRAINER}
+    store = PolicyStore(stack.policy_root / "ns" / TRAINER)
     assert store.versions() == list(range(1, steps))
+    assert PolicyStore(stack.policy_root).versions() == []  # nothing in the learner's own
     # each call's behaviour log-probs are those of the weights published for its step
     for step, out in enumerate(rec.outputs):
         model = load_model(None if step == 0 else store.path_of(step)).eval()
@@ -131,14 +117,14 @@ def test_grpo_trainer_trains_on_loom_tree_rollouts_publishing_each_step(
         mode="tree",
         mode_params=TREE,
         tasks=tasks,
-        publish=store_publish(stack.policy_root, load_tokenizer()),
+        publish=publish_with(PolicyPublisher(stack.url, TRAINER_KEY), load_tokenizer()),
     )
     rec = Recorded(rollout)
     trainer = _trainer(tmp_path, rec, dataset, steps=3)
     trainer.train()
 
     assert trainer.state.global_step == 3 and len(rec.outputs) == 3
-    check_versions_and_logprobs(rec, PolicyStore(stack.policy_root), 3)
+    check_versions_and_logprobs(rec, stack, 3)
     logged = [h for h in trainer.state.log_history if "rewards/job_reward/mean" in h]
     assert len(logged) == 3
     for out, h in zip(rec.outputs, logged, strict=True):
@@ -172,14 +158,14 @@ def test_grpo_trainer_trains_on_loom_streaming_rollouts(stack: LoomStack, tmp_pa
         TRAINER_KEY,
         mode="streaming",
         tasks=tasks,
-        publish=store_publish(stack.policy_root, load_tokenizer()),
+        publish=publish_with(PolicyPublisher(stack.url, TRAINER_KEY), load_tokenizer()),
     )
     rec = Recorded(rollout)
     trainer = _trainer(tmp_path, rec, dataset, steps=2)
     trainer.train()
 
     assert trainer.state.global_step == 2 and len(rec.outputs) == 2
-    check_versions_and_logprobs(rec, PolicyStore(stack.policy_root), 2)
+    check_versions_and_logprobs(rec, stack, 2)
     tok = load_tokenizer()
     for out in rec.outputs:
         for prompt_ids, ids, mask in zip(
