@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from loom.contracts.settings import Settings
-from loom.contracts.wire import Group, RolloutRequest
+from loom.contracts.wire import Group, RolloutRequest, SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines.torch import TorchEngine, load_model, teacher_forced_logprobs
 from rollout_svc.modes import ModeError
 from rollout_svc.rollout import generate_group
-from tests.rollout.conftest import build_model_dir
+from tests.rollout.conftest import build_model_dir, engine_server, model_dir  # noqa: F401 (fixtures)
 
 PROMPT = "1 + 1 = ?"
 
@@ -136,3 +136,35 @@ def test_the_policy_load_route_names_a_trainers_version_by_its_namespace(world: 
     for name in ("../alice", "bob"):
         with pytest.raises(PolicyNotFound):
             stored_policy(settings, 1, namespace=name)
+
+
+def test_the_vllm_client_loads_a_trainers_version_and_a_fresh_client_recognises_it(
+    world: Any,
+    engine_server: str,  # noqa: F811 (the fixture imported above)
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """The vLLM client (against ``loom engine``, which speaks vLLM's reload and label routes): a
+    request at alice's version 1 reloads the server from alice's folder, the trajectories carry it,
+    and a fresh client of the same store reads the server's label back as (alice, 1)."""
+    from transformers import AutoTokenizer
+
+    from rollout_svc.engines.vllm import VLLMEngine
+
+    _, settings = world
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    store = settings.policy_store_path
+
+    async def flow() -> tuple[Group, tuple[int, str | None]]:
+        engine = VLLMEngine(engine_server, policy_store=store, retries=1)
+        fresh = VLLMEngine(engine_server, policy_store=store, retries=1)
+        try:
+            group = await generate_group(request(1, "alice", "exact"), engine, lambda: tokenizer, settings)
+            await fresh.generate([5, 6, 7], SamplingParams(max_tokens=2))
+            return group, (fresh.policy_version, fresh.policy_namespace)
+        finally:
+            await engine.close()
+            await fresh.close()
+
+    group, recognised = run(flow())
+    assert {(t.policy_namespace, t.policy_version) for t in group.trajectories} == {("alice", 1)}
+    assert recognised == (1, "alice")
