@@ -155,14 +155,14 @@ class PolicyStore:
     @contextmanager
     def open_file(self, version: int, rel: str) -> Iterator[IO[bytes]]:
         """Version ``version``'s file ``rel`` (a path its manifest lists), opened without following
-        a link at any component below the store's root (or the registered path): a file swapped for
-        a symlink, or put behind a symlinked folder, after publish is refused (``FileNotFoundError``),
-        and so is anything but a regular file."""
+        a link at any component below the store's root (for a registered path, at any component at
+        all, as at its registration): a file swapped for a symlink, or put behind a symlinked folder,
+        after publish is refused (``FileNotFoundError``), and so is anything but a regular file."""
         record = self.get(version)
         if record is None:
             raise FileNotFoundError(rel)
         if record.meta.get(REGISTERED):
-            top, parts = Path(record.path), rel.split("/")
+            top, parts = Path("/"), [*Path(record.path).parts[1:], *rel.split("/")]
         else:
             top = self.base
             inside = [] if self.name is None else [NAMESPACES, self.name]
@@ -172,6 +172,27 @@ class PolicyStore:
             yield f
         finally:
             f.close()
+
+    def verify(self, version: int) -> None:
+        """Check every file of ``version`` against its manifest (size and sha256, each opened as
+        ``open_file`` does); ``IntegrityError`` naming the first that differs. For a registered path,
+        which stays its trainer's, a replica that reads it directly calls this before loading."""
+        found = self.manifest(version)
+        if found is None:
+            raise PublishNotFound(f"no policy version {version} (or no manifest)")
+        for f in found["files"]:
+            try:
+                with self.open_file(version, f["path"]) as src:
+                    h, size = hashlib.sha256(), 0
+                    while chunk := src.read(1 << 20):
+                        h.update(chunk)
+                        size += len(chunk)
+            except FileNotFoundError as exc:
+                raise IntegrityError(f"policy version {version}: {f['path']} is gone or a link") from exc
+            if (size, h.hexdigest()) != (f["size"], f["sha256"]):
+                raise IntegrityError(
+                    f"policy version {version}: {f['path']} is not the file hashed at publish"
+                )
 
     def prune(self, keep: int = 3) -> list[int]:
         """Delete all but the newest ``keep`` versions; returns the deleted ones."""

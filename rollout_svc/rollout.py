@@ -21,7 +21,8 @@ from loom.contracts.policies import is_namespace
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
 from loom.remote_store import open_policy_store
-from rollout_svc.engines.base import Engine, EngineError, check_prompt
+from loom.store import REGISTERED, PolicyStore, PublishError
+from rollout_svc.engines.base import Engine, EngineError, PolicyLoadError, check_prompt
 from rollout_svc.modes import MODES, ModeError, mode_runner
 
 
@@ -247,6 +248,11 @@ async def _load(engine: Engine, wanted: int, namespace: str | None, match: str, 
     else:
         store = open_policy_store(settings).namespace(namespace)
         policy = await asyncio.to_thread(store.get if match == "exact" else store.serving, wanted)
+        if policy is not None and policy.meta.get(REGISTERED) and isinstance(store, PolicyStore):
+            try:  # a registered path stays its trainer's: read here directly, so checked here
+                await asyncio.to_thread(store.verify, policy.version)
+            except PublishError as exc:
+                raise PolicyLoadError(exc.detail) from None
     if policy is None:
         where = "the policy store" if namespace is None else f"policy namespace {namespace!r}"
         raise ModeError(f"policy version {wanted} is not in {where}")

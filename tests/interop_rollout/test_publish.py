@@ -349,3 +349,53 @@ def test_a_symlinked_folder_in_a_served_path_is_refused(served: Any, tmp_path: P
     (store.root / "LATEST").write_text("1")
     r = httpx.get(f"{server.url}/v1/store/v/2/files/model.safetensors", headers=auth(TOKEN))
     assert r.status_code == 404
+
+
+def test_a_registered_version_is_pulled_over_http_and_a_changed_file_refused(
+    tmp_path: Path, checkpoint: Path
+) -> None:
+    import shutil
+
+    shared = tmp_path / "shared"
+    shutil.copytree(checkpoint, shared / "ckpt")
+    learner = gateway_settings(tmp_path / "learner", gateway_policy_register_roots=str(shared))
+    with start_learner_api(learner) as store_host:
+        gw = gateway_settings(tmp_path / "gw", policy_store_url=store_host.url)
+        with start_gateway(gw) as server:
+            r = httpx.post(
+                f"{server.url}/v1/policies/register",
+                json={"path": str(shared / "ckpt")},
+                headers=auth(PUBLISHER_KEY),
+            )
+            assert r.status_code == 201 and r.json()["registered"], r.text
+        replica = RemotePolicyStore(store_host.url, tmp_path / "replica", token=TOKEN).namespace("alice")
+        got = replica.get(1)
+        assert got is not None and got.path == str(tmp_path / "replica" / "ns" / "alice" / "v1")
+        assert (Path(got.path) / "model.safetensors").read_bytes() == (
+            checkpoint / "model.safetensors"
+        ).read_bytes()
+        (shared / "ckpt" / "tokenizer.json").write_text("{}")  # the trainer changed its folder
+        later = RemotePolicyStore(store_host.url, tmp_path / "replica2", token=TOKEN).namespace("alice")
+        with pytest.raises(PolicyHashMismatch, match="tokenizer.json"):
+            later.get(1)
+
+
+def test_abandoned_uploads_expire_and_a_namespace_holds_few_open(tmp_path: Path) -> None:
+    from loom.contracts.policies import UploadRequest
+    from loom.store import PublishConflict, PublishNotFound, Uploads
+
+    store = PolicyStore(tmp_path / "policy")
+    body = UploadRequest.model_validate(
+        {"files": [{"path": "model.safetensors", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}]}
+    )
+    gone = Uploads(store, max_bytes=100, ttl_s=1e-9)  # every upload has expired by its next request
+    ticket = gone.declare("alice", body)
+    with pytest.raises(PublishNotFound, match="expired"):
+        gone.part("alice", ticket.upload_id, "model.safetensors", 0)
+    assert not (gone.dir / ticket.upload_id).exists()
+    uploads = Uploads(store, max_bytes=100, ttl_s=3600)
+    for _ in range(4):
+        uploads.declare("alice", body)
+    with pytest.raises(PublishConflict, match="4 uploads"):
+        uploads.declare("alice", body)
+    uploads.declare("bob", body)  # another namespace has its own

@@ -168,3 +168,31 @@ def test_the_vllm_client_loads_a_trainers_version_and_a_fresh_client_recognises_
     group, recognised = run(flow())
     assert {(t.policy_namespace, t.policy_version) for t in group.trajectories} == {("alice", 1)}
     assert recognised == (1, "alice")
+
+
+def test_a_registered_version_is_checked_against_its_hashes_before_a_replica_loads_it(
+    world: Any, tmp_path: Path
+) -> None:
+    """A registered path stays the trainer's: a replica reading it directly re-hashes it first, and a
+    file changed since the registration is a load error, not a silently different policy."""
+    from loom.contracts.policies import RegisterRequest
+    from loom.store import Uploads
+    from rollout_svc.engines.base import PolicyLoadError
+
+    base, world_settings = world
+    shared = build_model_dir(tmp_path / "shared" / "step-7", seed=7)
+    store = PolicyStore(tmp_path / "policy")
+    uploads = Uploads(store, max_bytes=10**9, ttl_s=3600)
+    ref = uploads.register("alice", RegisterRequest(path=str(shared)), [tmp_path / "shared"])
+    settings = world_settings.model_copy(update={"policy_store": store.root})
+    engine = engine_of(base)
+    group = run(
+        generate_group(request(ref.version, "alice", "exact"), engine, lambda: engine.tokenizer, settings)
+    )
+    assert {(t.policy_namespace, t.policy_version) for t in group.trajectories} == {("alice", 1)}
+    assert generated_by(group, engine, shared)
+    (shared / "config.json").write_text((shared / "config.json").read_text().replace("{", "{ ", 1))
+    fresh = engine_of(base)
+    with pytest.raises(PolicyLoadError, match="config.json"):
+        run(generate_group(request(1, "alice", "exact"), fresh, lambda: fresh.tokenizer, settings))
+    assert fresh.policy_version == 0
