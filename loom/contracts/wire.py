@@ -342,7 +342,9 @@ class RolloutRequest(Contract):
     def _one_prompt(self) -> RolloutRequest:
         if (self.prompt is None) == (self.prompt_ids is None):
             raise ValueError("give exactly one of prompt or prompt_ids")
-        if self.policy_version is None and (self.policy_namespace is not None or self.policy_match == "exact"):
+        if self.policy_version is None and (
+            self.policy_namespace is not None or self.policy_match == "exact"
+        ):
             raise ValueError("policy_namespace and policy_match 'exact' need a policy_version")
         return self
 
