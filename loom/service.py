@@ -10,6 +10,10 @@ problems>, ...}`` (never ``detail.detail``), and every route's OpenAPI lists the
 answer with that schema (docs/security.md). A JSON body that is not UTF-8 or nests deeper than the
 parser goes is a 422 at ``body`` naming the problem; a dependency that is down (broker, result store)
 is a 503 ``dependency_unavailable``, not a 500.
+
+``serve(app, host, port)`` runs an app under uvicorn with read deadlines on each request's headers
+and body (``http_protocol``: slow clients are closed, docs/security.md "Read timeouts"); ``loom api``
+starts every service with it.
 """
 
 from __future__ import annotations
