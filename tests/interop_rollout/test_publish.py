@@ -399,3 +399,11 @@ def test_abandoned_uploads_expire_and_a_namespace_holds_few_open(tmp_path: Path)
     with pytest.raises(PublishConflict, match="4 uploads"):
         uploads.declare("alice", body)
     uploads.declare("bob", body)  # another namespace has its own
+
+
+def test_a_job_naming_a_namespace_or_exact_needs_a_version(gateway: tuple[Server, Any]) -> None:
+    server, _ = gateway
+    job = {"job_key": "j", "prompts": ["1 + 1 = ?"]}
+    for extra in ({"policy_namespace": "alice"}, {"policy_match": "exact"}):
+        r = httpx.post(f"{server.url}/v1/jobs", json={**job, **extra}, headers=auth(PUBLISHER_KEY))
+        assert r.status_code == 422 and "need a policy_version" in r.text, r.text
