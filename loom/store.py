@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any, Literal, Protocol
 
 from loom.contracts.policies import (
+    LEARNER_NAMESPACE,
     PolicyRef,
     RegisterRequest,
     UploadRequest,
@@ -219,7 +220,7 @@ REGISTERED = "registered"  # meta key: the version's files are at its path, on a
 
 def policy_ref(record: PolicyVersion, files: list[dict[str, Any]]) -> PolicyRef:
     return PolicyRef(
-        namespace=record.namespace or "loom",
+        namespace=record.namespace or LEARNER_NAMESPACE,
         version=record.version,
         kind=record.kind,
         files=files,
@@ -513,7 +514,10 @@ class Uploads:
 
     def _ns(self, namespace: str) -> PolicyStore:
         if not is_namespace(namespace):
-            raise PublishForbidden(f"{namespace!r} cannot name a policy namespace (letters, digits, _.-)")
+            raise PublishForbidden(
+                f"{namespace!r} cannot name a policy namespace (letters, digits, _.-; not 'loom'): "
+                "publish with a key of another name"
+            )
         return self.store.namespace(namespace)
 
     def _next_version(self, ns: PolicyStore, asked: int | None) -> int:

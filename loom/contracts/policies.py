@@ -27,8 +27,12 @@ MAX_FILES = 256
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
+LEARNER_NAMESPACE = "loom"  # how PolicyRef and the docs name the learner's own versions (None in code)
+
+
 def is_namespace(name: str | None) -> bool:
-    return name is not None and NAMESPACE_RE.fullmatch(name) is not None
+    """A trainer's namespace name (a key's name): letters, digits and ``_.-``, not "loom"."""
+    return name is not None and name != LEARNER_NAMESPACE and NAMESPACE_RE.fullmatch(name) is not None
 
 
 def file_path_problem(path: str) -> str | None:

@@ -20,11 +20,13 @@ from tests.conftest import free_port
 PUBLISHER_KEY = "loom_test_publisher_key"  # key "alice": jobs + policy
 OTHER_KEY = "loom_test_other_publisher"  # key "bob": jobs + policy
 JOBS_ONLY_KEY = "loom_test_jobs_only_key"  # key "carol": jobs
+LOOM_NAMED_KEY = "loom_test_key_named_loom"  # key "loom": policy (the learner's name: cannot publish)
 API_KEYS = ",".join(
     [
         f"alice:{hash_key(PUBLISHER_KEY)}:jobs+policy",
         f"bob:{hash_key(OTHER_KEY)}:jobs+policy",
         f"carol:{hash_key(JOBS_ONLY_KEY)}:jobs",
+        f"loom:{hash_key(LOOM_NAMED_KEY)}:policy",
     ]
 )
 TOKEN = "publish-test-token"

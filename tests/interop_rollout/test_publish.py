@@ -20,6 +20,7 @@ from loom.remote_store import PolicyHashMismatch, RemotePolicyStore
 from loom.store import PolicyStore
 from tests.interop_rollout.conftest import (
     JOBS_ONLY_KEY,
+    LOOM_NAMED_KEY,
     OTHER_KEY,
     PUBLISHER_KEY,
     TOKEN,
@@ -407,3 +408,10 @@ def test_a_job_naming_a_namespace_or_exact_needs_a_version(gateway: tuple[Server
     for extra in ({"policy_namespace": "alice"}, {"policy_match": "exact"}):
         r = httpx.post(f"{server.url}/v1/jobs", json={**job, **extra}, headers=auth(PUBLISHER_KEY))
         assert r.status_code == 422 and "need a policy_version" in r.text, r.text
+
+
+def test_a_key_named_like_the_learners_namespace_cannot_publish(gateway: tuple[Server, Any]) -> None:
+    server, _ = gateway
+    r = declare(server.url, LOOM_NAMED_KEY, {"model.safetensors": b"x"})
+    assert r.status_code == 403 and "not 'loom'" in r.json()["detail"], r.text
+    assert httpx.get(f"{server.url}/v1/policies", headers=auth(LOOM_NAMED_KEY)).json() == []
