@@ -118,10 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SIMULATION: no model, random tokens at this latency (replica-scaling benchmark only)",
     )
     args = p.parse_args(list(argv) if argv is not None else None)
-    import uvicorn
+    from loom.service import serve
 
     app = build_app(args.model, args.device, args.simulate_ms_per_token)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
+    # the read deadlines of every Loom service (docs/security.md): a slow client is cut off here too
+    serve(app, args.host, args.port, settings, log_level="warning", timeout_graceful_shutdown=3)
     return 0
 
 
