@@ -16,6 +16,7 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from loom.answers import last_boxed
 from loom.clients.policies import PolicyPublisher
 from loom.clients.rollouts import RolloutGroup
 from loom.clients.trl_rollout import LoomRolloutFunc, job_reward, off_policy_calls, pick_leaves, publish_with
@@ -134,6 +135,15 @@ def test_grpo_trainer_trains_on_loom_tree_rollouts_publishing_each_step(
         assert all(len(m) == len(c) for m, c in zip(out["env_mask"], out["completion_ids"], strict=True))
         groups = [out["loom_group_id"][k] for k in range(0, 8, 4)]
         assert all(out["loom_group_id"][k] == groups[k // 4] for k in range(8))
+    # each reward TRL got belongs to the completion beside it: 1 exactly where its boxed answer is the gold
+    tok = load_tokenizer()
+    gold = {plain_prompt(p): p.gold for p in problems}
+    for out in rec.outputs:
+        for prompt_ids, ids, reward in zip(
+            out["prompt_ids"], out["completion_ids"], out["loom_reward"], strict=True
+        ):
+            answer = last_boxed(tok.decode(ids, skip_special_tokens=True))
+            assert reward == float(answer == gold[tok.decode(prompt_ids)]), (answer, reward)
     assert len({t for out in rec.outputs for t in out["loom_trajectory_id"]}) == 24
     branched = [t for out in rec.outputs for t in out["loom_trajectory_id"] if ".b" in t]
     assert branched, "no branch leaf reached TRL"

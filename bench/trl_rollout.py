@@ -1,0 +1,239 @@
+"""TRL 1.16's own ``GRPOTrainer`` with every rollout from Loom (issue 34; docs/interop-rollout.md, "TRL").
+
+A local stack (``launch.stack.Stack``: gateway, rollout and reward, the embedded broker, the torch
+engine serving the built-in tiny model) generates each step's groups through a gateway job
+(``loom.clients.trl_rollout.LoomRolloutFunc``: tree or streaming mode), rewarded by the job's spec
+(accuracy); TRL trains the same tiny model on CPU with its GRPO loss and, at every step that trained,
+publishes its weights as policy version = step (``PolicyPublisher``: the gateway's upload routes, into
+the trainer key's namespace), which the job of the next step asks for exactly.
+
+Printed (and written with ``--out``): per step the mean reward TRL trained on, the first and last ten
+steps' means, whether every trajectory carried the version of its step, held-out greedy accuracy of
+the format before and after, the wall time per step and how many tree leaves each group grew.
+
+    python bench/trl_rollout.py --mode tree|streaming [--steps 60] [--prompts 2] [--group 4]
+                                [--lr 5e-5] [--warmup 0.0] [--seed 0] [--eval 64]
+                                [--out FILE.json] [--plot FILE.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import secrets
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [str(_BENCH.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+
+TREE = {"strategy": "random", "branches": 1, "continuations": 2, "min_distance": 4}
+STREAM = {"segment_cap": 32, "answer_max_tokens": 16}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tasks(mode: str, problems: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The TRL dataset rows and, per prompt, its Loom task."""
+    from loom.tiny import STREAM_HEADER, plain_prompt
+    from loom.tiny.traces import stream_sentences
+
+    if mode == "tree":
+        rows = [{"prompt": plain_prompt(p), "answer": p.gold} for p in problems]
+        return rows, {plain_prompt(p): {"label": p.gold, "task": "arithmetic"} for p in problems}
+    rows = [{"prompt": p.text, "answer": p.gold} for p in problems]
+    tasks = {
+        p.text: {
+            "prompt": STREAM_HEADER,
+            "label": p.gold,
+            "task": "arithmetic",
+            "mode_params": {"sentences": stream_sentences(p), **STREAM},
+        }
+        for p in problems
+    }
+    return rows, tasks
+
+
+def held_out(mode: str, model: Any, tok: Any, n: int) -> float:
+    from loom.tiny import HELDOUT_SEED, tiny_problems
+    from loom.tiny.evaluate import eval_plain, eval_stream
+
+    problems = tiny_problems("arith", n, HELDOUT_SEED, "test")
+    model.eval()
+    res = eval_plain(model, tok, problems) if mode == "tree" else eval_stream(model, tok, problems)
+    return res.accuracy
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from launch.stack import Stack
+    from loom.clients.policies import PolicyPublisher
+    from loom.clients.trl_rollout import LoomRolloutFunc, job_reward, off_policy_calls, publish_with
+    from loom.contracts.settings import Settings
+    from loom.store import PolicyStore
+    from loom.tiny import load_model, load_tokenizer, make_problems
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="loom-trl-rollout-"))
+    ports = {f"{svc}_port": _free_port() for svc in ("gateway", "rollout", "reward", "reflect", "learner")}
+    key = "loom_" + secrets.token_urlsafe(24)  # the trainer's key: it publishes into namespace "trainer"
+    keys = f"trainer:{hashlib.sha256(key.encode()).hexdigest()}:jobs+policy"
+    settings = Settings(
+        data_dir=tmp, broker_url="embedded", result_backend="embedded", api_keys=keys, **ports
+    )
+    problems = make_problems("arith", args.steps * args.prompts, seed=args.seed, split="train")
+    rows, tasks = _tasks(args.mode, problems)
+    tok = load_tokenizer()
+    acc_before = held_out(args.mode, load_model(), tok, args.eval)
+    store = PolicyStore(settings.policy_store_path / "ns" / "trainer")
+
+    with Stack(settings, services=("gateway", "rollout", "reward"), ready_timeout=300):
+        url = settings.service_url("gateway")
+        rollout = LoomRolloutFunc(
+            url,
+            key,
+            mode=args.mode,
+            mode_params=TREE if args.mode == "tree" else None,
+            tasks=tasks,
+            publish=publish_with(PolicyPublisher(url, key), tok),
+        )
+        leaves: list[int] = []
+        step_s: list[float] = []
+
+        def timed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+            t0 = time.perf_counter()
+            out = rollout(prompts, trainer)
+            step_s.append(time.perf_counter() - t0)
+            return out
+
+        inner_generate = rollout.rollouts.generate
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            groups = inner_generate(*a, **kw)
+            leaves.extend(len(g.samples) for g in groups)
+            return groups
+
+        rollout.rollouts.generate = counted  # type: ignore[method-assign]
+        torch.manual_seed(args.seed)
+        config = GRPOConfig(
+            output_dir=str(tmp / "trl"),
+            max_steps=args.steps,
+            per_device_train_batch_size=args.prompts * args.group,
+            num_generations=args.group,
+            max_completion_length=args.max_tokens,
+            temperature=1.0,
+            learning_rate=args.lr,
+            warmup_steps=args.warmup,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            seed=args.seed,
+            dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(
+            model=load_model(),
+            reward_funcs=[job_reward],
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tok,
+            rollout_func=timed,
+        )
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    rewards = [
+        h["rewards/job_reward/mean"] for h in trainer.state.log_history if "rewards/job_reward/mean" in h
+    ]
+    k = min(10, len(rewards))
+    return {
+        "mode": args.mode,
+        "steps": trainer.state.global_step,
+        "prompts_per_step": args.prompts,
+        "num_generations": args.group,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "reward_per_step": rewards,
+        "reward_first10": sum(rewards[:k]) / k,
+        "reward_last10": sum(rewards[-k:]) / k,
+        "versions_checked": sum(len(h["versions"]) for h in rollout.history),
+        "off_policy_calls": off_policy_calls(rollout.history, staleness=0),
+        "published_versions": len(store.versions()),
+        "heldout_acc_before": acc_before,
+        "heldout_acc_after": held_out(args.mode, trainer.model, tok, args.eval),
+        "heldout_n": args.eval,
+        "wall_s": wall,
+        "rollout_s_per_step": sum(step_s) / len(step_s),
+        "leaves_per_group": sum(leaves) / len(leaves) if leaves else None,
+    }
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for r in results:
+        ys = r["reward_per_step"]
+        w = 5
+        smooth = [
+            sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))
+        ]
+        ax.plot(range(len(ys)), ys, alpha=0.3)
+        ax.plot(range(len(ys)), smooth, label=f"{r['mode']} (5-step mean)", color=ax.lines[-1].get_color())
+    ax.set_xlabel("TRL step")
+    ax.set_ylabel("mean reward (Loom accuracy)")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", dest="modes", choices=["tree", "streaming"], action="append")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--prompts", type=int, default=2, help="distinct prompts per step")
+    p.add_argument("--group", type=int, default=4, help="num_generations")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument(
+        "--warmup", type=float, default=0.0, help="linear warmup: steps, or a fraction < 1 of them"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval", type=int, default=64, help="held-out problems, greedy")
+    p.add_argument("--out", type=Path, help="append the results as JSON lines")
+    p.add_argument("--plot", type=Path, help="the reward curves as a PNG")
+    args = p.parse_args(argv)
+    results = []
+    for mode in args.modes or ["tree"]:
+        args.mode = mode
+        r = run(args)
+        results.append(r)
+        shown = {k: v for k, v in r.items() if k != "reward_per_step"}
+        print(json.dumps(shown), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
