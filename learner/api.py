@@ -6,7 +6,9 @@ the policy), returns schemas.
   needs), so a bad batch is a 422, never a failed task.
 - ``POST /v1/score/attention``: FCI scores of a response's steps under the current policy.
 - ``GET /v1/store/...``: the policy store's versions, manifests and files (``loom.remote_store``), so
-  rollout replicas on other hosts pull each version without a shared filesystem.
+  rollout replicas on other hosts pull each version without a shared filesystem; a trainer's under
+  ``/v1/store/ns/{namespace}/...``, where the gateway also forwards its ``/v1/policies`` uploads
+  (docs/interop-rollout.md).
 
 All are internal routes: with ``LOOM_SERVICE_TOKEN`` set they need it (401 otherwise). A wait a
 request asks for (``?timeout=``, the body's ``timeout``) above ``LOOM_LEARNER_MAX_WAIT_S`` is a 422;
