@@ -2,11 +2,16 @@
 
 Server: ``add_store_routes(app, guard)`` mounts three read-only internal routes on a service that
 holds the store directory (the learner API; ``LOOM_SERVICE_TOKEN`` guards them like the other
-internal routes):
+internal routes), the same three for a trainer's namespace under ``/v1/store/ns/{namespace}``:
 
 - ``GET /v1/store/latest``: ``{"version": N}`` of the newest version (404 when there is none);
-- ``GET /v1/store/v/{version}/manifest``: ``{"policy": PolicyVersion, "files": [{path, size, sha256}]}``;
-- ``GET /v1/store/v/{version}/files/{path}``: one file the manifest lists, streamed (any other: 404).
+- ``GET /v1/store/v/{version}/manifest``: ``{"policy": PolicyVersion, "files": [{path, size, sha256}]}``
+  (the manifest written at publish; a version without one is a 404);
+- ``GET /v1/store/v/{version}/files/{path}``: one file the manifest lists, streamed, opened without
+  following a link (any other: 404);
+
+and the publishing routes the gateway forwards a trainer's uploads to (``add_publish_routes``;
+``policy_writer`` picks the local store or the forwarding writer, docs/interop-rollout.md).
 
 Client: ``RemotePolicyStore`` reads the same versions as ``PolicyStore`` and pulls a version into a
 local cache directory the first time it is asked for: every file is streamed into a temporary folder,
