@@ -23,7 +23,7 @@ from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, Rollou
 from loom.remote_store import open_policy_store
 from loom.store import REGISTERED, PolicyStore, PublishError
 from rollout_svc.engines.base import Engine, EngineError, PolicyLoadError, check_prompt
-from rollout_svc.modes import MODES, ModeError, mode_runner
+from rollout_svc.modes import MODES, ModeError, run
 
 
 class GroupTimeout(EngineError):
@@ -80,10 +80,7 @@ async def _generate(
     settings: Settings,
 ) -> Group:
     params = parse_mode_params(request, ModeLimits.from_settings(settings))
-    group: Group = await mode_runner(request.mode)(
-        request, prompt_ids, group_id, engine, tokenizer, params, settings
-    )
-    return group
+    return await run(request, prompt_ids, group_id, engine, tokenizer, params, settings)
 
 
 def with_processing(group: Group, sampling: SamplingParams) -> Group:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
 
-from loom.contracts.modes import PlainParams
 from loom.contracts.wire import Group, RolloutRequest, Trajectory
 from rollout_svc.engines.base import Engine
 from rollout_svc.modes import group_of, trajectory_id
@@ -36,16 +33,3 @@ async def plain(request: RolloutRequest, prompt_ids: list[int], group_id: str, e
         for i, c in enumerate(outs)
     ]
     return group_of(request, group_id, "plain", trajectories)
-
-
-async def run(
-    request: RolloutRequest,
-    prompt_ids: list[int],
-    group_id: str,
-    engine: Engine,
-    tokenizer: Callable[[], Any],
-    params: PlainParams,
-    settings: Any = None,
-) -> Group:
-    """The dispatch entry (no parameters, no tokenizer: the modes' one signature)."""
-    return await plain(request, prompt_ids, group_id, engine)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -378,16 +377,3 @@ def _summary(group_id: str, ro: _Rollout) -> dict[str, Any]:
         "sequential_tokens": ro.sequential,
         "wall_s": ro.wall_s,
     }
-
-
-async def run(
-    request: RolloutRequest,
-    prompt_ids: list[int],
-    group_id: str,
-    engine: Engine,
-    tokenizer: Callable[[], Any],
-    params: SpawnParams,
-    settings: Any = None,
-) -> Group:
-    """The dispatch entry (``settings``: unused; the modes' one signature)."""
-    return await spawn(request, prompt_ids, group_id, engine, tokenizer(), params)

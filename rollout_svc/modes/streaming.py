@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,16 +279,3 @@ async def streaming(
         list(trajectories),
         meta={"layout": cfg.layout, "n_sentences": len(cfg.sentences)},
     )
-
-
-async def run(
-    request: RolloutRequest,
-    prompt_ids: list[int],
-    group_id: str,
-    engine: Engine,
-    tokenizer: Callable[[], Any],
-    params: StreamingParams,
-    settings: Any = None,
-) -> Group:
-    """The dispatch entry (the deployment's limits are already in ``params``)."""
-    return await streaming(request, prompt_ids, group_id, engine, tokenizer(), params)

@@ -27,16 +27,10 @@
    already taken; ranked by the same strategy) and branches each into T continuations; a tree then
    has 1 + L N T leaves.
 
-Reward callback (``reward_fn``): ``(trajectories) -> correctness in [0, 1] per trajectory`` (sync or
-async). The mode stays pure; ``exact_reward_fn`` builds one from loom.exact for arithmetic/countdown
-requests with a label. Attention scores come from the engine (``attention_scores`` capability: the
-torch engine, ``loom engine``) or, when the operator set ``LOOM_ATTENTION_URL``, from that learner /
-loom engine's ``POST /v1/score/attention``; otherwise attention branching is ``UnsupportedCapability``.
-The scorer is never a request's: a worker calls no URL taken from a request, so a submitted
-``mode_params.attention_url`` is refused (docs/security-workers.md). A scoring call waits at most
-``LOOM_ATTENTION_TIMEOUT_S`` (``mode_params.attention_timeout_s`` may only shorten it); a scorer that
-fails, times out or answers something other than the scores is a typed error that carries its status,
-never its reply.
+Reward callback (``reward_fn``: correctness in [0, 1] per initial response) and attention scorer
+(``scorer``: the operator's, for an engine without its own) are plain callables, so the mode stays
+pure; rollout_svc.modes.scorers builds them (the exact verifier, ``LOOM_ATTENTION_URL``) and holds
+the scorer's transport and security rules.
 
 The group records the tree: trajectory i is the initial response i or a branch (its completion is the
 copied prefix + the continuation, ``parent_id`` = the path it branched from); ``Group.tree`` holds
@@ -53,19 +47,17 @@ import math
 import random
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from loom.contracts.modes import TreeParams
-from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, RolloutRequest, Segment, Trajectory, TreeNode
-from rollout_svc.engines.base import Completion, Engine, EngineError, UnsupportedCapability
+from rollout_svc.engines.base import Completion, Engine
 from rollout_svc.modes import group_of, sample_seed, trajectory_id
+from rollout_svc.modes.scorers import RewardFn, Scorer, resolve_scorer
 
 Strategy = Literal["attention", "entropy", "random"]
-RewardFn = Callable[[list[Trajectory]], "Sequence[float] | Awaitable[Sequence[float]]"]
-Scorer = Callable[[list[int], list[tuple[int, int]], int, "int | None"], Awaitable[list[float]]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,109 +236,6 @@ def expanded_trees(
         return 0, True
     m = math.exp(-z) * initial
     return min(initial, math.ceil(m) if rule == "ceil" else math.floor(m + 0.5)), False
-
-
-# ------------------------------------------------------------------------------------------------
-# reward callback and attention scorers
-
-
-def exact_reward_fn(request: RolloutRequest, tokenizer: Any) -> RewardFn | None:
-    """Correctness by loom.exact for ``arithmetic`` (label = the value) and ``countdown`` (label = JSON
-    {"numbers": [...], "target": n}) requests; None for every other task (no expansion rule then)."""
-    from loom.answers import last_boxed
-    from loom.exact import check_arithmetic, check_countdown, parse_countdown
-
-    label = request.label
-    if request.task not in ("arithmetic", "countdown") or not label:
-        return None
-    gold: Any = label
-    if request.task == "countdown":
-        gold = parse_countdown(label)  # None for a malformed label, whatever its shape
-        if gold is None:
-            return None
-
-    def score(trajectories: list[Trajectory]) -> list[float]:
-        out = []
-        for t in trajectories:
-            text = tokenizer.decode(t.completion_ids, skip_special_tokens=True)
-            answer = last_boxed(text)
-            if answer is None:
-                out.append(0.0)
-            elif request.task == "arithmetic":
-                out.append(float(check_arithmetic(answer, gold)))
-            else:
-                out.append(float(check_countdown(answer, gold[0], gold[1])))
-        return out
-
-    return score
-
-
-class ScorerError(EngineError):
-    """The operator's attention scorer failed: unreachable, an error status, or a reply that is not
-    the scores. The message names what went wrong, never what the scorer said."""
-
-    kind = "attention_scorer_error"
-
-
-class ScorerTimeout(ScorerError):
-    kind = "attention_scorer_timeout"
-
-
-def _scores_of(body: Any, n: int) -> list[float]:
-    scores = body.get("scores") if isinstance(body, dict) else None
-    if (
-        not isinstance(scores, list)
-        or len(scores) != n
-        or not all(
-            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in scores
-        )
-    ):
-        raise ScorerError(f"the attention scorer's reply is not a list of {n} finite scores")
-    return [float(x) for x in scores]
-
-
-def http_scorer(url: str, timeout_s: float = 120.0, token: str = "") -> Scorer:
-    """FCI scores from ``POST {url}/v1/score/attention`` (the learner's route, also on ``loom engine``).
-    ``url`` is the operator's (``LOOM_ATTENTION_URL``); ``timeout_s`` bounds the whole call (connect,
-    send, every byte of the reply); ``token``: the service token the learner's route requires."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-
-    async def score(
-        ids: list[int], steps: list[tuple[int, int]], delta: int, zero_from: int | None
-    ) -> list[float]:
-        body = {"token_ids": ids, "steps": [list(s) for s in steps], "delta": delta, "zero_from": zero_from}
-        try:
-            async with asyncio.timeout(timeout_s), httpx.AsyncClient(timeout=timeout_s) as client:
-                r = await client.post(url.rstrip("/") + "/v1/score/attention", json=body, headers=headers)
-        except (TimeoutError, httpx.TimeoutException):
-            raise ScorerTimeout(f"the attention scorer did not answer within {timeout_s} s") from None
-        except httpx.HTTPError as exc:
-            raise ScorerError(f"the attention scorer could not be reached ({type(exc).__name__})") from None
-        if r.status_code != 200:
-            raise ScorerError(f"the attention scorer answered HTTP {r.status_code}")
-        try:
-            reply = r.json()
-        except ValueError:
-            raise ScorerError("the attention scorer's reply is not JSON") from None
-        return _scores_of(reply, len(steps))
-
-    return score
-
-
-def resolve_scorer(engine: Engine, cfg: TreeParams, url: str = "", token: str = "") -> Scorer:
-    """The engine's own scorer, else the operator's (``url``: ``LOOM_ATTENTION_URL``)."""
-    if "attention_scores" in engine.capabilities:
-        return engine.score_attention
-    if url:
-        return http_scorer(url, cfg.attention_timeout_s, token)
-    raise UnsupportedCapability(
-        engine.name,
-        "attention_scores",
-        "use strategy 'entropy' or 'random', or ask the operator to set LOOM_ATTENTION_URL to a learner "
-        "or `loom engine` serving /v1/score/attention",
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -626,10 +515,10 @@ async def tree(
     reward_fn: RewardFn | None = None,
     scorer: Scorer | None = None,
 ) -> Group:
-    """One prompt's tree (module docstring). ``scorer`` overrides the engine's attention scorer."""
+    """One prompt's tree (module docstring). ``scorer``: the operator's attention scorer, used when the
+    engine has none of its own."""
     needs_fci = cfg.strategy == "attention" or cfg.fci_running_mean is not None
-    if needs_fci and scorer is None:
-        scorer = resolve_scorer(engine, cfg)
+    scorer = resolve_scorer(engine, scorer) if needs_fci else None
     grower = _Grower(request, prompt_ids, group_id, engine, tokenizer, cfg, scorer)
     t0 = time.perf_counter()
     responses = await grower.sample_initial()
@@ -669,25 +558,4 @@ async def tree(
         trajectories,
         tree=nodes,
         meta=meta,
-    )
-
-
-async def run(
-    request: RolloutRequest,
-    prompt_ids: list[int],
-    group_id: str,
-    engine: Engine,
-    tokenizer: Callable[[], Any],
-    params: TreeParams,
-    settings: Settings,
-) -> Group:
-    """The dispatch entry: the exact-verifier reward when the task has one, the operator's attention
-    scorer (``settings``) for an engine without its own."""
-    tok = tokenizer()
-    needs_fci = params.strategy == "attention" or params.fci_running_mean is not None
-    scorer = (
-        resolve_scorer(engine, params, settings.attention_url, settings.service_token) if needs_fci else None
-    )
-    return await tree(
-        request, prompt_ids, group_id, engine, tok, params, exact_reward_fn(request, tok), scorer
     )

@@ -15,7 +15,8 @@ from rollout_svc.engines.base import UnsupportedCapability
 from rollout_svc.engines.torch import teacher_forced_logprobs
 from rollout_svc.engines.vllm import VLLMEngine
 from rollout_svc.modes import MODES, ModeError
-from rollout_svc.modes.tree import exact_reward_fn, tree
+from rollout_svc.modes.scorers import exact_reward_fn
+from rollout_svc.modes.tree import tree
 
 PROBLEM = make_problems("arith", 1, seed=1)[0]
 
