@@ -5,11 +5,11 @@ dependencies), ``/metrics`` (Prometheus text), ``/version``; request-body size l
 errors as 422 with the field path; any unhandled error as a typed 500 body without a stack trace.
 Services add their routes to the returned app and stay thin.
 
-Every error body has one shape, ``ErrorBody``: ``{"error": <kind>, "detail": <text or the list of
-problems>, ...}`` (never ``detail.detail``), and every route's OpenAPI lists the error statuses it can
-answer with that schema (docs/security.md). A JSON body that is not UTF-8 or nests deeper than the
-parser goes is a 422 at ``body`` naming the problem; a dependency that is down (broker, result store)
-is a 503 ``dependency_unavailable``, not a 500.
+Every error body has one shape, ``ErrorBody`` (loom.contracts.errors): ``{"error": <kind>,
+"detail": <text or the list of problems>, ...}`` (never ``detail.detail``), and every route's OpenAPI
+lists the error statuses it can answer with that schema (docs/security.md). A JSON body that is not
+UTF-8 or nests deeper than the parser goes is a 422 at ``body`` naming the problem; a dependency that
+is down (broker, result store) is a 503 ``dependency_unavailable``, not a 500.
 
 ``serve(app, host, port)`` runs an app under uvicorn with read deadlines on each request's headers
 and body (``http_protocol``: slow clients are closed, docs/security.md "Read timeouts"); ``loom api``
@@ -33,14 +33,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loom import __version__
+from loom.contracts.errors import ErrorBody
 from loom.contracts.settings import Settings, get_settings
 from loom.contracts.wire import SCHEMA_VERSION, Contract, VersionInfo
 from loom.runtime import configure_process
+from loom.service_token import UNAUTHORIZED, internal_route_guard
 
 log = logging.getLogger("loom.service")
 
@@ -53,24 +55,6 @@ class BodyTooLarge(Exception):
 
 
 # ------------------------------------------------------------------------------------------ errors
-
-
-class Problem(BaseModel):
-    """One problem with a request: where (``loc``: ``body``/``query``/``path`` then the field path),
-    what (``msg``) and its kind (``type``)."""
-
-    loc: list[str | int]
-    msg: str
-    type: str
-
-
-class ErrorBody(BaseModel):
-    """Every error answer of every Loom service. Some kinds carry more fields (e.g. ``limit`` and
-    ``requested`` on a quota refusal, ``queue_depth`` on backpressure)."""
-
-    model_config = ConfigDict(extra="allow")
-    error: str = Field(description="the kind: validation_error, unauthenticated, rate_limited, ...")
-    detail: str | list[Problem] = Field(description="what went wrong: a sentence, or the problems found")
 
 
 ERROR_TEXT: dict[int, str] = {
@@ -436,7 +420,6 @@ def add_ping_route(app: FastAPI, celery_app: Any, services: tuple[str, ...]) -> 
     occupies a worker (up to ``delay``) and a thread of this process (up to ``timeout``), so it is an
     operator's route: the service token (loom/service_token.py; on the gateway, an admin key).
     """
-    from loom.service_token import UNAUTHORIZED, internal_route_guard
 
     def _one(name: str, body: PingRequest) -> dict[str, Any]:
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from loom.service import ErrorBody
+from loom.contracts.errors import ErrorBody
 
 _bearer = HTTPBearer(auto_error=False, description="LOOM_SERVICE_TOKEN (internal routes)")
 

@@ -3,7 +3,8 @@ concern: ``engine`` (the ``TorchEngine`` facade), ``scheduler`` (the batching th
 decoding and retiring rows), ``alone`` (one request decoded alone: group layouts,
 ``batching=False``), ``prefix_cache`` (the prefix KV cache and the batch's KV surgery), ``sampling``
 (logits processors, temperature / top-k / top-p / min-p, log-probs, stops) and ``model`` (loading,
-the teacher-forced reference pass, ``prompt_logprobs``)."""
+the teacher-forced reference pass, ``prompt_logprobs``). The modules import each other by their own
+names, never through this package, which only re-exports (no import-order loop)."""
 
 from rollout_svc.engines.torch.engine import TorchEngine
 from rollout_svc.engines.torch.model import (

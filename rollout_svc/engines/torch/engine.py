@@ -52,9 +52,15 @@ from rollout_svc.engines.base import (
     check_sampling,
     check_scored,
 )
-from rollout_svc.engines.torch import model as model_io
 from rollout_svc.engines.torch.alone import generate_alone
-from rollout_svc.engines.torch.model import block_mask, eos_ids, load_adapter, load_model, load_tokenizer
+from rollout_svc.engines.torch.model import (
+    block_mask,
+    eos_ids,
+    load_adapter,
+    load_model,
+    load_tokenizer,
+    prompt_logprobs,
+)
 from rollout_svc.engines.torch.prefix_cache import Key, PrefixCache
 from rollout_svc.engines.torch.sampling import LogprobsMode, accept, sample
 from rollout_svc.engines.torch.scheduler import Scheduler
@@ -167,7 +173,7 @@ class TorchEngine(Engine):
         """One forward pass over ``token_ids`` (no prefix cache), serialised with generation."""
         check_scored(list(token_ids), 0, self.vocab_size, self.max_model_len, 0)
         with self._exclusive():
-            return model_io.prompt_logprobs(self.model, token_ids, k, self.device)
+            return prompt_logprobs(self.model, token_ids, k, self.device)
 
     @property
     def vocab_size(self) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import Completion, Listener, Progress
-from rollout_svc.engines.torch import prefix_cache
+from rollout_svc.engines.torch.prefix_cache import Key, drop_left, merge, pad_left
 from rollout_svc.engines.torch.sampling import generator, new_outputs
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     future: Future[list[Completion]]
-    key: prefix_cache.Key = field(default_factory=list)
+    key: Key = field(default_factory=list)
     out: list[Completion] = field(default_factory=list)
     gen: torch.Generator | None = None
     live: int = 0  # rows of this request still decoding
@@ -235,11 +235,11 @@ class Scheduler:
         else:
             width = batch.mask.shape[1]
             total = max(width, length)
-            batch.cache = prefix_cache.merge(batch.cache, width, cache, length)
+            batch.cache = merge(batch.cache, width, cache, length)
             batch.mask = torch.cat(
                 [
-                    prefix_cache.pad_left(batch.mask, total - width, 1),
-                    prefix_cache.pad_left(ones, total - length, 1),
+                    pad_left(batch.mask, total - width, 1),
+                    pad_left(ones, total - length, 1),
                 ]
             )
             batch.lengths = batch.lengths + [length] * n
@@ -322,7 +322,7 @@ class Scheduler:
         batch.lengths = [batch.lengths[b] for b in keep]
         start = width - max(batch.lengths)
         if start > 0:
-            batch.cache = prefix_cache.drop_left(batch.cache, start)
+            batch.cache = drop_left(batch.cache, start)
             batch.mask = batch.mask[:, start:]
 
     def _forward(self, batch: Batch, next_tokens: list[int]) -> None:
