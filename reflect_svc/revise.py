@@ -243,6 +243,21 @@ def revise_group(
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     infos: dict[int, RevisionInfo] = {}
+    thinkings = _thinkings(group, params, markers, decode, infos)
+    detections = _detect(group, params, services, thinkings, decode)
+    plans = _plans(group, params, thinkings, detections, infos)
+    revisions = _revisions(group, params, services, tokenizer, plans, infos) if plans else {}
+    return _score_and_assemble(group, params, services, tokenizer, infos, revisions)
+
+
+def _thinkings(
+    group: Group,
+    params: ReflectParams,
+    markers: Markers,
+    decode: Callable[[list[int]], str],
+    infos: dict[int, RevisionInfo],
+) -> dict[int, Thinking]:
+    """Each trajectory's thinking, chunked; one without tokens or thinking gets its status in ``infos``."""
     thinkings: dict[int, Thinking] = {}
     for i, t in enumerate(group.trajectories):
         if not t.completion_ids:
@@ -260,8 +275,18 @@ def revise_group(
             infos[i] = RevisionInfo(trajectory_id=t.id, status="no_think")
             continue
         thinkings[i] = th
+    return thinkings
 
-    detections = _detect(group, params, services, thinkings, decode)
+
+def _plans(
+    group: Group,
+    params: ReflectParams,
+    thinkings: dict[int, Thinking],
+    detections: dict[int, Detection],
+    infos: dict[int, RevisionInfo],
+) -> list[_Plan]:
+    """The cuts to complete: each detection's cut, limited by ``max_removed_fraction``; a trajectory
+    left as it is gets its status in ``infos``."""
     plans: list[_Plan] = []
     for i, th in thinkings.items():
         t, det = group.trajectories[i], detections[i]
@@ -280,45 +305,54 @@ def revise_group(
             continue
         info.removed_tokens = th.end - cut
         plans.append(_Plan(i, t, th, cut, det))
+    return plans
 
+
+def _revisions(
+    group: Group,
+    params: ReflectParams,
+    services: Services,
+    tokenizer: Tokenizer,
+    plans: list[_Plan],
+    infos: dict[int, RevisionInfo],
+) -> dict[int, Trajectory]:
+    """Every plan completed by the rollout service after the forced ending (one request each, in
+    one call), as a draft revision."""
+    forced = list(tokenizer.encode(params.forced_ending, add_special_tokens=False))
+    requests = [
+        RolloutRequest(
+            group_id=_request_id(group.id, k),
+            prompt_ids=list(p.traj.prompt_ids) + list(p.traj.completion_ids[: p.cut]) + forced,
+            sampling=SamplingParams(
+                n=1,
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                seed=None if params.seed is None else params.seed + k,
+            ),
+            label=group.label,
+            task=group.task,
+        )
+        for k, p in enumerate(plans)
+    ]
+    generated = services.complete(requests)
+    if len(generated) != len(requests) or any(not g.trajectories for g in generated):
+        detail = f"{len(generated)} groups for {len(requests)} requests, or one without trajectories"
+        raise ServiceError("rollout_error", detail)
     revisions: dict[int, Trajectory] = {}
-    if plans:
-        forced = list(tokenizer.encode(params.forced_ending, add_special_tokens=False))
-        requests = [
-            RolloutRequest(
-                group_id=_request_id(group.id, k),
-                prompt_ids=list(p.traj.prompt_ids) + list(p.traj.completion_ids[: p.cut]) + forced,
-                sampling=SamplingParams(
-                    n=1,
-                    max_tokens=params.max_tokens,
-                    temperature=params.temperature,
-                    seed=None if params.seed is None else params.seed + k,
-                ),
-                label=group.label,
-                task=group.task,
-            )
-            for k, p in enumerate(plans)
-        ]
-        generated = services.complete(requests)
-        if len(generated) != len(requests) or any(not g.trajectories for g in generated):
-            detail = f"{len(generated)} groups for {len(requests)} requests, or one without trajectories"
-            raise ServiceError("rollout_error", detail)
-        taken = {t.id for t in group.trajectories}
-        for p, g in zip(plans, generated, strict=True):
-            meta = {
-                "detector": params.detector,
-                "removed_tokens": p.thinking.end - p.cut,
-                "think_tokens": p.thinking.n_tokens,
-                "chunk": infos[p.index].chunk,
-            }
-            rid = unique_revision_id(p.traj.id, taken)
-            draft = build_revision(p.traj, p.cut, forced, g.trajectories[0], None, meta, rid)
-            draft.text = tokenizer.decode(draft.completion_ids, skip_special_tokens=True)
-            revisions[p.index] = draft
-            infos[p.index].revision_id = draft.id
-
-    out = _score_and_assemble(group, params, services, tokenizer, infos, revisions)
-    return out
+    taken = {t.id for t in group.trajectories}
+    for p, g in zip(plans, generated, strict=True):
+        meta = {
+            "detector": params.detector,
+            "removed_tokens": p.thinking.end - p.cut,
+            "think_tokens": p.thinking.n_tokens,
+            "chunk": infos[p.index].chunk,
+        }
+        rid = unique_revision_id(p.traj.id, taken)
+        draft = build_revision(p.traj, p.cut, forced, g.trajectories[0], None, meta, rid)
+        draft.text = tokenizer.decode(draft.completion_ids, skip_special_tokens=True)
+        revisions[p.index] = draft
+        infos[p.index].revision_id = draft.id
+    return revisions
 
 
 def _chunk_ending_at(th: Thinking, cut: int) -> int | None:
