@@ -40,10 +40,10 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
+from loom.contracts.errors import ErrorBody
 from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket, is_namespace
 from loom.contracts.settings import Settings
 from loom.contracts.wire import PolicyVersion
-from loom.service import ErrorBody
 from loom.service_token import UNAUTHORIZED, service_headers
 from loom.store import (
     MANIFEST,
@@ -114,65 +114,70 @@ def open_policy_store(settings: Settings, *, create: bool = True) -> PolicyReade
 # server
 
 
+def _store(app: FastAPI, namespace: str | None) -> PolicyStore:
+    """The store a read route serves (the learner's, or ``namespace``'s: a 404 for a malformed one)."""
+    if namespace is not None and not is_namespace(namespace):
+        raise HTTPException(404, {"error": "not_found", "detail": "no such namespace"})
+    return PolicyStore(app.state.settings.policy_store_path, create=False, namespace=namespace)
+
+
+def _manifest_or_404(app: FastAPI, namespace: str | None, version: int) -> dict[str, Any]:
+    s = _store(app, namespace)
+    found = s.manifest(version) if s.root.is_dir() else None
+    if found is None:
+        raise HTTPException(404, {"error": "not_found", "detail": f"no policy version {version}"})
+    return found
+
+
+def _latest_of(app: FastAPI, namespace: str | None) -> dict[str, int]:
+    s = _store(app, namespace)
+    found = s.latest() if s.root.is_dir() else None
+    if found is None:
+        raise HTTPException(404, {"error": "not_found", "detail": "the policy store holds no version"})
+    return {"version": found.version}
+
+
+def _file_of(app: FastAPI, namespace: str | None, version: int, path: str) -> StreamingResponse:
+    listed = {f["path"]: f for f in _manifest_or_404(app, namespace, version)["files"]}
+    if path not in listed:  # only what the manifest names: no path is resolved from the request
+        raise HTTPException(404, {"error": "not_found", "detail": f"version {version} has no {path}"})
+    try:
+        with _store(app, namespace).open_file(version, path) as f:
+            fd = os.dup(f.fileno())
+    except FileNotFoundError:  # a link, or no longer a regular file: never served
+        raise HTTPException(
+            404, {"error": "not_found", "detail": f"version {version} has no {path}"}
+        ) from None
+    out = os.fdopen(fd, "rb")
+    size = os.fstat(fd).st_size
+
+    def chunks() -> Iterator[bytes]:
+        with out:
+            while chunk := out.read(1 << 20):
+                yield chunk
+
+    return StreamingResponse(
+        chunks(), media_type="application/octet-stream", headers={"Content-Length": str(size)}
+    )
+
+
 def add_store_routes(app: FastAPI, guard: Any) -> None:
     """Mount the store routes on ``app``; they serve ``app.state.settings.policy_store_path``: the
     learner's versions under ``/v1/store``, a trainer's under ``/v1/store/ns/{namespace}``, and the
     internal publishing routes the gateway forwards its ``/v1/policies`` uploads to."""
-
-    def store(namespace: str | None) -> PolicyStore:
-        if namespace is not None and not is_namespace(namespace):
-            raise HTTPException(404, {"error": "not_found", "detail": "no such namespace"})
-        return PolicyStore(app.state.settings.policy_store_path, create=False, namespace=namespace)
 
     answers: dict[int | str, dict[str, Any]] = {
         **UNAUTHORIZED,
         404: {"model": ErrorBody, "description": "no such version (or file) in the policy store"},
     }
 
-    def manifest_or_404(namespace: str | None, version: int) -> dict[str, Any]:
-        s = store(namespace)
-        found = s.manifest(version) if s.root.is_dir() else None
-        if found is None:
-            raise HTTPException(404, {"error": "not_found", "detail": f"no policy version {version}"})
-        return found
-
-    def latest_of(namespace: str | None) -> dict[str, int]:
-        s = store(namespace)
-        found = s.latest() if s.root.is_dir() else None
-        if found is None:
-            raise HTTPException(404, {"error": "not_found", "detail": "the policy store holds no version"})
-        return {"version": found.version}
-
-    def file_of(namespace: str | None, version: int, path: str) -> StreamingResponse:
-        listed = {f["path"]: f for f in manifest_or_404(namespace, version)["files"]}
-        if path not in listed:  # only what the manifest names: no path is resolved from the request
-            raise HTTPException(404, {"error": "not_found", "detail": f"version {version} has no {path}"})
-        try:
-            with store(namespace).open_file(version, path) as f:
-                fd = os.dup(f.fileno())
-        except FileNotFoundError:  # a link, or no longer a regular file: never served
-            raise HTTPException(
-                404, {"error": "not_found", "detail": f"version {version} has no {path}"}
-            ) from None
-        out = os.fdopen(fd, "rb")
-        size = os.fstat(fd).st_size
-
-        def chunks() -> Iterator[bytes]:
-            with out:
-                while chunk := out.read(1 << 20):
-                    yield chunk
-
-        return StreamingResponse(
-            chunks(), media_type="application/octet-stream", headers={"Content-Length": str(size)}
-        )
-
     @app.get("/v1/store/latest", tags=["store"], dependencies=[guard], responses=answers)
     def latest() -> dict[str, int]:
-        return latest_of(None)
+        return _latest_of(app, None)
 
     @app.get("/v1/store/v/{version}/manifest", tags=["store"], dependencies=[guard], responses=answers)
     def manifest(version: int) -> dict[str, Any]:
-        return manifest_or_404(None, version)
+        return _manifest_or_404(app, None, version)
 
     file_answers = {**answers, 200: {"content": {"application/octet-stream": {}}}}
 
@@ -184,11 +189,11 @@ def add_store_routes(app: FastAPI, guard: Any) -> None:
         response_class=StreamingResponse,
     )
     def file(version: int, path: str) -> StreamingResponse:
-        return file_of(None, version, path)
+        return _file_of(app, None, version, path)
 
     @app.get("/v1/store/ns/{namespace}/latest", tags=["store"], dependencies=[guard], responses=answers)
     def ns_latest(namespace: str) -> dict[str, int]:
-        return latest_of(namespace)
+        return _latest_of(app, namespace)
 
     @app.get(
         "/v1/store/ns/{namespace}/v/{version}/manifest",
@@ -197,7 +202,7 @@ def add_store_routes(app: FastAPI, guard: Any) -> None:
         responses=answers,
     )
     def ns_manifest(namespace: str, version: int) -> dict[str, Any]:
-        return manifest_or_404(namespace, version)
+        return _manifest_or_404(app, namespace, version)
 
     @app.get(
         "/v1/store/ns/{namespace}/v/{version}/files/{path:path}",
@@ -207,7 +212,7 @@ def add_store_routes(app: FastAPI, guard: Any) -> None:
         response_class=StreamingResponse,
     )
     def ns_file(namespace: str, version: int, path: str) -> StreamingResponse:
-        return file_of(namespace, version, path)
+        return _file_of(app, namespace, version, path)
 
     add_publish_routes(app, guard)
 

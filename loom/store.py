@@ -385,6 +385,20 @@ class Part:
         self.path.unlink(missing_ok=True)
 
 
+def _seal_new(
+    ns: PolicyStore, tmp: Path, policy: PolicyVersion, files: list[dict[str, Any]], *used: Path
+) -> None:
+    """Seal ``tmp`` as version ``policy`` of ``ns``: a version already there is a ``PublishConflict``;
+    ``tmp`` and the ``used`` folders are removed whatever happens."""
+    try:
+        ns._seal(tmp, policy, files)
+    except FileExistsError as exc:
+        raise PublishConflict(f"version {policy.version} exists") from exc
+    finally:
+        for folder in (tmp, *used):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class Uploads:
     """Uploads into a store's namespaces (``<root>/.uploads/<id>/``, on the store's filesystem so the
     commit is a rename). A file arrives in parts appended at their offset (each request body stays
@@ -461,13 +475,7 @@ class Uploads:
                 meta=record["meta"],
             )
             files = sorted(record["files"], key=lambda f: f["path"])
-            try:
-                ns._seal(tmp, policy, files)
-            except FileExistsError as exc:
-                raise PublishConflict(f"version {record['version']} exists") from exc
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.rmtree(folder, ignore_errors=True)
+            _seal_new(ns, tmp, policy, files, folder)
         return policy_ref(policy, files)
 
     def register(self, namespace: str, req: RegisterRequest, roots: list[Path]) -> PolicyRef:
@@ -502,12 +510,7 @@ class Uploads:
                 created_at=time.time(),
                 meta={**req.meta, REGISTERED: True},
             )
-            try:
-                ns._seal(tmp, policy, files)
-            except FileExistsError as exc:
-                raise PublishConflict(f"version {version} exists") from exc
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            _seal_new(ns, tmp, policy, files)
         return policy_ref(policy, files)
 
     # ----------------------------------------------------------------------------------------------
