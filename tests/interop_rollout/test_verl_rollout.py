@@ -30,14 +30,22 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from loom.clients.policies import PolicyPublisher
 from loom.clients.verl_rollout import LoomAgentLoop
-from loom.tiny import CHECKPOINT_DIR, STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt
+from loom.tiny import (
+    CHECKPOINT_DIR,
+    STREAM_HEADER,
+    load_model,
+    load_tokenizer,
+    make_problems,
+    plain_prompt,
+    spawn_prompt,
+)
 from loom.tiny.traces import stream_sentences
 from tests.interop_rollout.loom_stack import TRAINER, TRAINER_KEY, LoomStack
 from tests.interop_rollout.test_client import teacher_forced
 
 pytestmark = pytest.mark.slow
 
-PROMPT_LEN, RESPONSE_LEN = 64, 160
+PROMPT_LEN = 64
 TREE = {"strategy": "random", "branches": 1, "continuations": 2, "min_distance": 4}
 
 
@@ -53,7 +61,9 @@ def model() -> Any:
     return load_model().eval()
 
 
-def worker(stack: LoomStack, tmp: Path, n: int, agent: str, **loop: Any) -> AgentLoopWorker:
+def worker(
+    stack: LoomStack, tmp: Path, n: int, agent: str, response_len: int = 160, **loop: Any
+) -> AgentLoopWorker:
     """verl's AgentLoopWorker from its own ppo_trainer config, with a Loom agent loop named ``agent``
     in ``agent_loop_config_path`` (the keys after ``_target_`` reach ``LoomAgentLoop``)."""
     entry = {"name": agent, "_target_": "loom.clients.verl_rollout.LoomAgentLoop", "url": stack.url} | loop
@@ -68,7 +78,7 @@ def worker(stack: LoomStack, tmp: Path, n: int, agent: str, **loop: Any) -> Agen
                 "actor_rollout_ref.rollout.name=vllm",  # mandatory in verl's config; no server is used
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # its actor config's own check
                 f"actor_rollout_ref.rollout.prompt_length={PROMPT_LEN}",
-                f"actor_rollout_ref.rollout.response_length={RESPONSE_LEN}",
+                f"actor_rollout_ref.rollout.response_length={response_len}",
                 f"actor_rollout_ref.rollout.n={n}",
                 "actor_rollout_ref.rollout.temperature=1.0",
                 f"actor_rollout_ref.rollout.agent.default_agent_loop={agent}",
@@ -103,15 +113,16 @@ def check_batch(out: DataProto, model: Any, rows: int, w: AgentLoopWorker) -> li
     verl's reward extraction, GRPO advantages and PPO loss on it."""
     out.check_consistency()
     b = out.batch
-    recomputed = torch.zeros(rows, RESPONSE_LEN)  # what verl's actor would compute on the same weights
-    assert b["prompts"].shape == (rows, PROMPT_LEN) and b["responses"].shape == (rows, RESPONSE_LEN)
+    response_len = int(w.rollout_config.response_length)
+    recomputed = torch.zeros(rows, response_len)  # what verl's actor would compute on the same weights
+    assert b["prompts"].shape == (rows, PROMPT_LEN) and b["responses"].shape == (rows, response_len)
     assert (
         b["input_ids"].shape
         == b["attention_mask"].shape
         == b["position_ids"].shape
-        == (rows, PROMPT_LEN + RESPONSE_LEN)
+        == (rows, PROMPT_LEN + response_len)
     )
-    assert b["response_mask"].shape == b["rollout_log_probs"].shape == (rows, RESPONSE_LEN)
+    assert b["response_mask"].shape == b["rollout_log_probs"].shape == (rows, response_len)
     nt = out.non_tensor_batch
     unpadded = []
     for i in range(rows):
@@ -139,7 +150,7 @@ def check_batch(out: DataProto, model: Any, rows: int, w: AgentLoopWorker) -> li
     adv, _ = compute_grpo_outcome_advantage(
         token_level_rewards=reward, response_mask=b["response_mask"], index=nt["uid"]
     )
-    assert adv.shape == (rows, RESPONSE_LEN)
+    assert adv.shape == (rows, response_len)
     assert torch.all(adv[b["response_mask"] == 0] == 0)  # inserted tokens and padding get no advantage
     # verl's PPO loss with Loom's behaviour log-probs as the old policy: the ratio is 1 on every trained token
     _, metrics = compute_policy_loss_vanilla(
@@ -266,3 +277,35 @@ def test_tree_leaves_fill_the_rows_with_treerl_advantages_beside_them(
         assert adv is not None and len(adv) == len(u["response"])
         assert all(a == 0.0 for a, m in zip(adv, u["mask"], strict=True) if not m)
     assert set(nt["loom_policy_version"]) == {0}
+
+
+def test_spawn_roots_fill_the_rows_with_the_join_blocks_masked(
+    stack: LoomStack, model: Any, tmp_path: Path
+) -> None:
+    problems = make_problems("countdown", 2, seed=3)
+    rows = [
+        {
+            "prompt": spawn_prompt(p),
+            "label": {"numbers": list(p.numbers), "target": p.target},  # as a parquet row holds it
+            "loom": {"task": "countdown"},
+        }
+        for p in problems
+    ]
+    w = worker(
+        stack,
+        tmp_path,
+        2,
+        "loom_spawn",
+        response_len=256,
+        api_key=TRAINER_KEY,
+        mode="spawn",
+        sampling={"max_tokens": 200},
+    )
+    out = rollout(w, rows, n=2)
+    unpadded = check_batch(out, model, 4, w)
+    nt = out.non_tensor_batch
+    assert len(set(nt["loom_trajectory_id"])) == 4
+    joined = [u for u in unpadded if 0 in u["env"]]
+    assert joined, "no parent joined its children"
+    for u in joined:  # the join block was inserted, not sampled: never trained
+        assert all(not m for m, e in zip(u["mask"], u["env"], strict=True) if not e)
