@@ -9,10 +9,8 @@ Writes safetensors weights, the tokenizer, MODEL_CARD.md and card.json with held
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +25,19 @@ from loom.tiny.model import TinyConfig, build_model, n_params
 from loom.tiny.tasks import HELDOUT_SEED, Problem
 from loom.tiny.tokenizer import train_tokenizer
 from loom.tiny.traces import Piece, trace_text
-from loom.tiny.train import TrainConfig, encode, fit
+from loom.tiny.train import (
+    TrainConfig,
+    encode,
+    final_loss,
+    fit,
+    heldout_table,
+    model_lines,
+    print_card,
+    record_heldout,
+    shared_config,
+    training_parser,
+    write_checkpoint,
+)
 
 # format -> (kind, search orders per problem)
 MIX: dict[str, tuple[tuple[str, int], ...]] = {
@@ -145,15 +155,11 @@ def train(
         "mix": {fmt: [list(k) for k in kinds] for fmt, kinds in MIX.items()},
         "device": device if device == "cpu" else torch.cuda.get_device_name(),
         "train_seconds": round(train_s, 1),
-        "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+        "final_loss": final_loss(losses),
         "torch_threads": torch.get_num_threads(),
     }
     if evaluate_after:
-        t1 = time.perf_counter()
-        results = heldout(model, tok, cfg.eval_problems)
-        card["eval_seconds"] = round(time.perf_counter() - t1, 1)
-        card["heldout"] = {fmt: _row(r) for fmt, r in results.items()}
-        card["samples"] = {fmt: r.sample for fmt, r in results.items()}
+        record_heldout(card, lambda: heldout(model, tok, cfg.eval_problems))
     if out_dir is not None:
         save(model, tok, card, out_dir)
     return card
@@ -166,7 +172,7 @@ def _phase(steps: int, lr: float, secs: float, losses: list[float], sequences: i
         "sequences": sequences,
         "train_seconds": round(secs, 1),
         "torch_threads": torch.get_num_threads(),
-        "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+        "final_loss": final_loss(losses),
         "loss_every_100": [round(x, 4) for x in losses[::100]],
     }
 
@@ -186,19 +192,8 @@ def _card_phases(init: Path) -> dict[str, dict]:
     }
 
 
-def _row(r: FormatResult) -> dict:
-    return {"accuracy": round(r.accuracy, 4), "parsed": r.parsed, "correct": r.correct, "total": r.total}
-
-
 def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    (out_dir / "card.json").write_text(
-        json.dumps({k: v for k, v in card.items() if k != "samples"}, indent=2) + "\n"
-    )
-    (out_dir / "MODEL_CARD.md").write_text(model_card(card))
+    write_checkpoint(model, tok, out_dir, {k: v for k, v in card.items() if k != "samples"}, model_card(card))
 
 
 def model_card(card: dict) -> str:
@@ -212,8 +207,7 @@ def model_card(card: dict) -> str:
         f"`loom train-search --seed {cfg['seed']} --steps {cfg['steps']}"
         f" --fixed-steps {cfg['fixed_steps']} --fixed-rounds {cfg['fixed_rounds']}`.",
         "",
-        f"- parameters: {card['params']:,}; vocabulary: {card['vocab_size']} (byte-level BPE, single digits)",
-        f"- architecture: {card['model']}",
+        *model_lines(card),
         f"- problems: {card['problems']}",
         f"- data mix (format: kind, search orders): {card['mix']}; {card['sequences']} sequences",
         "- phases (drawn orders, then rounds of the fixed order it writes): "
@@ -226,24 +220,15 @@ def model_card(card: dict) -> str:
         "",
         "## Held-out greedy accuracy (Countdown search problems)",
         "",
-        "| format | accuracy | parsed | total |",
-        "|---|---|---|---|",
+        *heldout_table(card),
     ]
-    for fmt, r in card.get("heldout", {}).items():
-        lines.append(f"| {fmt} | {r['accuracy']:.3f} | {r['parsed']} | {r['total']} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="loom train-search", description="reproduce the built-in search model")
     d = SearchTrainConfig()
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p = training_parser("loom train-search", "reproduce the built-in search model", d)
     p.add_argument("--train-problems", type=int, default=d.train_problems)
-    p.add_argument("--eval-problems", type=int, default=d.eval_problems)
-    p.add_argument("--out", type=Path, default=None, help="default: the package checkpoint directory")
     p.add_argument("--fixed-steps", type=int, default=d.fixed_steps)
     p.add_argument("--fixed-rounds", type=int, default=d.fixed_rounds, help="rounds of phase 2")
     p.add_argument(
@@ -252,28 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="a checkpoint of earlier phases: run --fixed-rounds more from it",
     )
-    p.add_argument("--no-eval", action="store_true")
     args = p.parse_args(argv)
     configure_process()
     from loom.search import SEARCH_CHECKPOINT_DIR
 
     cfg = SearchTrainConfig(
-        seed=args.seed,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
+        **shared_config(args),
         train_problems=args.train_problems,
-        eval_problems=args.eval_problems,
         fixed_steps=args.fixed_steps,
         fixed_rounds=args.fixed_rounds,
     )
-    card = train(cfg, args.out or SEARCH_CHECKPOINT_DIR, evaluate_after=not args.no_eval, init=args.init)
-    print(f"params {card['params']:,}  train {card['train_seconds']} s  final loss {card['final_loss']}")
-    for fmt, r in card.get("heldout", {}).items():
-        print(
-            f"held-out {fmt:8s} accuracy {r['accuracy']:.3f}"
-            f" ({r['correct']}/{r['total']}, parsed {r['parsed']})"
-        )
+    print_card(train(cfg, args.out or SEARCH_CHECKPOINT_DIR, evaluate_after=not args.no_eval, init=args.init))
     return 0
 
 

@@ -11,9 +11,10 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -23,6 +24,9 @@ from loom.tiny.model import TinyConfig, build_model, n_params
 from loom.tiny.tasks import HELDOUT_SEED, Problem, tiny_problems
 from loom.tiny.tokenizer import train_tokenizer
 from loom.tiny.traces import Piece, build_trace, trace_text
+
+if TYPE_CHECKING:
+    from loom.tiny.evaluate import FormatResult
 
 # format -> kinds it is trained and evaluated on
 MIX: dict[str, tuple[str, ...]] = {
@@ -105,26 +109,14 @@ def train(cfg: TrainConfig, out_dir: Path | None, progress: bool = True, evaluat
         "sequences": len(seqs),
         "mix": {fmt: list(kinds) for fmt, kinds in MIX.items()},
         "train_seconds": round(train_s, 1),
-        "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+        "final_loss": final_loss(losses),
         "losses": losses,
         "torch_threads": torch.get_num_threads(),
     }
     if evaluate_after:
         from loom.tiny.evaluate import evaluate
 
-        t1 = time.perf_counter()
-        results = evaluate(model, tok, eval_sets(cfg))
-        card["eval_seconds"] = round(time.perf_counter() - t1, 1)
-        card["heldout"] = {
-            fmt: {
-                "accuracy": round(r.accuracy, 4),
-                "parsed": r.parsed,
-                "correct": r.correct,
-                "total": r.total,
-            }
-            for fmt, r in results.items()
-        }
-        card["samples"] = {fmt: r.sample for fmt, r in results.items()}
+        record_heldout(card, lambda: evaluate(model, tok, eval_sets(cfg)))
     if out_dir is not None:
         save(model, tok, card, out_dir)
     return card
@@ -185,15 +177,65 @@ def fit(model, tok, data: list[tuple[list[int], list[int]]], cfg: TrainConfig, p
     return losses, time.perf_counter() - t0
 
 
-def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def final_loss(losses: list[float]) -> float:
+    """The mean of the last 50 steps' losses, as a card records it."""
+    return round(sum(losses[-50:]) / len(losses[-50:]), 4)
+
+
+def heldout_row(r: FormatResult) -> dict:
+    """A format's held-out result as a card records it."""
+    return {"accuracy": round(r.accuracy, 4), "parsed": r.parsed, "correct": r.correct, "total": r.total}
+
+
+def model_lines(card: dict) -> list[str]:
+    """The model card's lines on the model itself: its size and architecture."""
+    return [
+        f"- parameters: {card['params']:,}; vocabulary: {card['vocab_size']} (byte-level BPE, single digits)",
+        f"- architecture: {card['model']}",
+    ]
+
+
+def record_heldout(card: dict, evaluate: Callable[[], dict[str, FormatResult]]) -> None:
+    """Run the held-out evaluation and record it on ``card``: its seconds, a row and a sample per format."""
+    t1 = time.perf_counter()
+    results = evaluate()
+    card["eval_seconds"] = round(time.perf_counter() - t1, 1)
+    card["heldout"] = {fmt: heldout_row(r) for fmt, r in results.items()}
+    card["samples"] = {fmt: r.sample for fmt, r in results.items()}
+
+
+def heldout_table(card: dict) -> list[str]:
+    """The model card's table of held-out accuracy, a row per format."""
+    lines = ["| format | accuracy | parsed | total |", "|---|---|---|---|"]
+    for fmt, r in card.get("heldout", {}).items():
+        lines.append(f"| {fmt} | {r['accuracy']:.3f} | {r['parsed']} | {r['total']} |")
+    return lines
+
+
+def print_card(card: dict) -> None:
+    """What ``loom train-tiny`` and ``loom train-search`` print when done."""
+    print(f"params {card['params']:,}  train {card['train_seconds']} s  final loss {card['final_loss']}")
+    for fmt, r in card.get("heldout", {}).items():
+        print(
+            f"held-out {fmt:8s} accuracy {r['accuracy']:.3f}"
+            f" ({r['correct']}/{r['total']}, parsed {r['parsed']})"
+        )
+
+
+def write_checkpoint(model, tok, out_dir: Path, card_json: dict, card_md: str) -> None:  # type: ignore[no-untyped-def]
+    """Weights (safetensors), the tokenizer, card.json and MODEL_CARD.md in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
+    (out_dir / "card.json").write_text(json.dumps(card_json, indent=2) + "\n")
+    (out_dir / "MODEL_CARD.md").write_text(card_md)
+
+
+def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
     slim = {k: v for k, v in card.items() if k not in ("losses", "samples")}
     slim["loss_every_100"] = [round(x, 4) for x in card["losses"][::100]]
-    (out_dir / "card.json").write_text(json.dumps(slim, indent=2) + "\n")
-    (out_dir / "MODEL_CARD.md").write_text(model_card(card))
+    write_checkpoint(model, tok, out_dir, slim, model_card(card))
 
 
 def model_card(card: dict) -> str:
@@ -205,8 +247,7 @@ def model_card(card: dict) -> str:
         "(loom/tiny/tasks.py) in every trace format (loom/tiny/traces.py). Reproduce with",
         f"`loom train-tiny --seed {cfg['seed']} --steps {cfg['steps']}`.",
         "",
-        f"- parameters: {card['params']:,}; vocabulary: {card['vocab_size']} (byte-level BPE, single digits)",
-        f"- architecture: {card['model']}",
+        *model_lines(card),
         f"- data mix (format: kinds): {card['mix']}; {card['sequences']} training sequences",
         f"- steps {cfg['steps']}, batch {cfg['batch_size']}, lr {cfg['lr']}, seed {cfg['seed']}",
         f"- training time: {card['train_seconds']} s on {card['torch_threads']} torch thread(s);"
@@ -214,17 +255,15 @@ def model_card(card: dict) -> str:
         "",
         "## Held-out greedy accuracy",
         "",
-        "| format | accuracy | parsed | total |",
-        "|---|---|---|---|",
+        *heldout_table(card),
     ]
-    for fmt, r in card.get("heldout", {}).items():
-        lines.append(f"| {fmt} | {r['accuracy']:.3f} | {r['parsed']} | {r['total']} |")
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="loom train-tiny", description="reproduce the built-in tiny model")
-    d = TrainConfig()
+def training_parser(prog: str, description: str, d: TrainConfig) -> argparse.ArgumentParser:
+    """The flags ``loom train-tiny`` and ``loom train-search`` share, with ``d``'s defaults
+    (``shared_config`` reads them back)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -232,22 +271,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eval-problems", type=int, default=d.eval_problems)
     p.add_argument("--out", type=Path, default=None, help="default: the package checkpoint directory")
     p.add_argument("--no-eval", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def shared_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``TrainConfig`` fields of ``training_parser``'s flags."""
+    names = ("seed", "steps", "batch_size", "lr", "eval_problems")
+    return {name: getattr(args, name) for name in names}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    d = TrainConfig()
+    args = training_parser("loom train-tiny", "reproduce the built-in tiny model", d).parse_args(argv)
     configure_process()
     from loom.tiny import CHECKPOINT_DIR
 
-    cfg = TrainConfig(
-        seed=args.seed,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        eval_problems=args.eval_problems,
-    )
-    card = train(cfg, args.out or CHECKPOINT_DIR, evaluate_after=not args.no_eval)
-    print(f"params {card['params']:,}  train {card['train_seconds']} s  final loss {card['final_loss']}")
-    for fmt, r in card.get("heldout", {}).items():
-        print(
-            f"held-out {fmt:8s} accuracy {r['accuracy']:.3f}"
-            f" ({r['correct']}/{r['total']}, parsed {r['parsed']})"
-        )
+    cfg = TrainConfig(**shared_config(args))
+    print_card(train(cfg, args.out or CHECKPOINT_DIR, evaluate_after=not args.no_eval))
     return 0
