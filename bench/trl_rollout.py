@@ -10,9 +10,11 @@ the trainer key's namespace), which the job of the next step asks for exactly.
 Printed (and written with ``--out``): per step the mean reward TRL trained on, the first and last ten
 steps' means, whether every trajectory carried the version of its step, held-out greedy accuracy of
 the format before and after, the wall time per step and how many tree leaves each group grew.
+``--native`` is the control: the same trainer, prompts and settings with TRL's own generation (HF
+``generate``) and the exact accuracy of the boxed answer as the reward.
 
     python bench/trl_rollout.py --mode tree|streaming [--steps 60] [--prompts 2] [--group 4]
-                                [--lr 5e-5] [--warmup 0.0] [--seed 0] [--eval 64]
+                                [--lr 5e-5] [--warmup 0.0] [--seed 0] [--eval 64] [--native]
                                 [--out FILE.json] [--plot FILE.png]
 """
 
@@ -87,80 +89,99 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="loom-trl-rollout-"))
-    ports = {f"{svc}_port": _free_port() for svc in ("gateway", "rollout", "reward", "reflect", "learner")}
-    key = "loom_" + secrets.token_urlsafe(24)  # the trainer's key: it publishes into namespace "trainer"
-    keys = f"trainer:{hashlib.sha256(key.encode()).hexdigest()}:jobs+policy"
-    settings = Settings(
-        data_dir=tmp, broker_url="embedded", result_backend="embedded", api_keys=keys, **ports
-    )
     problems = make_problems("arith", args.steps * args.prompts, seed=args.seed, split="train")
     rows, tasks = _tasks(args.mode, problems)
     tok = load_tokenizer()
     acc_before = held_out(args.mode, load_model(), tok, args.eval)
-    store = PolicyStore(settings.policy_store_path / "ns" / "trainer")
+    config = GRPOConfig(
+        output_dir=str(tmp / "trl"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=args.seed,
+        dataloader_num_workers=0,
+    )
 
-    with Stack(settings, services=("gateway", "rollout", "reward"), ready_timeout=300):
-        url = settings.service_url("gateway")
-        rollout = LoomRolloutFunc(
-            url,
-            key,
-            mode=args.mode,
-            mode_params=TREE if args.mode == "tree" else None,
-            tasks=tasks,
-            publish=publish_with(PolicyPublisher(url, key), tok),
-        )
-        leaves: list[int] = []
-        step_s: list[float] = []
-
-        def timed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
-            t0 = time.perf_counter()
-            out = rollout(prompts, trainer)
-            step_s.append(time.perf_counter() - t0)
-            return out
-
-        inner_generate = rollout.rollouts.generate
-
-        def counted(*a: Any, **kw: Any) -> Any:
-            groups = inner_generate(*a, **kw)
-            leaves.extend(len(g.samples) for g in groups)
-            return groups
-
-        rollout.rollouts.generate = counted  # type: ignore[method-assign]
+    def train(reward: Any, rollout_func: Any = None) -> tuple[Any, float]:
         torch.manual_seed(args.seed)
-        config = GRPOConfig(
-            output_dir=str(tmp / "trl"),
-            max_steps=args.steps,
-            per_device_train_batch_size=args.prompts * args.group,
-            num_generations=args.group,
-            max_completion_length=args.max_tokens,
-            temperature=1.0,
-            learning_rate=args.lr,
-            warmup_steps=args.warmup,
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-            use_cpu=True,
-            bf16=False,
-            seed=args.seed,
-            dataloader_num_workers=0,
-        )
         trainer = GRPOTrainer(
             model=load_model(),
-            reward_funcs=[job_reward],
+            reward_funcs=[reward],
             args=config,
             train_dataset=Dataset.from_list(rows),
             processing_class=tok,
-            rollout_func=timed,
+            rollout_func=rollout_func,
         )
         t0 = time.perf_counter()
         trainer.train()
-        wall = time.perf_counter() - t0
+        return trainer, time.perf_counter() - t0
+
+    out: dict[str, Any] = {}
+    if args.native:  # the control: TRL generates itself (HF generate), exact accuracy as the reward
+        gold = {r["prompt"]: r["answer"] for r in rows}
+
+        def job_reward(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:  # same log key
+            return [float(_boxed(c) == gold[p]) for p, c in zip(prompts, completions, strict=True)]
+
+        trainer, wall = train(job_reward)
+    else:
+        ports = {
+            f"{svc}_port": _free_port() for svc in ("gateway", "rollout", "reward", "reflect", "learner")
+        }
+        key = "loom_" + secrets.token_urlsafe(24)  # the trainer's key: it publishes into namespace "trainer"
+        keys = f"trainer:{hashlib.sha256(key.encode()).hexdigest()}:jobs+policy"
+        embedded = {"broker_url": "embedded", "result_backend": "embedded"}
+        settings = Settings(data_dir=tmp, api_keys=keys, **embedded, **ports)
+        store = PolicyStore(settings.policy_store_path / "ns" / "trainer")
+        with Stack(settings, services=("gateway", "rollout", "reward"), ready_timeout=300):
+            url = settings.service_url("gateway")
+            rollout = LoomRolloutFunc(
+                url,
+                key,
+                mode=args.mode,
+                mode_params=TREE if args.mode == "tree" else None,
+                tasks=tasks,
+                publish=publish_with(PolicyPublisher(url, key), tok),
+            )
+            leaves: list[int] = []
+            step_s: list[float] = []
+            inner_generate = rollout.rollouts.generate
+
+            def counted(*a: Any, **kw: Any) -> Any:
+                groups = inner_generate(*a, **kw)
+                leaves.extend(len(g.samples) for g in groups)
+                return groups
+
+            def timed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+                t0 = time.perf_counter()
+                result = rollout(prompts, trainer)
+                step_s.append(time.perf_counter() - t0)
+                return result
+
+            rollout.rollouts.generate = counted  # type: ignore[method-assign]
+            trainer, wall = train(job_reward, timed)
+        out = {
+            "versions_checked": sum(len(h["versions"]) for h in rollout.history),
+            "off_policy_calls": off_policy_calls(rollout.history, staleness=0),
+            "published_versions": len(store.versions()),
+            "rollout_s_per_step": sum(step_s) / len(step_s),
+            "leaves_per_group": sum(leaves) / len(leaves) if leaves else None,
+        }
     rewards = [
         h["rewards/job_reward/mean"] for h in trainer.state.log_history if "rewards/job_reward/mean" in h
     ]
     k = min(10, len(rewards))
     return {
-        "mode": args.mode,
+        "mode": "native" if args.native else args.mode,
         "steps": trainer.state.global_step,
         "prompts_per_step": args.prompts,
         "num_generations": args.group,
@@ -170,16 +191,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reward_per_step": rewards,
         "reward_first10": sum(rewards[:k]) / k,
         "reward_last10": sum(rewards[-k:]) / k,
-        "versions_checked": sum(len(h["versions"]) for h in rollout.history),
-        "off_policy_calls": off_policy_calls(rollout.history, staleness=0),
-        "published_versions": len(store.versions()),
         "heldout_acc_before": acc_before,
         "heldout_acc_after": held_out(args.mode, trainer.model, tok, args.eval),
         "heldout_n": args.eval,
         "wall_s": wall,
-        "rollout_s_per_step": sum(step_s) / len(step_s),
-        "leaves_per_group": sum(leaves) / len(leaves) if leaves else None,
+        **out,
     }
+
+
+def _boxed(completion: str) -> str | None:
+    from loom.answers import last_boxed
+
+    return last_boxed(completion) if "</think>" in completion else None
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -217,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval", type=int, default=64, help="held-out problems, greedy")
+    p.add_argument("--native", action="store_true", help="control: TRL's own generation (tree's prompts)")
     p.add_argument("--out", type=Path, help="append the results as JSON lines")
     p.add_argument("--plot", type=Path, help="the reward curves as a PNG")
     args = p.parse_args(argv)
     results = []
-    for mode in args.modes or ["tree"]:
+    for mode in (args.modes or ["tree"]) if not args.native else ["tree"]:
         args.mode = mode
         r = run(args)
         results.append(r)
