@@ -21,7 +21,7 @@ seconds and tokens/s of ``--steps`` steps after a warm-up, the trainable paramet
 all parameters + AdamW state this process holds, and the peak memory: ``torch.cuda.max_memory_allocated``
 on CUDA (reset before each variant), on CPU the growth of the process's peak RSS (VmHWM, reset through
 /proc/self/clear_refs) over its RSS before the variant. ``--mixed-precision`` and
-``--activation-checkpointing`` pass through to ``LearnerConfig``.
+``--activation-checkpointing`` pass through to ``LearnerSettings``.
 
     python bench/learner.py [--model tiny|PATH] [--groups 4] [--g 8] [--len 96] [--steps 5] [--device cpu]
                             [--ranks 2] [--sharding replicate,fsdp]
@@ -128,7 +128,8 @@ def main() -> None:
     args.ranks = args.ranks or 1
     import torch
 
-    from learner.train import Learner, LearnerConfig, resolve_model_path
+    from learner.config import LearnerSettings
+    from learner.train import Learner, resolve_model_path
 
     path = resolve_model_path(args.model)
     if not (path / "config.json").exists():
@@ -140,7 +141,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         learners = {
             est: Learner(
-                LearnerConfig(
+                LearnerSettings(
                     model=path, store=Path(tmp) / est, device=args.device, token_budget=args.token_budget
                 )
             )
@@ -231,8 +232,10 @@ def compare_ranks(
 
     import torch
 
-    from learner.distributed import STOP, Ranks, free_port, start_helpers
-    from learner.train import Learner, LearnerConfig
+    from learner.config import LearnerSettings
+    from learner.distributed import STOP, Ranks, free_port
+    from learner.helper_rank import start_helpers
+    from learner.train import Learner
 
     n = args.ranks
     tps: dict[str, list[float]] = {}
@@ -243,13 +246,13 @@ def compare_ranks(
         os.environ["OMP_NUM_THREADS"] = "1"
         port = free_port()
         cfg: dict[str, Any] = {"device": args.device, "token_budget": args.token_budget}
-        rank_cfg = LearnerConfig(model=path, store=root / "ranks", sharding=sharding, **cfg)  # type: ignore[arg-type]
-        helpers = start_helpers(n, "127.0.0.1", port, rank_cfg.to_json())
+        rank_cfg = LearnerSettings(model=path, store=root / "ranks", sharding=sharding, **cfg)  # type: ignore[arg-type]
+        helpers = start_helpers(n, "127.0.0.1", port, rank_cfg)
         ranks = Ranks.init(0, n, "127.0.0.1", port, "nccl" if args.device.startswith("cuda") else "gloo")
         try:
             learners = {
-                "1 process, 1 thread": (Learner(LearnerConfig(model=path, store=root / "a", **cfg)), 1),
-                f"1 process, {n} threads": (Learner(LearnerConfig(model=path, store=root / "b", **cfg)), n),
+                "1 process, 1 thread": (Learner(LearnerSettings(model=path, store=root / "a", **cfg)), 1),
+                f"1 process, {n} threads": (Learner(LearnerSettings(model=path, store=root / "b", **cfg)), n),
                 f"{n} ranks {sharding}": (Learner(rank_cfg, ranks=ranks), 1),
             }
             for step in range(args.steps + 1):  # step 0 is warm-up
@@ -394,8 +397,10 @@ def compare_variants(args: argparse.Namespace) -> None:
 
     import torch
 
-    from learner.distributed import STOP, Ranks, free_port, start_helpers
-    from learner.train import Learner, LearnerConfig
+    from learner.config import LearnerSettings
+    from learner.distributed import STOP, Ranks, free_port
+    from learner.helper_rank import start_helpers
+    from learner.train import Learner
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if unknown := set(variants) - {"full", "lora", "fsdp"}:
@@ -412,8 +417,8 @@ def compare_variants(args: argparse.Namespace) -> None:
         groups, rewards = make_batch(args.groups, args.g, args.len, size.vocab, args.seed)
         seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for g in groups for t in g.trajectories)
 
-        def config(name: str) -> LearnerConfig:
-            return LearnerConfig(
+        def config(name: str) -> LearnerSettings:
+            return LearnerSettings(
                 model=path,
                 store=root / name,
                 # ranks on CUDA: "cuda" is cuda:<rank> on each rank (a "cuda:0" would put all on one)
@@ -445,7 +450,7 @@ def compare_variants(args: argparse.Namespace) -> None:
             os.environ["OMP_NUM_THREADS"] = "1"
             port = free_port()
             rank_cfg = config(name)
-            helpers = start_helpers(args.ranks, "127.0.0.1", port, rank_cfg.to_json())
+            helpers = start_helpers(args.ranks, "127.0.0.1", port, rank_cfg)
             ranks = Ranks.init(0, args.ranks, "127.0.0.1", port, "nccl" if on_cuda else "gloo")
             try:
                 device = torch.device("cuda:0" if on_cuda else "cpu")

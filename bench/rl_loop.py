@@ -221,7 +221,8 @@ def run_arm(
     log: Callable[[str], None] = print,
 ) -> ArmResult:
     """``cfg.steps`` RL steps of ``arm`` from ``cfg.model``; prompts ``train[step*P:(step+1)*P]``."""
-    from learner.train import Learner, LearnerConfig
+    from learner.config import LearnerSettings
+    from learner.train import Learner
     from rollout_svc.engines.torch import TorchEngine
 
     t0 = time.perf_counter()
@@ -233,7 +234,7 @@ def run_arm(
     steps: list[StepLog] = []
     with tempfile.TemporaryDirectory(prefix=f"loom-{arm.name}-") as tmp:
         learner = Learner(
-            LearnerConfig(model=cfg.model, store=Path(tmp), save_optimizer=False, keep_versions=1)
+            LearnerSettings(model=cfg.model, store=Path(tmp), save_optimizer=False, keep_versions=1)
         )
         start = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
         for step in range(cfg.steps):

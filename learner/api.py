@@ -18,6 +18,7 @@ none asked: that bound (docs/security-workers.md).
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Annotated, Any
 
 from celery.exceptions import TimeoutError as CeleryTimeout
@@ -96,14 +97,12 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
     )
     add_ping_route(app, celery_app, ("learner",))
     internal = internal_route_guard(app)
-
-    @app.post(
-        "/v1/train_step",
-        response_model=StepResult,
-        tags=["learner"],
-        dependencies=[internal],
-        responses=UNAUTHORIZED,
+    # the internal routes: the service token, when set (docs/security-workers.md)
+    internal_post = functools.partial(
+        app.post, tags=["learner"], dependencies=[internal], responses=UNAUTHORIZED
     )
+
+    @internal_post("/v1/train_step", response_model=StepResult)
     async def train_step(
         batch: TrainBatch,
         timeout: float | None = Query(
@@ -122,13 +121,7 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
         body = await asyncio.to_thread(_run, celery_app, "learner.train_step", kwargs, wait)
         return StepResult.model_validate(body)
 
-    @app.post(
-        "/v1/score/attention",
-        response_model=AttentionScores,
-        tags=["learner"],
-        dependencies=[internal],
-        responses=UNAUTHORIZED,
-    )
+    @internal_post("/v1/score/attention", response_model=AttentionScores)
     async def score_attention(body: AttentionRequest) -> AttentionScores:
         asked = body.timeout if "timeout" in body.model_fields_set else None
         bound = app.state.settings.learner_max_wait_s

@@ -7,17 +7,20 @@ Exact normalisation: each rank's loss is divided by the GLOBAL counts (trained t
 ``token_mean``, trajectories for the sequence means and HRPO), all-reduced before the first backward,
 so the summed gradient is the one-process gradient of the whole batch.
 
+One process is ``OneProcess``: the same methods, each the identity.
+
 A rank that dies or stops answering makes the collective on rank 0 raise: ``RankFailure``. The Celery
 task then ends its worker process (learner/tasks.py), so the late-acknowledged message is redelivered
 instead of acknowledged with half a step.
 
-Two layouts (``LearnerConfig.sharding``): ``replicate`` (the default) holds the whole model on every
-rank (DDP's layout, with the all-reduce done by hand after accumulation, ``Ranks.sum_gradients``);
-``fsdp`` wraps it with FSDP2's ``fully_shard`` (each decoder layer, then the root), so the parameters,
+Two layouts (``LearnerSettings.sharding``, chosen once when the ``Learner`` is built: ``layout``):
+``replicate`` (the default, ``Ranks``) holds the whole model on every rank (DDP's layout, with the
+all-reduce done by hand after accumulation, ``Ranks.sum_gradients``); ``fsdp`` (``ShardedRanks``)
+wraps it with FSDP2's ``fully_shard`` (each decoder layer, then the root), so the parameters,
 gradients and AdamW's moments are sharded over the ranks: FSDP all-gathers a layer's parameters for
 its forward and backward and reduce-scatters its gradient, summed (``shard``: divide factor 1, because
 each rank's loss already has the global normaliser). Every rank then runs as many forward/backward
-passes as the rank with the most micro-batches (``idle_pass``), since each is a collective. Gloo has
+passes as the rank with the most micro-batches (``idle_passes``), since each is a collective. Gloo has
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` on torch 2.13, so FSDP runs on CPU too.
 The clip takes the global norm of the sharded (DTensor) gradients. To publish, every rank gathers the
 full state dict to rank 0 (``full_state``, ``full_optimizer_state``), which writes the same plain HF
@@ -27,20 +30,19 @@ checkpoint and optimizer.pt as one process; ``save_sharded`` keeps each rank's s
 from __future__ import annotations
 
 import datetime
-import json
 import logging
-import os
 import shutil
 import socket
-import subprocess
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from loom.contracts.wire import PolicyVersion
+from loom.store import PolicyStore
 
 log = logging.getLogger("loom.learner.dist")
 
@@ -51,8 +53,83 @@ class RankFailure(RuntimeError):
     """A collective failed: another rank died or timed out; the step did not happen."""
 
 
+class OneProcess:
+    """The learner in one process: each collective is the identity and nothing is sharded. The
+    ``Learner`` calls the same methods whatever the layout (``layout`` picks it once), so its train
+    step has no branch on the number of ranks."""
+
+    rank: int = 0
+    world: int = 1
+    sharded: bool = False  # FSDP: a forward needs every rank (no FCI scoring on rank 0 alone)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def device(self, name: str) -> torch.device:
+        return torch.device(name)
+
+    def prepare(self, model: Any, mixed_precision: str) -> None:
+        """The freshly loaded model, made ready for this layout (in place)."""
+
+    def load_optimizer(self, model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def resume(self, model: Any, optimizer: Any, store_root: Path, version: int) -> None:
+        """The ranks' own checkpoint of ``version``, where there is one."""
+
+    def share_batch(self, batch: Any) -> None:
+        """Rank 0 hands the batch it is about to train to the other ranks."""
+
+    def share(self, items: Sequence[Any]) -> list[Any]:
+        return list(items)
+
+    def all_sum(self, values: Sequence[float]) -> list[float]:
+        return list(values)
+
+    def all_max(self, values: Sequence[float]) -> list[float]:
+        return list(values)
+
+    def forward_backward(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def autocast(self, dtype: torch.dtype | None) -> torch.dtype | None:
+        return dtype
+
+    def extra_passes(self, micro_batches: int) -> int:
+        """How many idle forward/backward passes this rank owes the others (``idle_passes``)."""
+        return 0
+
+    def idle_passes(self, model: Any, n: int) -> None:
+        """``n`` forward/backward passes that add nothing (FSDP's collectives need every rank)."""
+
+    def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """The gradients summed over the ranks, in place."""
+
+    def gather(self, model: Any, optimizer: Any, with_optimizer: bool) -> tuple[dict[str, Any], Any] | None:
+        """The full model (and optimizer) state to publish, where the model is sharded; else None."""
+        return None
+
+    def publish(
+        self, write: Callable[[], PolicyVersion], store: PolicyStore, version: int, model: Any, optimizer: Any
+    ) -> PolicyVersion:
+        """``write()`` publishes ``version`` (rank 0); every rank returns its record."""
+        return write()
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        """Every rank has come this far."""
+
+    def close(self) -> None:
+        """The process group, left."""
+
+
 @dataclass
-class Ranks:
+class Ranks(OneProcess):
+    """N ranks holding the whole model each (``replicate``): samples shared out, gradients summed."""
+
     rank: int
     world: int
 
@@ -69,9 +146,20 @@ class Ranks:
         )
         return cls(rank, world)
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def device(self, name: str) -> torch.device:
+        return torch.device(f"cuda:{self.rank}" if name == "cuda" else name)  # one GPU per rank
+
+    def prepare(self, model: Any, mixed_precision: str) -> None:
+        self.same_weights(model)
+
+    def resume(self, model: Any, optimizer: Any, store_root: Path, version: int) -> None:
+        sharded = sharded_path(store_root, version)
+        if sharded.exists():  # the ranks' own checkpoint of this version (model + optimizer)
+            load_sharded(model, optimizer, sharded)
+
+    def share_batch(self, batch: Any) -> None:
+        if self.is_main:  # the helper ranks (serve) train the same batch
+            self.broadcast(batch.model_dump(mode="json"))
 
     def share(self, items: Sequence[Any]) -> list[Any]:
         """This rank's items: every ``world``-th from ``rank`` (balanced whatever the batch order)."""
@@ -108,6 +196,21 @@ class Ranks:
         for t in [*model.parameters(), *model.buffers()]:
             collective(dist.broadcast, t.data, src=0)
 
+    def publish(
+        self, write: Callable[[], PolicyVersion], store: PolicyStore, version: int, model: Any, optimizer: Any
+    ) -> PolicyVersion:
+        if self.is_main:
+            record = write()
+            self.barrier()
+        else:
+            self.barrier()  # rank 0 has published: the same version, read back
+            latest = store.latest()
+            if latest is None or latest.version != version:
+                raise RankFailure(f"rank {self.rank}: rank 0 did not publish version {version}")
+            record = latest
+        save_sharded(self, model, optimizer, sharded_path(store.root, record.version))
+        return record
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         box = [obj if self.is_main else None]
@@ -120,6 +223,50 @@ class Ranks:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass
+class ShardedRanks(Ranks):
+    """N ranks under FSDP2 (``fsdp``): parameters, gradients and optimizer state sharded (``shard``)."""
+
+    sharded: bool = True
+
+    def prepare(self, model: Any, mixed_precision: str) -> None:
+        super().prepare(model, mixed_precision)
+        shard(model, mixed_precision)
+
+    def load_optimizer(self, model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+        set_full_optimizer_state(model, optimizer, state)
+
+    def forward_backward(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # every FSDP forward and backward is a collective: a failure there is a RankFailure
+        return collective(fn, *args, **kwargs)
+
+    def autocast(self, dtype: torch.dtype | None) -> torch.dtype | None:
+        return None  # FSDP casts by its MixedPrecisionPolicy
+
+    def extra_passes(self, micro_batches: int) -> int:
+        # every rank runs as many forward/backward passes as the rank with the most micro-batches
+        return int(self.all_max([float(micro_batches)])[0]) - micro_batches
+
+    def idle_passes(self, model: Any, n: int) -> None:
+        for _ in range(n):
+            idle_pass(model)
+
+    def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """FSDP has reduce-scattered them already (summed, ``shard``)."""
+
+    def gather(self, model: Any, optimizer: Any, with_optimizer: bool) -> tuple[dict[str, Any], Any] | None:
+        # the plain checkpoint is gathered from the shards: a collective
+        optim_sd = full_optimizer_state(model, optimizer) if with_optimizer else None
+        return full_state(model), optim_sd
+
+
+def layout(ranks: Ranks | None, sharding: str) -> OneProcess:
+    """The learner's layout, decided once: one process, or N ranks replicated or sharded."""
+    if ranks is None or ranks.world == 1:
+        return OneProcess()
+    return ShardedRanks(ranks.rank, ranks.world) if sharding == "fsdp" else ranks
 
 
 SHARDED_DIR = "sharded"  # under the policy store: sharded/v<N>, the ranks' model + optimizer state
@@ -242,60 +389,7 @@ def collective(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise RankFailure(f"a learner rank failed during {name}: {exc}") from exc
 
 
-def serve(learner: Any) -> None:
-    """Ranks > 0: train every batch rank 0 broadcasts, until it broadcasts ``STOP``."""
-    from loom.contracts.wire import TrainBatch
-
-    ranks: Ranks = learner.ranks
-    while True:
-        got = ranks.broadcast(None)
-        if got == STOP:
-            return
-        try:
-            learner.train_step(TrainBatch.model_validate(got))
-        except ValueError as exc:  # a bad batch: rank 0 refuses it the same way, before any collective
-            log.info("rank %d: batch refused: %s", ranks.rank, exc)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def start_helpers(world: int, addr: str, port: int, config: dict[str, Any]) -> list[subprocess.Popen[bytes]]:
-    """Ranks 1..world-1 as child processes of rank 0 (``python -m learner.distributed``), each with
-    rank 0's ``LearnerConfig`` (``config``: its fields as JSON values); one torch thread each unless
-    OMP_NUM_THREADS says otherwise."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cfg = json.dumps(config)
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "learner.distributed", str(r), str(world), addr, str(port), cfg], env=env
-        )
-        for r in range(1, world)
-    ]
-
-
-def main(argv: Sequence[str]) -> int:
-    """A helper rank: ``python -m learner.distributed RANK WORLD ADDR PORT CONFIG_JSON``."""
-    from learner.train import Learner, learner_config_from_json
-
-    rank, world, addr, port, config = argv
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cfg = learner_config_from_json(json.loads(config))
-    ranks = Ranks.init(
-        int(rank), int(world), addr, int(port), "nccl" if cfg.device.startswith("cuda") else "gloo"
-    )
-    try:
-        serve(Learner(cfg, ranks=ranks))
-    except RankFailure as exc:
-        log.error("%s", exc)
-        return 1
-    finally:
-        ranks.close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

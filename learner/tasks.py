@@ -10,9 +10,10 @@ import os
 import threading
 from typing import Any
 
-from learner.distributed import RankFailure, Ranks, free_port, start_helpers
-from learner.train import Learner, LearnerConfig
-from loom.contracts.settings import Settings, get_settings
+from learner.config import LearnerSettings
+from learner.distributed import RankFailure, Ranks, free_port
+from learner.helper_rank import start_helpers
+from learner.train import Learner
 from loom.contracts.wire import TrainBatch
 from loom.queue import make_celery
 from loom.runtime import configure_process
@@ -34,36 +35,20 @@ def set_nproc(n: int) -> None:
     _nproc = max(1, int(n))
 
 
-def learner_config(settings: Settings) -> LearnerConfig:
-    """The learner service's configuration, from its settings (``LOOM_LEARNER_*``)."""
-    return LearnerConfig(
-        model=settings.model,
-        store=settings.policy_store_path,
-        device=settings.device,
-        lora_rank=settings.learner_lora_rank,
-        lora_alpha=settings.learner_lora_alpha,
-        lora_targets=tuple(t.strip() for t in settings.learner_lora_targets.split(",") if t.strip()),
-        lora_merge=settings.learner_lora_merge,
-        activation_checkpointing=settings.learner_activation_checkpointing,
-        sharding=settings.learner_sharding,
-        mixed_precision=settings.learner_mixed_precision,
-    )
-
-
 def get_learner() -> Learner:
     """The process's Learner, created on first use (resumes from the newest stored version)."""
     global _learner
     with _lock:
         if _learner is None:
             configure_process()
-            cfg = learner_config(get_settings())
+            cfg = LearnerSettings()
             _learner = Learner(cfg, ranks=_start_ranks(cfg) if _nproc > 1 else None)
         return _learner
 
 
-def _start_ranks(cfg: LearnerConfig) -> Ranks:
+def _start_ranks(cfg: LearnerSettings) -> Ranks:
     port = free_port()
-    start_helpers(_nproc, "127.0.0.1", port, cfg.to_json())
+    start_helpers(_nproc, "127.0.0.1", port, cfg)
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     return Ranks.init(0, _nproc, "127.0.0.1", port, backend)
 
@@ -95,7 +80,7 @@ def score_attention(
     from learner.train import check_vocabulary
 
     learner = get_learner()
-    if learner.sharded:
+    if learner.ranks.sharded:
         # a forward on rank 0 alone would wait for the other ranks' all-gathers
         raise ValueError(
             "score_attention needs the whole model in one process: not with LOOM_LEARNER_SHARDING=fsdp "

@@ -9,7 +9,7 @@ store. A batch whose step was already published (a redelivered task) returns the
 from __future__ import annotations
 
 import copy
-import dataclasses
+import functools
 import logging
 import math
 import shutil
@@ -24,25 +24,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from learner import logprobs as lp
-from learner.assign import Assigned, assign_batch
-from learner.distributed import (
-    RankFailure,
-    Ranks,
-    collective,
-    full_optimizer_state,
-    full_state,
-    idle_pass,
-    load_sharded,
-    save_sharded,
-    set_full_optimizer_state,
-    shard,
-    sharded_path,
-)
+from learner.assign import assign_batch
+from learner.config import LearnerSettings
+from learner.distributed import OneProcess, Ranks, collective, layout
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
-from loom.batching import next_batch_size
-from loom.contracts.estimators import estimator_params
 from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.models import resolve_model_path  # re-exported: bench/learner.py names it
 from loom.store import PolicyStore
@@ -69,44 +56,6 @@ TOKENIZER_FILES = (
 )
 
 
-@dataclass
-class LearnerConfig:
-    model: str | Path = "tiny"  # 'tiny' (loom.tiny.CHECKPOINT_DIR) or any HF causal-LM directory
-    store: str | Path = ".loom/policy"
-    device: str = "cpu"
-    token_budget: int = 8192  # padded tokens per micro-batch
-    weight_decay: float = 0.01  # AdaSR Table 9
-    betas: tuple[float, float] = (0.9, 0.999)
-    # bf16 compute with float32 master weights: "auto" is bf16 on CUDA and none on CPU; replicated
-    # ranks autocast, FSDP casts the gathered parameters (MixedPrecisionPolicy, float32 reductions)
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    # N ranks: "replicate" holds the whole model on every rank, "fsdp" shards parameters, gradients
-    # and optimizer state with FSDP2 (learner/distributed.py); one process ignores it
-    sharding: Literal["replicate", "fsdp"] = "replicate"
-    lora_rank: int = 0  # > 0: train a LoRA adapter (needs peft) and publish adapters
-    lora_alpha: int = 16
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    # with LoRA: publish the merged model (W + (alpha/r) B A) as a full checkpoint for engines
-    # without adapter support; the adapter itself is kept in ADAPTER_DIR of the version for resume
-    lora_merge: bool = False
-    save_optimizer: bool = True
-    keep_versions: int = 0  # > 0: prune older versions after publishing
-    drop_zero: bool = True
-    activation_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
-
-    def to_json(self) -> dict[str, Any]:
-        """The fields as JSON values (the helper ranks get rank 0's config this way)."""
-        return {
-            k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(self).items()
-        }
-
-
-def learner_config_from_json(values: dict[str, Any]) -> LearnerConfig:
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return LearnerConfig(**fields)
-
-
 def _load_causal_lm(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -114,34 +63,21 @@ def _load_causal_lm(path: Path) -> Any:
 
 
 class Learner:
-    def __init__(self, cfg: LearnerConfig, ranks: Ranks | None = None) -> None:
+    def __init__(self, cfg: LearnerSettings, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
-        # N ranks (learner/distributed.py): each trains its share, gradients summed, rank 0 publishes
-        self.ranks = ranks if ranks is not None and ranks.world > 1 else None
-        self.sharded = self.ranks is not None and cfg.sharding == "fsdp"
-        if cfg.sharding not in ("replicate", "fsdp"):
-            raise ValueError(f"sharding must be 'replicate' or 'fsdp', not {cfg.sharding!r}")
-        if cfg.mixed_precision not in ("auto", "no", "bf16"):
-            raise ValueError(f"mixed_precision must be 'auto', 'no' or 'bf16', not {cfg.mixed_precision!r}")
-        if cfg.sharding == "fsdp" and cfg.lora_rank > 0:
-            # peft's adapter save/merge walks plain tensors; an FSDP-sharded adapter is not supported
-            raise ValueError("LoRA (lora_rank > 0) with sharding='fsdp' is not supported: use 'replicate'")
+        # one process, or N ranks (learner/distributed.py): each trains its share, gradients summed,
+        # rank 0 publishes; decided here once, the train step calls the same methods either way
+        self.ranks = layout(ranks, cfg.sharding)
         self.store = PolicyStore(cfg.store)
         self.base_path = resolve_model_path(cfg.model)
-        device = cfg.device
-        if self.ranks is not None and device == "cuda":  # one GPU per rank
-            device = f"cuda:{self.ranks.rank}"
-        self.device = torch.device(device)
+        self.device = self.ranks.device(cfg.device)
         latest = self.store.latest()
         self.model = self._load(latest)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device)
         self.model.train()
-        if self.ranks is not None:
-            self.ranks.same_weights(self.model)
-        if self.sharded:
-            shard(self.model, "bf16" if self.compute_dtype() is not None else "no")
+        self.ranks.prepare(self.model, "bf16" if self.compute_dtype() is not None else "no")
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=LossSpec().lr,
@@ -154,17 +90,11 @@ class Learner:
             state = torch.load(
                 Path(latest.path) / OPTIMIZER_FILE, map_location=self.device, weights_only=True
             )
-            if self.sharded:
-                set_full_optimizer_state(self.model, self.optimizer, state)
-            else:
-                self.optimizer.load_state_dict(state)
+            self.ranks.load_optimizer(self.model, self.optimizer, state)
         self._ref: Any = None
         self._gathered: tuple[dict[str, Any], dict[str, Any] | None] | None = None
-        if self.ranks is not None and latest is not None:
-            sharded = sharded_path(self.store.root, latest.version)
-            if sharded.exists():  # the ranks' own checkpoint of this version (model + optimizer)
-                load_sharded(self.model, self.optimizer, sharded)
         if latest is not None:
+            self.ranks.resume(self.model, self.optimizer, self.store.root, latest.version)
             log.info("learner resumed from policy version %d (%s)", latest.version, latest.path)
 
     def compute_dtype(self) -> torch.dtype | None:
@@ -220,31 +150,15 @@ class Learner:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
 
     def publish(self, meta: dict[str, Any]) -> PolicyVersion:
-        if self.sharded:  # the plain checkpoint is gathered from the shards: a collective
-            optim_sd = full_optimizer_state(self.model, self.optimizer) if self.cfg.save_optimizer else None
-            self._gathered = (full_state(self.model), optim_sd)
+        """The next version: rank 0 writes it, the other ranks read its record back."""
+        self._gathered = self.ranks.gather(self.model, self.optimizer, self.cfg.save_optimizer)
         try:
-            return self._publish_ranks(meta)
+            record = self.ranks.publish(
+                lambda: self._publish(meta), self.store, self.version + 1, self.model, self.optimizer
+            )
         finally:
             self._gathered = None
-
-    def _publish_ranks(self, meta: dict[str, Any]) -> PolicyVersion:
-        if self.ranks is not None and not self.ranks.is_main:
-            self.ranks.barrier()  # rank 0 has published: the same version, read back
-            record = self.store.latest()
-            if record is None or record.version != self.version + 1:
-                raise RankFailure(
-                    f"rank {self.ranks.rank}: rank 0 did not publish version {self.version + 1}"
-                )
-            self.version, self.record = record.version, record
-        else:
-            record = self._publish(meta)
-            if self.ranks is not None:
-                self.ranks.barrier()
-        if self.ranks is not None:
-            save_sharded(
-                self.ranks, self.model, self.optimizer, sharded_path(self.store.root, record.version)
-            )
+        self.version, self.record = record.version, record
         return record
 
     def _publish(self, meta: dict[str, Any]) -> PolicyVersion:
@@ -253,8 +167,6 @@ class Learner:
         record = self.store.publish(
             self.version + 1, self._write, kind=kind, meta={"base": str(self.base_path), **meta}
         )
-        self.version = record.version
-        self.record = record
         if self.cfg.keep_versions > 0:
             self.store.prune(self.cfg.keep_versions)
         return record
@@ -263,8 +175,7 @@ class Learner:
     def train_step(self, batch: TrainBatch) -> StepResult:
         """One optimizer step per batch, read top to bottom: advantages, the passes (PPO's epochs:
         recompute log-probs, loss, backward, clip, AdamW), then the new version is published."""
-        if self.ranks is not None and self.ranks.is_main:  # the helper ranks train the same batch
-            self.ranks.broadcast(batch.model_dump(mode="json"))
+        self.ranks.share_batch(batch)  # rank 0: the helper ranks train the same batch
         if self.record is not None and self.record.meta.get("step") == batch.step:
             return self._replayed(batch, self.record)
         t0 = time.perf_counter()
@@ -273,7 +184,7 @@ class Learner:
             (t.prompt_ids + t.completion_ids for g in batch.groups for t in g.trajectories),
         )
         assigned = assign_batch(batch, drop_zero=self.cfg.drop_zero)
-        metrics = assignment_metrics(assigned, batch)
+        metrics = assigned.metrics()
         if not assigned.samples:
             return self._skipped(batch, metrics)
         lr = warmup_lr(batch.loss.lr, batch.loss.warmup_steps, self.version)
@@ -339,8 +250,7 @@ class Learner:
     def _optimizer_step(self, max_grad_norm: float) -> float | None:
         """Clip the accumulated gradient and step; None (nothing applied) when its norm is not finite."""
         trained = [p for p in self.model.parameters() if p.requires_grad]
-        if self.ranks is not None and not self.sharded:
-            self.ranks.sum_gradients(trained)  # each rank's loss has the global normaliser
+        self.ranks.sum_gradients(trained)  # each rank's loss has the global normaliser
         # FSDP: the gradients are summed shards (DTensors); the clip takes the global norm over them
         grad_norm = collective(torch.nn.utils.clip_grad_norm_, trained, max_grad_norm)
         if isinstance(grad_norm, DTensor):
@@ -365,86 +275,61 @@ class Learner:
         on later ones."""
         frozen: dict[int, Tensor] = {} if first_pass_logp is None else first_pass_logp
         spec = batch.loss
-        if self.ranks is not None:
-            samples = self.ranks.share(samples)
+        samples = self.ranks.share(samples)
         trajs = [s.trajectory for s in samples]
-        counts = [float(sum(sum(s.mask) for s in samples)), float(len(samples))]
-        if self.ranks is not None:  # the normalisers of the WHOLE batch, before any backward
-            counts = self.ranks.all_sum(counts)
-        idle = 0
-        if self.ranks is not None and self.sharded:
-            # each FSDP forward and backward is a collective: every rank runs as many as the rank
-            # with the most micro-batches, the others' extra ones on one token with a zero loss
-            mine = len(
-                lp.micro_batches(
-                    [len(t.prompt_ids) + len(t.completion_ids) for t in trajs], self.cfg.token_budget
-                )
-            )
-            idle = int(self.ranks.all_max([float(mine)])[0]) - mine
-        totals = PassTotals(n_tokens=counts[0], n_seqs=counts[1])
-        compute = self.compute_dtype()
-        autocast = None if self.sharded else compute  # FSDP casts by its MixedPrecisionPolicy
+        lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
+        # the normalisers of the WHOLE batch (every rank's share), before any backward
+        n_tokens, n_seqs = self.ranks.all_sum([float(sum(sum(s.mask) for s in samples)), float(len(samples))])
+        idle = self.ranks.extra_passes(len(lp.micro_batches(lengths, self.cfg.token_budget)))
+        totals = PassTotals(n_tokens=n_tokens, n_seqs=n_seqs)
         ref = self.reference_model() if spec.kl_coef > 0 else None
-
-        def consume(mb: lp.MicroBatchOut) -> None:
-            rows = [samples[i] for i in mb.index]
-            mask = _pad([s.mask for s in rows], mb.logp.shape[1], mb.logp.device)
-            tis_on = spec.tis != "off"
-            old, behaviour, known = old_logprobs(mb, rows, frozen, spec.temperature, decoupled=tis_on)
-            # the mismatch is taken on the first pass, where the recomputed log-probs are pi_old's
-            totals.add_mismatch(mb.logp.detach(), behaviour, mask, known, rows)
-            is_weight = None
-            if tis_on:
-                is_weight = totals.add_tis(old, behaviour, mask, known, spec.tis, spec.tis_cap)
-            ref_logp = None
-            if ref is not None:
-                with torch.no_grad():
-                    ref_logp, _, _ = lp.completion_logprobs(
-                        ref,
-                        [lp.layout_of(s.trajectory) for s in rows],
-                        autocast_dtype=compute,
-                        temperature=spec.temperature,
-                    )
-            parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals, is_weight)
-            parts.loss.backward()
-            totals.add_loss(parts, mask)
-
         if trajs:  # a rank may have no share of a small batch: it adds zero gradients
-            # with FSDP every forward and backward is a collective: a failure there is a RankFailure
-            (collective if self.sharded else _call)(
+            self.ranks.forward_backward(
                 lp.recompute,
                 self.model,
                 trajs,
                 token_budget=self.cfg.token_budget,
                 with_entropy=spec.entropy_coef != 0.0,
-                autocast_dtype=autocast,
-                each=consume,
+                autocast_dtype=self.ranks.autocast(self.compute_dtype()),
+                each=functools.partial(self._backward, samples, batch, frozen, totals, ref),
                 temperature=spec.temperature,
             )
-        for _ in range(idle):  # FSDP: as many forward/backward passes as the busiest rank
-            idle_pass(self.model)
-        seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
-        if self.ranks is not None:
-            seq_tokens = int(totals.reduce(self.ranks, seq_tokens))
+        self.ranks.idle_passes(self.model, idle)  # as many forward/backward passes as the busiest rank
+        seq_tokens = int(totals.reduce(self.ranks, sum(lengths)))
         return totals.summary(seq_tokens, with_entropy=spec.entropy_coef != 0.0, with_kl=spec.kl_coef != 0)
 
-
-def assignment_metrics(assigned: Assigned, batch: TrainBatch) -> dict[str, float]:
-    """What the advantages left to train on, and the batch size AttnRL eq. 10 asks for next."""
-    metrics: dict[str, float] = {
-        "groups": float(assigned.n_groups),
-        "valid_groups": float(assigned.n_valid_groups),
-        "dropped_zero_adv": float(assigned.n_dropped),
-        "samples": float(len(assigned.samples)),
-    }
-    params = estimator_params(batch.estimator, batch.estimator_params)
-    if params.batch_size is not None and params.target_groups is not None:
-        metrics["next_batch_size"] = float(
-            next_batch_size(
-                params.batch_size, params.target_groups, assigned.n_valid_groups, lam=params.batch_lambda
-            )
-        )
-    return metrics
+    def _backward(
+        self,
+        samples: Sequence[TokenAdvantages],
+        batch: TrainBatch,
+        frozen: dict[int, Tensor],
+        totals: PassTotals,
+        ref: Any,
+        mb: lp.MicroBatchOut,
+    ) -> None:
+        """The loss of one recomputed micro-batch, its backward, and its statistics in ``totals``."""
+        spec = batch.loss
+        rows = [samples[i] for i in mb.index]
+        mask = _pad([s.mask for s in rows], mb.logp.shape[1], mb.logp.device)
+        tis_on = spec.tis != "off"
+        old, behaviour, known = old_logprobs(mb, rows, frozen, spec.temperature, decoupled=tis_on)
+        # the mismatch is taken on the first pass, where the recomputed log-probs are pi_old's
+        totals.add_mismatch(mb.logp.detach(), behaviour, mask, known, rows)
+        is_weight = None
+        if tis_on:
+            is_weight = totals.add_tis(old, behaviour, mask, known, spec.tis, spec.tis_cap)
+        ref_logp = None
+        if ref is not None:
+            with torch.no_grad():
+                ref_logp, _, _ = lp.completion_logprobs(
+                    ref,
+                    [lp.layout_of(s.trajectory) for s in rows],
+                    autocast_dtype=self.compute_dtype(),
+                    temperature=spec.temperature,
+                )
+        parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals, is_weight)
+        parts.loss.backward()
+        totals.add_loss(parts, mask)
 
 
 @dataclass
@@ -533,9 +418,9 @@ class PassTotals:
         self.kl += float(parts.kl) * share
         self.entropy += float(parts.entropy) * share
 
-    def reduce(self, ranks: Ranks, seq_tokens: int) -> float:
-        """The sums over every rank's share (the token-ratio percentiles stay this rank's); returns
-        the summed ``seq_tokens``."""
+    def reduce(self, ranks: OneProcess, seq_tokens: int) -> float:
+        """The sums over every rank's share (the token-ratio percentiles stay this rank's; one
+        process: its own); returns the summed ``seq_tokens``."""
         names = (
             "loss", "clip_frac", "kl", "entropy", "mismatch_abs", "mismatch_k3", "mismatch_n",
             "behaviour_rows", "unmatched_rows", "adv_abs", "tis_weight", "tis_truncated", "tis_n",
@@ -670,10 +555,6 @@ def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:
             raise ValueError(f"token id {ids[i]} is outside the model's vocabulary [0, {size})")
         if context is not None and len(ids) > int(context):
             raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's context {context}")
-
-
-def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return fn(*args, **kwargs)
 
 
 def _copy_tokenizer(base: Path, out: Path) -> None:

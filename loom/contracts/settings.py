@@ -260,28 +260,7 @@ class Settings(BaseSettings):
         description="the longest a learner API request may ask to wait (train_step ?timeout=, "
         "score/attention timeout); more is a 422",
     )
-    learner_lora_rank: int = Field(
-        default=0, ge=0, description="> 0: the learner trains a LoRA adapter of this rank (needs peft)"
-    )
-    learner_lora_alpha: int = Field(default=16, ge=1, description="the LoRA adapter's alpha")
-    learner_lora_targets: str = Field(
-        default="q_proj,k_proj,v_proj,o_proj", description="comma-separated module names LoRA adapts"
-    )
-    learner_lora_merge: bool = Field(
-        default=False, description="publish the merged model as a full checkpoint (the adapter kept beside)"
-    )
-    learner_activation_checkpointing: bool = Field(
-        default=False, description="recompute activations in backward: less memory, more time"
-    )
-    learner_sharding: Literal["replicate", "fsdp"] = Field(
-        default="replicate",
-        description="with --nproc N > 1: 'replicate' holds the whole model on every rank, 'fsdp' shards "
-        "parameters, gradients and optimizer state over the ranks (FSDP2)",
-    )
-    learner_mixed_precision: Literal["auto", "no", "bf16"] = Field(
-        default="auto",
-        description="bf16 compute with float32 master weights; 'auto' is bf16 on CUDA, float32 on CPU",
-    )
+    # the learner's own knobs (LoRA, sharding, mixed precision, ...): learner/config.py, LearnerSettings
     learner_nproc: int = Field(
         default=1,
         ge=1,

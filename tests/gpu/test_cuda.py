@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (CI has none): run on a GPU host"
 )
 
-from learner.train import Learner, LearnerConfig  # noqa: E402
+from learner.config import LearnerSettings  # noqa: E402
+from learner.train import Learner  # noqa: E402
 from loom.contracts.wire import (  # noqa: E402
     Group,
     LossSpec,
@@ -249,8 +250,10 @@ def _mean_logp(model: Any, batch: TrainBatch, rewarded: bool) -> float:
 
 
 def test_the_learner_on_cuda_in_float32_takes_the_cpu_step(batch: TrainBatch, tmp_path: Path) -> None:
-    on_cpu = Learner(LearnerConfig(model="tiny", store=tmp_path / "cpu"))
-    on_gpu = Learner(LearnerConfig(model="tiny", store=tmp_path / "gpu", device="cuda", mixed_precision="no"))
+    on_cpu = Learner(LearnerSettings(model="tiny", store=tmp_path / "cpu"))
+    on_gpu = Learner(
+        LearnerSettings(model="tiny", store=tmp_path / "gpu", device="cuda", mixed_precision="no")
+    )
     a, b = on_cpu.train_step(batch), on_gpu.train_step(batch)
     assert a.policy_version == b.policy_version == 1
     for key in ("first_pass_loss", "grad_norm", "logprob_mismatch_mean"):
@@ -262,7 +265,7 @@ def test_the_learner_on_cuda_in_float32_takes_the_cpu_step(batch: TrainBatch, tm
 @pytest.fixture(scope="module")
 def bf16_store(batch: TrainBatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
     store = tmp_path_factory.mktemp("bf16") / "store"
-    learner = Learner(LearnerConfig(model="tiny", store=store, device="cuda"))  # bf16 autocast: the default
+    learner = Learner(LearnerSettings(model="tiny", store=store, device="cuda"))  # bf16 autocast: the default
     results = [learner.train_step(batch.model_copy(update={"step": s})) for s in range(3)]
     yield store, results
 
@@ -303,7 +306,7 @@ def test_the_cuda_engine_serves_a_cuda_trained_version_and_a_cpu_learner_resumes
     # a CPU learner picks the CUDA-trained store up where it stopped (weights and optimizer state)
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
-    resumed = Learner(LearnerConfig(model="tiny", store=copy))
+    resumed = Learner(LearnerSettings(model="tiny", store=copy))
     assert resumed.version == 3
     assert resumed.optimizer.state_dict()["state"], "the optimizer state was not restored"
     for p in resumed.optimizer.state_dict()["state"].values():

@@ -97,9 +97,10 @@ def test_hostile_batches_are_422_and_a_timeout_is_504(tmp_path, batch_parts):
 
 
 def test_token_ids_outside_the_vocabulary_are_a_value_error(model_dir, tmp_path, batch_parts):
-    from learner.train import Learner, LearnerConfig
+    from learner.config import LearnerSettings
+    from learner.train import Learner
 
-    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / "store"))
     groups, rewards = batch_parts()
     groups[0].trajectories[0].completion_ids[0] = 10**6
     with pytest.raises(ValueError, match="outside the model's vocabulary"):

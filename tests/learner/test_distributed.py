@@ -18,8 +18,10 @@ import torch
 
 from learner import logprobs as lp
 from learner.assign import assign_batch
-from learner.distributed import STOP, RankFailure, Ranks, start_helpers
-from learner.train import Learner, LearnerConfig
+from learner.config import LearnerSettings
+from learner.distributed import STOP, RankFailure, Ranks
+from learner.helper_rank import start_helpers
+from learner.train import Learner
 from loom.contracts.wire import LossSpec, TrainBatch
 from loom.store import PolicyStore
 
@@ -55,8 +57,8 @@ class TwoRanks:
     def __init__(self, model_dir: Path, store: Path, **options: Any) -> None:
         torch.set_num_threads(1)
         port = _port()
-        cfg = LearnerConfig(model=model_dir, store=store, **options)
-        self.helpers = start_helpers(2, "127.0.0.1", port, cfg.to_json())
+        cfg = LearnerSettings(model=model_dir, store=store, **options)
+        self.helpers = start_helpers(2, "127.0.0.1", port, cfg)
         self.ranks = Ranks.init(0, 2, "127.0.0.1", port, timeout_s=60)
         self.learner = Learner(cfg, ranks=self.ranks)
 
@@ -72,7 +74,7 @@ class TwoRanks:
 
 def test_two_ranks_take_the_one_process_step_for_every_aggregation_and_hrpo(model_dir, tmp_path, batch_parts):
     batches = _batches(batch_parts)
-    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one"))
+    one = Learner(LearnerSettings(model=model_dir, store=tmp_path / "one"))
     two = TwoRanks(model_dir, tmp_path / "two")
     try:
         for batch in batches:
@@ -87,7 +89,7 @@ def test_two_ranks_take_the_one_process_step_for_every_aggregation_and_hrpo(mode
             not torch.equal(v, w)
             for v, w in zip(
                 _state(one.model).values(),
-                _state(Learner(LearnerConfig(model=model_dir, store=tmp_path / "fresh")).model).values(),
+                _state(Learner(LearnerSettings(model=model_dir, store=tmp_path / "fresh")).model).values(),
                 strict=True,
             )
         )
@@ -112,7 +114,7 @@ def test_a_killed_rank_fails_the_step_and_nothing_is_published(model_dir, tmp_pa
 def test_resume_from_the_sharded_checkpoint_continues_the_same_loss_curve(model_dir, tmp_path, batch_parts):
     groups, rewards = batch_parts(n_groups=3, seed=6)
     batches = [TrainBatch(step=i, groups=groups, rewards=rewards, loss=LossSpec(lr=1e-3)) for i in range(4)]
-    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one"))
+    one = Learner(LearnerSettings(model=model_dir, store=tmp_path / "one"))
     curve = [one.train_step(b).metrics["loss"] for b in batches]
     store = tmp_path / "two"
     got = []
@@ -138,7 +140,7 @@ def test_two_ranks_train_a_lora_adapter_as_one_process(model_dir, tmp_path, batc
     batch = _batches(batch_parts)[0].model_copy(update={"loss": LossSpec(lr=1e-2)})
     # the adapter's A is drawn at random: the same seed in both processes' rank 0; rank 1 gets rank 0's
     torch.manual_seed(0)
-    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one", lora_rank=8))
+    one = Learner(LearnerSettings(model=model_dir, store=tmp_path / "one", lora_rank=8))
     torch.manual_seed(0)
     two = TwoRanks(model_dir, tmp_path / "two", lora_rank=8)
     try:
@@ -182,7 +184,7 @@ def test_fsdp_ranks_take_the_one_process_step_for_every_aggregation_and_hrpo(
         for share in (samples[0::2], samples[1::2])
     ]
     assert counts[0] != counts[1], counts
-    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one"))
+    one = Learner(LearnerSettings(model=model_dir, store=tmp_path / "one"))
     two = TwoRanks(model_dir, tmp_path / "two", sharding="fsdp", token_budget=budget)
     try:
         # sharded: every rank holds half of each parameter and of AdamW's moments
@@ -203,7 +205,7 @@ def test_fsdp_ranks_take_the_one_process_step_for_every_aggregation_and_hrpo(
         codes = two.close()
     assert codes == [0]
     # optimizer.pt of an FSDP version is a plain optimizer state: one process resumes from it
-    again = Learner(LearnerConfig(model=model_dir, store=tmp_path / "two"))
+    again = Learner(LearnerSettings(model=model_dir, store=tmp_path / "two"))
     a, b = one.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
     assert set(a) == set(b)
     for i in a:
@@ -214,7 +216,7 @@ def test_fsdp_ranks_take_the_one_process_step_for_every_aggregation_and_hrpo(
 
 def test_fsdp_with_activation_checkpointing_takes_the_same_step(model_dir, tmp_path, batch_parts):
     batch = _batches(batch_parts)[3]  # HRPO
-    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one"))
+    one = Learner(LearnerSettings(model=model_dir, store=tmp_path / "one"))
     two = TwoRanks(model_dir, tmp_path / "two", sharding="fsdp", activation_checkpointing=True)
     try:
         assert two.learner.model.is_gradient_checkpointing
@@ -229,7 +231,7 @@ def test_fsdp_with_activation_checkpointing_takes_the_same_step(model_dir, tmp_p
 def test_fsdp_resume_continues_the_same_loss_curve(model_dir, tmp_path, batch_parts, optimizer_from):
     groups, rewards = batch_parts(n_groups=3, seed=6)
     batches = [TrainBatch(step=i, groups=groups, rewards=rewards, loss=LossSpec(lr=1e-3)) for i in range(4)]
-    one = Learner(LearnerConfig(model=model_dir, store=tmp_path / "one"))
+    one = Learner(LearnerSettings(model=model_dir, store=tmp_path / "one"))
     curve = [one.train_step(b).metrics["loss"] for b in batches]
     store = tmp_path / "two"
     got = []
@@ -269,7 +271,7 @@ def test_fsdp_a_killed_rank_fails_the_step_and_nothing_is_published(model_dir, t
 @pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
 def test_bf16_mixed_precision_runs_on_cpu_close_to_float32(model_dir, tmp_path, batch_parts, sharding):
     batch = _batches(batch_parts)[0]
-    fp32 = Learner(LearnerConfig(model=model_dir, store=tmp_path / "fp32")).train_step(batch)
+    fp32 = Learner(LearnerSettings(model=model_dir, store=tmp_path / "fp32")).train_step(batch)
     two = TwoRanks(model_dir, tmp_path / "bf16", sharding=sharding, mixed_precision="bf16")
     try:
         assert two.learner.compute_dtype() == torch.bfloat16

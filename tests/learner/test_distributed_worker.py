@@ -23,7 +23,7 @@ def _helpers(pid: int) -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process(pid).children(recursive=True)
-        if "learner.distributed" in " ".join(p.cmdline())
+        if "learner.helper_rank" in " ".join(p.cmdline())
     ]
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from learner import logprobs as lp
-from learner.train import ADAPTER_DIR, Learner, LearnerConfig
+from learner.config import LearnerSettings
+from learner.train import ADAPTER_DIR, Learner
 from loom.contracts.wire import LossSpec, SamplingParams, TrainBatch, Trajectory
 from loom.store import PolicyStore
 from rollout_svc.engines.torch.engine import TorchEngine
@@ -24,7 +25,9 @@ ATOL = 2e-5  # float32, merged weights W + s B A against the unmerged adapter fo
 
 
 def _train(tmp_path: Path, batch_parts, merge: bool = False) -> Learner:
-    cfg = LearnerConfig(model="tiny", store=tmp_path / "store", lora_rank=8, lora_alpha=16, lora_merge=merge)
+    cfg = LearnerSettings(
+        model="tiny", store=tmp_path / "store", lora_rank=8, lora_alpha=16, lora_merge=merge
+    )
     learner = Learner(cfg)
     groups, rewards = batch_parts(streaming=False, behaviour=None)
     for step in range(3):
@@ -91,18 +94,23 @@ def test_merge_and_publish_writes_a_full_checkpoint_and_resumes_from_its_adapter
 
 
 def test_the_learner_service_takes_lora_from_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """LOOM_LEARNER_LORA_* reach the learner service's configuration (learner.tasks.learner_config)."""
-    from learner.tasks import learner_config
-    from loom.contracts.settings import Settings
-
+    """LOOM_LEARNER_LORA_* reach the learner's one configuration (learner.config.LearnerSettings, the
+    class the worker builds its Learner from); the shared LOOM_MODEL and LOOM_DEVICE are read as every
+    service reads them."""
     monkeypatch.setenv("LOOM_LEARNER_LORA_RANK", "8")
     monkeypatch.setenv("LOOM_LEARNER_LORA_TARGETS", "q_proj, v_proj")
     monkeypatch.setenv("LOOM_LEARNER_LORA_MERGE", "true")
-    cfg = learner_config(Settings())
+    monkeypatch.setenv("LOOM_MODEL", "some/model")
+    monkeypatch.setenv("LOOM_POLICY_STORE", "/tmp/the-store")
+    monkeypatch.delenv("LOOM_DEVICE", raising=False)
+    cfg = LearnerSettings()
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_merge) == (
         8,
         16,
         ("q_proj", "v_proj"),
         True,
     )
-    assert learner_config(Settings(learner_lora_rank=0)).lora_rank == 0
+    assert (cfg.model, cfg.store, cfg.device) == ("some/model", Path("/tmp/the-store"), "cpu")
+    assert LearnerSettings(lora_rank=0).lora_rank == 0
+    # the helper ranks get rank 0's settings as JSON: the same settings come back
+    assert LearnerSettings.model_validate_json(cfg.model_dump_json()) == cfg

@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 
 from learner import logprobs as lp
 from learner.assign import assign_batch
+from learner.config import LearnerSettings
 from learner.losses import hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
-from learner.train import Learner, LearnerConfig
+from learner.train import Learner
 from loom.contracts.wire import LossSpec, TrainBatch
 from loom.store import PolicyStore
 
@@ -86,7 +87,7 @@ def test_hrpo_loss_weights_all_three_surrogates():
 def _with_behaviour_near_learner(model_dir, store, batch_parts, offset):
     """A batch whose behaviour log-probs are the learner's own plus ``offset(i)`` per token."""
     groups, rewards = batch_parts(streaming=False, seed=3)
-    model = Learner(LearnerConfig(model=model_dir, store=store)).model
+    model = Learner(LearnerSettings(model=model_dir, store=store)).model
     trajs = [t for g in groups for t in g.trajectories]
     own, _, _ = lp.completion_logprobs(model, [lp.layout_of(t) for t in trajs])
     for r, t in enumerate(trajs):
@@ -109,7 +110,7 @@ def test_tis_with_a_high_cap_gives_the_ratio_to_behaviour_gradient(model_dir, tm
     for tis, offset in offsets.items():
         groups, rewards = _with_behaviour_near_learner(model_dir, tmp_path / "own", batch_parts, offset)
         batch = TrainBatch(step=0, groups=groups, rewards=rewards, loss=LossSpec(tis=tis, tis_cap=10.0))
-        learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / tis))
+        learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / tis))
         stats = learner.accumulate_gradients(assign_batch(batch).samples, batch)
         grads.append({n: p.grad.clone() for n, p in learner.model.named_parameters()})
         metrics.append(stats)
@@ -126,7 +127,7 @@ def test_tis_truncation_changes_the_update_and_is_reported(model_dir, tmp_path, 
     results = {}
     for cap in (10.0, 1.2):
         batch = TrainBatch(step=0, groups=groups, rewards=rewards, loss=LossSpec(tis="token", tis_cap=cap))
-        learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / str(cap)))
+        learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / str(cap)))
         results[cap] = learner.train_step(batch).metrics
     lengths = [len(s.mask) for s in assign_batch(batch).samples]
     odd = sum(n // 2 for n in lengths) / sum(lengths)  # the tokens with r = e^0.5 = 1.65

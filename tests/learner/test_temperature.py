@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from learner import logprobs as lp
-from learner.train import Learner, LearnerConfig
+from learner.config import LearnerSettings
+from learner.train import Learner
 from loom.contracts.wire import (
     Group,
     LogprobsProcessing,
@@ -85,7 +86,7 @@ def test_behaviour_logprobs_are_used_only_when_they_match_the_learners_processin
     tmp_path, kind, processing, temperature, used
 ):
     group, result = _group(kind, processing)
-    learner = Learner(LearnerConfig(model=CHECKPOINT_DIR, store=tmp_path / "store"))
+    learner = Learner(LearnerSettings(model=CHECKPOINT_DIR, store=tmp_path / "store"))
     loss = LossSpec(temperature=temperature, lr=1e-5)
     out = learner.train_step(TrainBatch(step=0, groups=[group], rewards=[result], loss=loss))
     assert out.metrics["behaviour_logprobs_used"] == used
@@ -98,7 +99,7 @@ def test_several_updates_per_batch_move_the_policy_further(tmp_path):
     group, result = _group("processed")
     deltas = []
     for mu in (1, 3):
-        learner = Learner(LearnerConfig(model=CHECKPOINT_DIR, store=tmp_path / f"store{mu}"))
+        learner = Learner(LearnerSettings(model=CHECKPOINT_DIR, store=tmp_path / f"store{mu}"))
         before = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
         loss = LossSpec(temperature=T, lr=1e-4, updates_per_batch=mu)
         out = learner.train_step(TrainBatch(step=0, groups=[group], rewards=[result], loss=loss))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from learner import logprobs as lp
-from learner.train import Learner, LearnerConfig
+from learner.config import LearnerSettings
+from learner.train import Learner
 from loom.contracts.wire import Group, LossSpec, RewardResult, TrainBatch, Trajectory, TrajectoryReward
 
 tiny = pytest.importorskip("loom.tiny")
@@ -34,7 +35,7 @@ def _group(tok):
 def test_tiny_checkpoint_train_step_publishes_a_loadable_version_and_learns(tmp_path):
     tok = tiny.load_tokenizer()
     group, rewards = _group(tok)
-    learner = Learner(LearnerConfig(model="tiny", store=tmp_path / "store"))
+    learner = Learner(LearnerSettings(model="tiny", store=tmp_path / "store"))
 
     def seq_logp():
         with torch.no_grad():

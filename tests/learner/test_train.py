@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.assign import assign_batch
-from learner.train import OPTIMIZER_FILE, Learner, LearnerConfig
+from learner.config import LearnerSettings
+from learner.train import OPTIMIZER_FILE, Learner
 from loom.contracts.wire import LossSpec, RewardResult, TrainBatch, TrajectoryReward
 from loom.store import PolicyStore
 
@@ -25,7 +26,7 @@ def _same(a, b, atol=0.0):
 def test_train_step_changes_weights_and_publishes_a_reloadable_version(
     model_dir, tmp_path, batch_parts, estimator
 ):
-    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store", token_budget=64))
+    learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / "store", token_budget=64))
     before = _state(learner.model)
     groups, rewards = batch_parts()
     result = learner.train_step(TrainBatch(step=0, groups=groups, rewards=rewards, estimator=estimator))
@@ -42,7 +43,7 @@ def test_train_step_changes_weights_and_publishes_a_reloadable_version(
 
 
 def test_resume_after_restart_continues_from_the_last_version(model_dir, tmp_path, batch_parts):
-    cfg = LearnerConfig(model=model_dir, store=tmp_path / "store")
+    cfg = LearnerSettings(model=model_dir, store=tmp_path / "store")
     groups, rewards = batch_parts(seed=1)
     first = Learner(cfg)
     first.train_step(TrainBatch(step=0, groups=groups, rewards=rewards))
@@ -66,7 +67,7 @@ def test_resume_after_restart_continues_from_the_last_version(model_dir, tmp_pat
 
 
 def test_zero_advantage_samples_are_dropped_and_counted(model_dir, tmp_path, batch_parts):
-    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / "store"))
     groups, rewards = batch_parts(n_groups=2)
     # group 0: everyone has the same reward -> nothing to learn
     rewards[0] = RewardResult(
@@ -103,7 +104,8 @@ def test_micro_batching_accumulates_the_full_batch_gradient(
     samples = assign_batch(batch).samples
     grads = []
     for budget in (10_000, 30):
-        learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / f"s{budget}", token_budget=budget))
+        cfg = LearnerSettings(model=model_dir, store=tmp_path / f"s{budget}", token_budget=budget)
+        learner = Learner(cfg)
         learner.accumulate_gradients(samples, batch)
         grads.append({n: p.grad.clone() for n, p in learner.model.named_parameters()})
     assert sum(float(g.abs().sum()) for g in grads[0].values()) > 0
@@ -111,7 +113,7 @@ def test_micro_batching_accumulates_the_full_batch_gradient(
 
 
 def test_kl_to_reference_and_entropy_bonus_run_and_report(model_dir, tmp_path, batch_parts):
-    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / "store"))
     groups, rewards = batch_parts(behaviour=None)  # on-policy: ratios are exactly 1
     spec = LossSpec(kl_coef=0.1, entropy_coef=0.01)
     r0 = learner.train_step(TrainBatch(step=0, groups=groups, rewards=rewards, loss=spec))
@@ -123,7 +125,7 @@ def test_kl_to_reference_and_entropy_bonus_run_and_report(model_dir, tmp_path, b
 
 
 def test_invalid_batch_is_a_value_error(model_dir, tmp_path, batch_parts):
-    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / "store"))
     groups, rewards = batch_parts()
     rewards[0].rewards.pop()
     with pytest.raises(ValueError, match="has no reward"):
@@ -137,7 +139,7 @@ def test_invalid_batch_is_a_value_error(model_dir, tmp_path, batch_parts):
 def test_later_passes_are_clipped_even_without_behaviour_logprobs(model_dir, tmp_path, batch_parts):
     # rows without behaviour log-probs are clipped against the first pass's log-probs: before, each
     # pass compared the moved policy with itself (ratio 1), so several passes had no trust region
-    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / "store"))
     groups, rewards = batch_parts(streaming=False, behaviour=None)
     spec = LossSpec(lr=3e-2, updates_per_batch=4)
     r = learner.train_step(TrainBatch(step=0, groups=groups, rewards=rewards, loss=spec))
@@ -146,7 +148,7 @@ def test_later_passes_are_clipped_even_without_behaviour_logprobs(model_dir, tmp
 
 
 def test_a_non_finite_gradient_is_never_applied(model_dir, tmp_path, batch_parts):
-    learner = Learner(LearnerConfig(model=model_dir, store=tmp_path / "store"))
+    learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / "store"))
     before = _state(learner.model)
     groups, rewards = batch_parts()
     batch = TrainBatch(step=0, groups=groups, rewards=rewards)
@@ -171,7 +173,7 @@ def test_activation_checkpointing_gives_the_same_gradient(model_dir, tmp_path, b
     samples = assign_batch(batch).samples
     grads = []
     for ckpt in (False, True):
-        cfg = LearnerConfig(model=model_dir, store=tmp_path / str(ckpt), activation_checkpointing=ckpt)
+        cfg = LearnerSettings(model=model_dir, store=tmp_path / str(ckpt), activation_checkpointing=ckpt)
         learner = Learner(cfg)
         assert learner.model.is_gradient_checkpointing == ckpt
         learner.accumulate_gradients(samples, batch)
@@ -181,7 +183,10 @@ def test_activation_checkpointing_gives_the_same_gradient(model_dir, tmp_path, b
 
 
 def test_lora_with_fsdp_sharding_is_refused_with_its_reason(model_dir, tmp_path):
+    """The settings' types refuse what the learner cannot do, before any model is loaded."""
     with pytest.raises(ValueError, match="LoRA .* with sharding='fsdp' is not supported"):
-        Learner(LearnerConfig(model=model_dir, store=tmp_path, lora_rank=8, sharding="fsdp"))
-    with pytest.raises(ValueError, match="mixed_precision must be"):
-        Learner(LearnerConfig(model=model_dir, store=tmp_path, mixed_precision="fp16"))  # type: ignore[arg-type]
+        LearnerSettings(model=model_dir, store=tmp_path, lora_rank=8, sharding="fsdp")
+    with pytest.raises(ValueError, match="mixed_precision\n  Input should be 'auto', 'no' or 'bf16'"):
+        LearnerSettings(model=model_dir, store=tmp_path, mixed_precision="fp16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sharding\n  Input should be 'replicate' or 'fsdp'"):
+        LearnerSettings(model=model_dir, store=tmp_path, sharding="ddp")  # type: ignore[arg-type]

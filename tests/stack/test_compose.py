@@ -12,8 +12,11 @@ import yaml
 
 from launch import SERVICE_PACKAGES
 from launch.cli import COMMANDS
+from learner.config import LearnerSettings
 from loom.contracts.settings import SERVICES, Settings
 
+# the learner's own settings (learner/config.py, LearnerSettings) are LOOM_LEARNER_* variables too
+LEARNER_VARIABLES = {f"LOOM_LEARNER_{name.upper()}" for name in LearnerSettings.model_fields}
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 ENV_EXAMPLE = REPO / "deploy" / "loom.env.example"
@@ -66,7 +69,7 @@ def test_every_loom_command_is_a_real_entrypoint(loom_services: dict[str, Any]) 
 
 
 def test_every_loom_variable_is_a_setting(loom_services: dict[str, Any]) -> None:
-    fields = {f"LOOM_{name.upper()}" for name in Settings.model_fields}
+    fields = {f"LOOM_{name.upper()}" for name in Settings.model_fields} | LEARNER_VARIABLES
     for name, svc in loom_services.items():
         env = _env(svc)
         assert env, f"{name} sets no environment"

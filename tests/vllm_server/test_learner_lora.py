@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from learner import logprobs as lp
-from learner.train import Learner, LearnerConfig
+from learner.config import LearnerSettings
+from learner.train import Learner
 from loom.contracts.wire import LossSpec, SamplingParams, TrainBatch, Trajectory
 from rollout_svc.engines.vllm import VLLMEngine, lora_name
 from tests.learner.conftest import make_batch_parts
@@ -36,7 +37,7 @@ def _logprobs(model: Any, prompt: list[int], tokens: list[int]) -> list[float]:
 def test_the_learners_adapter_loads_in_vllm_and_serves_the_merged_policy(
     vllm: Any, arun: Any, prompt_ids: list[int], tmp_path: Path
 ) -> None:
-    learner = Learner(LearnerConfig(model=TINY, store=tmp_path / "store", lora_rank=8, lora_alpha=16))
+    learner = Learner(LearnerSettings(model=TINY, store=tmp_path / "store", lora_rank=8, lora_alpha=16))
     groups, rewards = make_batch_parts(streaming=False, behaviour=None)
     for step in range(3):
         learner.train_step(TrainBatch(step=step, groups=groups, rewards=rewards, loss=LossSpec(lr=5e-3)))

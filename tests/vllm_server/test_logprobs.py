@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from learner.train import Learner, LearnerConfig
+from learner.config import LearnerSettings
+from learner.train import Learner
 from loom.contracts.settings import Settings
 from loom.contracts.wire import (
     LossSpec,
@@ -74,7 +75,7 @@ def _train_metrics(group: Any, temperature: float, tmp_path: Path) -> dict[str, 
     rewards = [
         TrajectoryReward(trajectory_id=t.id, total=float(i % 2)) for i, t in enumerate(group.trajectories)
     ]
-    learner = Learner(LearnerConfig(model=TINY, store=tmp_path / "learner"))
+    learner = Learner(LearnerSettings(model=TINY, store=tmp_path / "learner"))
     batch = TrainBatch(
         step=0,
         groups=[group],
