@@ -63,6 +63,7 @@ from verl.experimental.agent_loop.agent_loop import (
 from loom.clients.policies import PolicyPublisher
 from loom.clients.rollouts import AsyncRollouts, RolloutGroup, RolloutSample
 from loom.clients.trl_rollout import pick_leaves
+from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
 from loom.interop import label_text, message_text, plain
 
@@ -74,14 +75,14 @@ class LoomSettings:
     """The agent loop's own keys (its entry in ``agent_loop_config_path``)."""
 
     url: str
-    api_key: str | None
+    api_key: str | None = field(repr=False)  # the settings' repr keys the open jobs; no secret in it
     mode: Mode = "plain"
     mode_params: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     reward: dict[str, Any] | None = None
     policy_version: int | str | None = None
     policy_namespace: str | None = None
-    policy_match: str | None = None
+    policy_match: PolicyMatch | None = None
     use_reward: bool = True
     timeout: float = 600.0
 
@@ -102,7 +103,7 @@ class LoomAgentLoop(AgentLoopBase):
         reward: Mapping[str, Any] | None = None,
         policy_version: int | str | None = None,
         policy_namespace: str | None = None,
-        policy_match: str | None = None,
+        policy_match: PolicyMatch | None = None,
         use_reward: bool = True,
         timeout: float = 600.0,
         **kwargs: Any,
@@ -115,6 +116,8 @@ class LoomAgentLoop(AgentLoopBase):
             raise ValueError("streaming layout 'group_positions' has no verl form (positions run 0..L)")
         if isinstance(policy_version, str) and policy_version != LATEST:
             raise ValueError(f"policy_version must be an int, {LATEST!r} or null, not {policy_version!r}")
+        if policy_match not in (None, "exact", "at_least"):
+            raise ValueError(f"policy_match must be 'exact' or 'at_least', not {policy_match!r}")
         self.settings = LoomSettings(
             url=url,
             api_key=api_key or os.environ.get(api_key_env),
@@ -253,11 +256,11 @@ class _Job:
                 reward=s.reward,
                 policy_version=version,
                 policy_namespace=namespace,
-                policy_match=match,  # type: ignore[arg-type]
+                policy_match=match,
             )
         return {u: self._keep(g, self.rows[u]) for u, g in zip(uids, groups, strict=True)}
 
-    async def _policy(self) -> tuple[int | None, str | None, str | None]:
+    async def _policy(self) -> tuple[int | None, str | None, PolicyMatch | None]:
         s = self.settings
         if s.policy_version is None:
             return None, None, None

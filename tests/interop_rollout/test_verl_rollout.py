@@ -61,12 +61,10 @@ def model() -> Any:
     return load_model().eval()
 
 
-def worker(
-    stack: LoomStack, tmp: Path, n: int, agent: str, response_len: int = 160, **loop: Any
-) -> AgentLoopWorker:
+def worker(url: str, tmp: Path, n: int, agent: str, response_len: int = 160, **loop: Any) -> AgentLoopWorker:
     """verl's AgentLoopWorker from its own ppo_trainer config, with a Loom agent loop named ``agent``
     in ``agent_loop_config_path`` (the keys after ``_target_`` reach ``LoomAgentLoop``)."""
-    entry = {"name": agent, "_target_": "loom.clients.verl_rollout.LoomAgentLoop", "url": stack.url} | loop
+    entry = {"name": agent, "_target_": "loom.clients.verl_rollout.LoomAgentLoop", "url": url} | loop
     path = tmp / "loom_agent.yaml"
     path.write_text(yaml.safe_dump([entry]))
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
@@ -175,7 +173,7 @@ def test_plain_rows_of_one_uid_are_one_loom_group_at_the_version_named(
     problems = make_problems("arith", 2, seed=41)
     rows = [{"prompt": plain_prompt(p), "label": p.gold, "loom": {"task": "arithmetic"}} for p in problems]
     w = worker(
-        stack,
+        stack.url,
         tmp_path,
         3,
         "loom_plain",
@@ -225,7 +223,7 @@ def test_streaming_inserted_sentences_are_out_of_the_response_mask_at_the_latest
         for p in problems
     ]
     w = worker(
-        stack,
+        stack.url,
         tmp_path,
         2,
         "loom_streaming",
@@ -257,7 +255,7 @@ def test_tree_leaves_fill_the_rows_with_treerl_advantages_beside_them(
     problems = make_problems("arith", 2, seed=45)
     rows = [{"prompt": plain_prompt(p), "label": p.gold, "loom": {"task": "arithmetic"}} for p in problems]
     w = worker(
-        stack,
+        stack.url,
         tmp_path,
         4,
         "loom_tree",
@@ -292,7 +290,7 @@ def test_spawn_roots_fill_the_rows_with_the_join_blocks_masked(
         for p in problems
     ]
     w = worker(
-        stack,
+        stack.url,
         tmp_path,
         2,
         "loom_spawn",
@@ -309,3 +307,24 @@ def test_spawn_roots_fill_the_rows_with_the_join_blocks_masked(
     assert joined, "no parent joined its children"
     for u in joined:  # the join block was inserted, not sampled: never trained
         assert all(not m for m, e in zip(u["mask"], u["env"], strict=True) if not e)
+
+
+def test_config_that_cannot_hold_is_refused_before_any_job(tmp_path: Path) -> None:
+    """Nothing listens on port 9: a refusal that came after a request would be a connection error."""
+    rows = [{"prompt": "[plain] Compute 1+2.\n", "label": "3"}]
+    bad_version = worker("http://127.0.0.1:9", tmp_path, 2, "loom_bad", policy_version="newest")
+    with pytest.raises(Exception, match="policy_version must be an int, 'latest' or null"):
+        rollout(bad_version, rows, n=2)
+    few = worker("http://127.0.0.1:9", tmp_path, 2, "loom_few", mode="tree", mode_params={"initial": 1})
+    with pytest.raises(ValueError, match=r"initial=1 < rollout.n=2: too few leaves"):
+        rollout(few, rows, n=2)
+    layout = worker(
+        "http://127.0.0.1:9",
+        tmp_path,
+        2,
+        "loom_layout",
+        mode="streaming",
+        mode_params={"layout": "group_positions"},
+    )
+    with pytest.raises(Exception, match="group_positions' has no verl form"):
+        rollout(layout, rows, n=2)
