@@ -261,7 +261,7 @@ def job_body(
     ``{"prompt", "label", "task", "mode_params"}`` (per-item mode parameters, e.g. streaming's
     sentences, merged over ``mode_params``). The mode parameters of every item are checked here with
     the mode's model (``loom.contracts.modes``): a bad one is a ``ModeError`` naming it before any
-    job exists. The policy fields are sent only when given (a gateway without them answers 422)."""
+    job exists. The policy fields are sent only when given."""
     samp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
     common = _params_dict(mode_params)
     tasks: list[dict[str, Any]] = []
