@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from learner.config import LearnerSettings
-from learner.distributed import STOP, RankFailure, Ranks
+from learner.distributed import STOP, RankFailure, Ranks, free_port
 from learner.train import Learner
 from loom.contracts.wire import TrainBatch
 
@@ -36,6 +36,18 @@ def start_helpers(world: int, addr: str, port: int, cfg: LearnerSettings) -> lis
     ]
 
 
+def backend(device: str) -> str:
+    """The collectives' transport: NCCL between GPUs (one per rank), gloo on CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def start_ranks(world: int, cfg: LearnerSettings) -> Ranks:
+    """Rank 0 in this process, ranks 1..world-1 as its children (``start_helpers``)."""
+    port = free_port()
+    start_helpers(world, "127.0.0.1", port, cfg)
+    return Ranks.init(0, world, "127.0.0.1", port, backend(cfg.device))
+
+
 def serve(learner: Learner) -> None:
     """Train every batch rank 0 broadcasts, until it broadcasts ``STOP``."""
     ranks = learner.ranks
@@ -53,9 +65,7 @@ def main(argv: Sequence[str]) -> int:
     rank, world, addr, port, settings = argv
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = LearnerSettings.model_validate_json(settings)
-    ranks = Ranks.init(
-        int(rank), int(world), addr, int(port), "nccl" if cfg.device.startswith("cuda") else "gloo"
-    )
+    ranks = Ranks.init(int(rank), int(world), addr, int(port), backend(cfg.device))
     try:
         serve(Learner(cfg, ranks=ranks))
     except RankFailure as exc:

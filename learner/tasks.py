@@ -11,8 +11,8 @@ import threading
 from typing import Any
 
 from learner.config import LearnerSettings
-from learner.distributed import RankFailure, Ranks, free_port
-from learner.helper_rank import start_helpers
+from learner.distributed import RankFailure
+from learner.helper_rank import start_ranks
 from learner.train import Learner
 from loom.contracts.wire import TrainBatch
 from loom.queue import make_celery
@@ -30,7 +30,7 @@ RANK_FAILURE_EXIT = 70  # EX_SOFTWARE: the worker process ends so the broker red
 
 def set_nproc(n: int) -> None:
     """Train as ``n`` ranks (``loom worker learner --nproc N``): this process is rank 0 and starts
-    ranks 1..n-1 as its children when the learner is first used (learner/distributed.py)."""
+    ranks 1..n-1 as its children when the learner is first used (learner/helper_rank.py)."""
     global _nproc
     _nproc = max(1, int(n))
 
@@ -42,15 +42,8 @@ def get_learner() -> Learner:
         if _learner is None:
             configure_process()
             cfg = LearnerSettings()
-            _learner = Learner(cfg, ranks=_start_ranks(cfg) if _nproc > 1 else None)
+            _learner = Learner(cfg, ranks=start_ranks(_nproc, cfg) if _nproc > 1 else None)
         return _learner
-
-
-def _start_ranks(cfg: LearnerSettings) -> Ranks:
-    port = free_port()
-    start_helpers(_nproc, "127.0.0.1", port, cfg)
-    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    return Ranks.init(0, _nproc, "127.0.0.1", port, backend)
 
 
 @celery_app.task(name="learner.train_step")
