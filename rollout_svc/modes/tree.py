@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from loom.contracts.modes import TreeParams
-from loom.contracts.wire import Group, RolloutRequest, Segment, Trajectory, TreeNode
+from loom.contracts.wire import Group, RolloutRequest, SamplingParams, Segment, Trajectory, TreeNode
 from rollout_svc.engines.base import Completion, Engine
 from rollout_svc.modes import group_of, sample_seed, trajectory_id
 from rollout_svc.modes.scorers import RewardFn, Scorer, resolve_scorer
@@ -315,23 +315,20 @@ def _pick(paths: Sequence[_Path], cfg: TreeParams, rng: random.Random) -> list[t
     return [(paths[k], b) for k, b in sorted(picked)]
 
 
+@dataclass
 class _Grower:
-    """One prompt's tree: what its paths share (request, engine, tokenizer, params, scorer) and the
-    steps that grow it: analyse a sampled path, score it, branch it, record it as a trajectory."""
+    """One prompt's tree: what its paths share (prompt, engine, tokenizer, params, scorer, sampling)
+    and the steps that grow it: analyse a sampled path, score it, branch it, record it as a
+    trajectory."""
 
-    def __init__(
-        self,
-        request: RolloutRequest,
-        prompt_ids: list[int],
-        group_id: str,
-        engine: Engine,
-        tokenizer: Any,
-        cfg: TreeParams,
-        scorer: Scorer | None,
-    ) -> None:
-        self.prompt_ids, self.group_id, self.engine, self.tokenizer = prompt_ids, group_id, engine, tokenizer
-        self.cfg, self.scorer, self.sampling = cfg, scorer, request.sampling
-        self.cache: dict[int, str] = {}  # token id -> text
+    prompt_ids: list[int]
+    group_id: str
+    engine: Engine
+    tokenizer: Any
+    cfg: TreeParams
+    scorer: Scorer | None
+    sampling: SamplingParams
+    cache: dict[int, str] = field(default_factory=dict)  # token id -> text
 
     async def sample_initial(self) -> list[_Path]:
         """Step 1: the M' initial responses, each analysed into steps."""
@@ -519,7 +516,7 @@ async def tree(
     engine has none of its own."""
     needs_fci = cfg.strategy == "attention" or cfg.fci_running_mean is not None
     scorer = resolve_scorer(engine, scorer) if needs_fci else None
-    grower = _Grower(request, prompt_ids, group_id, engine, tokenizer, cfg, scorer)
+    grower = _Grower(prompt_ids, group_id, engine, tokenizer, cfg, scorer, request.sampling)
     t0 = time.perf_counter()
     responses = await grower.sample_initial()
     initial = [grower.trajectory(p) for p in responses]
