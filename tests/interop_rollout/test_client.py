@@ -203,6 +203,21 @@ def test_a_dropped_stream_goes_on_after_the_last_group_it_got(stack: LoomStack) 
     assert stack.job(job_id)["status"] == "succeeded"
 
 
+def test_the_async_stream_goes_on_after_a_dropped_connection_too(stack: LoomStack) -> None:
+    async def main() -> tuple[list[int], int]:
+        seen: list[int] = []
+        async with AsyncRollouts(stack.url, TRAINER_KEY, reconnects=60) as rollouts:
+            async for g in rollouts.stream(arith_tasks(24, seed=17), sampling=dict(SAMPLING, n=2)):
+                seen.append(g.index)
+                if len(seen) == 1:
+                    await asyncio.to_thread(stack.restart_gateway)
+            return seen, rollouts.reconnections
+
+    seen, reconnections = asyncio.run(main())
+    assert reconnections >= 1
+    assert sorted(seen) == list(range(24)), seen
+
+
 def test_async_client_runs_calls_concurrently(stack: LoomStack, model: Any) -> None:
     async def main() -> tuple[list[RolloutGroup], list[RolloutGroup], list[int]]:
         async with AsyncRollouts(stack.url, TRAINER_KEY) as rollouts:
