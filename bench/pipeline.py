@@ -73,12 +73,12 @@ def run_once(tmp: Path, staleness: int, args: argparse.Namespace) -> tuple[float
             "schedule": {"steps": args.steps, "batch_size": 8, "staleness": staleness},
         }
     )
-    run_id, _ = state.create_run("bench", None, req.model_dump(mode="json"), args.steps, 0, 8)
+    run_id, _ = state.runs.create(owner="bench", request=req)
     t0 = time.perf_counter()
     status = asyncio.run(RunLoop(run_id, state, SimulatedStages(args.gen_s, args.train_s), tmp).run())
     wall = time.perf_counter() - t0
     assert status == "succeeded", status
-    return wall, state.run_steps(run_id)
+    return wall, state.runs.steps(run_id)
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ of the content, so the same upload is the same dataset. A run reads the rows of 
 file (``StoredDataset``): a 150k-line dataset costs the gateway its index (8 bytes a line), not
 150k parsed items.
 
-A stored dataset belongs to the keys that stored it (``GatewayState.add_dataset``, inside the
+A stored dataset belongs to the keys that stored it (``DatasetStore.add``, inside the
 transaction that checks the key's dataset quota): a run of another key that names its id is told
 exactly what an unknown id is told (``open_owned``), and the same content stored by two keys is one
 file with two owners.
@@ -220,7 +220,7 @@ def owner_admit(state: GatewayState, owner: str, quotas: Quotas | None) -> Admit
     (QuotaExceeded) in the same transaction."""
 
     def admit(dataset_id: str, n_items: int, n_bytes: int, place: Callable[[], None]) -> None:
-        state.add_dataset(owner, dataset_id, n_bytes, n_items, quotas, place)
+        state.datasets.add(owner, dataset_id, n_bytes, n_items, quotas, place)
 
     return admit
 
@@ -229,7 +229,7 @@ def open_owned(
     state: GatewayState, root: Path, owner: str, dataset_id: str, task: Any = None
 ) -> StoredDataset:
     """``owner``'s stored dataset ``dataset_id``; another key's is refused exactly as an unknown id."""
-    if not DATASET_ID.fullmatch(dataset_id) or not state.owns_dataset(owner, dataset_id):
+    if not DATASET_ID.fullmatch(dataset_id) or not state.datasets.owns(owner, dataset_id):
         raise no_dataset(dataset_id)
     return StoredDataset(root, dataset_id, task)
 

@@ -7,7 +7,6 @@ pipeline at once, and while it waits on its tasks it holds futures, not threads.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -31,20 +30,20 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
     """Run (or resume) a job: every prompt not yet stored goes through the pipeline; returns the status
     (``interrupted`` when the gateway stops: the job stays ``running`` and is resumed at the next start).
     A cancel (``POST /v1/jobs/{id}/cancel``) cancels this coroutine (gateway/manager.py)."""
-    row = state.job(job_id)
+    row = state.jobs.get(job_id)
     if row is None:
         raise KeyError(job_id)
-    req = JobRequest.model_validate(json.loads(row["request"]))
-    if req.policy_namespace not in (None, row["owner"]):  # submission refuses it; a stored row too
+    req = JobRequest.model_validate(row.request)
+    if req.policy_namespace not in (None, row.owner):  # submission refuses it; a stored row too
         error = f"policy version {req.policy_version} is not in the policy store"
-        await asyncio.to_thread(state.finish, "jobs", job_id, "failed", error=error)
+        await asyncio.to_thread(state.jobs.finish, job_id, "failed", error=error)
         return "failed"
     items = req.items()
     adaptive = adaptive_config(req)
-    done = state.job_done_indices(job_id)
-    if not await asyncio.to_thread(state.start_job, job_id):  # cancelled before it started
-        return str((state.job(job_id) or {}).get("status", "cancelled"))
-    counters: dict[str, float] = json.loads(row["counters"] or "{}")
+    done = state.jobs.done_indices(job_id)
+    if not await asyncio.to_thread(state.jobs.start, job_id):  # cancelled before it started
+        return state.jobs.status(job_id) or "cancelled"
+    counters: dict[str, float] = dict(row.counters)
     slots = asyncio.Semaphore(parallel)
 
     async def one(i: int) -> None:
@@ -71,7 +70,7 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
         if counters.get("adaptive_prompts"):
             per_prompt = counters["adaptive_samples"] / counters["adaptive_prompts"]
             counters["adaptive_samples_per_prompt"] = per_prompt
-        await asyncio.to_thread(state.add_job_group, job_id, i, payload)
+        await asyncio.to_thread(state.jobs.add_group, job_id, i, payload)
 
     try:
         await gather_all(one(i) for i in range(len(items)) if i not in done)
@@ -80,8 +79,8 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
     except Exception as exc:
         log.exception("job %s failed", job_id)
         error = f"{type(exc).__name__}: {exc}"
-        await asyncio.to_thread(state.finish, "jobs", job_id, "failed", error=error, counters=counters)
+        await asyncio.to_thread(state.jobs.finish, job_id, "failed", error=error, counters=counters)
         return "failed"
-    if await asyncio.to_thread(state.finish, "jobs", job_id, "succeeded", counters=counters):
+    if await asyncio.to_thread(state.jobs.finish, job_id, "succeeded", counters=counters):
         return "succeeded"
-    return str((state.job(job_id) or {}).get("status", "cancelled"))
+    return state.jobs.status(job_id) or "cancelled"

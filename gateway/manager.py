@@ -83,7 +83,7 @@ class Manager:
             except Exception as exc:  # a config that no longer loads (e.g. dataset) fails the run
                 log.exception("run %s could not start", run_id)
                 error = f"{type(exc).__name__}: {exc}"
-                await asyncio.to_thread(self.state.finish, "runs", run_id, "failed", error=error)
+                await asyncio.to_thread(self.state.runs.finish, run_id, "failed", error=error)
                 return "failed"
             return await loop.run()
 
@@ -142,8 +142,8 @@ class Manager:
 
     # ------------------------------------------------------------------------------ start and stop
     def resume_all(self) -> tuple[list[str], list[str]]:
-        jobs = self.state.jobs_with_status("queued", "running")
-        runs = self.state.runs_with_status("queued", "running")
+        jobs = self.state.jobs.with_status("queued", "running")
+        runs = self.state.runs.with_status("queued", "running")
         for j in jobs:
             self.start_job(j)
         for r in runs:

@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,29 +42,84 @@ from loom.contracts.wire import RolloutRequest, TrainBatch
 log = logging.getLogger("loom.gateway.runs")
 
 WAIT_POLL_S = 0.5  # how often a run waiting on its generation looks for a cancel
-SAMPLE_GROUPS = 4  # scored groups stored per step for the run page (GatewayState.run_samples)
+SAMPLE_GROUPS = 4  # scored groups stored per step for the run page (RunStore.samples)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a run stands: its first uncompleted step, the policy version and batch size it starts
+    with, and the steps it has in all."""
+
+    step: int
+    version: int
+    batch: int
+    total: int
 
 
 @dataclass
 class Generated:
     step: int
-    batch_size: int
+    batch_size: int  # as planned (``RunStore.plan``): a resumed step keeps its first plan
     gen_version: int
     collected: Collected
+    wait_seconds: float = 0.0  # how long training waited for it
+
+
+@dataclass(frozen=True)
+class Trained:
+    version: int  # the policy version after the step
+    learner_metrics: dict[str, float]
+    seconds: float
+    next_batch: int  # the next step's batch size
+
+
+class LookAhead:
+    """Generation ahead of training: while step m trains, steps up to m + ``staleness`` generate, each
+    with the newest policy version when it is planned (module docstring)."""
+
+    def __init__(self, generate: Callable[[int, int, int], Awaitable[Generated]], staleness: int) -> None:
+        self.generate = generate
+        self.staleness = staleness
+        self.tasks: dict[int, asyncio.Task[Generated]] = {}
+
+    def plan(self, at: Position) -> None:
+        for k in range(at.step, min(at.total, at.step + self.staleness + 1)):
+            if k not in self.tasks:
+                self.tasks[k] = asyncio.ensure_future(self.generate(k, at.batch, at.version))
+
+    def cancel(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+
+
+def record_metrics(at: Position, gen: Generated, trained: Trained) -> dict[str, Any]:
+    """The metrics a step records (``/v1/runs/{id}/metrics``, metrics.jsonl, trackers)."""
+    collected = gen.collected
+    oldest = min(
+        (t.policy_version for g, _ in collected.sampled for t in g.trajectories), default=gen.gen_version
+    )
+    return {
+        "step": at.step,
+        "policy_version": trained.version,
+        "gen_policy_version": gen.gen_version,
+        "staleness": at.version - gen.gen_version,
+        "staleness_observed": at.version - oldest,
+        "batch_size": gen.batch_size,
+        "next_batch_size": trained.next_batch,
+        "train_seconds": trained.seconds,
+        "wait_gen_seconds": gen.wait_seconds,
+        "time": time.time(),
+        **step_metrics(collected.groups, collected.sampled, collected.seconds),
+        **collected.counters,
+        **trained.learner_metrics,
+    }
 
 
 def adaptive_config(req: RunRequest | Any) -> AdaptiveConfig | None:
     a = req.adaptive
     if a is None:
         return None
-    return AdaptiveConfig(
-        n=a.n,
-        samples_per_round=a.samples_per_round,
-        max_rounds=a.max_rounds,
-        threshold=a.threshold,
-        exit=a.exit,
-        fill=a.fill,
-    )
+    return AdaptiveConfig(**a.model_dump())  # the same fields: AdaptiveParams is their contract
 
 
 def to_request(item: TaskItem, req: RunRequest | Any) -> RolloutRequest:
@@ -93,10 +148,10 @@ class RunLoop:
         self.state = state
         self.stages = stages
         self.stop = stop or threading.Event()
-        row = state.run(run_id)
+        row = state.runs.get(run_id)
         if row is None:
             raise KeyError(run_id)
-        self.req = RunRequest.model_validate(json.loads(row["config"]))
+        self.req = RunRequest.model_validate(row.config)
         self.dataset: Sequence[TaskItem] = load_dataset(self.req.dataset, self.req.mode, data_dir)
         self.adaptive = adaptive_config(self.req)
         self.run_dir = data_dir / "runs" / run_id
@@ -113,7 +168,7 @@ class RunLoop:
     # ---------------------------------------------------------------------------------------- stages
     async def generate(self, step: int, batch_size: int, gen_version: int) -> Generated:
         batch_size, gen_version = await asyncio.to_thread(
-            self.state.plan, self.run_id, step, batch_size, gen_version
+            self.state.runs.plan, self.run_id, step, batch_size, gen_version
         )
         rows = step_indices(len(self.dataset), batch_size, self.req.schedule.seed, step)
         requests = [to_request(self.dataset[i], self.req) for i in rows]
@@ -154,7 +209,7 @@ class RunLoop:
     # ------------------------------------------------------------------------------------------ loop
     async def run(self) -> str:
         """Drive the run to its end (or until ``stop``); returns the final status."""
-        if not await asyncio.to_thread(self.state.start_run, self.run_id):  # cancelled before it started
+        if not await asyncio.to_thread(self.state.runs.start, self.run_id):  # cancelled before it started
             return "cancelled"
         await asyncio.to_thread(self._rewrite_jsonl)
         if self.tracker_specs:  # a tracker that cannot open is logged and left out (gateway/trackers.py)
@@ -172,90 +227,19 @@ class RunLoop:
             await asyncio.to_thread(self.trackers.close, status)
 
     async def _steps(self) -> str:
-        sched = self.req.schedule
-        inflight: dict[int, asyncio.Task[Generated]] = {}
+        """One step after another: plan -> generate -> train -> record, until the run ends."""
+        lookahead = LookAhead(self.generate, self.req.schedule.staleness)
         try:
             while True:
-                row = self.state.run(self.run_id)
-                assert row is not None
-                if row["status"] == "cancelled":
+                at = await self._position()
+                if isinstance(at, str):  # "succeeded" or "cancelled"
+                    return at
+                lookahead.plan(at)
+                gen = await self._generated(lookahead, at.step)
+                if gen is None:  # nothing is trained (nor published) for a cancelled run
                     return "cancelled"
-                step, version, batch = (
-                    int(row["completed_steps"]),
-                    int(row["policy_version"]),
-                    int(row["batch_size"]),
-                )
-                if step >= int(row["total_steps"]):
-                    await asyncio.to_thread(self.state.finish, "runs", self.run_id, "succeeded")
-                    return "succeeded"
-                if self.stop.is_set():
-                    raise Cancelled("gateway stopping")
-                # Generation may run ahead up to `staleness` steps, with the newest version now.
-                for k in range(step, min(int(row["total_steps"]), step + sched.staleness + 1)):
-                    if k not in inflight:
-                        inflight[k] = asyncio.ensure_future(self.generate(k, batch, version))
-                t_step = time.perf_counter()
-                gen_task = inflight[step]  # in `inflight` until done: `finally` cancels what is left
-                while True:  # a cancel is seen within WAIT_POLL_S, not when the generation ends
-                    done, _ = await asyncio.wait({gen_task}, timeout=WAIT_POLL_S)
-                    if done:
-                        del inflight[step]
-                        gen = gen_task.result()
-                        break
-                    if self._cancelled():
-                        return "cancelled"
-                    if self.stop.is_set():
-                        raise Cancelled("gateway stopping")
-                if self._cancelled():  # nothing is trained (nor published) for a cancelled run
-                    return "cancelled"
-                staleness = version - gen.gen_version
-                if staleness > sched.staleness:  # cannot happen by construction; refuse rather than train
-                    raise RuntimeError(f"step {step}: staleness {staleness} > bound {sched.staleness}")
-                t_train = time.perf_counter()
-                new_version, learner_metrics = await self.train(gen, version)
-                train_seconds = time.perf_counter() - t_train
-                kept = gen.collected.groups
-                signal = sum(1 for g in kept if g is not None and has_signal(*g))
-                new_batch = batch
-                if sched.adaptive_batch:
-                    new_batch = next_batch_size(
-                        gen.batch_size,
-                        sched.target_groups or sched.batch_size,
-                        signal,
-                        lam=sched.batch_lambda,
-                        minimum=sched.min_batch,
-                        maximum=sched.max_batch,
-                    )
-                metrics: dict[str, Any] = {
-                    "step": step,
-                    "policy_version": new_version,
-                    "gen_policy_version": gen.gen_version,
-                    "staleness": staleness,
-                    "staleness_observed": version
-                    - min(
-                        (t.policy_version for g, _ in gen.collected.sampled for t in g.trajectories),
-                        default=gen.gen_version,
-                    ),
-                    "batch_size": gen.batch_size,
-                    "next_batch_size": new_batch,
-                    "train_seconds": train_seconds,
-                    "wait_gen_seconds": t_train - t_step,
-                    "time": time.time(),
-                    **step_metrics(kept, gen.collected.sampled, gen.collected.seconds),
-                    **gen.collected.counters,
-                    **learner_metrics,
-                }
-                stored = [g for g in kept if g is not None][:SAMPLE_GROUPS]
-                await asyncio.to_thread(self.state.add_run_samples, self.run_id, step, stored)
-                if await asyncio.to_thread(
-                    self.state.complete_step, self.run_id, step, metrics, new_version, new_batch
-                ):
-                    await asyncio.to_thread(self._append_jsonl, metrics)
-                    log.info("run %s step %d done: reward %.3f", self.run_id, step, metrics["reward_mean"])
-                    if self.trackers.trackers:
-                        per_step = max((t.samples_per_step for t in self.tracker_specs), default=4)
-                        samples = step_samples(kept, per_step)
-                        await asyncio.to_thread(self.trackers.log, step, metrics, samples)
+                trained = await self._train_step(gen, at)
+                await self._record(at, gen, trained)
         except Cancelled:
             return "interrupted"
         except Exception as exc:
@@ -263,15 +247,86 @@ class RunLoop:
                 return "cancelled"
             log.exception("run %s failed", self.run_id)
             error = f"{type(exc).__name__}: {exc}"
-            await asyncio.to_thread(self.state.finish, "runs", self.run_id, "failed", error=error)
+            await asyncio.to_thread(self.state.runs.finish, self.run_id, "failed", error=error)
             return "failed"
         finally:
-            for task in inflight.values():
-                task.cancel()
+            lookahead.cancel()
+
+    async def _position(self) -> Position | str:
+        """Where the run stands (its first uncompleted step), or its final status once it has ended."""
+        row = self.state.runs.get(self.run_id)
+        assert row is not None
+        if row.status == "cancelled":
+            return "cancelled"
+        if row.completed_steps >= row.total_steps:
+            await asyncio.to_thread(self.state.runs.finish, self.run_id, "succeeded")
+            return "succeeded"
+        if self.stop.is_set():
+            raise Cancelled("gateway stopping")
+        return Position(row.completed_steps, row.policy_version, row.batch_size, row.total_steps)
+
+    async def _generated(self, lookahead: LookAhead, step: int) -> Generated | None:
+        """Step ``step``'s generation once it is done; None when the run is cancelled first (seen
+        within WAIT_POLL_S, not when the generation ends)."""
+        t0 = time.perf_counter()
+        task = lookahead.tasks[step]  # in ``lookahead`` until done: ``cancel`` stops what is left
+        while not (await asyncio.wait({task}, timeout=WAIT_POLL_S))[0]:
+            if self._cancelled():
+                return None
+            if self.stop.is_set():
+                raise Cancelled("gateway stopping")
+        del lookahead.tasks[step]
+        gen = task.result()
+        if self._cancelled():
+            return None
+        gen.wait_seconds = time.perf_counter() - t0
+        return gen
+
+    async def _train_step(self, gen: Generated, at: Position) -> Trained:
+        """Train on ``gen`` and choose the next step's batch size (from the groups with a signal when
+        the schedule adapts it)."""
+        sched = self.req.schedule
+        staleness = at.version - gen.gen_version
+        if staleness > sched.staleness:  # cannot happen by construction; refuse rather than train
+            raise RuntimeError(f"step {at.step}: staleness {staleness} > bound {sched.staleness}")
+        t0 = time.perf_counter()
+        version, learner_metrics = await self.train(gen, at.version)
+        seconds = time.perf_counter() - t0
+        next_batch = at.batch
+        if sched.adaptive_batch:
+            signal = sum(1 for g in gen.collected.groups if g is not None and has_signal(*g))
+            next_batch = next_batch_size(
+                gen.batch_size,
+                sched.target_groups or sched.batch_size,
+                signal,
+                lam=sched.batch_lambda,
+                minimum=sched.min_batch,
+                maximum=sched.max_batch,
+            )
+        return Trained(version, learner_metrics, seconds, next_batch)
+
+    async def _record(self, at: Position, gen: Generated, trained: Trained) -> None:
+        """Store a few scored groups, then the step's metrics and the run's advance (one transaction);
+        then the JSONL mirror and the trackers, only when this call recorded the step (a re-walked step
+        that was recorded before is not logged twice)."""
+        metrics = record_metrics(at, gen, trained)
+        kept = gen.collected.groups
+        stored = [g for g in kept if g is not None][:SAMPLE_GROUPS]
+        runs = self.state.runs
+        await asyncio.to_thread(runs.add_samples, self.run_id, at.step, stored)
+        if not await asyncio.to_thread(
+            runs.complete_step, self.run_id, at.step, metrics, trained.version, trained.next_batch
+        ):
+            return
+        await asyncio.to_thread(self._append_jsonl, metrics)
+        log.info("run %s step %d done: reward %.3f", self.run_id, at.step, metrics["reward_mean"])
+        if self.trackers.trackers:
+            per_step = max((t.samples_per_step for t in self.tracker_specs), default=4)
+            samples = step_samples(kept, per_step)
+            await asyncio.to_thread(self.trackers.log, at.step, metrics, samples)
 
     def _cancelled(self) -> bool:
-        row = self.state.run(self.run_id)
-        return row is not None and row["status"] == "cancelled"
+        return self.state.runs.status(self.run_id) == "cancelled"
 
     def _append_jsonl(self, metrics: dict[str, Any]) -> None:
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -283,5 +338,5 @@ class RunLoop:
         append cannot leave a step missing or doubled."""
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.jsonl.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in self.state.run_steps(self.run_id)))
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in self.state.runs.steps(self.run_id)))
         tmp.replace(self.jsonl)

@@ -1,6 +1,12 @@
 """Durable gateway state in SQLite (``<data_dir>/gateway.sqlite``): jobs, their scored groups, runs,
-their step plans and completed steps. Every state change is one transaction, so a killed gateway
-leaves either the old or the new state, never half of a step.
+their step plans and completed steps. Every state change is one transaction (``Database.tx``), so a
+killed gateway leaves either the old or the new state, never half of a step.
+
+The shape is the FastAPI template's models + crud: typed rows (``JobRow``, ``RunRow``) and one small
+store per kind of thing (``JobStore``, ``RunStore``, ``DatasetStore``) over one transaction helper;
+``GatewayState`` holds them. Jobs and runs share what submitted work has in common (``WorkStore``:
+idempotent creation under quotas, start, finish); an idempotency key that names different work raises
+``Conflict``.
 
 Uploaded datasets are owned: a ``datasets`` row per (key, dataset) says which keys stored which
 content (the files themselves are shared, by content hash: gateway/datasets.py).
@@ -19,9 +25,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
+from gateway.models import JobRequest, JobStatus, RunRequest, RunStatus
 from gateway.quotas import Cost, Quotas, dataset_over_quota, over_quota
 
 ACTIVE = ("queued", "running")
@@ -55,12 +63,70 @@ CREATE TABLE IF NOT EXISTS datasets (
 COST_COLUMNS = ("samples INTEGER NOT NULL DEFAULT 0", "tokens INTEGER NOT NULL DEFAULT 0")
 
 
-class GatewayState:
+class Conflict(Exception):
+    """An idempotency key that names existing work (``item_id``) with a different request (a 409)."""
+
+    def __init__(self, item_id: str) -> None:
+        super().__init__(item_id)
+        self.item_id = item_id
+
+
+# ---------------------------------------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class JobRow:
+    id: str
+    owner: str
+    job_key: str
+    status: JobStatus
+    request: dict[str, Any]  # the submitted JobRequest, as JSON
+    n_prompts: int
+    error: str | None
+    counters: dict[str, float]
+    samples: int
+    tokens: int
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class RunRow:
+    id: str
+    owner: str
+    run_key: str | None
+    status: RunStatus
+    config: dict[str, Any]  # the submitted RunRequest, as JSON
+    completed_steps: int
+    total_steps: int
+    policy_version: int
+    batch_size: int  # the next step's
+    error: str | None
+    samples: int
+    tokens: int
+    created_at: float
+    updated_at: float
+
+
+Row = TypeVar("Row", JobRow, RunRow)
+
+
+def read_row(row_type: type[Row], r: sqlite3.Row, json_column: str) -> Row:
+    """A ``row_type`` from its table's row; ``json_column`` (and ``counters``) hold JSON."""
+    values = {f.name: r[f.name] for f in fields(row_type)}
+    for column in (json_column, "counters"):
+        if column in values:
+            values[column] = json.loads(values[column] or "{}")
+    return row_type(**values)
+
+
+# ---------------------------------------------------------------------------------------- database
+class Database:
+    """One SQLite file: a connection per thread, and ``tx`` for a write transaction."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        db = self._db()
+        db = self.connection()
         db.executescript(SCHEMA)
         for table in ("jobs", "runs"):
             have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
@@ -68,7 +134,7 @@ class GatewayState:
                 if column.split()[0] not in have:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
-    def _db(self) -> sqlite3.Connection:
+    def connection(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
@@ -80,7 +146,7 @@ class GatewayState:
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
-        db = self._db()
+        db = self.connection()
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
@@ -89,221 +155,188 @@ class GatewayState:
             raise
         db.execute("COMMIT")
 
-    def data_version(self) -> int:
-        """Changes when another connection commits (a cheap "anything new?" for event streams)."""
-        return int(self._db().execute("PRAGMA data_version").fetchone()[0])
+    def all(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        return self.connection().execute(sql, args).fetchall()
 
-    def _check_quota(self, db: sqlite3.Connection, owner: str, kind: str, cost: Cost, quotas: Quotas) -> None:
-        """Raise QuotaExceeded when ``cost`` does not fit beside ``owner``'s queued and running work."""
-        marks = ",".join("?" * len(ACTIVE))
-        held = [0, 0, 0, 0]  # jobs, runs, samples, tokens
-        for i, table in enumerate(("jobs", "runs")):
-            row = db.execute(
-                f"SELECT COUNT(*), COALESCE(SUM(samples), 0), COALESCE(SUM(tokens), 0) FROM {table} "  # noqa: S608
-                f"WHERE owner=? AND status IN ({marks})",
-                (owner, *ACTIVE),
-            ).fetchone()
-            held[i] = int(row[0])
-            held[2] += int(row[1])
-            held[3] += int(row[2])
-        problem = over_quota(kind, cost, quotas, jobs=held[0], runs=held[1], samples=held[2], tokens=held[3])
-        if problem is not None:
-            raise problem
+    def one(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self.connection().execute(sql, args).fetchone()
+        return row
 
-    def _existing_or_admit(
-        self,
-        db: sqlite3.Connection,
-        kind: str,
-        owner: str,
-        key: str | None,
-        body: str,
-        cost: Cost,
-        quotas: Quotas | None,
-    ) -> str | None:
-        """The id of ``owner``'s job or run (``kind``) under idempotency ``key`` (KeyError when its
-        request differs from ``body``); None when there is none and a new one fits ``quotas``
-        (QuotaExceeded when it does not)."""
-        table, body_column = ("jobs", "request") if kind == "job" else ("runs", "config")
-        if key is not None:
-            row = db.execute(
-                f"SELECT id, {body_column} FROM {table} WHERE owner=? AND {kind}_key=?",  # noqa: S608
-                (owner, key),
-            ).fetchone()
-            if row is not None:
-                if row[body_column] != body:
-                    raise KeyError(row["id"])
-                return str(row["id"])
-        if quotas is not None:
-            self._check_quota(db, owner, kind, cost, quotas)
-        return None
 
-    # ------------------------------------------------------------------------------------------ jobs
-    def create_job(
-        self,
-        owner: str,
-        job_key: str,
-        request: dict[str, Any],
-        n_prompts: int,
-        cost: Cost = Cost(0, 0),
-        quotas: Quotas | None = None,
-    ) -> tuple[str, bool]:
-        """(job id, created); an existing (owner, job_key) returns its id and False. A new job over one of
-        ``quotas`` (beside the owner's queued and running work) raises QuotaExceeded."""
-        body = json.dumps(request, sort_keys=True)
-        with self.tx() as db:
-            existing = self._existing_or_admit(db, "job", owner, job_key, body, cost, quotas)
-            if existing is not None:
-                return existing, False
-            job_id = "job-" + uuid.uuid4().hex[:16]
-            now = time.time()
-            db.execute(
-                "INSERT INTO jobs (id, owner, job_key, status, request, n_prompts, samples, tokens,"
-                " created_at, updated_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
-                (job_id, owner, job_key, body, n_prompts, cost.samples, cost.tokens, now, now),
-            )
-            return job_id, True
+def _check_quota(db: sqlite3.Connection, owner: str, kind: str, cost: Cost, quotas: Quotas) -> None:
+    """Raise QuotaExceeded when ``cost`` does not fit beside ``owner``'s queued and running work (jobs
+    and runs together)."""
+    marks = ",".join("?" * len(ACTIVE))
+    held = [0, 0, 0, 0]  # jobs, runs, samples, tokens
+    for i, table in enumerate(("jobs", "runs")):
+        row = db.execute(
+            f"SELECT COUNT(*), COALESCE(SUM(samples), 0), COALESCE(SUM(tokens), 0) FROM {table} "  # noqa: S608
+            f"WHERE owner=? AND status IN ({marks})",
+            (owner, *ACTIVE),
+        ).fetchone()
+        held[i] = int(row[0])
+        held[2] += int(row[1])
+        held[3] += int(row[2])
+    problem = over_quota(kind, cost, quotas, jobs=held[0], runs=held[1], samples=held[2], tokens=held[3])
+    if problem is not None:
+        raise problem
 
-    def job(self, job_id: str) -> dict[str, Any] | None:
-        row = self._db().execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
-        return dict(row) if row else None
 
-    def jobs_with_status(self, *statuses: str) -> list[str]:
+# ----------------------------------------------------------------------------------- jobs and runs
+
+
+class WorkStore(Generic[Row]):
+    """What jobs and runs share: a row type, idempotent creation under the key's quotas, start, finish."""
+
+    kind: ClassVar[str]  # "job" or "run": the quota's kind, the ``<kind>_key`` column, the id's prefix
+    table: ClassVar[str]
+    body_column: ClassVar[str]  # the submitted request, as sorted JSON (what idempotency compares)
+    startable: ClassVar[str]  # the statuses ``start`` may move to ``running``
+    row_type: type[Row]
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def get(self, item_id: str) -> Row | None:
+        row = self.db.one(f"SELECT * FROM {self.table} WHERE id=?", (item_id,))  # noqa: S608
+        return None if row is None else read_row(self.row_type, row, self.body_column)
+
+    def status(self, item_id: str) -> str | None:
+        row = self.db.one(f"SELECT status FROM {self.table} WHERE id=?", (item_id,))  # noqa: S608
+        return None if row is None else str(row["status"])
+
+    def with_status(self, *statuses: str) -> list[str]:
+        """Ids, oldest first."""
         marks = ",".join("?" * len(statuses))
-        rows = self._db().execute(f"SELECT id FROM jobs WHERE status IN ({marks})", statuses).fetchall()  # noqa: S608
-        return [str(r["id"]) for r in rows]
+        sql = f"SELECT id FROM {self.table} WHERE status IN ({marks}) ORDER BY created_at"  # noqa: S608
+        return [str(r["id"]) for r in self.db.all(sql, statuses)]
 
-    def _set(self, table: str, item_id: str, fields: dict[str, Any]) -> None:
-        fields["updated_at"] = time.time()
-        cols = ", ".join(f"{k}=?" for k in fields)
-        with self.tx() as db:
-            db.execute(f"UPDATE {table} SET {cols} WHERE id=?", (*fields.values(), item_id))  # noqa: S608
+    def update(self, item_id: str, **fields: Any) -> None:
+        """Write ``fields`` (columns) as they are; tests use it to put a row in a given state."""
+        self._update(item_id, fields, "")
 
-    def set_job(self, job_id: str, **fields: Any) -> None:
-        if "counters" in fields:
-            fields["counters"] = json.dumps(fields["counters"])
-        self._set("jobs", job_id, fields)
+    def start(self, item_id: str) -> bool:
+        """Mark it running unless it ended meanwhile (a cancel), atomically; False if it did."""
+        return self._update(item_id, {"status": "running", "error": None}, f" AND {self.startable}")
 
-    def start_job(self, job_id: str) -> bool:
-        """Mark the job running unless it ended meanwhile (a cancel); False if it did."""
-        with self.tx() as db:
-            cur = db.execute(
-                "UPDATE jobs SET status='running', updated_at=? "
-                "WHERE id=? AND status IN ('queued', 'running')",
-                (time.time(), job_id),
-            )
-            return cur.rowcount > 0
+    def finish(self, item_id: str, status: str, **fields: Any) -> bool:
+        """Set a final ``status`` of work that is still queued or running: a cancel that came first is
+        never overwritten by the end of the work it interrupted."""
+        return self._update(item_id, {"status": status, **fields}, " AND status IN ('queued', 'running')")
 
-    def finish(self, table: str, item_id: str, status: str, **fields: Any) -> bool:
-        """Set a final ``status`` of a job or run (``table``) that is still queued or running: a cancel
-        that came first is never overwritten by the end of the work it interrupted."""
-        fields = {"status": status, "updated_at": time.time(), **fields}
-        if "counters" in fields:
-            fields["counters"] = json.dumps(fields["counters"])
-        cols = ", ".join(f"{k}=?" for k in fields)
-        with self.tx() as db:
-            cur = db.execute(
-                f"UPDATE {table} SET {cols} WHERE id=? AND status IN ('queued', 'running')",  # noqa: S608
-                (*fields.values(), item_id),
-            )
-            return cur.rowcount > 0
-
-    def cancelled_among(self, ids: list[str]) -> set[str]:
-        """The jobs and runs among ``ids`` whose status is ``cancelled``."""
+    def cancelled_among(self, ids: Sequence[str]) -> set[str]:
         out: set[str] = set()
         for i in range(0, len(ids), 500):
             part = ids[i : i + 500]
             marks = ",".join("?" * len(part))
-            for table in ("jobs", "runs"):
-                rows = self._db().execute(
-                    f"SELECT id FROM {table} WHERE status='cancelled' AND id IN ({marks})",  # noqa: S608
-                    part,
-                )
-                out.update(str(r["id"]) for r in rows)
+            sql = f"SELECT id FROM {self.table} WHERE status='cancelled' AND id IN ({marks})"  # noqa: S608
+            out.update(str(r["id"]) for r in self.db.all(sql, part))
         return out
 
-    def add_job_group(self, job_id: str, idx: int, payload: dict[str, Any]) -> None:
-        with self.tx() as db:
+    def _update(self, item_id: str, fields: dict[str, Any], where: str) -> bool:
+        fields = {**fields, "updated_at": time.time()}
+        if isinstance(fields.get("counters"), dict):
+            fields["counters"] = json.dumps(fields["counters"])
+        cols = ", ".join(f"{k}=?" for k in fields)
+        with self.db.tx() as db:
+            cur = db.execute(
+                f"UPDATE {self.table} SET {cols} WHERE id=?{where}",  # noqa: S608
+                (*fields.values(), item_id),
+            )
+            return cur.rowcount > 0
+
+    def create(
+        self, *, owner: str, request: Any, cost: Cost = Cost(0, 0), quotas: Quotas | None = None
+    ) -> tuple[str, bool]:
+        """(id, created) for ``owner``'s ``request`` (a JobRequest or RunRequest): an existing one under
+        its idempotency key returns its id and False (``Conflict`` when its request differs); a new one
+        over one of ``quotas`` (beside the owner's queued and running work) raises QuotaExceeded; else
+        it is stored, queued, with its ``cost``."""
+        key, columns = self.columns(request)
+        body = json.dumps(request.model_dump(mode="json"), sort_keys=True)
+        with self.db.tx() as db:
+            if key is not None:
+                row = db.execute(
+                    f"SELECT id, {self.body_column} FROM {self.table} WHERE owner=? AND {self.kind}_key=?",  # noqa: S608
+                    (owner, key),
+                ).fetchone()
+                if row is not None:
+                    if row[self.body_column] != body:
+                        raise Conflict(str(row["id"]))
+                    return str(row["id"]), False
+            if quotas is not None:
+                _check_quota(db, owner, self.kind, cost, quotas)
+            item_id = f"{self.kind}-" + uuid.uuid4().hex[:16]
+            now = time.time()
+            values = {
+                "id": item_id,
+                "owner": owner,
+                f"{self.kind}_key": key,
+                "status": "queued",
+                self.body_column: body,
+                **columns,
+                "samples": cost.samples,
+                "tokens": cost.tokens,
+                "created_at": now,
+                "updated_at": now,
+            }
+            db.execute(
+                f"INSERT INTO {self.table} ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",  # noqa: S608
+                tuple(values.values()),
+            )
+            return item_id, True
+
+    def columns(self, request: Any) -> tuple[str | None, dict[str, Any]]:
+        """``request``'s idempotency key and the columns a new row of it starts with."""
+        raise NotImplementedError
+
+
+class JobStore(WorkStore[JobRow]):
+    kind, table, body_column = "job", "jobs", "request"
+    startable = "status IN ('queued', 'running')"
+    row_type = JobRow
+
+    def columns(self, request: JobRequest) -> tuple[str | None, dict[str, Any]]:
+        return request.job_key, {"n_prompts": len(request.items())}
+
+    def add_group(self, job_id: str, idx: int, payload: dict[str, Any]) -> None:
+        with self.db.tx() as db:
             seq = db.execute("SELECT COUNT(*) FROM job_groups WHERE job_id=?", (job_id,)).fetchone()[0]
             db.execute(
                 "INSERT OR IGNORE INTO job_groups (job_id, idx, seq, payload) VALUES (?, ?, ?, ?)",
                 (job_id, idx, seq, json.dumps(payload)),
             )
 
-    def job_groups(self, job_id: str, after_seq: int = -1) -> list[tuple[int, dict[str, Any]]]:
-        rows = (
-            self._db()
-            .execute(
-                "SELECT seq, payload FROM job_groups WHERE job_id=? AND seq>? ORDER BY seq",
-                (job_id, after_seq),
-            )
-            .fetchall()
+    def groups(self, job_id: str, after_seq: int = -1) -> list[tuple[int, dict[str, Any]]]:
+        """(sequence number, ScoredGroup as JSON) of the groups stored after ``after_seq``."""
+        rows = self.db.all(
+            "SELECT seq, payload FROM job_groups WHERE job_id=? AND seq>? ORDER BY seq", (job_id, after_seq)
         )
         return [(int(r["seq"]), json.loads(r["payload"])) for r in rows]
 
-    def job_done_indices(self, job_id: str) -> set[int]:
-        rows = self._db().execute("SELECT idx FROM job_groups WHERE job_id=?", (job_id,)).fetchall()
-        return {int(r["idx"]) for r in rows}
+    def done_indices(self, job_id: str) -> set[int]:
+        return {int(r["idx"]) for r in self.db.all("SELECT idx FROM job_groups WHERE job_id=?", (job_id,))}
 
-    # ------------------------------------------------------------------------------------------ runs
-    def create_run(
-        self,
-        owner: str,
-        run_key: str | None,
-        config: dict[str, Any],
-        total: int,
-        version: int,
-        batch: int,
-        cost: Cost = Cost(0, 0),
-        quotas: Quotas | None = None,
-    ) -> tuple[str, bool]:
-        body = json.dumps(config, sort_keys=True)
-        with self.tx() as db:
-            existing = self._existing_or_admit(db, "run", owner, run_key, body, cost, quotas)
-            if existing is not None:
-                return existing, False
-            run_id = "run-" + uuid.uuid4().hex[:16]
-            now = time.time()
-            db.execute(
-                "INSERT INTO runs (id, owner, run_key, status, config, total_steps, policy_version,"
-                " batch_size, samples, tokens, created_at, updated_at)"
-                " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, owner, run_key, body, total, version, batch, cost.samples, cost.tokens, now, now),
-            )
-            return run_id, True
 
-    def run(self, run_id: str) -> dict[str, Any] | None:
-        row = self._db().execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
-        return dict(row) if row else None
+class RunStore(WorkStore[RunRow]):
+    kind, table, body_column = "run", "runs", "config"
+    # a run that failed may be started again (its error cleared); a cancelled one never
+    startable = "status != 'cancelled'"
+    row_type = RunRow
 
-    def runs_with_status(self, *statuses: str) -> list[str]:
-        marks = ",".join("?" * len(statuses))
-        rows = (
-            self._db()
-            .execute(
-                f"SELECT id FROM runs WHERE status IN ({marks}) ORDER BY created_at",
-                statuses,  # noqa: S608
-            )
-            .fetchall()
-        )
-        return [str(r["id"]) for r in rows]
-
-    def set_run(self, run_id: str, **fields: Any) -> None:
-        self._set("runs", run_id, fields)
-
-    def start_run(self, run_id: str) -> bool:
-        """Mark the run running unless it was cancelled meanwhile (atomically); False if cancelled."""
-        with self.tx() as db:
-            cur = db.execute(
-                "UPDATE runs SET status='running', error=NULL, updated_at=? "
-                "WHERE id=? AND status != 'cancelled'",
-                (time.time(), run_id),
-            )
-            return cur.rowcount > 0
+    def columns(self, request: RunRequest) -> tuple[str | None, dict[str, Any]]:
+        """Without a ``run_key``, every submission is a new run."""
+        columns = {
+            "total_steps": request.schedule.steps,
+            "policy_version": request.initial_policy_version,
+            "batch_size": request.schedule.batch_size,
+        }
+        return request.run_key, columns
 
     def plan(self, run_id: str, step: int, batch_size: int, gen_version: int) -> tuple[int, int]:
         """The (batch size, generation policy version) of ``step``: the first plan recorded wins, so a
         resumed gateway regenerates exactly the same prompts with the same task keys."""
-        with self.tx() as db:
+        with self.db.tx() as db:
             db.execute(
                 "INSERT OR IGNORE INTO run_plans (run_id, step, batch_size, gen_version) VALUES (?, ?, ?, ?)",
                 (run_id, step, batch_size, gen_version),
@@ -317,7 +350,7 @@ class GatewayState:
         self, run_id: str, step: int, metrics: dict[str, Any], policy_version: int, batch_size: int
     ) -> bool:
         """Record step ``step`` and advance the run, atomically; False if it was already recorded."""
-        with self.tx() as db:
+        with self.db.tx() as db:
             row = db.execute("SELECT completed_steps FROM runs WHERE id=?", (run_id,)).fetchone()
             if row is None or int(row["completed_steps"]) != step:
                 return False
@@ -331,10 +364,10 @@ class GatewayState:
             )
             return True
 
-    def add_run_samples(self, run_id: str, step: int, scored: Sequence[tuple[Any, Any]]) -> None:
+    def add_samples(self, run_id: str, step: int, scored: Sequence[tuple[Any, Any]]) -> None:
         """Store a few scored groups of step ``step`` (``(Group, RewardResult)`` pairs) for the run
         page; a re-walked step (after a restart) replaces them."""
-        with self.tx() as db:
+        with self.db.tx() as db:
             db.execute("DELETE FROM run_samples WHERE run_id=? AND step=?", (run_id, step))
             db.executemany(
                 "INSERT INTO run_samples (run_id, step, idx, group_id, grp, rewards) "
@@ -345,19 +378,15 @@ class GatewayState:
                 ],
             )
 
-    def run_samples(self, run_id: str, step: int | None = None, after: int = -1) -> list[dict[str, Any]]:
+    def samples(self, run_id: str, step: int | None = None, after: int = -1) -> list[dict[str, Any]]:
         """Stored groups of a run, by step then index: ``{step, idx, group_id, group, rewards}`` with
         ``group`` a loom.contracts.wire.Group and ``rewards`` a RewardResult, as JSON objects; one
         step's (``step``) or every step after ``after``."""
         where, args = ("step=?", (run_id, step)) if step is not None else ("step>?", (run_id, after))
-        rows = (
-            self._db()
-            .execute(
-                f"SELECT step, idx, group_id, grp, rewards FROM run_samples WHERE run_id=? AND {where} "
-                "ORDER BY step, idx",
-                args,
-            )
-            .fetchall()
+        rows = self.db.all(
+            f"SELECT step, idx, group_id, grp, rewards FROM run_samples WHERE run_id=? AND {where} "  # noqa: S608
+            "ORDER BY step, idx",
+            args,
         )
         return [
             {
@@ -370,28 +399,27 @@ class GatewayState:
             for r in rows
         ]
 
-    def run_steps(self, run_id: str, after: int = -1) -> list[dict[str, Any]]:
-        rows = (
-            self._db()
-            .execute("SELECT metrics FROM run_steps WHERE run_id=? AND step>? ORDER BY step", (run_id, after))
-            .fetchall()
+    def steps(self, run_id: str, after: int = -1) -> list[dict[str, Any]]:
+        """The metrics of the steps after ``after``, in order."""
+        rows = self.db.all(
+            "SELECT metrics FROM run_steps WHERE run_id=? AND step>? ORDER BY step", (run_id, after)
         )
         return [json.loads(r["metrics"]) for r in rows]
 
-    # -------------------------------------------------------------------------------------- datasets
-    def dataset_usage(self, owner: str) -> tuple[int, int]:
+
+# -------------------------------------------------------------------------------------- datasets
+class DatasetStore:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def usage(self, owner: str) -> tuple[int, int]:
         """(bytes, datasets) ``owner`` stores."""
-        row = (
-            self._db()
-            .execute("SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM datasets WHERE owner=?", (owner,))
-            .fetchone()
-        )
-        return int(row[0]), int(row[1])
+        return self._usage(self.db.connection(), owner)
 
-    def owns_dataset(self, owner: str, dataset_id: str) -> bool:
-        return self._owns(self._db(), owner, dataset_id)
+    def owns(self, owner: str, dataset_id: str) -> bool:
+        return self._owns(self.db.connection(), owner, dataset_id)
 
-    def add_dataset(
+    def add(
         self,
         owner: str,
         dataset_id: str,
@@ -403,16 +431,14 @@ class GatewayState:
         """Make ``owner`` an owner of ``dataset_id`` (True when it was not yet): ``place()`` puts its
         files in place inside the transaction, after ``quotas`` (QuotaExceeded: nothing placed). A
         dataset the owner already stores is placed again (same content) and costs nothing more."""
-        with self.tx() as db:
+        with self.db.tx() as db:
             if self._owns(db, owner, dataset_id):
                 place()
                 return False
             if quotas is not None:
-                held = db.execute(
-                    "SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM datasets WHERE owner=?", (owner,)
-                ).fetchone()
+                bytes_held, datasets_held = self._usage(db, owner)
                 problem = dataset_over_quota(
-                    n_bytes, quotas, bytes_held=int(held[0]), datasets_held=int(held[1])
+                    n_bytes, quotas, bytes_held=bytes_held, datasets_held=datasets_held
                 )
                 if problem is not None:
                     raise problem
@@ -423,12 +449,12 @@ class GatewayState:
             )
             return True
 
-    def drop_dataset(self, owner: str, dataset_id: str, remove: Callable[[], None]) -> str | None:
+    def drop(self, owner: str, dataset_id: str, remove: Callable[[], None]) -> str | None:
         """Forget ``owner``'s ``dataset_id``; ``remove()`` (inside the transaction, so no upload of the
         same content interleaves) when no other key stores it. KeyError when ``owner`` does not store
         it; the id of a queued or running run of ``owner`` that reads it (nothing dropped), else None."""
         marks = ",".join("?" * len(ACTIVE))
-        with self.tx() as db:
+        with self.db.tx() as db:
             if not self._owns(db, owner, dataset_id):
                 raise KeyError(dataset_id)
             reader = db.execute(
@@ -444,6 +470,35 @@ class GatewayState:
             return None
 
     @staticmethod
+    def _usage(db: sqlite3.Connection, owner: str) -> tuple[int, int]:
+        row = db.execute(
+            "SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM datasets WHERE owner=?", (owner,)
+        ).fetchone()
+        return int(row[0]), int(row[1])
+
+    @staticmethod
     def _owns(db: sqlite3.Connection, owner: str, dataset_id: str) -> bool:
         row = db.execute("SELECT 1 FROM datasets WHERE owner=? AND id=?", (owner, dataset_id)).fetchone()
         return row is not None
+
+
+# ------------------------------------------------------------------------------------------ state
+class GatewayState:
+    """The gateway's database and its stores: ``jobs``, ``runs``, ``datasets``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.db = Database(path)
+        self.path = self.db.path
+        self.jobs = JobStore(self.db)
+        self.runs = RunStore(self.db)
+        self.datasets = DatasetStore(self.db)
+
+    def data_version(self) -> int:
+        """Changes when another connection commits (a cheap "anything new?" for event streams)."""
+        row = self.db.one("PRAGMA data_version")
+        assert row is not None
+        return int(row[0])
+
+    def cancelled_among(self, ids: Sequence[str]) -> set[str]:
+        """The jobs and runs among ``ids`` whose status is ``cancelled``."""
+        return self.jobs.cancelled_among(ids) | self.runs.cancelled_among(ids)

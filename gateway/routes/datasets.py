@@ -51,7 +51,7 @@ async def upload_dataset(request: Request, gw: GatewayDep) -> Any:
     (``LOOM_GATEWAY_QUOTA_DATASET_BYTES``, ``LOOM_GATEWAY_QUOTA_DATASETS``): 413 ``quota_exceeded``,
     as soon as the bytes received pass it, and nothing is stored."""
     key = owner(request)
-    bytes_held, _ = await asyncio.to_thread(gw.state.dataset_usage, key)
+    bytes_held, _ = await asyncio.to_thread(gw.state.datasets.usage, key)
     writer = DatasetWriter(gw.datasets, max_bytes=max(gw.quotas.dataset_bytes - bytes_held, 0))
     try:
         async for chunk in request.stream():
@@ -78,7 +78,7 @@ async def delete_dataset(dataset_id: str, request: Request, gw: GatewayDep) -> R
         raise HTTPException(404, {"error": "not_found", "detail": f"no dataset {dataset_id}"})
     try:
         reader = await asyncio.to_thread(
-            gw.state.drop_dataset, owner(request), dataset_id, lambda: remove_files(gw.datasets, dataset_id)
+            gw.state.datasets.drop, owner(request), dataset_id, lambda: remove_files(gw.datasets, dataset_id)
         )
     except KeyError:
         raise HTTPException(404, {"error": "not_found", "detail": f"no dataset {dataset_id}"}) from None

@@ -4,25 +4,29 @@ dependency that hands it to a route, and the answers every route group gives the
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from gateway.manager import Manager
-from gateway.models import Created
-from gateway.quotas import QuotaExceeded, Quotas
-from gateway.state import GatewayState
+from gateway.models import Created, TaskItem
+from gateway.quotas import Cost, QuotaExceeded, Quotas
+from gateway.state import Conflict, GatewayState, JobRow, RunRow, WorkStore
+from gateway.validate import submission_problem
 from loom.contracts.settings import Settings
 from loom.queue import queue_depths
 from loom.service import error_responses
 
 PIPELINE_QUEUES = ("rollout", "reward", "reflect", "learner")
+TERMINAL = ("succeeded", "failed", "cancelled")
 
 # the OpenAPI answers of a submission whose idempotency key names existing work, and of a missing item
 EXISTING: dict[int | str, dict[str, Any]] = {
@@ -98,32 +102,62 @@ def owner(request: Request) -> str:
     return str(getattr(request.state, "key_name", ""))
 
 
+def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
+    """One server-sent event (``event_id``: what a reconnect sends back as ``Last-Event-ID``)."""
+    head = f"event: {event}\n" if event_id is None else f"event: {event}\nid: {event_id}\n"
+    return f"{head}data: {json.dumps(data)}\n\n".encode()
+
+
+def end_event(row: JobRow | RunRow | None) -> bytes | None:
+    """The ``end`` event of a job or run that has ended; None while it has not."""
+    if row is None or row.status not in TERMINAL:
+        return None
+    return sse("end", {"status": row.status, "error": row.error})
+
+
 def refused(exc: QuotaExceeded) -> JSONResponse:
     return JSONResponse(status_code=exc.status, content=exc.body(), headers=exc.headers())
 
 
-def owned(row: dict[str, Any] | None, request: Request, kind: str, item_id: str) -> dict[str, Any]:
+Row = TypeVar("Row", JobRow, RunRow)
+
+
+def owned(row: Row | None, request: Request, kind: str, item_id: str) -> Row:
     """``row`` if it belongs to the request's key; else 404, the same as for an id that never was."""
-    if row is None or row["owner"] != owner(request):
+    if row is None or row.owner != owner(request):
         raise HTTPException(404, {"error": "not_found", "detail": f"no {kind} {item_id}"})
     return row
 
 
-async def create(
-    gw: Gateway, kind: str, create_row: Callable[[], tuple[str, bool]], start: Callable[[str], None]
+async def submit(
+    gw: Gateway,
+    request: Request,
+    store: WorkStore[Any],
+    body: Any,
+    *,
+    items: Sequence[TaskItem],
+    per_item_loc: str | None = None,
+    cost: Cost,
+    start: Callable[[str], None],
 ) -> JSONResponse:
-    """Store a submission (``create_row``, idempotent by its key) and start it: 201 when new, 200 when
-    the key names the same request, 409 when it names a different one, the quota's answer when over."""
+    """Check a submission (its ``items``: 422 naming the first problem, at ``per_item_loc`` for an
+    item's own), store it in ``store`` (idempotent by its key) and start it: 201 when new, 200 when the
+    key names the same request, 409 when it names a different one, the quota's answer when over."""
+    problem = await asyncio.to_thread(submission_problem, items, body, gw.settings, per_item_loc)
+    if problem is not None:
+        return JSONResponse(status_code=422, content=problem)
+    kind = store.kind
+    create_row = partial(store.create, owner=owner(request), request=body, cost=cost, quotas=gw.quotas)
     try:
         item_id, created = await asyncio.to_thread(create_row)
     except QuotaExceeded as exc:
         return refused(exc)
-    except KeyError as exc:
+    except Conflict as exc:
         raise HTTPException(
             409,
             {
                 "error": "conflict",
-                "detail": f"{kind}_key names {kind} {exc.args[0]} with a different request",
+                "detail": f"{kind}_key names {kind} {exc.item_id} with a different request",
             },
         ) from None
     if created and gw.settings.gateway_run_loop:
@@ -131,7 +165,7 @@ async def create(
     return JSONResponse(status_code=201 if created else 200, content={"id": item_id, "created": created})
 
 
-async def cancel(gw: Gateway, table: str, item_id: str) -> None:
+async def cancel(gw: Gateway, store: WorkStore[Any], item_id: str) -> None:
     """Mark a job or run cancelled (if it has not ended) and stop its work."""
-    if await asyncio.to_thread(gw.state.finish, table, item_id, "cancelled"):
+    if await asyncio.to_thread(store.finish, item_id, "cancelled"):
         await gw.manager.cancel(item_id)

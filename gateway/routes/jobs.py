@@ -4,24 +4,31 @@ cancel."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.models import MAX_VERSION, Created, JobRequest, JobView, ScoredGroup
 from gateway.quotas import QuotaExceeded, job_cost
-from gateway.routes.deps import EXISTING, NOT_FOUND, GatewayDep, cancel, create, owned, owner, refused
+from gateway.routes.deps import (
+    EXISTING,
+    NOT_FOUND,
+    GatewayDep,
+    cancel,
+    end_event,
+    owned,
+    owner,
+    refused,
+    sse,
+    submit,
+)
 from gateway.state import GatewayState
-from gateway.validate import submission_problem
 from loom.service import LoomRoute, error_responses
 
-TERMINAL = ("succeeded", "failed", "cancelled")
 STREAM_POLL_S = 0.2  # how often an event stream looks for a change of the database
 STREAM_FULL_READ_S = 2.0  # and reads its job even without one (a change made on its own connection)
 
@@ -34,34 +41,31 @@ async def submit_job(body: JobRequest, request: Request, gw: GatewayDep) -> Any:
     quota of the key: 422 (never fits) or 429 (not beside its other work)."""
     await asyncio.to_thread(gw.backpressure.check)
     items = body.items()
-    per_item = "tasks" if body.tasks is not None else None
-    problem = await asyncio.to_thread(submission_problem, items, body, gw.settings, per_item)
-    if problem is not None:
-        return JSONResponse(status_code=422, content=problem)
-    create_row = partial(
-        gw.state.create_job,
-        owner(request),
-        body.job_key,
-        body.model_dump(mode="json"),
-        len(items),
-        job_cost(body, len(items)),
-        gw.quotas,
+    per_item_loc = "tasks" if body.tasks is not None else None
+    return await submit(
+        gw,
+        request,
+        gw.state.jobs,
+        body,
+        items=items,
+        per_item_loc=per_item_loc,
+        cost=job_cost(body, len(items)),
+        start=gw.manager.start_job,
     )
-    return await create(gw, "job", create_row, gw.manager.start_job)
 
 
 @router.get("/{job_id}", response_model=JobView, responses=NOT_FOUND)
 async def get_job(job_id: str, request: Request, gw: GatewayDep) -> JobView:
-    row = owned(gw.state.job(job_id), request, "job", job_id)
-    groups = [ScoredGroup.model_validate(p) for _, p in gw.state.job_groups(job_id)]
+    row = owned(gw.state.jobs.get(job_id), request, "job", job_id)
+    groups = [ScoredGroup.model_validate(p) for _, p in gw.state.jobs.groups(job_id)]
     return JobView(
         id=job_id,
-        job_key=row["job_key"],
-        status=row["status"],
-        n_prompts=row["n_prompts"],
+        job_key=row.job_key,
+        status=row.status,
+        n_prompts=row.n_prompts,
         n_done=len(groups),
-        error=row["error"],
-        counters=json.loads(row["counters"] or "{}"),
+        error=row.error,
+        counters=row.counters,
         groups=sorted(groups, key=lambda g: g.index),
     )
 
@@ -71,8 +75,8 @@ async def cancel_job(job_id: str, request: Request, gw: GatewayDep) -> JobView:
     """Cancel a queued or running job: no group of it is generated or scored after this answer
     (its tasks still queued are skipped by key); groups already stored stay readable. A job that
     has ended is left as it is."""
-    owned(gw.state.job(job_id), request, "job", job_id)
-    await cancel(gw, "jobs", job_id)
+    owned(gw.state.jobs.get(job_id), request, "job", job_id)
+    await cancel(gw, gw.state.jobs, job_id)
     return await get_job(job_id, request, gw)
 
 
@@ -102,13 +106,12 @@ async def job_event_stream(
         seen = state.data_version()
         if seen != version or now - last_read >= STREAM_FULL_READ_S:
             version, last_read = seen, now
-            for seq, payload in state.job_groups(job_id, after):
+            for seq, payload in state.jobs.groups(job_id, after):
                 after = seq
-                yield f"event: group\nid: {seq}\ndata: {json.dumps(payload)}\n\n".encode()
-            row = state.job(job_id) or {}
-            if row.get("status") in TERMINAL and not state.job_groups(job_id, after):
-                end = {"status": row.get("status"), "error": row.get("error")}
-                yield f"event: end\ndata: {json.dumps(end)}\n\n".encode()
+                yield sse("group", payload, seq)
+            end = end_event(state.jobs.get(job_id))
+            if end is not None and not state.jobs.groups(job_id, after):
+                yield end
                 return
         if await request.is_disconnected():
             return
@@ -127,7 +130,7 @@ async def job_events(job_id: str, request: Request, gw: GatewayDep) -> Streaming
     """Server-sent events: ``group`` (a ScoredGroup; id = sequence number), then ``end``.
     Reconnect with ``Last-Event-ID`` to continue after the last group received. A key may hold
     ``LOOM_GATEWAY_QUOTA_STREAMS`` streams open at once (429 beyond)."""
-    owned(gw.state.job(job_id), request, "job", job_id)
+    owned(gw.state.jobs.get(job_id), request, "job", job_id)
     try:
         after = min(max(int(request.headers.get("last-event-id", "-1")), -1), MAX_VERSION)
     except ValueError:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
 
 from gateway.datasets import DatasetError, load_dataset, open_owned, owner_admit, store_jsonl
 from gateway.models import MAX_VERSION, Created, RunRequest, RunView, TaskItem
@@ -21,12 +19,11 @@ from gateway.routes.deps import (
     Gateway,
     GatewayDep,
     cancel,
-    create,
     owned,
     owner,
     refused,
+    submit,
 )
-from gateway.validate import submission_problem
 from loom.service import LoomRoute, error_responses
 
 router = APIRouter(prefix="/runs", tags=["runs"], route_class=LoomRoute)
@@ -78,35 +75,29 @@ async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
         raise invalid_dataset(exc) from None
     except QuotaExceeded as exc:  # inline JSONL past the key's dataset quota
         return refused(exc)
-    problem = await asyncio.to_thread(submission_problem, items, body, gw.settings, None)
-    if problem is not None:
-        return JSONResponse(status_code=422, content=problem)
-    create_row = partial(
-        gw.state.create_run,
-        owner(request),
-        body.run_key,
-        body.model_dump(mode="json"),
-        body.schedule.steps,
-        body.initial_policy_version,
-        body.schedule.batch_size,
-        cost,
-        gw.quotas,
+    return await submit(
+        gw,
+        request,
+        gw.state.runs,
+        body,
+        items=items,
+        cost=cost,
+        start=gw.manager.start_run,
     )
-    return await create(gw, "run", create_row, gw.manager.start_run)
 
 
 @router.get("/{run_id}", response_model=RunView, responses=NOT_FOUND)
 async def get_run(run_id: str, request: Request, gw: GatewayDep) -> RunView:
-    row = owned(gw.state.run(run_id), request, "run", run_id)
-    last = gw.state.run_steps(run_id, int(row["completed_steps"]) - 2)
+    row = owned(gw.state.runs.get(run_id), request, "run", run_id)
+    last = gw.state.runs.steps(run_id, row.completed_steps - 2)
     return RunView(
         id=run_id,
-        status=row["status"],
-        completed_steps=row["completed_steps"],
-        total_steps=row["total_steps"],
-        policy_version=row["policy_version"],
-        batch_size=row["batch_size"],
-        error=row["error"],
+        status=row.status,
+        completed_steps=row.completed_steps,
+        total_steps=row.total_steps,
+        policy_version=row.policy_version,
+        batch_size=row.batch_size,
+        error=row.error,
         last_metrics=finite_metrics(last[-1] if last else {}),
     )
 
@@ -116,14 +107,14 @@ async def run_metrics(
     run_id: str, request: Request, gw: GatewayDep, after: int = Query(-1, ge=-1, le=MAX_VERSION)
 ) -> list[dict[str, Any]]:
     """Per-step metrics (also appended to ``<data_dir>/runs/<id>/metrics.jsonl``)."""
-    owned(gw.state.run(run_id), request, "run", run_id)
-    return gw.state.run_steps(run_id, after)
+    owned(gw.state.runs.get(run_id), request, "run", run_id)
+    return gw.state.runs.steps(run_id, after)
 
 
 @router.post("/{run_id}/cancel", response_model=RunView, responses=NOT_FOUND)
 async def cancel_run(run_id: str, request: Request, gw: GatewayDep) -> RunView:
     """Cancel a queued or running run: nothing is trained or recorded after this answer, and its
     tasks still queued are skipped by key."""
-    owned(gw.state.run(run_id), request, "run", run_id)
-    await cancel(gw, "runs", run_id)
+    owned(gw.state.runs.get(run_id), request, "run", run_id)
+    await cancel(gw, gw.state.runs, run_id)
     return await get_run(run_id, request, gw)

@@ -1,6 +1,6 @@
 """``/ui``: the run page (docs/run-page.md). Server-rendered HTML over the same state as ``/v1``: the
 key's runs and jobs, a run's live curves (server-sent events of its step metrics, per-component reward
-means included), its stored samples (GatewayState.run_samples), and a job's scored groups with their
+means included), its stored samples (RunStore.samples), and a job's scored groups with their
 trees and spawn forests.
 
 Authentication is gateway/auth.py's: the login form trades an API key for a session cookie; every other
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import re
 import secrets
 import time
@@ -28,8 +27,8 @@ from gateway.auth import SESSION_COOKIE, SESSION_TTL_S, Refused, WebAuth
 from gateway.models import MAX_VERSION
 from gateway.quotas import QuotaExceeded
 from gateway.ratelimit import retry_after_header
-from gateway.routes.deps import Gateway, GatewayDep, owned, owner, refused
-from gateway.routes.jobs import TERMINAL, CountedStream
+from gateway.routes.deps import TERMINAL, Gateway, GatewayDep, end_event, owned, owner, refused, sse
+from gateway.routes.jobs import CountedStream
 from gateway.routes.runs import finite_metrics
 from gateway.state import GatewayState
 from gateway.web import STATIC, TEMPLATES
@@ -79,16 +78,22 @@ def login_page(request: Request, status: int = 200, error: str | None = None, wa
     if wait > 0:
         response.headers["Retry-After"] = retry_after_header(wait)
     if minted:
-        response.set_cookie(
-            LOGIN_COOKIE,
-            token,
-            max_age=int(SESSION_TTL_S),
-            httponly=True,
-            samesite="strict",
-            secure=request.url.scheme == "https",
-            path="/ui/login",
-        )
+        set_cookie(response, request, LOGIN_COOKIE, token, int(SESSION_TTL_S), "/ui/login")
     return response
+
+
+def set_cookie(response: Response, request: Request, name: str, value: str, max_age: int, path: str) -> None:
+    """A cookie no script reads, sent back only by this site's own pages (and only over HTTPS when the
+    page came over it)."""
+    response.set_cookie(
+        name,
+        value,
+        max_age=max_age,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path=path,
+    )
 
 
 @router.get("/login")
@@ -119,15 +124,7 @@ async def login(request: Request) -> Response:
     if isinstance(made, Refused):
         return login_page(request, made.status, made.error, made.wait)
     response = RedirectResponse("/ui/", status_code=303)
-    response.set_cookie(
-        SESSION_COOKIE,
-        made,
-        max_age=int(web.sessions.ttl),
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-        path="/ui",
-    )
+    set_cookie(response, request, SESSION_COOKIE, made, int(web.sessions.ttl), "/ui")
     return response
 
 
@@ -158,17 +155,16 @@ async def index(request: Request, gw: GatewayDep) -> HTMLResponse:
 async def run_page(
     run_id: str, request: Request, gw: GatewayDep, step: int | None = Query(None, ge=0, le=MAX_VERSION)
 ) -> HTMLResponse:
-    row = owned(gw.state.run(run_id), request, "run", run_id)
-    done = int(row["completed_steps"])
+    row = owned(gw.state.runs.get(run_id), request, "run", run_id)
+    done = row.completed_steps
     shown = step if step is not None else (done - 1 if done else None)  # default: the last recorded step
-    samples = [] if shown is None else await asyncio.to_thread(gw.state.run_samples, run_id, shown)
-    config = json.loads(row["config"])
+    samples = [] if shown is None else await asyncio.to_thread(gw.state.runs.samples, run_id, shown)
     return render(
         "run.html",
         key=owner(request),
         run=row,
-        mode=config.get("mode", "plain"),
-        estimator=config.get("estimator", ""),
+        mode=row.config.get("mode", "plain"),
+        estimator=row.config.get("estimator", ""),
         step=shown,
         groups=[group_view(p) for p in samples],
     )
@@ -176,18 +172,17 @@ async def run_page(
 
 @router.get("/jobs/{job_id}")
 async def job_page(job_id: str, request: Request, gw: GatewayDep) -> HTMLResponse:
-    row = owned(gw.state.job(job_id), request, "job", job_id)
-    payloads = sorted((p for _, p in gw.state.job_groups(job_id)), key=lambda p: int(p.get("index", 0)))
-    request_body = json.loads(row["request"])
+    row = owned(gw.state.jobs.get(job_id), request, "job", job_id)
+    payloads = sorted((p for _, p in gw.state.jobs.groups(job_id)), key=lambda p: int(p.get("index", 0)))
     return render(
         "job.html",
         key=owner(request),
         job=row,
-        mode=request_body.get("mode", "plain"),
-        counters=json.loads(row["counters"] or "{}"),
+        mode=row.request.get("mode", "plain"),
+        counters=row.counters,
         groups=[group_view(p) for p in payloads],
-        running=row["status"] not in TERMINAL,
-        refresh=3 if row["status"] not in TERMINAL else None,  # a running job's page follows it
+        running=row.status not in TERMINAL,
+        refresh=3 if row.status not in TERMINAL else None,  # a running job's page follows it
     )
 
 
@@ -195,7 +190,7 @@ async def job_page(job_id: str, request: Request, gw: GatewayDep) -> HTMLRespons
 def step_points(state: GatewayState, run_id: str, after: int) -> list[dict[str, float]]:
     """The run's steps after ``after``: their finite step metrics, as ``/v1/runs/{id}/metrics`` serves
     them (``reward/<component>`` is a component's mean: gateway/stepmetrics.py)."""
-    return [finite_metrics(row) for row in state.run_steps(run_id, after)]
+    return [finite_metrics(row) for row in state.runs.steps(run_id, after)]
 
 
 async def run_event_stream(
@@ -206,11 +201,10 @@ async def run_event_stream(
         points = await asyncio.to_thread(step_points, state, run_id, after)
         for point in points:
             after = int(point["step"])
-            yield f"event: step\nid: {after}\ndata: {json.dumps(point)}\n\n".encode()
-        row = state.run(run_id) or {}
-        if row.get("status") in TERMINAL and not points:
-            end = {"status": row.get("status"), "error": row.get("error")}
-            yield f"event: end\ndata: {json.dumps(end)}\n\n".encode()
+            yield sse("step", point, after)
+        end = end_event(state.runs.get(run_id))
+        if end is not None and not points:
+            yield end
             return
         if await request.is_disconnected():
             return
@@ -221,7 +215,7 @@ async def run_event_stream(
 async def run_events(run_id: str, request: Request, gw: GatewayDep) -> Response:
     """The run's step points as server-sent events (reconnect with ``Last-Event-ID``); the key's
     open streams count against ``LOOM_GATEWAY_QUOTA_STREAMS`` like the jobs' streams."""
-    owned(gw.state.run(run_id), request, "run", run_id)
+    owned(gw.state.runs.get(run_id), request, "run", run_id)
     try:
         after = min(max(int(request.headers.get("last-event-id", "-1")), -1), MAX_VERSION)
     except ValueError:
@@ -266,7 +260,7 @@ async def run_steps_json(
     run_id: str, request: Request, gw: GatewayDep, after: int = Query(-1, ge=-1, le=MAX_VERSION)
 ) -> list[dict[str, float]]:
     """The same points as the event stream, in one answer."""
-    owned(gw.state.run(run_id), request, "run", run_id)
+    owned(gw.state.runs.get(run_id), request, "run", run_id)
     return await asyncio.to_thread(step_points, gw.state, run_id, after)
 
 

@@ -2,7 +2,7 @@
 
 A group is a ``ScoredGroup`` payload (``{"index", "group", "rewards"}``, the shape ``/v1/jobs/{id}``
 answers) or a run's stored sample (``{"step", "idx", "group_id", "group", "rewards"}``,
-GatewayState.run_samples; ``idx`` is its index). Trees (``Group.tree``: TreeNode parents and completion-token
+RunStore.samples; ``idx`` is its index). Trees (``Group.tree``: TreeNode parents and completion-token
 spans; rollout_svc/modes/tree.py) become nested nodes with their node value (the mean reward of the
 trajectories through the node, TreeRL's V(n): docs/algorithms.md §2.3) and, for the first node of a
 branch, its branch point and the score that chose it; spawn groups (``Group.threads``: ThreadLink

@@ -60,13 +60,13 @@ def _run(tmp_path, stages: BlockingStages) -> tuple[GatewayState, str, dict[str,
             "schedule": {"steps": 5, "batch_size": 2, "staleness": 0},
         }
     )
-    run_id, _ = state.create_run("me", None, req.model_dump(mode="json"), 5, 0, 2)
+    run_id, _ = state.runs.create(owner="me", request=req)
     out: dict[str, str] = {}
     loop = RunLoop(run_id, state, stages, tmp_path)  # type: ignore[arg-type]
     thread = threading.Thread(target=lambda: out.setdefault("status", asyncio.run(loop.run())), daemon=True)
     thread.start()
     assert stages.generating.wait(30), "the first step never started generating"
-    state.set_run(run_id, status="cancelled")
+    state.runs.update(run_id, status="cancelled")
     t0 = time.monotonic()
     while "status" not in out and time.monotonic() - t0 < 10:
         time.sleep(0.05)
@@ -82,26 +82,26 @@ def test_a_cancel_during_generation_ends_the_run_without_training(tmp_path) -> N
     # returned while the generation was still blocked (it is released only after the loop returned)
     assert out["status"] == "cancelled", out
     time.sleep(0.5)
-    row = state.run(run_id)
-    assert row is not None and row["status"] == "cancelled" and row["completed_steps"] == 0
-    assert stages.trained == [] and state.run_steps(run_id) == []
+    row = state.runs.get(run_id)
+    assert row is not None and row.status == "cancelled" and row.completed_steps == 0
+    assert stages.trained == [] and state.runs.steps(run_id) == []
 
 
 def test_a_cancelled_run_stays_cancelled_when_its_step_then_fails(tmp_path) -> None:  # type: ignore[no-untyped-def]
     stages = BlockingStages(fail_after_release=True)
     state, run_id, out = _run(tmp_path, stages)
     assert out["status"] == "cancelled"
-    row = state.run(run_id)
-    assert row is not None and row["status"] == "cancelled" and row["error"] is None
+    row = state.runs.get(run_id)
+    assert row is not None and row.status == "cancelled" and row.error is None
 
 
 def test_a_run_cancelled_before_its_loop_starts_stays_cancelled(tmp_path) -> None:  # type: ignore[no-untyped-def]
     state = GatewayState(tmp_path / "gw.sqlite")
     req = RunRequest.model_validate({"dataset": {"builtin": "arith", "size": 8}, "schedule": {"steps": 2}})
-    run_id, _ = state.create_run("me", None, req.model_dump(mode="json"), 2, 0, 8)
+    run_id, _ = state.runs.create(owner="me", request=req)
     stages = BlockingStages()
     loop = RunLoop(run_id, state, stages, tmp_path)  # type: ignore[arg-type]
-    state.set_run(run_id, status="cancelled")
+    state.runs.update(run_id, status="cancelled")
     assert asyncio.run(loop.run()) == "cancelled"
-    row = state.run(run_id)
-    assert row is not None and row["status"] == "cancelled" and not stages.generating.is_set()
+    row = state.runs.get(run_id)
+    assert row is not None and row.status == "cancelled" and not stages.generating.is_set()

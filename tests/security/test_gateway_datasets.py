@@ -93,7 +93,7 @@ def test_a_150k_line_dataset_is_streamed_to_disk_and_read_by_the_run_row_by_row(
         r = c.post("/v1/runs", json=run, headers=auth(RUNS_KEY))
         assert r.status_code == 201, r.text
         state = c.app.state.gateway_state  # type: ignore[attr-defined]
-        config = state.run(r.json()["id"])["config"]
+        config = json.dumps(state.runs.get(r.json()["id"]).config)
         assert len(config) < 4096 and info["id"] in config  # the id, not 150k lines
 
         loop = RunLoop(r.json()["id"], state, None, tmp_path)  # type: ignore[arg-type]
@@ -105,7 +105,7 @@ def test_a_150k_line_dataset_is_streamed_to_disk_and_read_by_the_run_row_by_row(
         inline = {"dataset": {"jsonl": '{"prompt": "a", "answer": 1}\n{"prompt": "b"}\n'}}
         r = c.post("/v1/runs", json={**inline, "run_key": "inline"}, headers=auth(RUNS_KEY))
         assert r.status_code == 201, r.text
-        config = json.loads(state.run(r.json()["id"])["config"])
+        config = state.runs.get(r.json()["id"]).config
         assert config["dataset"]["jsonl"] is None and config["dataset"]["id"].startswith("ds-")
         again = c.post("/v1/runs", json={**inline, "run_key": "inline"}, headers=auth(RUNS_KEY))
         assert again.status_code == 200 and again.json()["id"] == r.json()["id"]  # still idempotent
@@ -160,15 +160,15 @@ def test_the_dataset_quota_refuses_an_upload_past_it_and_stores_nothing(tmp_path
         assert body["error"] == "quota_exceeded" and body["quota"] == "dataset_bytes"
         assert (body["limit"], body["in_use"]) == (200_000, 0) and body["requested"] > 200_000
         assert "LOOM_GATEWAY_QUOTA_DATASET_BYTES" in body["detail"]
-        assert _stored(tmp_path) == [] and state.dataset_usage("runner") == (0, 0)
+        assert _stored(tmp_path) == [] and state.datasets.usage("runner") == (0, 0)
 
         first = _upload(c, _rows("a"))
         assert first.status_code == 201, first.text
-        held = state.dataset_usage("runner")
+        held = state.datasets.usage("runner")
         assert held == (len(_rows("a")), 1)
         again = _upload(c, _rows("a"))  # the same content again: the same dataset, charged once
         assert again.status_code == 201 and again.json()["id"] == first.json()["id"]
-        assert state.dataset_usage("runner") == held
+        assert state.datasets.usage("runner") == held
 
         # past the bytes left beside what the key stores: in_use says what it stores
         r = _upload(c, _rows("big", 5000))
@@ -218,7 +218,7 @@ def test_a_run_names_only_its_own_keys_datasets(tmp_path: Path) -> None:
         assert c.delete(f"/v1/datasets/{mine}", headers=auth(RUNS_KEY)).status_code == 204
         assert f"{mine}.jsonl" in _stored(tmp_path)  # the other key still stores it
         assert run(RUNS_KEY, mine).status_code == 422 and run(OTHER_KEY, mine).status_code == 201
-        for run_id in c.app.state.gateway_state.runs_with_status("queued"):  # type: ignore[attr-defined]
+        for run_id in c.app.state.gateway_state.runs.with_status("queued"):  # type: ignore[attr-defined]
             c.post(f"/v1/runs/{run_id}/cancel", headers=auth(OTHER_KEY))
         assert c.delete(f"/v1/datasets/{mine}", headers=auth(OTHER_KEY)).status_code == 204
         assert _stored(tmp_path) == []

@@ -44,5 +44,5 @@ def test_sixty_waiting_jobs_hold_no_thread_each(tmp_path: Path) -> None:
         waiting = threading.active_count()
         names = sorted({t.name.rstrip("0123456789_-") for t in threading.enumerate()})
         assert waiting - before <= SPARE_THREADS, (before, waiting, names)
-        jobs = c.app.state.gateway_state.jobs_with_status("running")  # type: ignore[attr-defined]
+        jobs = c.app.state.gateway_state.jobs.with_status("running")  # type: ignore[attr-defined]
         assert len(jobs) == JOBS

@@ -68,7 +68,7 @@ def test_a_lone_surrogate_label_is_a_422_naming_the_label_and_nothing_is_stored(
     r = gateway.post("/v1/jobs", content=_job(tasks=f'[{{"prompt": "What is 1 + 2?", "label": "3{LONE}"}}]'))
     _refused(r, ["body", "tasks", 0, "label"])
     state = gateway.app.state.gateway_state  # type: ignore[attr-defined]
-    assert state.jobs_with_status("queued", "running", "succeeded", "failed", "cancelled") == []
+    assert state.jobs.with_status("queued", "running", "succeeded", "failed", "cancelled") == []
     # a character outside the BMP, escaped as a surrogate pair, is valid text: accepted
     r = gateway.post("/v1/jobs", content=_job(tasks='[{"prompt": "p", "label": "3 \\ud83d\\ude00"}]'))
     assert r.status_code == 201, r.text

@@ -91,7 +91,7 @@ def _run(
     if trackers is not None:
         body["trackers"] = trackers
     req = RunRequest.model_validate(body)
-    run_id, _ = state.create_run("me", None, req.model_dump(mode="json", exclude_none=True), STEPS, 0, 2)
+    run_id, _ = state.runs.create(owner="me", request=req)
     loop = RunLoop(run_id, state, Stages(), tmp_path, trackers=loop_trackers)  # type: ignore[arg-type]
     return state, run_id, asyncio.run(loop.run())
 
@@ -104,7 +104,7 @@ def test_a_run_writes_its_metrics_to_tensorboard_wandb_and_mlflow(tmp_path: Path
     ]
     state, run_id, status = _run(tmp_path, specs)
     assert status == "succeeded"
-    stored = state.run_steps(run_id)
+    stored = state.runs.steps(run_id)
     assert [m["step"] for m in stored] == list(range(STEPS))
     keys = [
         "reward_mean",
@@ -178,7 +178,7 @@ def test_a_tracker_that_raises_does_not_stop_the_run(tmp_path: Path) -> None:
     trackers = Trackers([Broken(), kept])
     state, run_id, status = _run(tmp_path, None, trackers)
     assert status == "succeeded"
-    assert [m["step"] for m in state.run_steps(run_id)] == list(range(STEPS))
+    assert [m["step"] for m in state.runs.steps(run_id)] == list(range(STEPS))
     assert Broken.calls == STEPS and trackers.failures == {"broken": STEPS, "kept": 0}
     assert kept.steps == [*range(STEPS), -1]  # the other tracker got every step
 
@@ -187,7 +187,7 @@ def test_a_tracker_that_cannot_open_is_left_out_and_the_run_goes_on(tmp_path: Pa
     # a real failure, not a stand-in: a file is in the way of the TensorBoard folder
     state, run_id, status = _run_with_blocked_dir(tmp_path)
     assert status == "succeeded"
-    assert [m["step"] for m in state.run_steps(run_id)] == list(range(STEPS))
+    assert [m["step"] for m in state.runs.steps(run_id)] == list(range(STEPS))
 
 
 def _run_with_blocked_dir(tmp_path: Path) -> tuple[GatewayState, str, str]:
@@ -200,7 +200,7 @@ def _run_with_blocked_dir(tmp_path: Path) -> tuple[GatewayState, str, str]:
             "trackers": [{"name": "tensorboard", "dir": "blocked/tb"}],
         }
     )
-    run_id, _ = state.create_run("me", None, req.model_dump(mode="json", exclude_none=True), STEPS, 0, 2)
+    run_id, _ = state.runs.create(owner="me", request=req)
     run_dir = tmp_path / "runs" / run_id
     run_dir.mkdir(parents=True)
     (run_dir / "blocked").write_text("a file where the tracker's folder should go")
@@ -247,7 +247,7 @@ def test_uninstalled_tracker_is_a_422_naming_it(tmp_path: Path, monkeypatch: pyt
         r = client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))
     assert r.status_code == 422, r.text
     assert "tracker 'mlflow' is not installed" in r.text and "loom-rl[mlflow]" in r.text
-    assert client.app.state.gateway_state.runs_with_status("queued", "running") == []  # type: ignore[attr-defined]
+    assert client.app.state.gateway_state.runs.with_status("queued", "running") == []  # type: ignore[attr-defined]
 
 
 def test_the_setting_names_the_default_trackers_and_the_operators_uri() -> None:
@@ -289,9 +289,9 @@ def test_step_metrics_carry_every_reward_component_and_status() -> None:
 def test_a_run_stores_a_few_scored_groups_per_step(tmp_path: Path) -> None:
     state, run_id, status = _run(tmp_path, [])
     assert status == "succeeded"
-    rows = state.run_samples(run_id)
+    rows = state.runs.samples(run_id)
     assert [(r["step"], r["idx"]) for r in rows] == [(s, i) for s in range(STEPS) for i in range(2)]
-    one = state.run_samples(run_id, step=1)
+    one = state.runs.samples(run_id, step=1)
     assert [r["group_id"] for r in one] == [r["group"]["id"] for r in one]
     assert Group.model_validate(one[0]["group"]).trajectories[0].text == "answer 0"
     assert RewardResult.model_validate(one[0]["rewards"]).rewards[1].status == "no_answer"
@@ -329,6 +329,6 @@ def test_a_run_that_names_no_trackers_gets_the_settings(
     assert status == "succeeded"
     tb = tensorboard_scalars(tmp_path / "runs" / run_id / "trackers" / "tensorboard")
     assert tb["reward_mean"] == [
-        (m["step"], pytest.approx(m["reward_mean"])) for m in state.run_steps(run_id)
+        (m["step"], pytest.approx(m["reward_mean"])) for m in state.runs.steps(run_id)
     ]
     assert not (tmp_path / "runs" / run_id / "trackers" / "mlflow").exists()

@@ -115,11 +115,11 @@ def test_a_runs_steps_and_samples_reach_the_page(client: TestClient, tmp_path: P
     for step in range(2):
         kept = [scored(step), None]
         # as the run loop does (gateway/runs.py): the samples, then the step with its metrics
-        state.add_run_samples(run_id, step, [scored(99)])
-        state.add_run_samples(run_id, step, [g for g in kept if g is not None])  # a re-walk replaces
+        state.runs.add_samples(run_id, step, [scored(99)])
+        state.runs.add_samples(run_id, step, [g for g in kept if g is not None])  # a re-walk replaces
         metrics = {"step": step, "policy_version": step + 1, **step_metrics(kept, kept[:1], 1.0)}
-        assert state.complete_step(run_id, step, metrics, 1, 1)
-    assert [(r["step"], r["idx"], r["group_id"]) for r in state.run_samples(run_id)] == [
+        assert state.runs.complete_step(run_id, step, metrics, 1, 1)
+    assert [(r["step"], r["idx"], r["group_id"]) for r in state.runs.samples(run_id)] == [
         (0, 0, "g0"),
         (1, 0, "g1"),
     ]
