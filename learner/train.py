@@ -130,47 +130,6 @@ class Learner:
                 p.requires_grad_(False)
         return self._ref
 
-    def _write(self, out: Path) -> None:
-        if self._gathered is not None:  # FSDP: the state dicts every rank gathered for rank 0
-            model_sd, optim_sd = self._gathered
-            self.model.save_pretrained(str(out), state_dict=model_sd, safe_serialization=True)
-            _copy_tokenizer(self.base_path, out)
-            if optim_sd is not None:
-                torch.save(optim_sd, out / OPTIMIZER_FILE)
-            return
-        if self.cfg.lora_rank > 0 and self.cfg.lora_merge:
-            self.model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True)
-            merged = copy.deepcopy(self.model).merge_and_unload()
-            merged.save_pretrained(str(out), safe_serialization=True)
-            del merged
-        else:
-            self.model.save_pretrained(str(out), safe_serialization=True)
-        _copy_tokenizer(self.base_path, out)
-        if self.cfg.save_optimizer:
-            torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
-
-    def publish(self, meta: dict[str, Any]) -> PolicyVersion:
-        """The next version: rank 0 writes it, the other ranks read its record back."""
-        self._gathered = self.ranks.gather(self.model, self.optimizer, self.cfg.save_optimizer)
-        try:
-            record = self.ranks.publish(
-                lambda: self._publish(meta), self.store, self.version + 1, self.model, self.optimizer
-            )
-        finally:
-            self._gathered = None
-        self.version, self.record = record.version, record
-        return record
-
-    def _publish(self, meta: dict[str, Any]) -> PolicyVersion:
-        lora = self.cfg.lora_rank > 0 and not self.cfg.lora_merge
-        kind: Literal["full", "lora"] = "lora" if lora else "full"
-        record = self.store.publish(
-            self.version + 1, self._write, kind=kind, meta={"base": str(self.base_path), **meta}
-        )
-        if self.cfg.keep_versions > 0:
-            self.store.prune(self.cfg.keep_versions)
-        return record
-
     # ------------------------------------------------------------------ the step
     def train_step(self, batch: TrainBatch) -> StepResult:
         """One optimizer step per batch, read top to bottom: advantages, the passes (PPO's epochs:
@@ -247,20 +206,6 @@ class Learner:
             passes.applied(stats, grad_norm)
         return passes
 
-    def _optimizer_step(self, max_grad_norm: float) -> float | None:
-        """Clip the accumulated gradient and step; None (nothing applied) when its norm is not finite."""
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.ranks.sum_gradients(trained)  # each rank's loss has the global normaliser
-        # FSDP: the gradients are summed shards (DTensors); the clip takes the global norm over them
-        grad_norm = collective(torch.nn.utils.clip_grad_norm_, trained, max_grad_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        # a NaN/inf gradient would write NaN into every weight: that pass is not applied
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm) if torch.isfinite(grad_norm) else None
-
     def accumulate_gradients(
         self,
         samples: Sequence[TokenAdvantages],
@@ -330,6 +275,82 @@ class Learner:
         parts = micro_batch_loss(mb, rows, old, mask, ref_logp, batch, totals, is_weight)
         parts.loss.backward()
         totals.add_loss(parts, mask)
+
+    def _optimizer_step(self, max_grad_norm: float) -> float | None:
+        """Clip the accumulated gradient and step; None (nothing applied) when its norm is not finite."""
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.ranks.sum_gradients(trained)  # each rank's loss has the global normaliser
+        # FSDP: the gradients are summed shards (DTensors); the clip takes the global norm over them
+        grad_norm = collective(torch.nn.utils.clip_grad_norm_, trained, max_grad_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        # a NaN/inf gradient would write NaN into every weight: that pass is not applied
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm) if torch.isfinite(grad_norm) else None
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self, meta: dict[str, Any]) -> PolicyVersion:
+        """The next version: rank 0 writes it, the other ranks read its record back."""
+        self._gathered = self.ranks.gather(self.model, self.optimizer, self.cfg.save_optimizer)
+        try:
+            record = self.ranks.publish(
+                lambda: self._publish(meta), self.store, self.version + 1, self.model, self.optimizer
+            )
+        finally:
+            self._gathered = None
+        self.version, self.record = record.version, record
+        return record
+
+    def _publish(self, meta: dict[str, Any]) -> PolicyVersion:
+        lora = self.cfg.lora_rank > 0 and not self.cfg.lora_merge
+        kind: Literal["full", "lora"] = "lora" if lora else "full"
+        record = self.store.publish(
+            self.version + 1, self._write, kind=kind, meta={"base": str(self.base_path), **meta}
+        )
+        if self.cfg.keep_versions > 0:
+            self.store.prune(self.cfg.keep_versions)
+        return record
+
+    def _write(self, out: Path) -> None:
+        if self._gathered is not None:  # FSDP: the state dicts every rank gathered for rank 0
+            model_sd, optim_sd = self._gathered
+            self.model.save_pretrained(str(out), state_dict=model_sd, safe_serialization=True)
+            _copy_tokenizer(self.base_path, out)
+            if optim_sd is not None:
+                torch.save(optim_sd, out / OPTIMIZER_FILE)
+            return
+        if self.cfg.lora_rank > 0 and self.cfg.lora_merge:
+            self.model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True)
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            merged.save_pretrained(str(out), safe_serialization=True)
+            del merged
+        else:
+            self.model.save_pretrained(str(out), safe_serialization=True)
+        _copy_tokenizer(self.base_path, out)
+        if self.cfg.save_optimizer:
+            torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+
+
+def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:
+    """ValueError (a 422 at the API, never a crash in the embedding lookup) for a token id outside
+    the model's vocabulary, or a sequence longer than its context (``max_position_embeddings``). On
+    CUDA either would be a device-side assert that leaves the learner's CUDA context unusable."""
+    size = int(model.get_input_embeddings().num_embeddings)
+    context = getattr(model.config, "max_position_embeddings", None)
+    for ids in sequences:
+        if (i := outside_vocabulary(ids, size)) is not None:
+            raise ValueError(f"token id {ids[i]} is outside the model's vocabulary [0, {size})")
+        if context is not None and len(ids) > int(context):
+            raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's context {context}")
+
+
+def warmup_lr(lr: float, warmup_steps: int, steps_done: int) -> float:
+    """Linear warmup: the k-th optimizer step (k = steps_done + 1) uses lr * min(1, k / warmup_steps)."""
+    if warmup_steps <= 0:
+        return lr
+    return lr * min(1.0, (steps_done + 1) / warmup_steps)
 
 
 @dataclass
@@ -544,26 +565,6 @@ def micro_batch_loss(
     )
 
 
-def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:
-    """ValueError (a 422 at the API, never a crash in the embedding lookup) for a token id outside
-    the model's vocabulary, or a sequence longer than its context (``max_position_embeddings``). On
-    CUDA either would be a device-side assert that leaves the learner's CUDA context unusable."""
-    size = int(model.get_input_embeddings().num_embeddings)
-    context = getattr(model.config, "max_position_embeddings", None)
-    for ids in sequences:
-        if (i := outside_vocabulary(ids, size)) is not None:
-            raise ValueError(f"token id {ids[i]} is outside the model's vocabulary [0, {size})")
-        if context is not None and len(ids) > int(context):
-            raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's context {context}")
-
-
-def _copy_tokenizer(base: Path, out: Path) -> None:
-    for name in TOKENIZER_FILES:
-        src = base / name
-        if src.exists() and not (out / name).exists():
-            shutil.copy2(src, out / name)
-
-
 def _pad(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for r, xs in enumerate(rows):
@@ -572,8 +573,8 @@ def _pad(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:
     return out.to(device)
 
 
-def warmup_lr(lr: float, warmup_steps: int, steps_done: int) -> float:
-    """Linear warmup: the k-th optimizer step (k = steps_done + 1) uses lr * min(1, k / warmup_steps)."""
-    if warmup_steps <= 0:
-        return lr
-    return lr * min(1.0, (steps_done + 1) / warmup_steps)
+def _copy_tokenizer(base: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        src = base / name
+        if src.exists() and not (out / name).exists():
+            shutil.copy2(src, out / name)
