@@ -51,11 +51,12 @@ def test_a_one_process_learner_takes_its_step_through_the_one_process_layout(
     learner = Learner(LearnerSettings(model=model_dir, store=tmp_path / "store"))
     assert type(learner.ranks) is OneProcess
     groups, rewards = batch_parts()
-    batch = TrainBatch(step=0, groups=groups, rewards=rewards, estimator_params={"batch_size": 8, "target_groups": 2})
+    params = {"batch_size": 8, "target_groups": 2}  # AttnRL eq. 10: the metrics read them too
+    batch = TrainBatch(step=0, groups=groups, rewards=rewards, estimator_params=params)
     monkeypatch.setitem(estimators.ESTIMATOR_PARAMS, "grpo", Counted)
     result = learner.train_step(batch)
     assert result.policy_version == 1 and "next_batch_size" in result.metrics
-    assert parsed == [{"batch_size": 8, "target_groups": 2}]
+    assert parsed == [params]
 
 
 def _imports(path: Path) -> set[str]:
