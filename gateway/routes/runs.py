@@ -75,15 +75,7 @@ async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
         raise invalid_dataset(exc) from None
     except QuotaExceeded as exc:  # inline JSONL past the key's dataset quota
         return refused(exc)
-    return await submit(
-        gw,
-        request,
-        gw.state.runs,
-        body,
-        items=items,
-        cost=cost,
-        start=gw.manager.start_run,
-    )
+    return await submit(gw, request, gw.state.runs, body, items=items, cost=cost, start=gw.manager.start_run)
 
 
 @router.get("/{run_id}", response_model=RunView, responses=NOT_FOUND)

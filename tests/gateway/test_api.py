@@ -109,6 +109,30 @@ def test_job_submission_is_idempotent_by_job_key(client: TestClient) -> None:
     assert client.get(f"/v1/jobs/{first.json()['id']}", headers=auth(RUNS_KEY)).status_code == 404
 
 
+def test_run_submission_is_idempotent_by_run_key_and_a_changed_request_names_the_run(
+    client: TestClient,
+) -> None:
+    run = {"run_key": "r1", "dataset": {"builtin": "arith", "size": 8}, "schedule": {"steps": 2}}
+    first = client.post("/v1/runs", json=run, headers=auth(RUNS_KEY))
+    again = client.post("/v1/runs", json=run, headers=auth(RUNS_KEY))
+    assert first.status_code == 201 and again.status_code == 200, first.text
+    run_id = first.json()["id"]
+    assert again.json() == {"id": run_id, "created": False}
+    changed = client.post("/v1/runs", json={**run, "schedule": {"steps": 3}}, headers=auth(RUNS_KEY))
+    assert changed.status_code == 409 and changed.json()["error"] == "conflict"
+    assert run_id in changed.json()["detail"] and "run_key" in changed.json()["detail"]
+    view = client.get(f"/v1/runs/{run_id}", headers=auth(RUNS_KEY)).json()
+    assert (view["status"], view["total_steps"], view["batch_size"], view["completed_steps"]) == (
+        "queued",
+        2,
+        8,
+        0,
+    )
+    unkeyed = {k: v for k, v in run.items() if k != "run_key"}
+    ids = {client.post("/v1/runs", json=unkeyed, headers=auth(RUNS_KEY)).json()["id"] for _ in range(2)}
+    assert len(ids) == 2  # without a run_key every submission is a new run
+
+
 def test_bad_job_body_is_422_with_field_path(client: TestClient) -> None:
     r = client.post(
         "/v1/jobs", json={"job_key": "k", "prompts": ["p"], "sampling": {"n": 0}}, headers=auth(JOBS_KEY)
