@@ -36,7 +36,31 @@ class LearnerSettings(BaseSettings):
         description="the policy store the learner publishes to (default LOOM_POLICY_STORE)",
     )
     device: str = Field(default_factory=lambda: _shared("device"), description="default LOOM_DEVICE")
-    token_budget: int = Field(default=8192, ge=1, description="padded tokens per micro-batch")
+    token_budget: int = Field(
+        default=8192, ge=1, description="computed tokens (rows x row width) per micro-batch"
+    )
+    memory_budget_mib: int = Field(
+        default=0,
+        ge=0,
+        description="> 0: the micro-batch token budget is chosen from this memory budget and the model's "
+        "shape (learner/logprobs.py budget_tokens, an estimate), instead of token_budget",
+    )
+    packing: bool = Field(
+        default=True,
+        description="several trajectories per row (position ids restarting, attention inside each); "
+        "False: one padded row per trajectory",
+    )
+    logprob_chunk: int = Field(
+        default=4096,
+        ge=0,
+        description="tokens per chunk of the fused output projection + log-softmax + entropy (no "
+        "tokens x vocabulary float32 logits at once); 0: the whole logits from the model's forward",
+    )
+    torch_compile: Literal["off", "inductor", "aot_eager", "eager"] = Field(
+        default="off",
+        description="torch.compile each decoder layer with this backend (dynamic shapes); 'inductor' is "
+        "the fast one (CUDA), 'eager'/'aot_eager' trace without code generation",
+    )
     weight_decay: float = Field(default=0.01, ge=0.0, description="AdamW's (AdaSR Table 9)")
     betas: tuple[float, float] = (0.9, 0.999)
     mixed_precision: Literal["auto", "no", "bf16"] = Field(

@@ -75,6 +75,9 @@ class Learner:
         self.model = self._load(latest)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.torch_compile != "off":
+            compile_layers(self.model, cfg.torch_compile)
+        self.token_budget = micro_batch_budget(self.model, cfg, self.compute_dtype())
         self.model.to(self.device)
         self.model.train()
         self.ranks.prepare(self.model, "bf16" if self.compute_dtype() is not None else "no")
@@ -225,7 +228,8 @@ class Learner:
         lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
         # the normalisers of the WHOLE batch (every rank's share), before any backward
         n_tokens, n_seqs = self.ranks.all_sum([float(sum(sum(s.mask) for s in samples)), float(len(samples))])
-        idle = self.ranks.extra_passes(len(lp.micro_batches(lengths, self.cfg.token_budget)))
+        micro = lp.micro_batches(lengths, self.token_budget, packing=self.cfg.packing)
+        idle = self.ranks.extra_passes(len(micro))
         totals = PassTotals(n_tokens=n_tokens, n_seqs=n_seqs)
         ref = self.reference_model() if spec.kl_coef > 0 else None
         if trajs:  # a rank may have no share of a small batch: it adds zero gradients
@@ -233,7 +237,9 @@ class Learner:
                 lp.recompute,
                 self.model,
                 trajs,
-                token_budget=self.cfg.token_budget,
+                token_budget=self.token_budget,
+                packing=self.cfg.packing,
+                chunk=self.cfg.logprob_chunk,
                 with_entropy=spec.entropy_coef != 0.0,
                 autocast_dtype=self.ranks.autocast(self.compute_dtype()),
                 each=functools.partial(self._backward, samples, batch, frozen, totals, ref),
@@ -269,6 +275,8 @@ class Learner:
                 ref_logp, _, _ = lp.completion_logprobs(
                     ref,
                     [lp.layout_of(s.trajectory) for s in rows],
+                    rows=mb.rows,
+                    chunk=self.cfg.logprob_chunk,
                     autocast_dtype=self.compute_dtype(),
                     temperature=spec.temperature,
                 )
@@ -331,6 +339,38 @@ class Learner:
         _copy_tokenizer(self.base_path, out)
         if self.cfg.save_optimizer:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+
+
+def compile_layers(model: Any, backend: str) -> None:
+    """``torch.compile`` each decoder layer (the classes the HF model names in ``_no_split_modules``) in
+    place, with dynamic shapes: packed micro-batches change width from one to the next. The head and
+    the packing stay eager (the fused head is an autograd function of its own)."""
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    compiled = 0
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            module.compile(backend=backend, dynamic=True)
+            compiled += 1
+    if compiled == 0:
+        raise ValueError(f"torch_compile={backend!r}: the model names no decoder layers (_no_split_modules)")
+
+
+def micro_batch_budget(model: Any, cfg: LearnerSettings, compute_dtype: torch.dtype | None) -> int:
+    """The micro-batch token budget: ``token_budget``, or with ``memory_budget_mib`` the tokens that
+    budget allows for this model (``lp.budget_tokens``)."""
+    if cfg.memory_budget_mib <= 0:
+        return cfg.token_budget
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return lp.budget_tokens(
+        model.config,
+        cfg.memory_budget_mib * 2**20,
+        trainable=trainable,
+        frozen=frozen,
+        compute_bytes=2 if compute_dtype is not None else 4,
+        checkpointing=cfg.activation_checkpointing,
+        chunk=cfg.logprob_chunk or 0,
+    )
 
 
 def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:
