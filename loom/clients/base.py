@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Self
 
 import httpx
 
@@ -15,7 +17,45 @@ class LoomHTTPError(RuntimeError):
         super().__init__(f"HTTP {status}: {body}")
 
 
-class ServiceClient:
+def response_body(r: httpx.Response) -> Any:
+    """A response's body: its JSON where its content type says so, else its text."""
+    return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+
+
+@dataclass
+class EventLines:
+    """A server-sent event stream read line by line: ``feed`` gives (event, id, data) at each
+    ``data:`` line and forgets the event's name and id (an unnamed event is a "message")."""
+
+    kind: str = "message"
+    event_id: int | None = None
+
+    def feed(self, line: str) -> tuple[str, int | None, Any] | None:
+        if line.startswith("event: "):
+            self.kind = line[7:]
+        elif line.startswith("id: "):
+            self.event_id = int(line[4:])
+        elif line.startswith("data: "):
+            event = (self.kind, self.event_id, json.loads(line[6:]))
+            self.kind, self.event_id = "message", None
+            return event
+        return None
+
+
+class Closing:
+    """``with client:`` closes the client at the end."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ServiceClient(Closing):
     """Synchronous client; ``retries`` applies to connection errors and 502/503/504 only."""
 
     def __init__(
@@ -40,7 +80,7 @@ class ServiceClient:
                 time.sleep(delay)
                 delay *= 2
                 continue
-            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+            body = response_body(r)
             if r.status_code >= 400:
                 raise LoomHTTPError(r.status_code, body)
             return body
@@ -54,9 +94,3 @@ class ServiceClient:
 
     def close(self) -> None:
         self.http.close()
-
-    def __enter__(self) -> ServiceClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

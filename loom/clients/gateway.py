@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from loom.clients.base import LoomHTTPError, ServiceClient
+from loom.clients.base import EventLines, LoomHTTPError, ServiceClient, response_body
 
 
 class GatewayClient(ServiceClient):
@@ -47,19 +47,14 @@ class GatewayClient(ServiceClient):
         with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=None) as r:
             if r.status_code >= 400:
                 r.read()
-                json_body = r.headers.get("content-type", "").startswith("application/json")
-                raise LoomHTTPError(r.status_code, r.json() if json_body else r.text)
-            kind, event_id = "message", None
+                raise LoomHTTPError(r.status_code, response_body(r))
+            events = EventLines()
             for line in r.iter_lines():
-                if line.startswith("event: "):
-                    kind = line[7:]
-                elif line.startswith("id: "):
-                    event_id = int(line[4:])
-                elif line.startswith("data: "):
-                    yield kind, event_id if kind != "end" else None, json.loads(line[6:])
+                if (event := events.feed(line)) is not None:
+                    kind, event_id, data = event
+                    yield kind, event_id if kind != "end" else None, data
                     if kind == "end":
                         return
-                    kind, event_id = "message", None
 
     # ---- datasets and runs
     def upload_dataset(self, rows: Iterable[dict[str, Any]], chunk_rows: int = 1000) -> dict[str, Any]:

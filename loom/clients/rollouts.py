@@ -28,8 +28,6 @@ What a sample carries (``RolloutSample``; every per-token list is aligned to ``c
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -38,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from loom.clients.base import LoomHTTPError
+from loom.clients.base import Closing, EventLines, LoomHTTPError, response_body
 from loom.clients.gateway import GatewayClient
 from loom.contracts.estimators import TREERL_REWARD_KEY
 from loom.contracts.modes import ModeLimits, ModeParams, _Context, parse_mode_params
@@ -55,6 +53,7 @@ from loom.contracts.wire import (
     TrajectoryReward,
     TreeNode,
 )
+from loom.treerl import token_advantages, tree_values
 
 _RETRY_STATUS = (502, 503, 504)
 
@@ -178,65 +177,19 @@ def tree_advantages(
     Each trained token gets the advantage of the deepest node on its trajectory's path that covers
     it (a node of another trajectory counts where this completion repeats its tokens, the copied
     prefix of a branch); the rest of the trained tokens get the leaf's; untrained tokens get 0.
-    The same assignment as the learner's ``treerl`` estimator, computed on the client."""
+    The same assignment as the learner's ``treerl`` estimator: both call ``loom/treerl.py``."""
     tree: list[TreeNode] = list(group.tree or [])
-    by_id = {n.id: n for n in tree}
     by_traj = {t.id: t for t in group.trajectories}
     leaf_value: dict[str, float] = {}
     for t in group.trajectories:
         r = rewards.get(t.id)
         leaf_value[t.id] = 0.0 if r is None else float(r.components.get(reward_key, r.total))
-
-    def depth(nid: str) -> int:
-        d, cur, seen = 0, by_id[nid].parent, {nid}
-        while cur is not None:
-            if cur in seen or cur not in by_id:
-                raise ValueError(f"group {group.id}: the tree is not a tree at node {nid}")
-            seen.add(cur)
-            d, cur = d + 1, by_id[cur].parent
-        return d
-
-    depths = {n.id: depth(n.id) for n in tree}
-    leaf_of: dict[str, str] = {}
-    for n in tree:  # a trajectory's leaf is its deepest node (the first among equals)
-        cur = leaf_of.get(n.trajectory_id)
-        if n.trajectory_id in by_traj and (cur is None or depths[n.id] > depths[cur]):
-            leaf_of[n.trajectory_id] = n.id
-    under: dict[str, list[float]] = {n.id: [] for n in tree}
-    for tid, leaf in leaf_of.items():
-        node: str | None = leaf
-        while node is not None:
-            under[node].append(leaf_value[tid])
-            node = by_id[node].parent
-    leaves = [leaf_value[t] for t in leaf_of]
-    v_root = sum(leaves) / len(leaves) if leaves else 0.0
-    value = {nid: (sum(v) / len(v) if v else 0.0) for nid, v in under.items()}
-    node_adv: dict[str, float] = {}
-    for n in tree:
-        k = len(under[n.id])
-        v_parent = v_root if n.parent is None else value[n.parent]
-        node_adv[n.id] = ((value[n.id] - v_root) + (value[n.id] - v_parent)) / math.sqrt(k) if k else 0.0
-    out: dict[str, list[float]] = {}
-    for t in group.trajectories:
-        mask = trained_mask(t)
-        adv, covered = [0.0] * len(mask), [False] * len(mask)
-        cur_id = leaf_of.get(t.id)
-        while cur_id is not None:  # the leaf's path, deepest first
-            nd = by_id[cur_id]
-            cur_id = nd.parent
-            owner = by_traj.get(nd.trajectory_id)
-            if nd.end > len(mask) or owner is None:
-                continue
-            span = slice(nd.start, nd.end)
-            if owner is not t and owner.completion_ids[span] != t.completion_ids[span]:
-                continue  # that prefix lives in this trajectory's prompt, not its completion
-            for j in range(nd.start, nd.end):
-                if not covered[j]:
-                    adv[j], covered[j] = node_adv[nd.id], True
-        leaf_id = leaf_of.get(t.id)
-        fill = node_adv[leaf_id] if leaf_id is not None else 0.0
-        out[t.id] = [(a if c else fill) if m else 0.0 for a, c, m in zip(adv, covered, mask, strict=True)]
-    return out, value
+    try:
+        values = tree_values(tree, leaf_value)
+    except ValueError as e:
+        raise ValueError(f"group {group.id}: the tree is not a tree: {e}") from None
+    out = {t.id: token_advantages(tree, values, t, by_traj, trained_mask(t)) for t in group.trajectories}
+    return out, values.value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,7 +270,7 @@ def _params_dict(params: ModeParams | Mapping[str, Any] | None) -> dict[str, Any
 # the clients
 
 
-class Rollouts:
+class Rollouts(Closing):
     """Synchronous rollouts through a gateway (``api_key`` with the ``jobs`` scope)."""
 
     def __init__(
@@ -346,11 +299,9 @@ class Rollouts:
                 return
             except (httpx.TransportError, LoomHTTPError) as exc:
                 tries += 1
-                retry = not isinstance(exc, LoomHTTPError) or exc.status in _RETRY_STATUS
-                if not retry or tries > self.reconnects:
-                    raise
+                delay = _reconnect_delay(exc, tries, self.reconnects)
                 self.reconnections += 1
-                time.sleep(min(0.2 * 2**tries, 5.0))
+                time.sleep(delay)
 
     def stream(self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any) -> Iterator[RolloutGroup]:
         """Submit and yield each group as it finishes (in finishing order)."""
@@ -366,12 +317,6 @@ class Rollouts:
     def close(self) -> None:
         self.gateway.close()
 
-    def __enter__(self) -> Rollouts:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class RolloutJobError(RuntimeError):
     """The job ended without every group (failed or cancelled); ``status`` and the gateway's ``error``."""
@@ -379,6 +324,14 @@ class RolloutJobError(RuntimeError):
     def __init__(self, job_id: str, status: str, error: str | None) -> None:
         self.job_id, self.status, self.error = job_id, status, error
         super().__init__(f"job {job_id} {status}: {error}")
+
+
+def _reconnect_delay(exc: httpx.TransportError | LoomHTTPError, tries: int, reconnects: int) -> float:
+    """The wait before an event stream's ``tries``-th reconnection; ``exc`` again when it is not
+    worth one (an HTTP error other than 502/503/504) or ``reconnects`` are spent."""
+    if (isinstance(exc, LoomHTTPError) and exc.status not in _RETRY_STATUS) or tries > reconnects:
+        raise exc
+    return min(0.2 * 2**tries, 5.0)
 
 
 def _check_end(job_id: str, data: Mapping[str, Any]) -> None:
@@ -411,7 +364,7 @@ class AsyncRollouts:
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
                 continue
             if r.status_code >= 400:
-                raise LoomHTTPError(r.status_code, _body(r))
+                raise LoomHTTPError(r.status_code, response_body(r))
             return str(r.json()["id"])
         raise AssertionError("unreachable")
 
@@ -426,29 +379,23 @@ class AsyncRollouts:
                 ) as r:
                     if r.status_code >= 400:
                         await r.aread()
-                        raise LoomHTTPError(r.status_code, _body(r))
-                    kind, event_id = "message", None
+                        raise LoomHTTPError(r.status_code, response_body(r))
+                    events = EventLines()
                     async for line in r.aiter_lines():
-                        if line.startswith("event: "):
-                            kind = line[7:]
-                        elif line.startswith("id: "):
-                            event_id = int(line[4:])
-                        elif line.startswith("data: "):
-                            data = json.loads(line[6:])
-                            if kind == "end":
-                                _check_end(job_id, data)
-                                return
-                            last, tries = event_id, 0
-                            yield RolloutGroup.from_event(data)
-                            kind, event_id = "message", None
+                        if (event := events.feed(line)) is None:
+                            continue
+                        kind, event_id, data = event
+                        if kind == "end":
+                            _check_end(job_id, data)
+                            return
+                        last, tries = event_id, 0
+                        yield RolloutGroup.from_event(data)
                 return
             except (httpx.TransportError, LoomHTTPError) as exc:
                 tries += 1
-                retry = not isinstance(exc, LoomHTTPError) or exc.status in _RETRY_STATUS
-                if not retry or tries > self.reconnects:
-                    raise
+                delay = _reconnect_delay(exc, tries, self.reconnects)
                 self.reconnections += 1
-                await asyncio.sleep(min(0.2 * 2**tries, 5.0))
+                await asyncio.sleep(delay)
 
     async def stream(
         self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any
@@ -463,7 +410,7 @@ class AsyncRollouts:
     async def cancel(self, job_id: str) -> None:
         r = await self.http.post(f"/v1/jobs/{job_id}/cancel")
         if r.status_code >= 400:
-            raise LoomHTTPError(r.status_code, _body(r))
+            raise LoomHTTPError(r.status_code, response_body(r))
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -473,7 +420,3 @@ class AsyncRollouts:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def _body(r: httpx.Response) -> Any:
-    return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
