@@ -23,7 +23,8 @@ the same name (for deployments whose engine is vLLM, which exposes no attention)
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,18 @@ def _fci_attention(
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
+@contextmanager
+def _attention(model: Any, name: str) -> Iterator[None]:
+    """``model`` with attention implementation ``name`` inside, its own again after."""
+    previous = getattr(model.config, "_attn_implementation", None)
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            model.set_attn_implementation(previous)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
@@ -171,16 +184,13 @@ def fci_scores(
         best=torch.zeros(len(spans), device=device),
     )
     _register()
-    previous = getattr(model.config, "_attn_implementation", None)
-    model.set_attn_implementation(ATTN_NAME)
-    _active.acc = acc
-    try:
-        kwargs: dict[str, Any] = {"use_cache": False}
-        model(input_ids=torch.tensor([list(token_ids)], device=device), logits_to_keep=1, **kwargs)
-    finally:
-        _active.acc = None
-        if previous is not None:
-            model.set_attn_implementation(previous)
+    with _attention(model, ATTN_NAME):
+        _active.acc = acc
+        try:
+            kwargs: dict[str, Any] = {"use_cache": False}
+            model(input_ids=torch.tensor([list(token_ids)], device=device), logits_to_keep=1, **kwargs)
+        finally:
+            _active.acc = None
     return zero_rules(acc.best.tolist(), zero_from)
 
 
@@ -196,13 +206,8 @@ def fci_scores_eager(
     """Reference: the same scores from ``output_attentions=True`` (every layer's L x L map kept)."""
     device = next(model.parameters()).device
     p = step_matrix([(int(a), int(b)) for a, b in steps], len(token_ids)).to(device)
-    previous = getattr(model.config, "_attn_implementation", None)
-    model.set_attn_implementation("eager")
-    try:
+    with _attention(model, "eager"):
         out = model(input_ids=torch.tensor([list(token_ids)], device=device), output_attentions=True)
-    finally:
-        if previous is not None:
-            model.set_attn_implementation(previous)
     best = torch.zeros(len(steps), device=device)
     for att in out.attentions:  # [1, H, L, L]
         alpha = torch.einsum("sq,hqk,tk->hst", p, att[0].float(), p)
