@@ -37,13 +37,14 @@ from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING, Markers,
 from loom.tiny.tasks import Problem, _apply
 from loom.tiny.traces import (
     Piece,
+    SpawnTrace,
+    _state,
     boxed,
     child_prompt,
     expression_from_steps,
-    join_block,
     plain_prompt,
     reflect_prompt,
-    spawn_prompt,
+    spawn_parent,
     stream_connector,
 )
 from loom.tiny.traces import _stream_units as stream_units
@@ -127,10 +128,6 @@ def search(target: int, ordered: list[Move], style: Style = FIXED) -> tuple[list
         if last:
             return lines, [m.step, last]
     return lines, None
-
-
-def _state(target: int, pool: tuple[int, ...] | list[int]) -> str:
-    return f"{target}:[" + ",".join(str(n) for n in pool) + "]"
 
 
 def search_lines(problem: Problem, rng: random.Random, style: Style = FIXED) -> tuple[list[str], list[str]]:
@@ -224,13 +221,6 @@ def child_trace(
     ], ret
 
 
-@dataclass(frozen=True)
-class SpawnTrace:
-    parent: list[Piece]
-    children: list[list[Piece]]
-    messages: list[str]
-
-
 def spawn_trace(
     problem: Problem, variant: int = 0, syntax: SpawnSyntax = DEFAULT_SPAWN, style: Style = FIXED
 ) -> SpawnTrace:
@@ -256,13 +246,7 @@ def spawn_trace(
             solution = ret.split()
     if solution is None:
         raise ValueError(f"{problem.text}: no child found a solution")
-    block = "\n".join([syntax.spawn_open, *spawn_lines, syntax.spawn_close])
-    parent = [
-        Piece(spawn_prompt(problem), False),
-        Piece(f"<think> {_state(problem.target, pool)}\n{block}", True),
-        Piece(join_block(messages, syntax), False),
-        Piece(f"</think> {boxed(expression_from_steps(solution))}", True),
-    ]
+    parent = spawn_parent(problem, pool, spawn_lines, messages, solution, syntax)
     return SpawnTrace(parent=parent, children=children, messages=messages)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.answers import last_boxed
@@ -232,7 +233,7 @@ def stream_trace(problem: Problem, markers: Markers = DEFAULT_MARKERS) -> list[P
 # --- spawn / join (APR) ----------------------------------------------------------------------------
 
 
-def _state(target: int, pool: list[int]) -> str:
+def _state(target: int, pool: Sequence[int]) -> str:
     return f"{target}:[" + ",".join(str(n) for n in pool) + "]"
 
 
@@ -313,15 +314,28 @@ def spawn_trace(
         children.append([Piece(child_prompt(message), False), Piece(f"<think> {body} </think> {ret}", True)])
         messages.append(ret)
     assert solution is not None
-    answer = expression_from_steps(solution)
-    spawn_block = "\n".join([syntax.spawn_open, *spawn_lines, syntax.spawn_close])
-    parent = [
-        Piece(spawn_prompt(problem), False),
-        Piece(f"<think> {_state(problem.target, pool)}\n{spawn_block}", True),
-        Piece(join_block(messages, syntax), False),
-        Piece(f"</think> {boxed(answer)}", True),
-    ]
+    parent = spawn_parent(problem, pool, spawn_lines, messages, solution, syntax)
     return SpawnTrace(parent=parent, children=children, messages=messages)
+
+
+def spawn_parent(
+    problem: Problem,
+    pool: Sequence[int],
+    spawn_lines: list[str],
+    messages: list[str],
+    solution: list[str],
+    syntax: SpawnSyntax,
+) -> list[Piece]:
+    """A spawn trace's parent (the tiny model's and the search model's): the prompt, the state and the
+    spawn block (trained), the join block of the children's ``messages`` (inserted, not trained),
+    and the answer from the ``solution``'s steps."""
+    block = "\n".join([syntax.spawn_open, *spawn_lines, syntax.spawn_close])
+    return [
+        Piece(spawn_prompt(problem), False),
+        Piece(f"<think> {_state(problem.target, pool)}\n{block}", True),
+        Piece(join_block(messages, syntax), False),
+        Piece(f"</think> {boxed(expression_from_steps(solution))}", True),
+    ]
 
 
 _STEP = re.compile(r"^(\d+)([-+*/])(\d+)=(\d+)$")
