@@ -9,6 +9,7 @@ batch's counts, so accumulated gradients equal the full-batch gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -87,22 +88,50 @@ def _mean(x: Tensor | None, mask: Tensor) -> Tensor:
     return (x.detach() * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _regularised(
-    per_token: Tensor,
-    logp: Tensor,
-    ref_logp: Tensor | None,
-    kl_coef: float,
-    entropy: Tensor | None,
-    entropy_coef: float,
-) -> tuple[Tensor, Tensor | None]:
+class LossTerms(TypedDict, total=False):
+    """The keyword terms both losses take (defaults in brackets): the clip range ``eps_low`` (0.2) and
+    ``eps_high`` (0.28, DAPO's clip-higher); the k3 KL to a reference, ``ref_logp`` [B, T] and
+    ``kl_coef`` (0); the entropy bonus, ``entropy`` [B, T] and ``entropy_coef`` (0); ``seq_weight`` [B]
+    (APR: 1 / calls in the forest); ``n_seqs``, the whole batch's sequence count (a micro-batch's own
+    when None); ``is_weight`` [B, T], the TIS weight (learner/mismatch.py; a constant, 1 when None)."""
+
+    eps_low: float
+    eps_high: float
+    ref_logp: Tensor | None
+    kl_coef: float
+    entropy: Tensor | None
+    entropy_coef: float
+    seq_weight: Tensor | None
+    n_seqs: float | None
+    is_weight: Tensor | None
+
+
+def _surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, terms: LossTerms) -> tuple[Tensor, Tensor]:
+    """w C(r, A) per token and where the clip is active, with the terms' clip range and TIS weight."""
+    surrogate, clipped = clipped_surrogate(
+        logp, old_logp, adv, terms.get("eps_low", 0.2), terms.get("eps_high", 0.28)
+    )
+    is_weight = terms.get("is_weight")
+    return (surrogate if is_weight is None else surrogate * is_weight.detach()), clipped
+
+
+def _regularised(per_token: Tensor, logp: Tensor, terms: LossTerms) -> tuple[Tensor, Tensor | None]:
     """per_token - kl_coef k3 + entropy_coef H (each term only when it is on), and the k3 KL."""
     kl = None
+    ref_logp, kl_coef = terms.get("ref_logp"), terms.get("kl_coef", 0.0)
     if ref_logp is not None and kl_coef != 0.0:
         kl = k3_kl(logp, ref_logp)
         per_token = per_token - kl_coef * kl
+    entropy, entropy_coef = terms.get("entropy"), terms.get("entropy_coef", 0.0)
     if entropy is not None and entropy_coef != 0.0:
         per_token = per_token + entropy_coef * entropy
     return per_token, kl
+
+
+def _parts(
+    objective: Tensor, clipped: Tensor, kl: Tensor | None, mask: Tensor, terms: LossTerms
+) -> LossParts:
+    return LossParts(-objective, _mean(clipped, mask), _mean(kl, mask), _mean(terms.get("entropy"), mask))
 
 
 def policy_loss(
@@ -111,28 +140,23 @@ def policy_loss(
     adv: Tensor,
     mask: Tensor,
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
     aggregation: Aggregation = "token_mean",
-    ref_logp: Tensor | None = None,
-    kl_coef: float = 0.0,
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    seq_weight: Tensor | None = None,
     n_tokens: float | None = None,
-    n_seqs: float | None = None,
-    is_weight: Tensor | None = None,
+    **terms: Unpack[LossTerms],
 ) -> LossParts:
-    """-(agg[w C(r, A)] - kl_coef agg[k3] + entropy_coef agg[H]) with one aggregation for every term;
-    ``is_weight`` w [B, T] is the TIS weight (learner/mismatch.py; a constant, 1 when None)."""
-    surrogate, clipped = clipped_surrogate(logp, old_logp, adv, eps_low, eps_high)
-    if is_weight is not None:
-        surrogate = surrogate * is_weight.detach()
-    per_token, kl = _regularised(surrogate, logp, ref_logp, kl_coef, entropy, entropy_coef)
+    """-(agg[w C(r, A)] - kl_coef agg[k3] + entropy_coef agg[H]) with one aggregation for every term
+    (``LossTerms``: the clip range, the KL and entropy terms, the weights)."""
+    surrogate, clipped = _surrogate(logp, old_logp, adv, terms)
+    per_token, kl = _regularised(surrogate, logp, terms)
     objective = aggregate(
-        per_token, mask, aggregation, seq_weight=seq_weight, n_tokens=n_tokens, n_seqs=n_seqs
+        per_token,
+        mask,
+        aggregation,
+        seq_weight=terms.get("seq_weight"),
+        n_tokens=n_tokens,
+        n_seqs=terms.get("n_seqs"),
     )
-    return LossParts(-objective, _mean(clipped, mask), _mean(kl, mask), _mean(entropy, mask))
+    return _parts(objective, clipped, kl, mask, terms)
 
 
 def hrpo_token_weights(mask: Tensor, stream_mask: Tensor, lam: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -160,15 +184,7 @@ def hrpo_loss(
     stream_mask: Tensor,
     *,
     lam: float = 0.05,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    ref_logp: Tensor | None = None,
-    kl_coef: float = 0.0,
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    seq_weight: Tensor | None = None,
-    n_seqs: float | None = None,
-    is_weight: Tensor | None = None,
+    **terms: Unpack[LossTerms],
 ) -> LossParts:
     """-J_HRPO (AdaSR eq. 5, computed in the time-grouped form of eq. 10): per trajectory
 
@@ -180,18 +196,16 @@ def hrpo_loss(
     (TIS, learner/mismatch.py) multiplies each of the three surrogates per token.
     """
     w_s, w_d, w_g = hrpo_token_weights(mask, stream_mask, lam)
-    c_s, clip_s = clipped_surrogate(logp, old_logp, adv_stream, eps_low, eps_high)
-    c_d, clip_d = clipped_surrogate(logp, old_logp, adv_deep, eps_low, eps_high)
-    c_g, clip_g = clipped_surrogate(logp, old_logp, adv_global, eps_low, eps_high)
-    if is_weight is not None:
-        w = is_weight.detach()
-        c_s, c_d, c_g = c_s * w, c_d * w, c_g * w
-    global_tok, kl = _regularised(c_g, logp, ref_logp, kl_coef, entropy, entropy_coef)
+    c_s, clip_s = _surrogate(logp, old_logp, adv_stream, terms)
+    c_d, clip_d = _surrogate(logp, old_logp, adv_deep, terms)
+    c_g, clip_g = _surrogate(logp, old_logp, adv_global, terms)
+    global_tok, kl = _regularised(c_g, logp, terms)
     per_seq = (w_s * c_s + w_d * c_d + w_g * global_tok).sum(dim=1)
+    seq_weight, n_seqs = terms.get("seq_weight"), terms.get("n_seqs")
     if seq_weight is not None:
         per_seq = per_seq * seq_weight
     denom = n_seqs if n_seqs is not None else float(logp.shape[0])
     objective = per_seq.sum() / max(denom, 1.0)
     stream = stream_mask * mask
     clipped = torch.maximum(clip_g, torch.where(stream > 0, clip_s, clip_d))
-    return LossParts(-objective, _mean(clipped, mask), _mean(kl, mask), _mean(entropy, mask))
+    return _parts(objective, clipped, kl, mask, terms)

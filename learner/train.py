@@ -28,7 +28,7 @@ from learner.assign import assign_batch
 from learner.config import LearnerSettings
 from learner.distributed import OneProcess, Ranks, collective, layout
 from learner.estimators import TokenAdvantages
-from learner.losses import LossParts, hrpo_loss, policy_loss
+from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
 from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.models import resolve_model_path  # re-exported: bench/learner.py names it
@@ -577,7 +577,7 @@ def micro_batch_loss(
     width, dev = mb.logp.shape[1], mb.logp.device
     adv = _pad([s.adv for s in rows], width, dev)
     totals.adv_abs += float((adv.abs() * mask).sum())
-    common: dict[str, Any] = {
+    common: LossTerms = {
         "eps_low": spec.eps_low,
         "eps_high": spec.eps_high,
         "ref_logp": ref_logp,
