@@ -206,6 +206,53 @@ def test_tree_and_spawn_modes_run_on_cuda(cpu: TorchEngine, gpu: TorchEngine) ->
         assert [t.logprobs[i] for i in trained] == pytest.approx([ref[i] for i in trained], abs=ATOL)
 
 
+def test_a_bf16_engine_on_cuda_stays_within_the_cpu_measured_tolerance(cpu: TorchEngine) -> None:
+    """bf16 weights and KV cache on the device against the CPU float32 teacher-forced pass; the bounds
+    are the CPU bf16 ones (tests/rollout_modes/test_engine_scale.py, docs/benchmarks/engine.md)."""
+    engine = TorchEngine(CHECKPOINT_DIR, device="cuda", dtype="bfloat16", cache_entries=4)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    prompts = _prompts(engine.tokenizer, n=4, seed=12)
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(
+            *(
+                engine.generate(ids, SamplingParams(n=2, max_tokens=64, seed=i))
+                for i, ids in enumerate(prompts)
+            )
+        )
+
+    diffs = []
+    for ids, completions in zip(prompts, run(together()), strict=True):
+        for c in completions:
+            ref = teacher_forced_logprobs(cpu.model, ids + c.token_ids, len(ids))
+            diffs += [abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)]
+    assert sum(diffs) / len(diffs) < 0.01 and max(diffs) < 0.6
+
+
+def test_the_cuda_kv_budget_is_half_the_free_memory_and_holds_256_rows(cpu: TorchEngine) -> None:
+    from rollout_svc.engines.torch.scheduler import default_kv_budget
+
+    free, _ = torch.cuda.mem_get_info()
+    assert default_kv_budget("cuda") == pytest.approx(free // 2, rel=0.05)
+    engine = TorchEngine(CHECKPOINT_DIR, device="cuda", cache_entries=0)
+    assert engine.max_batch_rows is None
+    ids = _prompts(engine.tokenizer, 1, seed=13)[0]
+
+    async def many() -> list[Any]:
+        return await asyncio.gather(
+            *(
+                engine.generate(ids, SamplingParams(max_tokens=16, seed=i, ignore_eos=True))
+                for i in range(256)
+            )
+        )
+
+    outs = run(many())
+    assert all(len(o[0].token_ids) == 16 for o in outs)
+    assert engine.stats.extra["peak_batch_rows"] > 64  # the old fixed cap is gone
+    ref = teacher_forced_logprobs(cpu.model, ids + outs[0][0].token_ids, len(ids))
+    assert outs[0][0].logprobs == pytest.approx(ref, abs=ATOL)
+
+
 # ------------------------------------------------------------------------------------------ learner
 
 
@@ -369,3 +416,43 @@ def test_loom_engine_on_cuda_through_the_vllm_client(cpu: TorchEngine) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# ---------------------------------------------------------------- issue 37: the learner's packed path
+
+
+def test_the_packed_learner_on_cuda_takes_the_padded_step(batch: TrainBatch, tmp_path: Path) -> None:
+    """Packed rows + the fused chunked head against one padded row per trajectory + the whole logits,
+    float32 on the device: the same first step."""
+    results = []
+    for name, packing, chunk in (("padded", False, 0), ("packed", True, 32)):
+        cfg = LearnerSettings(
+            model="tiny",
+            store=tmp_path / name,
+            device="cuda",
+            mixed_precision="no",
+            packing=packing,
+            logprob_chunk=chunk,
+            token_budget=256,
+        )
+        results.append(Learner(cfg).train_step(batch))
+    a, b = results
+    for key in ("loss", "grad_norm", "logprob_mismatch_mean"):
+        assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_the_fused_head_in_bf16_on_cuda_stays_near_the_float32_logprobs(batch: TrainBatch) -> None:
+    from learner import logprobs as lp
+
+    model = load_model(CHECKPOINT_DIR).to("cuda")
+    trajs = [t for g in batch.groups for t in g.trajectories]
+    with torch.no_grad():
+        (ref,) = lp.recompute(model, trajs, token_budget=100_000)
+        (bf16,) = lp.recompute(
+            model, trajs, token_budget=100_000, packing=True, chunk=64, autocast_dtype=torch.bfloat16
+        )
+    by_index = {i: r for r, i in enumerate(ref.index)}
+    for r, i in enumerate(bf16.index):
+        n = len(trajs[i].completion_ids)
+        diff = (bf16.logp[r, :n] - ref.logp[by_index[i], :n]).abs()
+        assert float(diff.mean()) < 0.05 and float(diff.max()) < 0.5  # bf16 matmuls, float32 softmax
