@@ -286,22 +286,17 @@ class Rollouts(Closing):
 
     def groups(self, job_id: str) -> Iterator[RolloutGroup]:
         """The job's groups as they finish; raises ``RolloutJobError`` when the job fails."""
-        last: int | None = None
-        tries = 0
+        resume = _Resume(job_id, self.reconnects)
         while True:
             try:
-                for kind, event_id, data in self.gateway.job_events_with_ids(job_id, last):
-                    if kind == "end":
-                        _check_end(job_id, data)
+                for event in self.gateway.job_events_with_ids(job_id, resume.last):
+                    if (group := resume.group(*event)) is None:
                         return
-                    last, tries = event_id, 0
-                    yield RolloutGroup.from_event(data)
+                    yield group
                 return
             except (httpx.TransportError, LoomHTTPError) as exc:
-                tries += 1
-                delay = _reconnect_delay(exc, tries, self.reconnects)
+                time.sleep(resume.delay(exc))
                 self.reconnections += 1
-                time.sleep(delay)
 
     def stream(self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any) -> Iterator[RolloutGroup]:
         """Submit and yield each group as it finishes (in finishing order)."""
@@ -326,12 +321,33 @@ class RolloutJobError(RuntimeError):
         super().__init__(f"job {job_id} {status}: {error}")
 
 
-def _reconnect_delay(exc: httpx.TransportError | LoomHTTPError, tries: int, reconnects: int) -> float:
-    """The wait before an event stream's ``tries``-th reconnection; ``exc`` again when it is not
-    worth one (an HTTP error other than 502/503/504) or ``reconnects`` are spent."""
-    if (isinstance(exc, LoomHTTPError) and exc.status not in _RETRY_STATUS) or tries > reconnects:
-        raise exc
-    return min(0.2 * 2**tries, 5.0)
+@dataclass
+class _Resume:
+    """A job's event stream across dropped connections: the id of the last group it gave (to go on
+    after) and the tries since then."""
+
+    job_id: str
+    reconnects: int
+    last: int | None = None
+    tries: int = 0
+
+    def group(self, kind: str, event_id: int | None, data: Any) -> RolloutGroup | None:
+        """The group an event carries; None at the job's end (``RolloutJobError`` when it failed)."""
+        if kind == "end":
+            _check_end(self.job_id, data)
+            return None
+        self.last, self.tries = event_id, 0
+        return RolloutGroup.from_event(data)
+
+    def delay(self, exc: httpx.TransportError | LoomHTTPError) -> float:
+        """The wait before the next try; ``exc`` again when it is not worth one (an HTTP error other
+        than 502/503/504) or the tries are spent."""
+        self.tries += 1
+        if (
+            isinstance(exc, LoomHTTPError) and exc.status not in _RETRY_STATUS
+        ) or self.tries > self.reconnects:
+            raise exc
+        return min(0.2 * 2**self.tries, 5.0)
 
 
 def _check_end(job_id: str, data: Mapping[str, Any]) -> None:
@@ -369,10 +385,9 @@ class AsyncRollouts:
         raise AssertionError("unreachable")
 
     async def groups(self, job_id: str) -> AsyncIterator[RolloutGroup]:
-        last: int | None = None
-        tries = 0
+        resume = _Resume(job_id, self.reconnects)
         while True:
-            headers = {} if last is None else {"Last-Event-ID": str(last)}
+            headers = {} if resume.last is None else {"Last-Event-ID": str(resume.last)}
             try:
                 async with self.http.stream(
                     "GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=None
@@ -384,18 +399,13 @@ class AsyncRollouts:
                     async for line in r.aiter_lines():
                         if (event := events.feed(line)) is None:
                             continue
-                        kind, event_id, data = event
-                        if kind == "end":
-                            _check_end(job_id, data)
+                        if (group := resume.group(*event)) is None:
                             return
-                        last, tries = event_id, 0
-                        yield RolloutGroup.from_event(data)
+                        yield group
                 return
             except (httpx.TransportError, LoomHTTPError) as exc:
-                tries += 1
-                delay = _reconnect_delay(exc, tries, self.reconnects)
+                await asyncio.sleep(resume.delay(exc))
                 self.reconnections += 1
-                await asyncio.sleep(delay)
 
     async def stream(
         self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any
