@@ -166,8 +166,9 @@ def test_a_bad_request_fails_alone_and_nothing_hangs(
     want = tokens(alone(serial, good))
     # a prefill failure and a sampling failure, in one batch. Both are injected: a real bad id never
     # reaches the model (generate refuses it), and on CUDA one would end the process's CUDA context.
-    real_sample, real_prefill = engine._sample, engine._prefill_rows
+    real_sample, real_prefill, real_batch = engine._sample, engine._prefill_rows, engine._prefill_batch
     bad_prompt = ps[0][:3]
+    batched_prefills: list[int] = []
 
     def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, *history: Any) -> Any:
         if params.seed == 666:
@@ -179,16 +180,25 @@ def test_a_bad_request_fails_alone_and_nothing_hangs(
             raise IndexError("prefill failed")
         return real_prefill(key, *args)
 
+    def prefill_batch(keys: list[list[tuple[int, int]]], ns: list[int]) -> Any:
+        batched_prefills.append(len(keys))
+        if any([t for t, _ in key] == bad_prompt for key in keys):
+            raise IndexError("prefill failed")
+        return real_batch(keys, ns)
+
     monkeypatch.setattr(engine, "_sample", sample)
     monkeypatch.setattr(engine, "_prefill_rows", prefill_rows)
+    monkeypatch.setattr(engine, "_prefill_batch", prefill_batch)
     bad_ids = (bad_prompt, SamplingParams(max_tokens=20))
-    bad_sampling = (ps[1], SamplingParams(max_tokens=20, seed=666, n=2))
+    # top_k: sampled request by request (``_sample``), not with the plain rows (``sample_rows``)
+    bad_sampling = (ps[1], SamplingParams(max_tokens=20, seed=666, n=2, top_k=10))
     futs = submit_together(engine, [good[0], bad_ids, good[1], bad_sampling, good[2]])
     with pytest.raises(IndexError):
         futs[1].result(timeout=TIMEOUT)
     with pytest.raises(RuntimeError, match="sampling failed"):
         futs[3].result(timeout=TIMEOUT)
     assert [[c.token_ids for c in futs[i].result(timeout=TIMEOUT)] for i in (0, 2, 4)] == want
+    assert batched_prefills == [5]  # one shared prefill failed; then each request alone
     monkeypatch.undo()
 
     # a failed batched forward fails that batch's requests; the engine keeps serving afterwards

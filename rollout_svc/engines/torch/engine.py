@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -54,6 +54,7 @@ from rollout_svc.engines.base import (
 )
 from rollout_svc.engines.torch.alone import generate_alone
 from rollout_svc.engines.torch.model import (
+    Dtype,
     block_mask,
     eos_ids,
     load_adapter,
@@ -61,9 +62,9 @@ from rollout_svc.engines.torch.model import (
     load_tokenizer,
     prompt_logprobs,
 )
-from rollout_svc.engines.torch.prefix_cache import Key, PrefixCache
+from rollout_svc.engines.torch.prefix_cache import Key, PrefixCache, layers
 from rollout_svc.engines.torch.sampling import LogprobsMode, accept, sample
-from rollout_svc.engines.torch.scheduler import Scheduler
+from rollout_svc.engines.torch.scheduler import KvBudget, Scheduler, default_kv_budget, kv_bytes_per_token
 
 log = logging.getLogger("loom.rollout.torch")
 
@@ -84,16 +85,19 @@ class TorchEngine(Engine):
         model: Any = None,
         tokenizer: Any = None,
         batching: bool = True,
-        max_batch_rows: int = 64,
+        max_batch_rows: int | None = None,
+        dtype: Dtype = "float32",
+        kv_budget_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.model_path = Path(model_path)
-        if model is not None:  # a model handed in decides the device (its inputs must live beside it)
+        if model is not None:  # a model handed in decides the device and dtype (inputs live beside it)
             self.model = model
-            self.device = str(next(model.parameters()).device)
+            param = next(model.parameters())
+            self.device, self.dtype = str(param.device), cast(Dtype, str(param.dtype).removeprefix("torch."))
         else:
-            self.device = device
-            self.model = load_model(self.model_path, device)
+            self.device, self.dtype = device, dtype
+            self.model = load_model(self.model_path, device, dtype)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.prefix = PrefixCache(cache_entries)
         self.logprobs_kind = logprobs_mode
@@ -102,7 +106,10 @@ class TorchEngine(Engine):
         self._load_lock = threading.Lock()
         self._loaded: tuple[int, str] | None = None  # (version, path) of the last policy loaded
         self.batching = batching
-        self.scheduler = Scheduler(self, max_batch_rows)
+        budget = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget(self.device)
+        self.scheduler = Scheduler(
+            self, KvBudget(kv_bytes_per_token(self.model.config, self.dtype), budget), max_batch_rows
+        )
         self.eos_ids: set[int] = eos_ids(self.model, self.tokenizer)
 
     @property
@@ -110,7 +117,8 @@ class TorchEngine(Engine):
         return self.prefix.capacity
 
     @property
-    def max_batch_rows(self) -> int:
+    def max_batch_rows(self) -> int | None:
+        """The hard cap on rows in flight, if one was set (else the KV budget alone decides)."""
         return self.scheduler.max_rows
 
     # ---------------------------------------------------------------------------------------------
@@ -211,9 +219,9 @@ class TorchEngine(Engine):
                 return  # several groups asked for the same new version: it is loaded once
             try:
                 if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
-                    model = load_adapter(policy.path, self.model_path, self.device)
+                    model = load_adapter(policy.path, self.model_path, self.device, self.dtype)
                 else:
-                    model = load_model(policy.path, self.device)
+                    model = load_model(policy.path, self.device, self.dtype)
             except (OSError, ValueError) as exc:  # no such directory, not a checkpoint, an unknown model
                 raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
             with self._exclusive():
@@ -287,6 +295,44 @@ class TorchEngine(Engine):
             logits = logits.expand(n, -1)
         return cache, logits, reuse
 
+    def _prefill_batch(self, keys: list[Key], ns: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Prefill plain prompts that have nothing cached in ONE forward, left-padded; their cache,
+        next-token logits and attention mask (1 = a real token) as ``ns[i]`` rows each. The pads'
+        keys and values are zeroed (a fully masked pad query may hold anything)."""
+        from transformers import DynamicCache
+
+        width = max(len(k) for k in keys)
+        ids = torch.zeros(len(keys), width, dtype=torch.long)
+        mask = torch.zeros(len(keys), width, dtype=torch.long)
+        for i, key in enumerate(keys):
+            ids[i, width - len(key) :] = torch.tensor([t for t, _ in key])
+            mask[i, width - len(key) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :].float()
+        self.stats.requests += len(keys)
+        self.stats.prefill_tokens += sum(len(k) for k in keys)
+        pads = (mask == 0)[:, None, :, None]
+        for k, v in layers(cache):
+            k.masked_fill_(pads, 0)
+            v.masked_fill_(pads, 0)
+        if any(n > 1 for n in ns):
+            rows = torch.arange(len(keys), device=self.device).repeat_interleave(
+                torch.tensor(ns, device=self.device)
+            )
+            cache.batch_select_indices(rows)
+            logits, mask = logits[rows], mask[rows]
+        return cache, logits, mask
+
     def _forward(self, ids: torch.Tensor, groups: list[int], start: int, cache: Any, masked: bool) -> Any:
         positions = group_positions(groups)[start:]
         kwargs: dict[str, Any] = {
@@ -295,9 +341,9 @@ class TorchEngine(Engine):
             "use_cache": True,
         }
         if masked:
-            kwargs["attention_mask"] = block_mask(groups, start, torch.float32, self.device).expand(
-                ids.shape[0], -1, -1, -1
-            )
+            kwargs["attention_mask"] = block_mask(
+                groups, start, getattr(torch, self.dtype), self.device
+            ).expand(ids.shape[0], -1, -1, -1)
         return self.model(ids, **kwargs).logits[:, -1, :].float()
 
     def _sample(

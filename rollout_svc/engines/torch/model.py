@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -14,17 +14,20 @@ from loom.layout import group_positions, group_visibility
 from loom.models import resolve_model_path as resolve_model_path  # re-exported by the engine package
 from rollout_svc.engines.base import Layout, PromptLogprobs
 
+Dtype = Literal["float32", "bfloat16", "float16"]
 
-def load_model(path: str | Path, device: str = "cpu") -> Any:
+
+def load_model(path: str | Path, device: str = "cpu", dtype: Dtype = "float32") -> Any:
+    """The checkpoint in ``dtype``: its weights, and so the engine's KV cache (float32 by default)."""
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="sdpa"
+        str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa"
     )
     return model.to(device).eval()
 
 
-def load_adapter(adapter: str | Path, base: str | Path, device: str = "cpu") -> Any:
+def load_adapter(adapter: str | Path, base: str | Path, device: str = "cpu", dtype: Dtype = "float32") -> Any:
     """A peft LoRA adapter directory (a ``kind=lora`` policy version) merged into its base: W + (alpha/r)
     B A on every target module, so the engine decodes a plain model at full speed. The base is the
     adapter's ``base_model_name_or_path`` when that directory exists here, else ``base`` (the model the
@@ -38,8 +41,8 @@ def load_adapter(adapter: str | Path, base: str | Path, device: str = "cpu") -> 
     named = json.loads(config.read_text()).get("base_model_name_or_path")
     base_path = Path(named) if named and Path(named).is_dir() else Path(base)
     model = PeftModel.from_pretrained(load_model(base_path, "cpu"), str(adapter))
-    merged: Any = model.merge_and_unload()
-    return merged.to(device).eval()
+    merged: Any = model.merge_and_unload()  # merged in float32, then cast
+    return merged.to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -78,7 +81,7 @@ def teacher_forced_logprobs(
     if layout is not None:
         groups = layout.groups + [layout.gen_group] * (len(ids) - len(layout.groups))
         kwargs["position_ids"] = torch.tensor([group_positions(groups)], device=device)
-        kwargs["attention_mask"] = block_mask(groups, 0, torch.float32, device)
+        kwargs["attention_mask"] = block_mask(groups, 0, next(model.parameters()).dtype, device)
     logits = model(x, **kwargs).logits[0].float()
     logp = torch.log_softmax(logits[start - 1 : len(ids) - 1], dim=-1)
     return logp.gather(1, x[0, start:, None]).squeeze(1).tolist()

@@ -48,16 +48,24 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def take(self, key: Key) -> tuple[Any, int]:
-        """A cache holding the longest cached prefix of ``key`` (at most len(key) - 1 tokens), and
-        its length."""
-        from transformers import DynamicCache
-
+    def _longest(self, key: Key) -> tuple[int | None, int]:
         best_id, best_len = None, 0
         for eid, entry in self._entries.items():
             m = _common(entry.key, key)
             if m > best_len:
                 best_id, best_len = eid, m
+        return best_id, best_len
+
+    def reusable(self, key: Key) -> int:
+        """How many of ``key``'s tokens ``take`` would serve from the cache (nothing is taken)."""
+        return max(0, min(self._longest(key)[1], len(key) - 1))
+
+    def take(self, key: Key) -> tuple[Any, int]:
+        """A cache holding the longest cached prefix of ``key`` (at most len(key) - 1 tokens), and
+        its length."""
+        from transformers import DynamicCache
+
+        best_id, best_len = self._longest(key)
         reuse = min(best_len, len(key) - 1)
         if best_id is None or reuse <= 0:
             return DynamicCache(), 0

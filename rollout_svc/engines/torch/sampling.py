@@ -6,6 +6,7 @@ tokenizer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -120,8 +121,51 @@ def sample(
         table = raw if logprobs_mode == "raw" else torch.log_softmax(logits, dim=-1)
     else:
         processed = torch.log_softmax(truncate(logits / params.temperature, params), dim=-1)
-        tokens = torch.multinomial(processed.exp(), 1, generator=gen).squeeze(1)
+        probs = processed.exp()
+        tokens = (probs / torch.empty_like(probs).exponential_(1, generator=gen)).argmax(dim=-1)
         table = raw if logprobs_mode == "raw" else processed
+    return tokens, table.gather(1, tokens[:, None]).squeeze(1), table
+
+
+@dataclass(frozen=True)
+class TopRows:
+    """Top log-probs of some rows (what ``accept`` reads of ``torch.topk``'s result)."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+def is_plain(params: SamplingParams) -> bool:
+    """Sampled by ``sample_rows`` with other requests' rows: temperature only (or greedy), no logits
+    processor and no truncation."""
+    return (
+        not has_logits_processors(params)
+        and params.min_p == 0.0
+        and params.top_p >= 1.0
+        and params.top_k <= 0
+    )
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    draws: list[tuple[torch.Generator, int, int]],
+    logprobs_mode: LogprobsMode,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sample`` for the rows of many plain requests at once (``is_plain``): row r at
+    ``temperature[r]`` (0: greedy). A draw is the exponential race ``argmax(p / E)``, E ~ Exp(1)
+    (what ``torch.multinomial`` does for one sample): every request fills its rows
+    ``draws[i][1]:draws[i][2]`` of E from its own generator, as ``sample`` does, so its tokens are
+    the ones it gets alone; everything else is one tensor operation over all rows."""
+    raw = torch.log_softmax(logits, dim=-1)
+    greedy = temperature == 0.0
+    processed = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    probs = processed.exp()
+    race = torch.ones_like(probs)
+    for gen, start, stop in draws:
+        race[start:stop].exponential_(1, generator=gen)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / race).argmax(dim=-1))
+    table = raw if logprobs_mode == "raw" else processed
     return tokens, table.gather(1, tokens[:, None]).squeeze(1), table
 
 

@@ -1,15 +1,18 @@
 """The batching scheduler: one thread decodes every concurrent layout-free request in one batch.
 
-Each request is prefilled on its own (prefix cache), its rows join the running batch at the next
+The requests admitted together are prefilled in one left-padded forward (those with a cached prefix
+one by one, past their prefix: the prefix cache), and their rows join the running batch at the next
 decode step (one left-padded batch KV cache: zero keys and values on the left, a 2D attention mask
-with 0 there, explicit per-row position ids; at most ``max_rows`` rows), and every request keeps its
-own sampling params and seeded generator, so a seeded request's tokens do not depend on its batch
-mates (up to float rounding). Rows finish independently and leave their cache in the prefix cache.
-An error in one request's prefill or sampling fails that request only; a failed batched forward
-fails the requests of that batch; no caller is left waiting.
+with 0 there, explicit per-row position ids). Rows in flight are bounded by a KV-memory budget
+(``KvBudget``: every row reserves its prompt plus ``max_tokens`` positions at the batch's widest),
+and by ``max_rows`` when one is set. Every request keeps its own sampling params and seeded
+generator, so a seeded request's tokens do not depend on its batch mates (up to float rounding).
+Rows finish independently and leave their cache in the prefix cache. An error in one request's
+prefill or sampling fails that request only (a failed batched prefill is retried request by
+request); a failed batched forward fails the requests of that batch; no caller is left waiting.
 
-The scheduler works through its engine's model, prefix cache, ``_prefill_rows``, ``_sample`` and
-``_accept`` (read at every use: a policy load swaps the model, tests wrap the methods)."""
+The scheduler works through its engine's model, prefix cache, ``_prefill_batch``, ``_prefill_rows``,
+``_sample`` and ``_accept`` (read at every use: a policy load swaps the model, tests wrap the methods)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.base import Completion, Listener, Progress
 from rollout_svc.engines.torch.prefix_cache import Key, drop_left, merge, pad_left
-from rollout_svc.engines.torch.sampling import generator, new_outputs
+from rollout_svc.engines.torch.sampling import TopRows, generator, is_plain, new_outputs, sample_rows
 
 if TYPE_CHECKING:
     from rollout_svc.engines.torch.engine import TorchEngine
@@ -51,10 +54,50 @@ class Request:
     listener: Listener | None = None  # told of every accepted token (``TorchEngine.stream``)
 
 
+Drawn = tuple[list[int], list[float], Any]  # a request's rows: tokens, log-probs, top log-probs
+
+
 @dataclass
 class Row:
     req: Request
     sample: int  # index into req.out
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """The KV cache rows in flight may fill: ``bytes`` in all, ``per_token`` for one position of one
+    row (keys and values of every layer)."""
+
+    per_token: int
+    bytes: int
+
+    def fits(self, rows: int, positions: int) -> bool:
+        """Whether ``rows`` left-padded rows of ``positions`` positions each fit."""
+        return rows * positions * self.per_token <= self.bytes
+
+
+def kv_bytes_per_token(config: Any, dtype: str) -> int:
+    """Keys and values of one position in every layer: 2 x layers x KV heads x head dim x the
+    dtype's size (a model config without these fields counts as one byte per position)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not (layers and heads and hidden):
+        return 1
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 2 * int(layers) * int(kv_heads) * int(head_dim) * getattr(torch, dtype).itemsize
+
+
+CPU_KV_BUDGET = 1 << 30  # 1 GiB of host memory for the KV cache of the rows in flight
+
+
+def default_kv_budget(device: str) -> int:
+    """Half the device memory free once the model is loaded on CUDA; ``CPU_KV_BUDGET`` on CPU."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free) // 2
+    return CPU_KV_BUDGET
 
 
 @dataclass
@@ -101,9 +144,10 @@ class Scheduler:
     """The engine's lock (one user of the model and the prefix cache at a time) and its batching
     thread, started by the first request and ended after ``idle_s`` without work."""
 
-    def __init__(self, engine: TorchEngine, max_rows: int) -> None:
+    def __init__(self, engine: TorchEngine, budget: KvBudget, max_rows: int | None = None) -> None:
         self.engine = engine
-        self.max_rows = max(1, max_rows)
+        self.budget = budget
+        self.max_rows = max(1, max_rows) if max_rows is not None else None
         self.lock = threading.Lock()  # the model and the prefix cache: one user at a time
         self._cv = threading.Condition()  # guards the scheduler state below
         self.pending: deque[Request] = deque()
@@ -195,66 +239,96 @@ class Scheduler:
                 fail(req, e)
 
     def _admit(self, batch: Batch, taken: list[Request]) -> None:
+        """Take the pending requests that fit (the KV budget, ``max_rows``; a request alone always
+        fits an empty batch), prefill them and add their rows to the batch."""
         with self._cv:
             if self._want:
                 return
-            room = self.max_rows - len(batch.rows)
+            rows = len(batch.rows)
+            widest = max((_reserve(row.req) for row in batch.rows), default=0)
             new: list[Request] = []
-            while self.pending and (self.pending[0].params.n <= room or not (batch.rows or new)):
-                req = self.pending.popleft()
-                room -= req.params.n
-                new.append(req)
+            while self.pending:
+                req = self.pending[0]
+                total, wide = rows + req.params.n, max(widest, _reserve(req))
+                fits = self.budget.fits(total, wide) and (self.max_rows is None or total <= self.max_rows)
+                if not fits and (batch.rows or new):
+                    break
+                new.append(self.pending.popleft())
+                rows, widest = total, wide
+        fresh: list[Request] = []
         for req in new:
             if not req.future.set_running_or_notify_cancel():
                 continue
             taken.append(req)
-            try:
-                cache, logits = self._prefill(req)
-            except Exception as e:  # this request only
-                fail(req, e)
-                continue
-            self._join(batch, req, cache, logits)
+            self._start(req)
+            if self.engine.prefix.reusable(req.key):
+                self._prefill_one(batch, req)
+            else:
+                fresh.append(req)
+        if not fresh:
+            return
+        try:
+            cache, logits, mask = self.engine._prefill_batch(
+                [r.key for r in fresh], [r.params.n for r in fresh]
+            )
+        except Exception:  # one request broke the shared forward: each alone, so only that one fails
+            for req in fresh:
+                self._prefill_one(batch, req)
+            return
+        self._join(batch, [Row(req, i) for req in fresh for i in range(req.params.n)], cache, mask, logits)
 
-    def _prefill(self, req: Request) -> tuple[Any, torch.Tensor]:
-        params, ids = req.params, req.prompt_ids
-        req.key = [(t, 0) for t in ids]
+    def _start(self, req: Request) -> None:
+        params = req.params
+        req.key = [(t, 0) for t in req.prompt_ids]
         req.gen = generator(params, self.engine.device)
         req.out = new_outputs(params)
         req.live = params.n
-        cache, logits, reuse = self.engine._prefill_rows(req.key, [0] * len(ids), False, params.n)
+
+    def _prefill_one(self, batch: Batch, req: Request) -> None:
+        """Prefill one request past its cached prefix (``_prefill_rows``); an error fails it alone."""
+        n, length = req.params.n, len(req.prompt_ids)
+        try:
+            cache, logits, reuse = self.engine._prefill_rows(req.key, [0] * length, False, n)
+        except Exception as e:  # this request only
+            fail(req, e)
+            return
         for c in req.out:
             c.cached_tokens = reuse
-        return cache, logits
-
-    def _join(self, batch: Batch, req: Request, cache: Any, logits: torch.Tensor) -> None:
-        """Add the request's prefilled rows to the batch: left-pad the shorter side, stack the rows."""
-        n, length = req.params.n, len(req.prompt_ids)
         ones = torch.ones(n, length, dtype=torch.long, device=self.engine.device)
+        self._join(batch, [Row(req, i) for i in range(n)], cache, ones, logits)
+
+    def _join(
+        self, batch: Batch, rows: list[Row], cache: Any, mask: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        """Add prefilled rows (their left-padded cache and mask) to the batch: left-pad the narrower
+        side, stack the rows."""
+        lengths = mask.sum(dim=1).tolist()
         if batch.mask is None or batch.logits is None:
-            batch.cache, batch.mask, batch.lengths, batch.logits = cache, ones, [length] * n, logits
+            batch.cache, batch.mask, batch.lengths, batch.logits = cache, mask, lengths, logits
         else:
-            width = batch.mask.shape[1]
+            width, length = batch.mask.shape[1], mask.shape[1]
             total = max(width, length)
             batch.cache = merge(batch.cache, width, cache, length)
             batch.mask = torch.cat(
-                [
-                    pad_left(batch.mask, total - width, 1),
-                    pad_left(ones, total - length, 1),
-                ]
+                [pad_left(batch.mask, total - width, 1), pad_left(mask, total - length, 1)]
             )
-            batch.lengths = batch.lengths + [length] * n
+            batch.lengths = batch.lengths + lengths
             batch.logits = torch.cat([batch.logits, logits])
-        batch.rows += [Row(req, i) for i in range(n)]
+        batch.rows += rows
 
     def _step(self, batch: Batch) -> None:
-        """Sample every row (each request with its own params and generator), retire finished rows
-        (their caches go to the prefix cache), then one batched forward of the rest."""
+        """Sample every row (the plain requests' rows together, ``sample_rows``; the others request by
+        request, each with its own params and generator), retire finished rows (their caches go to
+        the prefix cache), then one batched forward of the rest."""
         next_tokens = [0] * len(batch.rows)
         drop: set[int] = set()
         finished: list[Request] = []
-        for req, idx in _by_request(batch.rows):
+        by_request = _by_request(batch.rows)
+        drawn = self._sample_plain(batch, [(r, idx) for r, idx in by_request if is_plain(r.params)])
+        for req, idx in by_request:
             try:
-                ended = self._sample_request(batch, req, idx, next_tokens)
+                toks, lps, top = drawn[id(req)] if id(req) in drawn else self._sample_request(batch, req, idx)
+                ended = self._take(batch, req, idx, toks, lps, top, next_tokens)
             except Exception as e:  # this request only: drop its rows, keep decoding the others
                 fail(req, e)
                 drop.update(idx)
@@ -276,11 +350,43 @@ class Scheduler:
             self._keep_rows(batch, keep)
         self._forward(batch, next_tokens)
 
-    def _sample_request(
-        self, batch: Batch, req: Request, idx: list[int], next_tokens: list[int]
-    ) -> list[int]:
-        """Sample the next token of the request's rows ``idx`` (written to ``next_tokens``); the rows
-        that ended."""
+    def _sample_plain(self, batch: Batch, plain: list[tuple[Request, list[int]]]) -> dict[int, Drawn]:
+        """The next token of every row of the plain requests in one ``sample_rows`` call: by request
+        (``id``), its rows' tokens, log-probs and top log-probs."""
+        if not plain:
+            return {}
+        assert batch.logits is not None
+        device = self.engine.device
+        rows = [b for _, idx in plain for b in idx]
+        logits = (
+            batch.logits if len(rows) == len(batch.rows) else batch.logits[torch.tensor(rows, device=device)]
+        )
+        temps = torch.tensor([req.params.temperature for req, idx in plain for _ in idx], device=device)
+        draws, offsets, at = [], [], 0
+        for req, idx in plain:
+            assert req.gen is not None
+            offsets.append(at)
+            if req.params.temperature > 0.0:
+                draws.append((req.gen, at, at + len(idx)))
+            at += len(idx)
+        tokens, lps, table = sample_rows(logits, temps, draws, self.engine.logprobs_kind)
+        k = max(req.params.logprobs or 0 for req, _ in plain)
+        top = torch.topk(table, k, dim=-1) if k else None
+        toks, lp_list = tokens.tolist(), lps.tolist()
+        out: dict[int, Drawn] = {}
+        for (req, idx), at in zip(plain, offsets, strict=True):
+            n, want = len(idx), req.params.logprobs
+            mine = (
+                TopRows(top.values[at : at + n, :want], top.indices[at : at + n, :want])
+                if top and want
+                else None
+            )
+            out[id(req)] = (toks[at : at + n], lp_list[at : at + n], mine)
+        return out
+
+    def _sample_request(self, batch: Batch, req: Request, idx: list[int]) -> Drawn:
+        """The next token of the request's rows ``idx`` by its own ``_sample`` (logits processors,
+        truncation)."""
         assert batch.logits is not None and req.gen is not None
         params = req.params
         span = idx[-1] - idx[0] + 1 == len(idx)
@@ -288,14 +394,28 @@ class Scheduler:
         outputs = [req.out[batch.rows[b].sample].token_ids for b in idx]
         tokens, lps, table = self.engine._sample(sel, params, req.gen, req.prompt_ids, outputs)
         top = torch.topk(table, params.logprobs, dim=-1) if params.logprobs else None
-        toks, lp_list = tokens.tolist(), lps.tolist()
+        return tokens.tolist(), lps.tolist(), top
+
+    def _take(
+        self,
+        batch: Batch,
+        req: Request,
+        idx: list[int],
+        toks: list[int],
+        lps: list[float],
+        top: Any,
+        next_tokens: list[int],
+    ) -> list[int]:
+        """Append the sampled tokens to the request's completions (written to ``next_tokens`` too);
+        the rows that ended."""
+        params = req.params
         stop_ids = set(params.stop_token_ids)
         ended: list[int] = []
         for r, b in enumerate(idx):
             next_tokens[b] = toks[r]
             sample = batch.rows[b].sample
             c = req.out[sample]
-            end = self.engine._accept(c, toks[r], lp_list[r], top, r, params, stop_ids)
+            end = self.engine._accept(c, toks[r], lps[r], top, r, params, stop_ids)
             if end:
                 ended.append(b)
             if req.listener is not None:
@@ -343,6 +463,11 @@ class Scheduler:
         )
         batch.logits = out.logits[:, -1, :].float()
         batch.lengths = [n + 1 for n in batch.lengths]
+
+
+def _reserve(req: Request) -> int:
+    """The positions a request's rows may come to hold: its prompt and every token it may sample."""
+    return len(req.prompt_ids) + req.params.max_tokens
 
 
 def _by_request(rows: list[Row]) -> list[tuple[Request, list[int]]]:
