@@ -27,6 +27,14 @@ on CUDA (reset before each variant), on CPU the growth of the process's peak RSS
                             [--ranks 2] [--sharding replicate,fsdp]
     python bench/learner.py --size 1b --variants full,lora,fsdp [--device cuda] [--mixed-precision bf16]
                             [--activation-checkpointing] [--lora-rank 8] [--ranks 2]
+    python bench/learner.py --packing [--size 10m] [--groups 4] [--g 8] [--min-len 16] [--max-len 512]
+
+With ``--packing`` (issue 37) the same GRPO batch of mixed lengths (``--min-len`` to ``--max-len``
+prompt+completion tokens, uniform) is trained by the padded learner as it was before packing
+(``packing=False, logprob_chunk=0``: one row per trajectory, the whole logits) and by the packed one
+(``packing=True`` and the fused chunked head, the defaults), alternating step by step in one run on a
+random-weight Llama of ``--size`` (default 10m), one torch thread: median tokens/s side by side, and the
+computed tokens (rows x row width summed over the micro-batches) over the real ones.
 """
 
 from __future__ import annotations
@@ -117,8 +125,14 @@ def main() -> None:
     p.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--packing", action="store_true", help="padded vs packed on a batch of mixed lengths")
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=512)
     args = p.parse_args()
     configure_process()
+    if args.packing:
+        compare_packing(args)
+        return
     if args.size:
         args.ranks = args.ranks or 2
         if args.ranks < 2:
@@ -297,6 +311,9 @@ class Size:
 
 
 SIZES = {
+    # ~10 M with a small vocabulary: the head is ~13 % of the matmul work, as at 1 B (TinyLlama: ~6 %),
+    # not the ~40 % a 12k-32k vocabulary would make it at this width
+    "10m": Size(hidden=256, layers=8, heads=8, kv_heads=8, intermediate=768, vocab=4096),
     "2m": Size(hidden=128, layers=4, heads=4, kv_heads=4, intermediate=344, vocab=4096),
     "20m": Size(hidden=384, layers=6, heads=6, kv_heads=6, intermediate=1024, vocab=16000),
     "125m": Size(hidden=768, layers=12, heads=12, kv_heads=12, intermediate=2048, vocab=32000),
@@ -505,6 +522,117 @@ def print_variants(args: argparse.Namespace, n_params: int, seq_tokens: int, row
         print(
             f"| {r.name} | {r.trainable / 1e6:.2f} M | {r.step_s:.3f} | {r.tokens_per_s:.0f} | "
             f"{r.trained_bytes / 2**20:.1f} | {r.held_bytes / 2**20:.1f} | {r.peak_bytes / 2**20:.0f} |"
+        )
+
+
+def make_mixed_batch(
+    n_groups: int, g: int, min_len: int, max_len: int, vocab: int, seed: int = 0
+) -> tuple[list[Group], list[RewardResult]]:
+    """GRPO groups whose trajectories are ``min_len`` to ``max_len`` prompt+completion tokens (uniform),
+    prompts of 4 to 12 tokens, behaviour log-probs, half of each group correct."""
+    rnd = random.Random(seed)
+    groups, results = [], []
+    for gi in range(n_groups):
+        trajs, rewards = [], []
+        for i in range(g):
+            n = rnd.randint(min_len, max_len)
+            n_prompt = min(rnd.randint(4, 12), n - 1)
+            trajs.append(
+                Trajectory(
+                    id=f"g{gi}t{i}",
+                    group_id=f"g{gi}",
+                    prompt_ids=[rnd.randrange(3, vocab) for _ in range(n_prompt)],
+                    completion_ids=[rnd.randrange(3, vocab) for _ in range(n - n_prompt)],
+                    logprobs=[-rnd.random() * 3 for _ in range(n - n_prompt)],
+                )
+            )
+            rewards.append(TrajectoryReward(trajectory_id=f"g{gi}t{i}", total=float(i % 2)))
+        groups.append(Group(id=f"g{gi}", trajectories=trajs))
+        results.append(RewardResult(group_id=f"g{gi}", rewards=rewards))
+    return groups, results
+
+
+def computed_tokens(lengths: list[int], token_budget: int, packing: bool) -> int:
+    """The tokens the model computes: per micro-batch, rows x the widest row (learner/logprobs.py plan)."""
+    from learner import logprobs as lp
+
+    return sum(
+        len(mb) * max(sum(lengths[i] for i in row) for row in mb)
+        for mb in lp.plan(lengths, token_budget, packing=packing)
+    )
+
+
+PACKING_SIDES = {
+    "padded (before issue 37)": {"packing": False, "logprob_chunk": 0},
+    "packed + chunked head": {"packing": True, "logprob_chunk": 4096},
+}
+
+
+def compare_packing(args: argparse.Namespace) -> None:
+    """``--packing``: the padded and the packed learner on one batch of mixed lengths, interleaved."""
+    import os
+
+    import torch
+
+    from learner.config import LearnerSettings
+    from learner.train import Learner
+
+    size = SIZES[args.size or "10m"]
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        path = root / "llama"
+        n_params = build_checkpoint(size, path, args.seed)
+        groups, rewards = make_mixed_batch(
+            args.groups, args.g, args.min_len, args.max_len, size.vocab, args.seed
+        )
+        lengths = [len(t.prompt_ids) + len(t.completion_ids) for g in groups for t in g.trajectories]
+        learners = {
+            name: Learner(
+                LearnerSettings(
+                    model=path,
+                    store=root / str(k),
+                    device=args.device,
+                    token_budget=args.token_budget,
+                    mixed_precision=args.mixed_precision,
+                    save_optimizer=False,
+                    keep_versions=1,
+                    **kw,  # type: ignore[arg-type]
+                )
+            )
+            for k, (name, kw) in enumerate(PACKING_SIDES.items())
+        }
+        tps: dict[str, list[float]] = {name: [] for name in learners}
+        secs: dict[str, list[float]] = {name: [] for name in learners}
+        for step in range(args.steps + 1):  # step 0 is warm-up
+            for name in list(learners) if step % 2 == 0 else list(reversed(learners)):
+                res = learners[name].train_step(TrainBatch(step=step, groups=groups, rewards=rewards))
+                if step > 0:
+                    tps[name].append(res.metrics["tokens_per_s"])
+                    secs[name].append(res.metrics["train_seconds"])
+    real = sum(lengths)
+    print(
+        f"model=llama-{args.size or '10m'} ({n_params / 1e6:.1f} M parameters: hidden {size.hidden}, "
+        f"{size.layers} layers, vocab {size.vocab}; random weights, seed {args.seed}) device={args.device} "
+        f"torch_threads={torch.get_num_threads()} load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"batch: {args.groups} groups x {args.g} trajectories of {args.min_len}-{args.max_len} tokens, "
+        f"{real} real tokens, GRPO, token_budget {args.token_budget}; median of {args.steps} steps after a "
+        "warm-up, sides alternating, publishing excluded"
+    )
+    print("| learner | micro-batches | computed tokens | computed / real | step s | tokens/s | vs padded |")
+    print("|---|---|---|---|---|---|---|")
+    base = statistics.median(tps[next(iter(tps))])
+    for name, kw in PACKING_SIDES.items():
+        from learner import logprobs as lp
+
+        n_mb = len(lp.plan(lengths, args.token_budget, packing=bool(kw["packing"])))
+        comp = computed_tokens(lengths, args.token_budget, bool(kw["packing"]))
+        med = statistics.median(tps[name])
+        print(
+            f"| {name} | {n_mb} | {comp} | {comp / real:.3f} | {statistics.median(secs[name]):.2f} | "
+            f"{med:.0f} | {med / base:.2f}x |"
         )
 
 

@@ -49,7 +49,7 @@ def test_packed_plan_keeps_every_trajectory_once_within_the_budget_with_little_p
     for mbs in (padded, packed):
         assert sorted(i for mb in mbs for row in mb for i in row) == list(range(len(lengths)))
     for mb in packed:
-        assert all(sum(lengths[i] for i in row) <= 2 * width for row in mb)
+        assert all(sum(lengths[i] for i in row) <= width for row in mb)
         assert len(mb) * max(sum(lengths[i] for i in row) for row in mb) <= budget
     real = sum(lengths)
     computed = sum(len(mb) * max(sum(lengths[i] for i in row) for row in mb) for mb in packed)
