@@ -13,9 +13,14 @@ the format before and after, the wall time per step and how many tree leaves eac
 ``--native`` is the control: the same trainer, prompts and settings with TRL's own generation (HF
 ``generate``) and the exact accuracy of the boxed answer as the reward.
 
-    python bench/trl_rollout.py --mode tree|streaming [--steps 60] [--prompts 2] [--group 4]
-                                [--lr 5e-5] [--warmup 0.0] [--seed 0] [--eval 64] [--native]
+    python bench/trl_rollout.py --mode tree|streaming [--steps 60] [--prompts 8] [--group 8]
+                                [--lr 1e-4] [--warmup 20] [--scheduler constant_with_warmup]
+                                [--temperature 1.3] [--weight-decay 0.01] [--loss-type dapo]
+                                [--beta 0.0] [--epsilon-high 0.28] [--seed 0] [--eval 64] [--native]
                                 [--out FILE.json] [--plot FILE.png]
+
+Training prompts are the tiny model's arithmetic (+ and -, 2-3 digits: ``tiny_problems``, as ``loom
+demo`` and the held-out set); the defaults are ``loom demo``'s learner settings in TRL's terms.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def _tasks(mode: str, problems: list[Any]) -> tuple[list[dict[str, Any]], dict[s
     from loom.tiny import STREAM_HEADER, plain_prompt
     from loom.tiny.traces import stream_sentences
 
-    if mode == "tree":
+    if mode in ("tree", "plain"):
         rows = [{"prompt": plain_prompt(p), "answer": p.gold} for p in problems]
         return rows, {plain_prompt(p): {"label": p.gold, "task": "arithmetic"} for p in problems}
     rows = [{"prompt": p.text, "answer": p.gold} for p in problems]
@@ -71,7 +76,7 @@ def held_out(mode: str, model: Any, tok: Any, n: int) -> float:
 
     problems = tiny_problems("arith", n, HELDOUT_SEED, "test")
     model.eval()
-    res = eval_plain(model, tok, problems) if mode == "tree" else eval_stream(model, tok, problems)
+    res = eval_plain(model, tok, problems) if mode != "streaming" else eval_stream(model, tok, problems)
     return res.accuracy
 
 
@@ -85,11 +90,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from loom.clients.trl_rollout import LoomRolloutFunc, job_reward, off_policy_calls, publish_with
     from loom.contracts.settings import Settings
     from loom.store import PolicyStore
-    from loom.tiny import load_model, load_tokenizer, make_problems
+    from loom.tiny import load_model, load_tokenizer, tiny_problems
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="loom-trl-rollout-"))
-    problems = make_problems("arith", args.steps * args.prompts, seed=args.seed, split="train")
+    # the distribution the tiny model was trained on and is held out from (`loom demo`'s built-in set)
+    problems = tiny_problems("arith", args.steps * args.prompts, args.seed, "train")
     rows, tasks = _tasks(args.mode, problems)
     tok = load_tokenizer()
     acc_before = held_out(args.mode, load_model(), tok, args.eval)
@@ -99,9 +105,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_device_train_batch_size=args.prompts * args.group,
         num_generations=args.group,
         max_completion_length=args.max_tokens,
-        temperature=1.0,
+        temperature=args.temperature,
         learning_rate=args.lr,
+        lr_scheduler_type=args.scheduler,
         warmup_steps=args.warmup,
+        weight_decay=args.weight_decay,
+        loss_type=args.loss_type,
+        beta=args.beta,
+        epsilon_high=args.epsilon_high,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -187,6 +198,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_generations": args.group,
         "lr": args.lr,
         "warmup": args.warmup,
+        "scheduler": args.scheduler,
+        "temperature": args.temperature,
+        "weight_decay": args.weight_decay,
+        "loss_type": args.loss_type,
+        "beta": args.beta,
+        "epsilon_high": args.epsilon_high,
         "seed": args.seed,
         "reward_per_step": rewards,
         "reward_first10": sum(rewards[:k]) / k,
@@ -211,7 +228,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
         ys = r["reward_per_step"]
         w = 5
@@ -219,31 +236,52 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))
         ]
         ax.plot(range(len(ys)), ys, alpha=0.3)
-        ax.plot(range(len(ys)), smooth, label=f"{r['mode']} (5-step mean)", color=ax.lines[-1].get_color())
+        held = f"held-out {r['heldout_acc_before']:.2f} -> {r['heldout_acc_after']:.2f}"
+        label = f"{r['mode']} (5-step mean; {held})"
+        ax.plot(range(len(ys)), smooth, label=label, color=ax.lines[-1].get_color(), linewidth=2)
+    first = results[0]
+    ax.set_title(
+        f"TRL GRPOTrainer, Loom rollouts: {first['prompts_per_step']} x {first['num_generations']} a step, "
+        f"lr {first['lr']:g}, T {first.get('temperature', 1.0):g}",
+        fontsize=10,
+    )
     ax.set_xlabel("TRL step")
-    ax.set_ylabel("mean reward (Loom accuracy)")
-    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.set_ylabel("mean reward (accuracy)")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", dest="modes", choices=["tree", "streaming"], action="append")
+    p.add_argument("--mode", dest="modes", choices=["tree", "streaming", "plain"], action="append")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--prompts", type=int, default=2, help="distinct prompts per step")
-    p.add_argument("--group", type=int, default=4, help="num_generations")
+    p.add_argument("--prompts", type=int, default=8, help="distinct prompts per step")
+    p.add_argument("--group", type=int, default=8, help="num_generations")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--lr", type=float, default=5e-5)
+    # the defaults are `loom demo`'s learner settings in TRL's terms (docs/interop-rollout.md, "TRL")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=float, default=20, help="linear warmup: steps, or a fraction < 1 of them")
     p.add_argument(
-        "--warmup", type=float, default=0.0, help="linear warmup: steps, or a fraction < 1 of them"
+        "--scheduler", default="constant_with_warmup", help="lr_scheduler_type (TRL's default: linear decay)"
     )
+    p.add_argument("--temperature", type=float, default=1.3, help="sampling and log-prob temperature")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--loss-type", default="dapo", help="TRL's loss_type (dapo: token mean, Loom's)")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient")
+    p.add_argument("--epsilon-high", type=float, default=0.28, help="clip-higher (Loom's eps_high)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval", type=int, default=64, help="held-out problems, greedy")
     p.add_argument("--native", action="store_true", help="control: TRL's own generation (tree's prompts)")
     p.add_argument("--out", type=Path, help="append the results as JSON lines")
     p.add_argument("--plot", type=Path, help="the reward curves as a PNG")
+    p.add_argument("--replot", type=Path, help="only plot the JSON lines of earlier --out runs to --plot")
     args = p.parse_args(argv)
+    if args.replot:
+        plot([json.loads(line) for line in args.replot.read_text().splitlines() if line.strip()], args.plot)
+        return 0
     results = []
     for mode in (args.modes or ["tree"]) if not args.native else ["tree"]:
         args.mode = mode
