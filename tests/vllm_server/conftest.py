@@ -5,7 +5,8 @@ serving Loom's tiny model (``loom/tiny/checkpoint``, tied embeddings) the way do
 restarts it when a test needs another configuration (the log-prob mode is a server flag), on the same
 port, so at most one vLLM process runs at any time; ``vllm.restart()`` kills and starts it again.
 The whole layer is skipped, with the reason, only when the vLLM environment does not exist
-(``LOOM_VLLM_PYTHON``, else ``.venv-vllm/bin/python``).
+(``LOOM_VLLM_PYTHON``, else ``.venv-vllm/bin/python``). A test that starts the server waits for its
+``/health`` (up to ``START_S``), so each test here gets a pytest timeout past that wait.
 
 Helpers: ``store`` (session): a policy store whose versions are changed copies of the tiny model;
 ``reference_logprobs(path, prompt, completion, temperature)``: the learner's own recomputation
@@ -38,17 +39,25 @@ def _python() -> Path:
     return vllm_python(Settings().vllm_python)
 
 
+# a test may pay for a server (re)start, which waits up to START_S for /health (minutes on a loaded
+# machine): pytest-timeout's default (300 s) would cut it; each layer's test gets this much instead
+START_S = 600
+TEST_TIMEOUT_S = START_S + 300
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     py = _python()
-    if py.exists():
-        return
     skip = pytest.mark.skip(
         reason=f"no vLLM environment at {py}: run `bash deploy/vllm-setup.sh` (docs/vllm.md)"
     )
     here = Path(__file__).parent
     for item in items:
-        if here in Path(str(item.fspath)).parents:
+        if here not in Path(str(item.fspath)).parents:
+            continue
+        if not py.exists():
             item.add_marker(skip)
+        elif item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
 
 
 def free_port() -> int:
@@ -84,7 +93,7 @@ class VLLM:
         if not dev:  # no dev routes (vLLM's default); runtime LoRA updating stays on
             env.pop("VLLM_SERVER_DEV_MODE")
         self.starts += 1
-        self.server = VLLMServer(cmd, env, self.log_dir / f"vllm-{self.starts}.log").start(timeout_s=600)
+        self.server = VLLMServer(cmd, env, self.log_dir / f"vllm-{self.starts}.log").start(timeout_s=START_S)
         self.config = (logprobs_mode, dev)
 
     def restart(self) -> None:
