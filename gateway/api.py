@@ -19,7 +19,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from gateway.auth import auth_middleware
+from gateway.auth import WebAuth, auth_middleware
+from gateway.config import GatewaySettings
 from gateway.datasets import dataset_root
 from gateway.keys import KeyRing
 from gateway.manager import Manager
@@ -35,26 +36,34 @@ from loom.contracts.settings import SERVICES, Settings, get_settings
 from loom.service import add_ping_route, broker_check, create_app
 
 
-def build_gateway(settings: Settings, celery_app: Any, stages: Stages | None = None) -> Gateway:
+def build_gateway(
+    settings: Settings, config: GatewaySettings, celery_app: Any, stages: Stages | None = None
+) -> Gateway:
     """The process's state and its pipeline manager, on ``settings.data_dir``."""
     data_dir = Path(settings.data_dir)
     state = GatewayState(data_dir / "gateway.sqlite")
     stop = threading.Event()
     return Gateway(
         settings=settings,
+        config=config,
         celery_app=celery_app,
         state=state,
         manager=Manager(state, stages or CeleryStages(celery_app, stop=stop), data_dir, stop),
-        backpressure=Backpressure(celery_app, settings.gateway_max_queue_depth),
-        quotas=Quotas.from_settings(settings),
+        backpressure=Backpressure(celery_app, config.max_queue_depth),
+        quotas=Quotas.from_settings(config),
         datasets=dataset_root(data_dir),
     )
 
 
 def build_app(
-    settings: Settings | None = None, celery_app: Any = None, stages: Stages | None = None
+    settings: Settings | None = None,
+    celery_app: Any = None,
+    stages: Stages | None = None,
+    config: GatewaySettings | None = None,
 ) -> FastAPI:
+    """The gateway on the shared ``settings`` and its own ``config`` (default: both from the environment)."""
     settings = settings or get_settings()
+    config = config or GatewaySettings()
     if celery_app is None:
         from gateway.tasks import celery_app as default_app
 
@@ -65,24 +74,21 @@ def build_app(
         ready_checks={"broker": broker_check(celery_app)},
         description=__doc__ or "",
         errors=(401, 403, 429),
-        body_limits={"/v1/datasets": settings.gateway_dataset_max_bytes},
+        body_limits={"/v1/datasets": config.dataset_max_bytes},
     )
     add_ping_route(app, celery_app, SERVICES)
-    gateway = build_gateway(settings, celery_app, stages)
-    app.middleware("http")(
-        auth_middleware(
-            KeyRing.from_spec(settings.api_keys),
-            TokenBuckets(settings.gateway_rate, settings.gateway_burst),
-            TokenBuckets(settings.gateway_auth_fail_rate, settings.gateway_auth_fail_burst),
-        )
-    )
+    gateway = build_gateway(settings, config, celery_app, stages)
+    keys = KeyRing.from_spec(settings.api_keys)
+    failures = TokenBuckets(config.auth_fail_rate, config.auth_fail_burst)
+    web = WebAuth.from_settings(keys, failures, config)  # the run page's sessions and login limits
+    app.middleware("http")(auth_middleware(keys, TokenBuckets(config.rate, config.burst), failures, web))
     app.state.gateway = gateway
     app.state.gateway_state = gateway.state
     app.state.manager = gateway.manager
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if settings.gateway_run_loop:
+        if config.run_loop:
             gateway.manager.resume_all()
         yield
         await asyncio.to_thread(gateway.manager.shutdown)

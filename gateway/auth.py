@@ -31,9 +31,9 @@ from urllib.parse import urlsplit
 from fastapi import Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
+from gateway.config import GatewaySettings
 from gateway.keys import ApiKey, KeyRing
 from gateway.ratelimit import TokenBuckets, retry_after_header
-from loom.contracts.settings import Settings
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 # the name of the key a request came with, for checks below the route (gateway/validate.py: a job may
@@ -131,17 +131,15 @@ class WebAuth:
     origins: frozenset[str] = frozenset()  # more origins the form may be posted from (a proxy's)
 
     @classmethod
-    def from_settings(cls, keys: KeyRing, failures: TokenBuckets, settings: Settings) -> WebAuth:
-        rate, burst = settings.gateway_login_rate, settings.gateway_login_burst
+    def from_settings(cls, keys: KeyRing, failures: TokenBuckets, config: GatewaySettings) -> WebAuth:
+        rate, burst = config.login_rate, config.login_burst
         return cls(
             keys,
-            Sessions(settings.gateway_sessions_per_key),
+            Sessions(config.sessions_per_key),
             failures,
             TokenBuckets(rate, burst),
             TokenBuckets(rate, burst),
-            frozenset(
-                o.strip().rstrip("/").lower() for o in settings.gateway_ui_origins.split(",") if o.strip()
-            ),
+            frozenset(o.strip().rstrip("/").lower() for o in config.ui_origins.split(",") if o.strip()),
         )
 
     def login(self, request: Request, presented: str) -> str | Refused:
@@ -220,20 +218,16 @@ def client_address(request: Request) -> str:
 
 
 def auth_middleware(
-    keys: KeyRing, buckets: TokenBuckets, failures: TokenBuckets, web: WebAuth | None = None
+    keys: KeyRing, buckets: TokenBuckets, failures: TokenBuckets, web: WebAuth
 ) -> Callable[..., Awaitable[Any]]:
-    """The check; ``web`` (the run page's sessions and login limits) is built on the first /ui request
-    from the app's settings (``app.state.settings``: loom/service.py) unless given."""
-    built = [web] if web is not None else []
+    """The check; ``web`` holds the run page's sessions and login limits (``WebAuth.from_settings``)."""
 
     async def check(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
         path = request.url.path
         if path in OPEN_PATHS:
             return await call_next(request)
         if is_ui(path):
-            if not built:  # no await since the check: one WebAuth per app
-                built.append(WebAuth.from_settings(keys, failures, request.app.state.settings))
-            web_auth = request.state.web_auth = built[0]
+            web_auth = request.state.web_auth = web
             if path in UI_OPEN_PATHS or path.startswith(UI_STATIC):
                 return await call_next(request)
             if presented_key(request) is None:  # a browser: its session, or the login form

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.config import GatewaySettings
+
 RETRY_AFTER_S = 30  # a quota frees when work ends: minutes, not the token bucket's seconds
 
 
@@ -43,16 +45,16 @@ class Quotas:
     datasets: int = 256
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Quotas:
+    def from_settings(cls, config: GatewaySettings) -> Quotas:
         return cls(
-            jobs=settings.gateway_quota_jobs,
-            runs=settings.gateway_quota_runs,
-            samples=settings.gateway_quota_samples,
-            tokens=settings.gateway_quota_tokens,
-            run_samples=settings.gateway_max_run_samples,
-            streams=settings.gateway_quota_streams,
-            dataset_bytes=settings.gateway_quota_dataset_bytes,
-            datasets=settings.gateway_quota_datasets,
+            jobs=config.quota_jobs,
+            runs=config.quota_runs,
+            samples=config.quota_samples,
+            tokens=config.quota_tokens,
+            run_samples=config.max_run_samples,
+            streams=config.quota_streams,
+            dataset_bytes=config.quota_dataset_bytes,
+            datasets=config.quota_datasets,
         )
 
 

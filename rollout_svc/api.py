@@ -30,6 +30,7 @@ from loom.contracts.wire import Contract, Group, RolloutRequest
 from loom.remote_store import PolicyStoreError
 from loom.service import ErrorBody, add_ping_route, broker_check, create_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
+from rollout_svc.config import RolloutSettings
 from rollout_svc.engines import get_engine_async, get_tokenizer
 from rollout_svc.engines.base import (
     Engine,
@@ -53,6 +54,7 @@ app = create_app(
     description="Generation: engines (vLLM server, torch) and rollout modes.",
     errors=(404,),  # POST /v1/policy: no such version
 )
+app.state.rollout = RolloutSettings()  # this service's own settings (tests swap it like app.state.settings)
 add_ping_route(app, celery_app, ("rollout",))
 internal = internal_route_guard(app)
 
@@ -115,7 +117,13 @@ async def rollouts(body: RolloutRequest) -> Group | JSONResponse:
     settings = app.state.settings
     try:
         engine = await get_engine_async(settings)
-        return await generate_group(body, engine, lambda: get_tokenizer(settings), settings)
+        return await generate_group(
+            body,
+            engine,
+            lambda: get_tokenizer(settings),
+            settings,
+            group_timeout_s=app.state.rollout.group_timeout_s,
+        )
     except (ModeError, EngineError) as exc:
         return _engine_error(exc)
     except OSError as exc:  # model files missing / unreadable

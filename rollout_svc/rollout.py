@@ -22,6 +22,7 @@ from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
 from loom.remote_store import open_policy_store
 from loom.store import REGISTERED, PolicyStore, PublishError
+from rollout_svc.config import GROUP_TIMEOUT_S
 from rollout_svc.engines.base import Engine, EngineError, PolicyLoadError, check_prompt
 from rollout_svc.modes import MODES, ModeError, run
 
@@ -34,11 +35,16 @@ class GroupTimeout(EngineError):
 
 
 async def generate_group(
-    request: RolloutRequest, engine: Engine, tokenizer: Callable[[], Any], settings: Settings
+    request: RolloutRequest,
+    engine: Engine,
+    tokenizer: Callable[[], Any],
+    settings: Settings,
+    *,
+    group_timeout_s: float = GROUP_TIMEOUT_S,
 ) -> Group:
     """Generate one prompt's group. ``tokenizer()`` is called only when text must be tokenized.
     The generation (not the policy catch-up before it, which has its own timeouts) is bounded by
-    ``settings.rollout_group_timeout_s``: past it, ``GroupTimeout``."""
+    ``group_timeout_s`` (``RolloutSettings.group_timeout_s``): past it, ``GroupTimeout``."""
     if request.mode not in MODES:
         raise ModeError(
             f"mode {request.mode!r} is not served by the rollout service yet; available: {tuple(MODES)}"
@@ -54,7 +60,7 @@ async def generate_group(
     # engines check again; the vllm client's limits are its server's, whose 400 is a 422 here)
     field = "prompt_ids" if request.prompt_ids is not None else "prompt"
     check_prompt(prompt_ids, engine.vocab_size, engine.max_model_len, field)
-    limit = settings.rollout_group_timeout_s
+    limit = group_timeout_s
     at = (request.policy_version, request.policy_namespace, request.policy_match)
     async with holding_policy(engine, settings, *at):
         try:

@@ -37,6 +37,7 @@ from celery import Task
 from loom.contracts.settings import get_settings
 from loom.contracts.wire import RolloutRequest
 from loom.queue import make_celery
+from rollout_svc.config import get_rollout_settings
 from rollout_svc.engines import get_engine, get_tokenizer
 from rollout_svc.engines.base import EngineTimeout, EngineUnavailable
 from rollout_svc.rollout import generate_group, loop_local, stored_policy
@@ -92,12 +93,15 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     max_retries=3,
 )
 def generate_group_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
-    settings = get_settings()
+    settings, limit = get_settings(), get_rollout_settings().group_timeout_s
     req = RolloutRequest.model_validate(request)
     if req.group_id is None:
         req = req.model_copy(update={"group_id": self.request.id})
+    engine = get_engine(settings)
     group = run(
-        on_engine(generate_group(req, get_engine(settings), lambda: get_tokenizer(settings), settings))
+        on_engine(
+            generate_group(req, engine, lambda: get_tokenizer(settings), settings, group_timeout_s=limit)
+        )
     )
     group.meta.update(
         worker_pid=os.getpid(),

@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from gateway.config import GatewaySettings
 from gateway.manager import Manager
 from gateway.models import Created, TaskItem
 from gateway.quotas import Cost, QuotaExceeded, Quotas
@@ -80,6 +81,7 @@ class Gateway:
     """One gateway process's state, built once by ``gateway.api.build_app`` (``app.state.gateway``)."""
 
     settings: Settings
+    config: GatewaySettings
     celery_app: Any
     state: GatewayState
     manager: Manager
@@ -160,7 +162,7 @@ async def submit(
                 "detail": f"{kind}_key names {kind} {exc.item_id} with a different request",
             },
         ) from None
-    if created and gw.settings.gateway_run_loop:
+    if created and gw.config.run_loop:
         start(item_id)
     return JSONResponse(status_code=201 if created else 200, content={"id": item_id, "created": created})
 

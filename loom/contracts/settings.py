@@ -84,59 +84,9 @@ class Settings(BaseSettings):
         default="auto", description="uvicorn's HTTP implementation (auto: httptools when installed)"
     )
     api_keys: str = Field(default="", description="comma-separated 'name:sha256hex' pairs for the gateway")
-    gateway_rate: float = Field(default=20.0, gt=0.0, description="requests/s per API key (token bucket)")
-    gateway_burst: int = Field(default=40, ge=1, description="token bucket size per API key")
-    gateway_max_queue_depth: int = Field(
-        default=1000, ge=0, description="submissions get 429 while a pipeline queue holds more messages"
-    )
-    gateway_run_loop: bool = Field(default=True, description="drive RL runs in this gateway process")
-    # --- gateway quotas per API key (docs/security.md): generous for a trainer's work, refuse the absurd
-    gateway_quota_jobs: int = Field(default=64, ge=1, description="queued + running jobs per key")
-    gateway_quota_runs: int = Field(default=4, ge=1, description="queued + running runs per key")
-    gateway_quota_samples: int = Field(
-        default=2**21,
-        ge=1,
-        description="completions in flight per key: a job's prompts x n (adaptive: x M x R), a run's "
-        "(staleness + 1) x batch x n",
-    )
-    gateway_quota_tokens: int = Field(
-        default=2**32, ge=1, description="completion tokens in flight per key: samples x max_tokens"
-    )
-    gateway_max_run_samples: int = Field(
-        default=2**30, ge=1, description="a run's samples over all its steps: steps x batch x n"
-    )
-    gateway_quota_streams: int = Field(default=32, ge=1, description="open event streams per key")
-    gateway_quota_dataset_bytes: int = Field(
-        default=4 * 1024**3,
-        ge=1,
-        description="bytes of datasets a key stores (its uploads and its runs' inline JSONL); "
-        "DELETE /v1/datasets/{id} frees them",
-    )
-    gateway_quota_datasets: int = Field(default=256, ge=1, description="datasets a key stores")
-    gateway_auth_fail_rate: float = Field(
-        default=1.0, gt=0.0, description="failed authentications/s per client address (token bucket)"
-    )
-    gateway_auth_fail_burst: int = Field(
-        default=20, ge=1, description="failed authentications a client address may make at once"
-    )
-    # --- the run page's sessions and logins (docs/security.md)
-    gateway_sessions_per_key: int = Field(
-        default=32, ge=1, description="run page sessions a key holds; its new login drops its own oldest"
-    )
-    gateway_login_rate: float = Field(
-        default=0.1, gt=0.0, description="run page logins/s per API key and per client address (token bucket)"
-    )
-    gateway_login_burst: int = Field(
-        default=10, ge=1, description="run page logins an API key, or a client address, may make at once"
-    )
-    gateway_ui_origins: str = Field(
-        default="",
-        description="comma-separated origins (https://host[:port]) the run page's login form may be posted "
-        "from besides the gateway's own Host: the public origin behind a proxy that rewrites Host",
-    )
-    gateway_dataset_max_bytes: int = Field(
-        default=1024**3, ge=1, description="largest dataset upload (POST /v1/datasets)"
-    )
+    # the gateway's own knobs (rate limits, quotas, run page logins, ...): gateway/config.py, GatewaySettings
+    # --- the policy store's publish limits: the gateway's /v1/policies, and the store's host when the
+    # gateway forwards an upload to it (loom/remote_store.py)
     gateway_policy_max_bytes: int = Field(
         default=4 * 1024**3, ge=1, description="largest policy version upload, all its files together"
     )
@@ -227,13 +177,7 @@ class Settings(BaseSettings):
     )
     rollout_reading_wpm: float = Field(default=150.0, gt=0, description="streaming: words per minute")
     rollout_segment_cap: int = Field(default=512, ge=1, description="streaming: max tokens per thought")
-    rollout_group_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="the longest one group's generation may take (every engine and scorer call of it): "
-        "past it the group fails with 'group_timeout' and frees its worker slot (Celery's time limits "
-        "do not reach the threads pool)",
-    )
+    # the rollout service's own knobs (the group timeout): rollout_svc/config.py, RolloutSettings
     attention_url: str = Field(
         default="",
         description="tree mode's attention scorer for engines without attention scores (vLLM): the root "

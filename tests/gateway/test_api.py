@@ -15,23 +15,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, RUNS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from gateway.keys import KeyRing, hash_key, main, parse_keys  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
 from loom.store import PolicyStore  # noqa: E402
 
 
-def make_client(tmp_path: Path, **overrides: object) -> TestClient:
-    values: dict[str, object] = dict(
-        data_dir=tmp_path,
-        broker_url="embedded",
-        result_backend="embedded",
-        api_keys=API_KEYS,
-        gateway_run_loop=False,
+def make_client(tmp_path: Path, **config: object) -> TestClient:
+    """A gateway on ``tmp_path``; ``config``: its GatewaySettings besides run_loop=False."""
+    settings = Settings(
+        data_dir=tmp_path, broker_url="embedded", result_backend="embedded", api_keys=API_KEYS
     )
-    values.update(overrides)
-    settings = Settings(**values)  # type: ignore[arg-type]
-    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings)))
+    gateway = GatewaySettings(**{"run_loop": False, **config})  # type: ignore[arg-type]
+    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings), config=gateway))
 
 
 @pytest.fixture
@@ -153,7 +150,7 @@ def test_bad_job_body_is_422_with_field_path(client: TestClient) -> None:
 
 def test_rate_limit_is_429_with_retry_after_per_key(tmp_path: Path) -> None:
     # a token per 1000 s: no refill between the requests, however slowly a loaded machine sends them
-    with make_client(tmp_path, gateway_rate=0.001, gateway_burst=3) as c:
+    with make_client(tmp_path, rate=0.001, burst=3) as c:
         codes = [c.get("/version", headers=auth(JOBS_KEY)).status_code for _ in range(4)]
         assert codes == [200, 200, 200, 429]
         r = c.get("/version", headers=auth(JOBS_KEY))
@@ -162,7 +159,7 @@ def test_rate_limit_is_429_with_retry_after_per_key(tmp_path: Path) -> None:
 
 
 def test_deep_queues_are_429_with_retry_after(tmp_path: Path) -> None:
-    with make_client(tmp_path, gateway_max_queue_depth=0) as c:
+    with make_client(tmp_path, max_queue_depth=0) as c:
         assert c.post("/v1/jobs", json=JOB, headers=auth(JOBS_KEY)).status_code == 201
         settings = c.app.state.settings  # type: ignore[attr-defined]
         make_celery("gateway", settings).send_task("rollout.ping")  # no worker: it waits in the queue

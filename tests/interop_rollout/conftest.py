@@ -65,7 +65,6 @@ def gateway_settings(data_dir: Path, **extra: Any) -> Settings:
         broker_url="embedded",
         result_backend="embedded",
         api_keys=API_KEYS,
-        gateway_run_loop=False,
         service_token=TOKEN,
         **extra,
     )
@@ -73,8 +72,10 @@ def gateway_settings(data_dir: Path, **extra: Any) -> Settings:
 
 def start_gateway(settings: Settings) -> Server:
     from gateway.api import build_app
+    from gateway.config import GatewaySettings
 
-    return Server(build_app(settings, celery_app=make_celery("gateway", settings)))
+    celery_app = make_celery("gateway", settings)
+    return Server(build_app(settings, celery_app=celery_app, config=GatewaySettings(run_loop=False)))
 
 
 def start_learner_api(settings: Settings) -> Server:

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from helpers import API_KEYS, JOBS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from gateway.ratelimit import TokenBuckets  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
@@ -29,10 +30,9 @@ def test_200_concurrent_wrong_keys_are_mostly_429(tmp_path: Path) -> None:
         broker_url="embedded",
         result_backend="embedded",
         api_keys=API_KEYS,
-        gateway_run_loop=False,
-        gateway_auth_fail_rate=0.001,  # no refill while the test runs, however slow the machine
     )
-    app = build_app(settings, celery_app=make_celery("gateway", settings))
+    config = GatewaySettings(run_loop=False, auth_fail_rate=0.001)  # no refill while the test runs
+    app = build_app(settings, celery_app=make_celery("gateway", settings), config=config)
 
     async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
         attacker = httpx.ASGITransport(app=app, client=("203.0.113.7", 40000))

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess, auth, free_port  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from gateway.keys import hash_key  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
@@ -36,13 +37,11 @@ OTHER_KEY = "loom_test_other_runs_key"  # a second jobs+runs key, as in the issu
 KEYS = f"{API_KEYS},other:{hash_key(OTHER_KEY)}"
 
 
-def _client(tmp_path: Path, **overrides: object) -> TestClient:
-    values: dict[str, object] = {
-        "data_dir": tmp_path, "broker_url": "embedded", "result_backend": "embedded", "api_keys": KEYS,
-        "gateway_run_loop": False, **overrides,
-    }  # fmt: skip
-    settings = Settings(**values)  # type: ignore[arg-type]
-    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings)))
+def _client(tmp_path: Path, **config: object) -> TestClient:
+    """A gateway on ``tmp_path``; ``config``: its GatewaySettings besides run_loop=False."""
+    settings = Settings(data_dir=tmp_path, broker_url="embedded", result_backend="embedded", api_keys=KEYS)
+    gateway = GatewaySettings(**{"run_loop": False, **config})  # type: ignore[arg-type]
+    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings), config=gateway))
 
 
 def _jsonl(bad_at: int | None = None) -> Iterator[bytes]:
@@ -122,7 +121,7 @@ def test_a_bad_line_is_422_naming_it_and_nothing_is_stored(tmp_path: Path) -> No
 
 
 def test_a_dataset_over_its_limit_is_413(tmp_path: Path) -> None:
-    with _client(tmp_path, gateway_dataset_max_bytes=100_000) as c:
+    with _client(tmp_path, dataset_max_bytes=100_000) as c:
         r = _upload(c, _jsonl())
         assert r.status_code == 413 and r.json()["error"] == "payload_too_large", r.text
 
@@ -152,7 +151,7 @@ def test_a_jobs_only_key_cannot_store_or_delete_datasets(tmp_path: Path) -> None
 
 
 def test_the_dataset_quota_refuses_an_upload_past_it_and_stores_nothing(tmp_path: Path) -> None:
-    with _client(tmp_path, gateway_quota_dataset_bytes=200_000, gateway_quota_datasets=2) as c:
+    with _client(tmp_path, quota_dataset_bytes=200_000, quota_datasets=2) as c:
         state = c.app.state.gateway_state  # type: ignore[attr-defined]
         r = _upload(c, _jsonl())  # 150k lines, 4.6 MB
         assert r.status_code == 413, r.text

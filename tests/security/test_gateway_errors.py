@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, auth, free_port  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
 
@@ -21,9 +22,9 @@ from loom.queue import make_celery  # noqa: E402
 def _client(tmp_path: Path, broker_url: str = "embedded") -> TestClient:
     settings = Settings(
         data_dir=tmp_path, broker_url=broker_url, result_backend="embedded", api_keys=API_KEYS,
-        gateway_run_loop=False,
     )  # fmt: skip
-    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings)))
+    config = GatewaySettings(run_loop=False)
+    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings), config=config))
 
 
 def test_queues_with_the_broker_down_is_503_with_retry_after(tmp_path: Path) -> None:

@@ -22,17 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, auth, free_port  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
 
 
-def make_client(tmp_path: Path, **overrides: object) -> TestClient:
-    values: dict[str, object] = dict(
+def make_client(tmp_path: Path, **config: object) -> TestClient:
+    """A gateway on ``tmp_path``; ``config``: its GatewaySettings besides run_loop=False."""
+    settings = Settings(
         data_dir=tmp_path, broker_url="embedded", result_backend="embedded", api_keys=API_KEYS
     )
-    values.update(gateway_run_loop=False, **overrides)
-    settings = Settings(**values)  # type: ignore[arg-type]
-    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings)))
+    gateway = GatewaySettings(**{"run_loop": False, **config})  # type: ignore[arg-type]
+    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings), config=gateway))
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def test_the_issues_hostile_job_and_run_are_422_naming_the_quota(client: TestCli
 
 
 def test_work_beside_the_keys_other_work_is_429_until_some_ends(tmp_path: Path) -> None:
-    with make_client(tmp_path, gateway_quota_jobs=2, gateway_quota_samples=100) as c:
+    with make_client(tmp_path, quota_jobs=2, quota_samples=100) as c:
         first = c.post("/v1/jobs", json=_job("a", 10, sampling={"n": 4}), headers=auth(JOBS_KEY))
         assert first.status_code == 201
         r = c.post("/v1/jobs", json=_job("b", 20, sampling={"n": 4}), headers=auth(JOBS_KEY))
@@ -99,7 +100,7 @@ def test_work_beside_the_keys_other_work_is_429_until_some_ends(tmp_path: Path) 
 
 
 def test_concurrent_runs_are_capped_per_key(tmp_path: Path) -> None:
-    with make_client(tmp_path, gateway_quota_runs=2) as c:
+    with make_client(tmp_path, quota_runs=2) as c:
         run = {"dataset": {"builtin": "arith", "size": 8}, "schedule": {"steps": 2, "batch_size": 2}}
         codes = [
             c.post("/v1/runs", json={**run, "run_key": f"r{i}"}, headers=auth(RUNS_KEY)) for i in range(3)
@@ -119,10 +120,9 @@ def server(tmp_path: Path) -> Iterator[str]:
         broker_url="embedded",
         result_backend="embedded",
         api_keys=API_KEYS,
-        gateway_run_loop=False,
-        gateway_quota_streams=2,
     )
-    app = build_app(settings, celery_app=make_celery("gateway", settings))
+    config = GatewaySettings(run_loop=False, quota_streams=2)
+    app = build_app(settings, celery_app=make_celery("gateway", settings), config=config)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

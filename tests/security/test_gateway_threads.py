@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from helpers import API_KEYS, JOBS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery, queue_depths  # noqa: E402
 
@@ -28,11 +29,11 @@ def test_sixty_waiting_jobs_hold_no_thread_each(tmp_path: Path) -> None:
         broker_url="embedded",
         result_backend="embedded",
         api_keys=API_KEYS,
-        gateway_quota_jobs=JOBS,
-        gateway_burst=1000,  # 60 submissions at once: the per-key request rate is not under test
     )
+    # 60 submissions at once: the per-key request rate is not under test
+    config = GatewaySettings(quota_jobs=JOBS, burst=1000)
     celery_app = make_celery("gateway", settings)
-    with TestClient(build_app(settings, celery_app=celery_app)) as c:
+    with TestClient(build_app(settings, celery_app=celery_app, config=config)) as c:
         before = threading.active_count()
         for j in range(JOBS):
             body = {"job_key": f"wait-{j}", "prompts": [f"q{j}.{i}" for i in range(PROMPTS)]}

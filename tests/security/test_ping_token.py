@@ -96,15 +96,15 @@ def test_the_learners_ping_round_trips_with_the_token_only(tmp_path: Path) -> No
 def gateway(tmp_path: Path) -> TestClient:
     """The gateway as ``loom up`` configures it: API keys and the stack's service token."""
     from gateway.api import build_app
+    from gateway.config import GatewaySettings
 
     keys = ",".join(
         f"{name}:{hashlib.sha256(key.encode()).hexdigest()}:{scopes}"
         for name, key, scopes in (("admin", ADMIN_KEY, "jobs+runs+admin"), ("jobs", JOBS_KEY, "jobs"))
     )
-    settings = Settings(
-        data_dir=tmp_path, api_keys=keys, service_token=TOKEN, gateway_run_loop=False, gateway_burst=1000
-    )
-    return TestClient(build_app(settings), raise_server_exceptions=False)
+    settings = Settings(data_dir=tmp_path, api_keys=keys, service_token=TOKEN)
+    config = GatewaySettings(run_loop=False, burst=1000)
+    return TestClient(build_app(settings, config=config), raise_server_exceptions=False)
 
 
 def test_the_gateways_ping_needs_an_admin_key(gateway: TestClient) -> None:

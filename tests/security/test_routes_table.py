@@ -112,17 +112,15 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, FastAPI
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> FastAPI:
     from gateway.api import build_app
+    from gateway.config import GatewaySettings
 
     keys = ",".join(key_line(s, f"loom_routes-{s}", s) for s in SCOPES)
     settings = Settings(
         data_dir=tmp_path_factory.mktemp("gateway"),
         api_keys=keys,
         service_token=TOKEN,
-        gateway_run_loop=False,
-        gateway_burst=100_000,
-        gateway_auth_fail_burst=100_000,
     )
-    return build_app(settings)
+    return build_app(settings, config=GatewaySettings(run_loop=False, burst=100_000, auth_fail_burst=100_000))
 
 
 def engine_app(monkeypatch: pytest.MonkeyPatch, dev: bool, lora: bool) -> FastAPI:

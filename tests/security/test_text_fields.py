@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from helpers import API_KEYS, RUNS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.contracts.wire import Group, unencodable_path  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
@@ -40,9 +41,9 @@ UNICODE_MSG = "lone surrogate"
 def gateway(tmp_path: Path) -> Iterator[TestClient]:
     settings = Settings(
         data_dir=tmp_path, broker_url="embedded", result_backend="embedded", api_keys=API_KEYS,
-        gateway_run_loop=False,
     )  # fmt: skip
-    with TestClient(build_app(settings, celery_app=make_celery("gateway", settings))) as c:
+    config = GatewaySettings(run_loop=False)
+    with TestClient(build_app(settings, celery_app=make_celery("gateway", settings), config=config)) as c:
         c.headers.update({**auth(RUNS_KEY), **JSON})
         yield c
 

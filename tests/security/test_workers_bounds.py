@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, RolloutRequest
 from loom.queue import send
+from rollout_svc.config import RolloutSettings
 from tests.rollout.conftest import start_engine_server, stop_process
 from tests.security import workers_fixtures
 from tests.security.workers_fixtures import tree_request
@@ -55,6 +56,7 @@ def test_a_verification_deadline_above_the_operators_bound_is_a_422_at_the_rewar
 
 def _gateway(tmp_path: Path, **overrides: Any) -> TestClient:
     from gateway.api import build_app
+    from gateway.config import GatewaySettings
     from loom.queue import make_celery
 
     settings = Settings(
@@ -62,10 +64,10 @@ def _gateway(tmp_path: Path, **overrides: Any) -> TestClient:
         broker_url="embedded",
         result_backend="embedded",
         api_keys=API_KEYS,
-        gateway_run_loop=False,
         **overrides,
     )
-    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings)))
+    config = GatewaySettings(run_loop=False)
+    return TestClient(build_app(settings, celery_app=make_celery("gateway", settings), config=config))
 
 
 def test_the_gateway_refuses_waits_above_the_operators_bounds_at_submission(tmp_path: Path) -> None:
@@ -128,7 +130,7 @@ def test_a_group_past_its_bound_is_abandoned_with_a_typed_504(rollout: Any) -> N
     (2 responses, 2 calls, 2 s): it is abandoned with ``group_timeout`` at its bound."""
     client, use = rollout
     with Listener("scores", delay=1.5) as scorer:
-        use(attention_url=scorer.url, rollout_group_timeout_s=2.0)
+        use(attention_url=scorer.url, rollout=RolloutSettings(group_timeout_s=2.0))
         t0 = time.monotonic()
         r = client.post("/v1/rollouts", json=tree_request())
         assert r.status_code == 504, r.text

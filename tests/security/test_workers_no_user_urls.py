@@ -51,16 +51,15 @@ def test_a_submitted_attention_url_is_a_422_and_the_listener_is_never_contacted(
 
 def test_the_gateway_refuses_a_submitted_attention_url_at_submission(tmp_path: Path) -> None:
     from gateway.api import build_app
+    from gateway.config import GatewaySettings
     from loom.queue import make_celery
 
     settings = Settings(
-        data_dir=tmp_path,
-        broker_url="embedded",
-        result_backend="embedded",
-        api_keys=API_KEYS,
-        gateway_run_loop=False,
+        data_dir=tmp_path, broker_url="embedded", result_backend="embedded", api_keys=API_KEYS
     )
-    app = build_app(settings, celery_app=make_celery("gateway", settings))
+    app = build_app(
+        settings, celery_app=make_celery("gateway", settings), config=GatewaySettings(run_loop=False)
+    )
     with Listener("secret") as listener, TestClient(app) as client:
         for i, url in enumerate(hostile_urls(listener)):
             params = {"attention_url": url}

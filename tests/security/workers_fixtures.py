@@ -4,7 +4,8 @@
 protocol. Loom's vLLM client has no attention scores of its own, so tree mode's attention branching
 calls a scorer there, as on the compose stack.
 ``rollout`` (function): the rollout service's app in-process on that engine, as ``(client, use)``;
-``use(**settings)`` sets the operator's settings the app reads.
+``use(rollout=None, **settings)`` sets the operator's settings the app reads (the shared ones and the
+rollout service's own, ``RolloutSettings``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loom.contracts.settings import Settings
+from rollout_svc.config import RolloutSettings
 from rollout_svc.engines import set_engine
 from tests.rollout.conftest import start_engine_server, stop_process
 
@@ -38,17 +40,18 @@ def rollout(engine_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Use]]
     from rollout_svc.engines.vllm import VLLMEngine
 
     set_engine(VLLMEngine(engine_url, timeout=60, retries=0))
-    saved = app.state.settings
+    saved = app.state.settings, app.state.rollout
 
-    def use(**settings: Any) -> None:
+    def use(rollout: RolloutSettings | None = None, **settings: Any) -> None:
         app.state.settings = Settings(data_dir=tmp_path / "data", **settings)
+        app.state.rollout = rollout or RolloutSettings()
 
     use()
     try:
         with TestClient(app, raise_server_exceptions=False) as client:
             yield client, use
     finally:
-        app.state.settings = saved
+        app.state.settings, app.state.rollout = saved
         set_engine(None)
 
 

@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from gateway.config import GatewaySettings
 from launch import SERVICE_PACKAGES
 from loom.contracts.settings import SERVICES, Settings
 
@@ -34,8 +35,8 @@ def client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if request.param == "gateway":
         # Every gateway route needs a key: build the same app with one, so requests reach validation.
         key = f"tester:{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}:jobs+runs+admin"
-        settings = Settings(api_keys=key, data_dir=tmp_path_factory.mktemp("gateway"), gateway_run_loop=False)
-        app = module.build_app(settings)
+        settings = Settings(api_keys=key, data_dir=tmp_path_factory.mktemp("gateway"))
+        app = module.build_app(settings, config=GatewaySettings(run_loop=False))
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     # No `with`: the lifespan (run loops, broker connections) is not started.
     yield TestClient(app, raise_server_exceptions=False, headers=headers)

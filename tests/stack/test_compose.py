@@ -10,13 +10,20 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.config import GatewaySettings
 from launch import SERVICE_PACKAGES
 from launch.cli import COMMANDS
 from learner.config import LearnerSettings
 from loom.contracts.settings import SERVICES, Settings
+from rollout_svc.config import RolloutSettings
 
-# the learner's own settings (learner/config.py, LearnerSettings) are LOOM_LEARNER_* variables too
-LEARNER_VARIABLES = {f"LOOM_LEARNER_{name.upper()}" for name in LearnerSettings.model_fields}
+# each role's own settings (learner/config.py, gateway/config.py, rollout_svc/config.py) are LOOM_<ROLE>_*
+# variables too
+ROLE_VARIABLES = {
+    f"{role.model_config['env_prefix']}{name.upper()}"
+    for role in (LearnerSettings, GatewaySettings, RolloutSettings)
+    for name in role.model_fields
+}
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 ENV_EXAMPLE = REPO / "deploy" / "loom.env.example"
@@ -69,13 +76,13 @@ def test_every_loom_command_is_a_real_entrypoint(loom_services: dict[str, Any]) 
 
 
 def test_every_loom_variable_is_a_setting(loom_services: dict[str, Any]) -> None:
-    fields = {f"LOOM_{name.upper()}" for name in Settings.model_fields} | LEARNER_VARIABLES
+    fields = {f"LOOM_{name.upper()}" for name in Settings.model_fields} | ROLE_VARIABLES
     for name, svc in loom_services.items():
         env = _env(svc)
         assert env, f"{name} sets no environment"
         for var in env:
             assert var.startswith("LOOM_"), f"{name}: {var} (Loom containers take LOOM_* variables only)"
-            assert var in fields, f"{name}: {var} is not a field of loom.contracts.settings.Settings"
+            assert var in fields, f"{name}: {var} is not a setting (Settings or a role's own class)"
         assert env.get("LOOM_BROKER_URL", "").startswith("amqp://"), name
 
 

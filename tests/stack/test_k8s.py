@@ -16,12 +16,19 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gateway.config import GatewaySettings
 from learner.config import LearnerSettings
 from loom.contracts.settings import SERVICES, Settings
 from loom.queue import queue_name
+from rollout_svc.config import RolloutSettings
 
-# the learner's own settings (learner/config.py, LearnerSettings) are LOOM_LEARNER_* variables too
-LEARNER_VARIABLES = {f"LOOM_LEARNER_{name.upper()}" for name in LearnerSettings.model_fields}
+# each role's own settings (learner/config.py, gateway/config.py, rollout_svc/config.py) are LOOM_<ROLE>_*
+# variables too
+ROLE_VARIABLES = {
+    f"{role.model_config['env_prefix']}{name.upper()}"
+    for role in (LearnerSettings, GatewaySettings, RolloutSettings)
+    for name in role.model_fields
+}
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 COMPOSE = REPO / "docker-compose.yml"
@@ -193,7 +200,7 @@ def test_only_the_gateway_is_reachable_from_outside_the_namespace(
 def test_every_reference_names_an_object_and_every_loom_variable_is_a_setting(
     docs: list[tuple[str, dict[str, Any]]],
 ) -> None:
-    fields = {f"LOOM_{name.upper()}" for name in Settings.model_fields} | LEARNER_VARIABLES
+    fields = {f"LOOM_{name.upper()}" for name in Settings.model_fields} | ROLE_VARIABLES
     secret = one(docs, "Secret", "loom-secrets")
     for _, doc in docs:
         if doc["kind"] == "ConfigMap":

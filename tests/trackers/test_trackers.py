@@ -232,6 +232,7 @@ def test_uninstalled_tracker_is_a_422_naming_it(tmp_path: Path, monkeypatch: pyt
     from helpers import API_KEYS, RUNS_KEY, auth
 
     from gateway.api import build_app
+    from gateway.config import GatewaySettings
     from loom.queue import make_celery
 
     settings = Settings(
@@ -239,10 +240,12 @@ def test_uninstalled_tracker_is_a_422_naming_it(tmp_path: Path, monkeypatch: pyt
         broker_url="embedded",
         result_backend="embedded",
         api_keys=API_KEYS,
-        gateway_run_loop=False,
     )
     monkeypatch.setitem(models.TRACKER_LIBRARIES, "mlflow", "loom_test_no_such_module")
-    with TestClient(build_app(settings, celery_app=make_celery("gateway", settings))) as client:
+    celery_app = make_celery("gateway", settings)
+    with TestClient(
+        build_app(settings, celery_app=celery_app, config=GatewaySettings(run_loop=False))
+    ) as client:
         body = {"dataset": {"builtin": "arith"}, "trackers": [{"name": "tensorboard"}, {"name": "mlflow"}]}
         r = client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))
     assert r.status_code == 422, r.text

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
 from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, RUNS_KEY, auth  # noqa: E402
 
 from gateway.api import build_app  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from gateway.stepmetrics import step_metrics  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.contracts.wire import Group, RewardResult, Trajectory, TrajectoryReward  # noqa: E402
@@ -33,9 +34,9 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         broker_url="embedded",
         result_backend="embedded",
         api_keys=API_KEYS,
-        gateway_run_loop=False,
     )
-    with TestClient(build_app(settings, celery_app=make_celery("gateway", settings))) as c:
+    celery_app = make_celery("gateway", settings)
+    with TestClient(build_app(settings, celery_app=celery_app, config=GatewaySettings(run_loop=False))) as c:
         yield c
 
 

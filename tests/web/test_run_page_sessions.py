@@ -28,6 +28,7 @@ from helpers import ADMIN_KEY, API_KEYS, JOBS_KEY, RUNS_KEY, free_port  # noqa: 
 
 from gateway.api import build_app  # noqa: E402
 from gateway.auth import Sessions  # noqa: E402
+from gateway.config import GatewaySettings  # noqa: E402
 from gateway.keys import KeyRing  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
@@ -44,21 +45,18 @@ CHROMIUM_ARGS = [
 SLOW_LOGINS = 0.001  # logins/s: no token comes back while a test runs
 
 
-def make_app(tmp_path: Path, **overrides: Any) -> FastAPI:
+def make_app(tmp_path: Path, **config: Any) -> FastAPI:
+    """A gateway on ``tmp_path``; ``config``: its GatewaySettings besides run_loop=False."""
     settings = Settings(
-        data_dir=tmp_path,
-        broker_url="embedded",
-        result_backend="embedded",
-        api_keys=API_KEYS,
-        gateway_run_loop=False,
-        **overrides,
+        data_dir=tmp_path, broker_url="embedded", result_backend="embedded", api_keys=API_KEYS
     )
-    return build_app(settings, celery_app=make_celery("gateway", settings))
+    gateway = GatewaySettings(run_loop=False, **config)
+    return build_app(settings, celery_app=make_celery("gateway", settings), config=gateway)
 
 
 @pytest.fixture
 def app(tmp_path: Path) -> Iterator[FastAPI]:
-    app = make_app(tmp_path, gateway_login_rate=SLOW_LOGINS)  # the other login settings: their defaults
+    app = make_app(tmp_path, login_rate=SLOW_LOGINS)  # the other login settings: their defaults
     with TestClient(app):  # the lifespan runs once; browsers below are more clients of it
         yield app
 
@@ -129,15 +127,13 @@ def test_a_login_flood_is_429_past_the_address_limit_and_logs_no_one_else_out(ap
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         if r.status_code == 429:
             assert int(r.headers["Retry-After"]) >= 1 and "loom_session" not in r.cookies
-    burst = Settings().gateway_login_burst
+    burst = GatewaySettings().login_burst
     assert statuses == {303: burst, 429: 10_050 - burst}
     assert logged_in(browser(app, "10.0.0.2"), theirs)
 
 
 def test_one_key_is_limited_across_addresses_and_holds_at_most_its_sessions(tmp_path: Path) -> None:
-    app = make_app(
-        tmp_path, gateway_sessions_per_key=3, gateway_login_burst=5, gateway_login_rate=SLOW_LOGINS
-    )
+    app = make_app(tmp_path, sessions_per_key=3, login_burst=5, login_rate=SLOW_LOGINS)
     with TestClient(app):
         theirs = login(browser(app, "10.0.1.1"), RUNS_KEY)
         # one key from 8 addresses (each address's own bucket is full): the key's own limit answers
@@ -155,7 +151,7 @@ def test_one_key_is_limited_across_addresses_and_holds_at_most_its_sessions(tmp_
 
 
 def test_one_address_is_limited_across_keys(tmp_path: Path) -> None:
-    app = make_app(tmp_path, gateway_login_burst=2, gateway_login_rate=SLOW_LOGINS)
+    app = make_app(tmp_path, login_burst=2, login_rate=SLOW_LOGINS)
     with TestClient(app):
         shared = browser(app, "10.0.4.1")
         token = form_token(shared)
@@ -232,7 +228,7 @@ def test_a_proxys_public_origin_is_allowed_when_configured(tmp_path: Path) -> No
     public = {"Origin": "https://loom.example"}
     with TestClient(make_app(tmp_path / "a")) as client:
         assert post_login(client, RUNS_KEY, form_token(client), public).status_code == 403
-    with TestClient(make_app(tmp_path / "b", gateway_ui_origins="https://loom.example/")) as client:
+    with TestClient(make_app(tmp_path / "b", ui_origins="https://loom.example/")) as client:
         assert post_login(client, RUNS_KEY, form_token(client), public).status_code == 303
         assert (
             post_login(client, RUNS_KEY, form_token(client), {"Origin": "http://loom.example"}).status_code
