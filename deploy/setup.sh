@@ -28,13 +28,6 @@ PY
 then
   .venv/bin/python -m pip install -q --no-deps "verl==0.9.1" "openrlhf==0.11.2"
 fi
-# verl's agent loop (verl/experimental/agent_loop, driven by loom/clients/verl_rollout.py's tests) imports
-# hydra. hydra-core pins antlr4-python3-runtime 4.9.*, which as a dependency of Loom's own makes pip's
-# resolver give up against math-verify's antlr extra: it comes without its dependencies (omegaconf and
-# the antlr runtime are already here through the dev extra).
-if ! .venv/bin/python -c "import hydra" 2>/dev/null; then
-  .venv/bin/python -m pip install -q --no-deps "hydra-core==1.3.8"
-fi
 # Both wheels also ship a top-level "tests" package, which would shadow this repository's tests/
 # (tests.rollout.conftest and the like): a "tests" in site-packages is never ours, so it goes.
 .venv/bin/python - <<'PY'
