@@ -60,6 +60,9 @@ REPO = Path(__file__).resolve().parent.parent
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 REDIS_RESULTS_URL = "redis://127.0.0.1:6379/3"
 TEST_VISIBILITY_TIMEOUT = 3.0
+# how long a started process may take to be ready: every wait below ends as soon as it is, so these are
+# only bounds, set for a loaded machine (several suites beside this one: imports alone take a minute)
+READY_S = 180.0
 SESSION_ID = uuid.uuid4().hex[:8]
 _namespace_counter = itertools.count()
 
@@ -191,7 +194,7 @@ class PrivateServer:
     subclass gives its command line, environment and readiness probe."""
 
     name = "server"
-    start_timeout = 30.0
+    start_timeout = READY_S
 
     def __init__(self, root: Path, port: int) -> None:
         self.root, self.port = root, port
@@ -247,7 +250,7 @@ class PrivateRabbit(PrivateServer):
     :class:`BrokerEnv` whose Loom processes use it (results in Redis DB 3, as for the shared broker)."""
 
     name = "RabbitMQ node"
-    start_timeout = 90.0
+    start_timeout = READY_S
 
     def __init__(self, root: Path, port: int, dist_port: int, env: BrokerEnv) -> None:
         super().__init__(root, port)
@@ -353,7 +356,7 @@ class Worker:
     log_path: Path
     node: str = ""  # Celery node name before "@", as in the result's "hostname"
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = READY_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if " ready." in self.log():
@@ -423,7 +426,7 @@ def start_worker(
     concurrency: int = 1,
     args: tuple[str, ...] = (),
     name: str | None = None,
-    ready_timeout: float = 60.0,
+    ready_timeout: float = READY_S,
     wait: bool = True,
 ) -> Worker:
     """Start ``loom worker <service>`` with ``benv``'s environment and wait until it is ready."""
