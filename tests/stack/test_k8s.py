@@ -134,8 +134,11 @@ def test_keda_scales_the_rollout_pods_on_the_rollout_queue(docs: list[tuple[str,
     names = {c["name"] for c in target["spec"]["template"]["spec"]["containers"]}
     assert "rollout" in names and "replicas" in target["spec"]
     (trigger,) = scaled["spec"]["triggers"]
+    # the queue a rollout pod consumes: its own settings (the manifests'), not this shell's LOOM_* variables
+    rollout_env = container_env(containers(docs)["rollout"][0], docs)
+    namespace = rollout_env.get("LOOM_QUEUE_NAMESPACE") or Settings.model_fields["queue_namespace"].default
     assert trigger["type"] == "rabbitmq" and trigger["metadata"]["queueName"] == queue_name(
-        "rollout", Settings()
+        "rollout", Settings(queue_namespace=namespace)
     )
     auth = one(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
     secret = one(docs, "Secret", "loom-secrets")
