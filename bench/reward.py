@@ -53,14 +53,16 @@ def items_of(mix: list[tuple[str, str, bool]]) -> list[MathItem]:
     return out
 
 
-def throughput(workers: int, n: int, rounds: int = 6) -> tuple[float, float, list[float]]:
+def throughput(workers: int, n: int, rounds: int = 6) -> tuple[float, float, list[float], float]:
     """Items/s of the pool and of one core in this process, ``rounds`` A/B rounds of the same ``n``
-    items (the machine's drift hits both legs of a round alike; the per-round ratios are returned).
+    items (the machine's drift hits both legs of a round alike; the per-round ratios are returned),
+    and the pool's parent CPU seconds per item (its scheduler thread: one thread dispatches every
+    item, so ``1 / (that)`` bounds the pool's items/s at any W; issue 37).
     The pool is forked before this process verifies anything: a worker forked after it had verified
     items in-process would inherit its warm sympy / math-verify caches and look faster than it is."""
     items = items_of(realistic_mix(n, seed=7))
     s = get_reward_settings()
-    t_pool = t_single = 0.0
+    t_pool = t_single = cpu_pool = 0.0
     ratios: list[float] = []
     with VerifierPool(
         workers, max_items=s.max_items_per_worker, max_rss_growth_mb=s.max_rss_growth_mb
@@ -72,16 +74,17 @@ def throughput(workers: int, n: int, rounds: int = 6) -> tuple[float, float, lis
         checker.check(items[0], 5)
         checker.gold_cache.clear()
         for _ in range(rounds):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             pool.check_many(items, 5)
             tp = time.perf_counter() - t0
+            cpu_pool += time.process_time() - c0  # the scheduler thread; the main thread only waits
             t0 = time.perf_counter()
             for it in items:
                 checker.check(it, 5)
             ts = time.perf_counter() - t0
             t_pool, t_single = t_pool + tp, t_single + ts
             ratios.append(ts / (workers * tp))
-    return rounds * n / t_single, rounds * n / t_pool, ratios
+    return rounds * n / t_single, rounds * n / t_pool, ratios, cpu_pool / (rounds * n)
 
 
 def group_of(mix: list[tuple[str, str, bool]], gid: str) -> Group:
@@ -371,7 +374,7 @@ def print_overhead(a: argparse.Namespace) -> None:
 
 
 def print_throughput(a: argparse.Namespace) -> None:
-    single, pooled, ratios = throughput(a.workers, a.items, a.rounds)
+    single, pooled, ratios, parent_s = throughput(a.workers, a.items, a.rounds)
     print(
         f"\n2. throughput, {a.rounds} A/B rounds of {a.items} realistic items"
         " (overhead first: this process never verified before)"
@@ -382,6 +385,10 @@ def print_throughput(a: argparse.Namespace) -> None:
     print(
         f"{'  median of the rounds':<32}{statistics.median(ratios):>10.2f}"
         f"   (rounds: {' '.join(f'{r:.2f}' for r in ratios)})"
+    )
+    print(
+        f"{'parent CPU per item':<32}{1e6 * parent_s:>10.0f} us"
+        f"   (bounds the pool at {1 / parent_s:.0f} items/s whatever W)"
     )
     ceiling = cpu_ceiling(a.workers)
     print(f"{'machine ceiling (pure CPU loop)':<32}{ceiling:>10.2f}   ({a.workers} processes vs W x one)")

@@ -25,7 +25,8 @@ Fairness (one request's hostile items must not hold up another request; docs/sec
   hostile items spread over the idle workers instead of queueing behind each other (its priority is
   left alone: at nice 19 a merely slowish item, starved by other processes on a loaded machine, ran
   into its deadline);
-- when a worker turns slow, up to ``spare_workers`` more processes are forked (and warm up) at once;
+- when a worker turns slow, a spare process is forked for it (and warms up) at once, up to
+  ``spare_workers`` spares, more forked on demand while other requests need one;
   while any worker is slow each serves a request that has no slow item of its own and no spare yet:
   another request's items wait for a slow item at most about ``slow_s``. A request whose own item is
   slow keeps only the regular ``workers``. Spares go once no worker is slow. More concurrently
@@ -108,6 +109,7 @@ class _Worker:
     seq: int = 0
     started: float = 0.0  # when the item at the head of the pipe started
     slow: bool = False
+    marked: bool = False  # ``mark`` names taken items (else it holds NONE_TAKEN)
 
     def holds(self, request: _Request) -> bool:
         return any(s.job.request is request and not s.taken for s in self.pipe)
@@ -207,11 +209,21 @@ class _Workers:
         worker.mark.close()
 
     def start_spares(self) -> None:
-        """Fork the spares as soon as a worker turns slow, not when the next request comes: they are
-        warm (their own warm-up done) by the time another request needs one."""
+        """Fork spares as soon as a worker turns slow, not when the next request comes: they are warm
+        (their own warm-up done) by the time another request needs one. One per slow worker, not every
+        spare slot: forking all ``n_spares`` at each slow item (the parent blocked ~3 ms per fork, each
+        child's warm-up taking a core from the regular workers, the idle ones killed again once no
+        worker is slow) was what a 16-worker pool spent its scaling on; a further request that needs a
+        spare still gets one forked on demand (``VerifierPool._target``)."""
+        live = self.live()
+        wanted = sum(w.slow for w in live) - sum(w.spare for w in live)
         for slot in range(self.n_workers, len(self.slots)):
-            if self.slots[slot] is None and self.try_fork(slot) is None:
+            if wanted <= 0:
                 return
+            if self.slots[slot] is None:
+                if self.try_fork(slot) is None:
+                    return
+                wanted -= 1
 
     def retire_idle_spares(self) -> None:
         """Idle spares go once no worker is slow (while one is, the next request may need them)."""
@@ -427,8 +439,9 @@ class VerifierPool:
                 worker.retire = True
                 self.stats.recycles += 1
         worker.started, worker.slow = now, False
-        if not any(s.taken for s in worker.pipe):
+        if worker.marked and not any(s.taken for s in worker.pipe):
             write_mark(worker.mark, NONE_TAKEN)
+            worker.marked = False
         if worker.retire and not worker.pipe:
             self._workers.kill(worker)
 
@@ -451,6 +464,7 @@ class VerifierPool:
                 behind = [s for s in list(w.pipe)[1:] if not s.taken]
                 if behind:
                     write_mark(w.mark, head.seq)
+                    w.marked = True
                     self.stats.taken_back += len(behind)
                     self._requeue(behind)
 

@@ -172,3 +172,18 @@ def test_statuses_for_missing_and_unparseable_answers(pool):
         [item("42", "no digits here at all"), item("42", "\\boxed{}"), item("", "\\boxed{1}")], DEADLINE
     )
     assert [v.status for v in verdicts] == ["no_answer", "parse_error", "invalid"]
+
+
+def test_a_slow_item_forks_one_spare_not_every_spare_slot():
+    """One slow worker gets one spare at once (issue 37): forking every spare slot per slow item
+    blocked the scheduler for a fork each and took cores from the regular workers for their warm-up.
+    Another request that needs a spare while the first is busy still gets one on demand."""
+    with VerifierPool(4, max_items=1000, spare_workers=4) as p:
+        p.check_many([item("1", "\\boxed{1}")] * 8, 5)  # every regular worker forked and warm
+        while len(p.worker_pids()) > 4:  # a loaded machine made a warm-up item look slow: its spare goes
+            p.check_many([item("1", "\\boxed{1}")], 5)
+        before = p.stats.spares
+        stuck = p.submit(item("42", "\\boxed{(10^9)!}"), 3)
+        assert stuck.result(timeout=60).status == "timeout"
+        assert p.stats.spares - before == 1
+        assert p.check_many([item("2", "\\boxed{2}")], 5)[0].status == "ok"  # the pool still serves
