@@ -33,7 +33,9 @@ import pytest
 
 from tests.conftest import RABBITMQ_SERVER
 
-pytestmark = pytest.mark.slow
+# every wait below is on a condition (a log line, a final status), bounded generously: a loaded machine
+# (several suites beside this one) makes each step slow, not wrong
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
@@ -43,6 +45,8 @@ TOKEN = "multihost-service-token"
 RUNS_KEY = "loom_multihost_key"
 STEPS = 3
 LEARNER_PORT = 8404  # the default ports: every host has its own
+READY_S = 300  # a process's start (imports, broker connection): on a loaded machine this is minutes
+FINAL_S = 300  # the client waits this long for each run or job to end; the client itself, for all
 
 
 def ip(*args: str) -> None:
@@ -108,14 +112,17 @@ class Cluster:
         return log
 
     def run(self, host: str, argv: list[str], stdin: str, timeout: float) -> str:
-        done = subprocess.run(
-            ["ip", "netns", "exec", self.ns(host), *argv],
-            cwd=REPO,
-            input=stdin.encode(),
-            capture_output=True,
-            timeout=timeout,
-            env=clean_env(),
-        )
+        try:
+            done = subprocess.run(
+                ["ip", "netns", "exec", self.ns(host), *argv],
+                cwd=REPO,
+                input=stdin.encode(),
+                capture_output=True,
+                timeout=timeout,
+                env=clean_env(),
+            )
+        except subprocess.TimeoutExpired as exc:  # say where the processes were, not only that it hung
+            raise AssertionError(f"{argv[1]} still ran after {timeout:.0f} s:{self.logs()}") from exc
         assert done.returncode == 0, done.stderr.decode(errors="replace")[-4000:] + self.logs()
         return done.stdout.decode()
 
@@ -238,7 +245,7 @@ def test_rollout_hosts_without_a_shared_filesystem_serve_every_policy_version(
 
     remote = {"LOOM_POLICY_STORE_URL": store_url}
     loom = [sys.executable, "-m", "launch.cli"]
-    cluster.wait_for(redis_log, "Ready to accept connections", 60)
+    cluster.wait_for(redis_log, "Ready to accept connections", READY_S)
     workers = {
         "learner-worker": ("learner", [*loom, "worker", "learner", "-c", "1"], env("learner"), []),
         "rollout-a": (
@@ -266,9 +273,9 @@ def test_rollout_hosts_without_a_shared_filesystem_serve_every_policy_version(
         for name, (host, argv, e, hide) in {**workers, **apis}.items()
     }
     for name in workers:
-        cluster.wait_for(logs[name], " ready.", 150)
+        cluster.wait_for(logs[name], " ready.", READY_S)
     for name in apis:
-        cluster.wait_for(logs[name], "Application startup complete", 60)
+        cluster.wait_for(logs[name], "Application startup complete", READY_S)
 
     dataset = "".join(json.dumps({"prompt": f"{a} + {a} = ?", "answer": str(2 * a)}) + "\n" for a in range(8))
     sampling = {"n": 4, "max_tokens": 16, "temperature": 1.3, "seed": 1}
@@ -297,8 +304,8 @@ def test_rollout_hosts_without_a_shared_filesystem_serve_every_policy_version(
         },
     }
     gateway_url = f"http://{cluster.addr('gateway')}:8400"
-    client = [sys.executable, str(HERE / "client.py"), gateway_url, RUNS_KEY, "150"]
-    seen = json.loads(cluster.run("gateway", client, json.dumps(plan), timeout=200))
+    client = [sys.executable, str(HERE / "client.py"), gateway_url, RUNS_KEY, str(FINAL_S)]
+    seen = json.loads(cluster.run("gateway", client, json.dumps(plan), timeout=2 * FINAL_S + 60))
 
     assert seen["run"]["status"] == "succeeded", (seen["run"], cluster.logs())
     assert [m["policy_version"] for m in seen["metrics"]] == list(range(1, STEPS + 1))
@@ -369,7 +376,7 @@ def test_a_version_uploaded_through_the_gateway_is_served_by_a_rollout_host_with
         return {**base, "LOOM_DATA_DIR": str(dirs[host]), "LOOM_HOST": cluster.addr(host), **extra}
 
     loom = [sys.executable, "-m", "launch.cli"]
-    cluster.wait_for(redis_log, "Ready to accept connections", 60)
+    cluster.wait_for(redis_log, "Ready to accept connections", READY_S)
     keys = {"LOOM_API_KEYS": f"trainer:{hash_key(key)}:jobs+policy"}
     procs = {
         "learner-api": ("learner", [*loom, "api", "learner"], env("learner"), [dirs["gateway"]]),
@@ -394,9 +401,9 @@ def test_a_version_uploaded_through_the_gateway_is_served_by_a_rollout_host_with
     }
     logs = {name: cluster.start(host, name, argv, e, hide) for name, (host, argv, e, hide) in procs.items()}
     for name in ("rollout-a", "reward-worker"):
-        cluster.wait_for(logs[name], " ready.", 150)
+        cluster.wait_for(logs[name], " ready.", READY_S)
     for name in ("learner-api", "gateway-api"):
-        cluster.wait_for(logs[name], "Application startup complete", 60)
+        cluster.wait_for(logs[name], "Application startup complete", READY_S)
 
     sampling = {"n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 1}
     job = {"tasks": [{"prompt": "1 + 1 = ?", "label": "2"}], "sampling": sampling}
@@ -407,8 +414,15 @@ def test_a_version_uploaded_through_the_gateway_is_served_by_a_rollout_host_with
         ]
     }
     gateway_url = f"http://{cluster.addr('gateway')}:8400"
-    client = [sys.executable, str(HERE / "publish_client.py"), gateway_url, key, "150", str(checkpoint)]
-    seen = json.loads(cluster.run("gateway", client, json.dumps(plan), timeout=300))
+    client = [
+        sys.executable,
+        str(HERE / "publish_client.py"),
+        gateway_url,
+        key,
+        str(FINAL_S),
+        str(checkpoint),
+    ]
+    seen = json.loads(cluster.run("gateway", client, json.dumps(plan), timeout=2 * FINAL_S + 120))
 
     assert [(r["namespace"], r["version"]) for r in seen["refs"]] == [("trainer", 1), ("trainer", 2)]
     put, commit = seen["tampered"]["put"], seen["tampered"]["commit"]
