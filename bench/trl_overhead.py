@@ -1,0 +1,272 @@
+"""The TRL adapter's overhead (issue 34): TRL's rollouts through Loom against TRL generating itself.
+
+Two ways a TRL 1.16 ``GRPOTrainer`` step gets its completions, on the same machine, the same torch
+engine (the built-in tiny model, one torch thread per process, as every Loom process runs it):
+
+- **loom**: ``loom.clients.trl_rollout.LoomRolloutFunc`` in plain mode, called as TRL calls its
+  ``rollout_func`` (each prompt ``num_generations`` times in a row), against a local stack (gateway,
+  rollout and reward workers, the embedded broker): one gateway job per call, its groups read from the
+  job's event stream, every sample rewarded by the job's spec (accuracy).
+- **trl**: TRL's own ``VLLMClient.generate`` (trl/generation/vllm_client.py, the request
+  ``GRPOTrainer(use_vllm=True, vllm_mode="server")`` makes each step: the distinct prompts' token ids,
+  ``n = num_generations``) against ``loom engine --model tiny`` started with
+  ``VLLM_SERVER_DEV_MODE=1``. ``VLLMClient`` refuses to build without the ``vllm`` package; only that
+  install check is bypassed (as tests/interop/engine/test_trl_vllm_client.py does).
+
+Equal work: the same prompts, ``n``, ``max_tokens`` and temperature, ``ignore_eos`` on both sides so
+every completion is ``max_tokens`` long (the tokens each side generated are counted and printed).
+The repetitions alternate (loom, trl, trl, loom, ...) after one warm-up call of each; the overhead is
+median(loom) / median(trl) - 1. ``--profile`` breaks one Loom call down: the job's submission, the
+first and the last group's arrival on the stream, and the adapter's own work after it. Publishing is
+left out of both (TRL's server mode moves weights over NCCL, which has no CPU form).
+
+    python bench/trl_overhead.py [--prompts 8] [--group 8] [--max-tokens 96] [--reps 6]
+                                 [--concurrency 8] [--profile] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [str(_BENCH.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready in {timeout:.0f} s")
+
+
+def _trainer(args: argparse.Namespace) -> Any:
+    """What ``LoomRolloutFunc`` reads of the ``GRPOTrainer`` calling it (state, sampling settings)."""
+    return SimpleNamespace(
+        state=SimpleNamespace(global_step=0),
+        num_generations=args.group,
+        num_generations_eval=args.group,
+        model=SimpleNamespace(training=True),
+        max_completion_length=args.max_tokens,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        processing_class=None,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from trl.generation import vllm_client as trl_vllm
+
+    from launch.stack import Stack
+    from loom.clients.trl_rollout import LoomRolloutFunc
+    from loom.contracts.settings import Settings
+    from loom.tiny import load_tokenizer, plain_prompt, tiny_problems
+
+    problems = tiny_problems("arith", args.prompts, args.seed, "train")
+    texts = [plain_prompt(p) for p in problems]
+    tasks = {plain_prompt(p): {"label": p.gold, "task": "arithmetic"} for p in problems}
+    tok = load_tokenizer()
+    prompt_ids = [tok(t)["input_ids"] for t in texts]
+    repeated = [t for t in texts for _ in range(args.group)]
+    trainer = _trainer(args)
+
+    tmp = Path(tempfile.mkdtemp(prefix="loom-trl-overhead-"))
+    ports = {f"{svc}_port": _free_port() for svc in ("gateway", "rollout", "reward", "reflect", "learner")}
+    key = "loom_" + secrets.token_urlsafe(24)
+    keys = f"trainer:{hashlib.sha256(key.encode()).hexdigest()}:jobs+policy"
+    embedded = {"broker_url": "embedded", "result_backend": "embedded"}
+    settings = Settings(data_dir=tmp, api_keys=keys, **embedded, **ports)
+    engine_port = _free_port()
+    engine_env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "LOOM_TORCH_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "LOOM_DATA_DIR": str(tmp / "engine"),
+    }
+    engine_log = open(tmp / "engine.log", "w")  # noqa: SIM115 - closed below
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "launch", "engine", "--model", "tiny", "--port", str(engine_port)],
+        env=engine_env,
+        stdout=engine_log,
+        stderr=subprocess.STDOUT,
+        cwd=_BENCH.parent,
+    )
+    stack_env = {"LOOM_ROLLOUT_CONCURRENCY": str(args.concurrency)}
+    try:
+        with Stack(settings, services=("gateway", "rollout", "reward"), env=stack_env, ready_timeout=300):
+            engine_url = f"http://127.0.0.1:{engine_port}"
+            _wait_http(f"{engine_url}/health", 300)
+            trl_vllm.is_vllm_available = lambda *a, **k: True  # the install check only
+            client = trl_vllm.VLLMClient(base_url=engine_url, connection_timeout=60)
+            rollout = LoomRolloutFunc(
+                settings.service_url("gateway"),
+                key,
+                mode="plain",
+                tasks=tasks,
+                sampling={"ignore_eos": True},
+            )
+
+            def loom() -> tuple[float, int]:
+                t0 = time.perf_counter()
+                out = rollout(repeated, trainer)
+                dt = time.perf_counter() - t0
+                assert len(out["completion_ids"]) == len(repeated)
+                return dt, sum(len(c) for c in out["completion_ids"])
+
+            def trl() -> tuple[float, int]:
+                t0 = time.perf_counter()
+                out = client.generate(
+                    prompt_ids,
+                    n=args.group,
+                    temperature=args.temperature,
+                    top_p=1.0,
+                    top_k=0,
+                    max_tokens=args.max_tokens,
+                    logprobs=0,
+                    generation_kwargs={"ignore_eos": True},
+                )
+                dt = time.perf_counter() - t0
+                assert len(out["completion_ids"]) == len(repeated)
+                return dt, sum(len(c) for c in out["completion_ids"])
+
+            sides = {"loom": loom, "trl": trl}
+            for f in sides.values():  # warm-up: the engines' first batches, the stack's first job
+                f()
+            times: dict[str, list[float]] = {"loom": [], "trl": []}
+            tokens: dict[str, list[int]] = {"loom": [], "trl": []}
+            for r in range(args.reps):
+                order = ("loom", "trl") if r % 2 == 0 else ("trl", "loom")
+                for side in order:
+                    dt, n_tok = sides[side]()
+                    times[side].append(dt)
+                    tokens[side].append(n_tok)
+                    print(f"rep {r} {side}: {dt:.2f} s, {n_tok} tokens", flush=True)
+            profile = _profile(rollout, repeated, trainer) if args.profile else None
+            rollout.close()
+            client.session.close()
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+        engine_log.close()
+    med = {side: statistics.median(v) for side, v in times.items()}
+    return {
+        "prompts": args.prompts,
+        "num_generations": args.group,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "rollout_concurrency": args.concurrency,
+        "reps": args.reps,
+        "loom_s": times["loom"],
+        "trl_s": times["trl"],
+        "loom_tokens": tokens["loom"],
+        "trl_tokens": tokens["trl"],
+        "loom_median_s": med["loom"],
+        "trl_median_s": med["trl"],
+        "overhead": med["loom"] / med["trl"] - 1.0,
+        "profile": profile,
+        "load_avg": os.getloadavg(),
+    }
+
+
+def _profile(rollout: Any, repeated: list[str], trainer: Any) -> dict[str, Any]:
+    """One Loom call in phases: submission, first and last group on the stream, the adapter's rest."""
+    client = rollout.rollouts
+    inner_submit, inner_groups = client.submit, client.groups
+    marks: dict[str, Any] = {"groups_at": []}
+
+    def submit(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        job = inner_submit(*a, **kw)
+        marks["submit_s"] = time.perf_counter() - t
+        marks["submitted"] = time.perf_counter()
+        return job
+
+    def groups(*a: Any, **kw: Any) -> Any:
+        for g in inner_groups(*a, **kw):
+            marks["groups_at"].append(time.perf_counter())
+            yield g
+
+    client.submit, client.groups = submit, groups
+    try:
+        t0 = time.perf_counter()
+        rollout(repeated, trainer)
+        total = time.perf_counter() - t0
+    finally:
+        client.submit, client.groups = inner_submit, inner_groups
+    at = marks["groups_at"]
+    if "submitted" not in marks or not at:
+        return {"total_s": total, "note": "generate() did not go through submit/groups"}
+    start = marks["submitted"]
+    return {
+        "total_s": total,
+        "submit_s": marks["submit_s"],
+        "first_group_s": at[0] - start,
+        "last_group_s": at[-1] - start,
+        "group_gaps_s": [b - a for a, b in zip(at, at[1:], strict=False)],
+        "after_last_group_s": t0 + total - at[-1],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=8, help="distinct prompts per call")
+    p.add_argument("--group", type=int, default=8, help="num_generations")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--reps", type=int, default=6, help="timed calls of each side, alternating")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="LOOM_ROLLOUT_CONCURRENCY: groups the rollout worker's engine batches at once",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="break one Loom call down after the reps")
+    p.add_argument("--out", type=Path, help="append the result as a JSON line")
+    args = p.parse_args(argv)
+    r = run(args)
+    print(json.dumps(r), flush=True)
+    print(
+        f"loom median {r['loom_median_s']:.2f} s, trl median {r['trl_median_s']:.2f} s: "
+        f"overhead {r['overhead']:+.1%} (tokens per call: loom {set(r['loom_tokens'])}, "
+        f"trl {set(r['trl_tokens'])})"
+    )
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
