@@ -2,7 +2,9 @@
 both sides side by side in one run, at several batch sizes (rows in flight), sampling at T = 1 over
 the whole vocabulary, every row generating exactly ``--tokens`` tokens (``ignore_eos`` on the engine,
 no EOS id on ``generate``), so both do equal work. Each row is its own request to the engine (n=1,
-distinct prompts of equal length), as ``generate`` gets a batch of distinct prompts.
+distinct prompts of equal length), as ``generate`` gets a batch of distinct prompts. The two sides
+run interleaved; the ratio is of medians of wall-clock tokens/s, and beside it the ratio of tokens per
+CPU-second of the process (what a loaded machine disturbs least).
 
     python bench/engine_vs_hf.py [--rows 32 128] [--tokens 64] [--reps 2] [--dtype float32]
 
@@ -83,12 +85,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def hf_rate(model: Any, prompts: torch.Tensor, tokens: int, seed: int) -> float:
-    """tokens/s of ``generate`` over the batch ``prompts`` (rows, prompt length)."""
+def hf_rate(model: Any, prompts: torch.Tensor, tokens: int, seed: int) -> tuple[float, float]:
+    """tokens/s of ``generate`` over the batch ``prompts`` (rows, prompt length): per second of wall
+    clock and per second of this process's CPU time."""
     torch.manual_seed(seed)
     device = str(prompts.device)
     _sync(device)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(
             prompts,
@@ -102,14 +105,15 @@ def hf_rate(model: Any, prompts: torch.Tensor, tokens: int, seed: int) -> float:
             pad_token_id=0,
         )
     _sync(device)
-    elapsed = time.perf_counter() - t
+    elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
     made = (out.shape[1] - prompts.shape[1]) * out.shape[0]
     assert made == prompts.numel() // prompts.shape[1] * tokens, made
-    return made / elapsed
+    return made / elapsed, made / cpu
 
 
-def engine_rate(engine: TorchEngine, prompts: list[list[int]], tokens: int, seed: int) -> float:
-    """tokens/s of the engine with every prompt its own concurrent request (n=1)."""
+def engine_rate(engine: TorchEngine, prompts: list[list[int]], tokens: int, seed: int) -> tuple[float, float]:
+    """tokens/s of the engine with every prompt its own concurrent request (n=1), per second of wall
+    clock and per second of CPU time (every thread of the process: the scheduler's included)."""
     params = [
         SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True, seed=seed + i)
         for i in range(len(prompts))
@@ -119,13 +123,13 @@ def engine_rate(engine: TorchEngine, prompts: list[list[int]], tokens: int, seed
         return await asyncio.gather(*(engine.generate(p, q) for p, q in zip(prompts, params, strict=True)))
 
     _sync(engine.device)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     outs = asyncio.run(go())
     _sync(engine.device)
-    elapsed = time.perf_counter() - t
+    elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
     made = sum(len(c.token_ids) for o in outs for c in o)
     assert made == len(prompts) * tokens, made
-    return made / elapsed
+    return made / elapsed, made / cpu
 
 
 def make_engine(model: Any, tokenizer: Any, rows: int) -> TorchEngine:
@@ -149,26 +153,38 @@ def compare(
     engine = make_engine(model, tokenizer, rows)
     hf_rate(model, batch, warmup, 0)
     engine_rate(engine, prompts, warmup, 0)
-    hf, ours = [], []
+    hf: list[tuple[float, float]] = []
+    ours: list[tuple[float, float]] = []
     for rep in range(reps):
-        first, second = (hf_rate, engine_rate) if rep % 2 == 0 else (engine_rate, hf_rate)
-        for fn in (first, second):
-            if fn is hf_rate:
+        for side in ("hf", "engine") if rep % 2 == 0 else ("engine", "hf"):
+            if side == "hf":
                 hf.append(hf_rate(model, batch, tokens, 100 + rep))
             else:
                 ours.append(engine_rate(engine, prompts, tokens, 100 + rep))
     engine.stop_scheduler()
     peak = engine.stats.extra.get("peak_batch_rows", 0.0)
-    e, h = statistics.median(ours), statistics.median(hf)
-    return {"rows": rows, "tokens": tokens, "engine": e, "hf": h, "ratio": e / h, "peak_rows": peak}
+    e, h = statistics.median(r for r, _ in ours), statistics.median(r for r, _ in hf)
+    e_cpu, h_cpu = statistics.median(c for _, c in ours), statistics.median(c for _, c in hf)
+    return {
+        "rows": rows,
+        "tokens": tokens,
+        "engine": e,
+        "hf": h,
+        "ratio": e / h,
+        "cpu_ratio": e_cpu / h_cpu,
+        "peak_rows": peak,
+    }
 
 
 def print_rows(results: list[dict[str, Any]]) -> None:
-    print(f"  {'rows x tokens':<14} {'engine tok/s':>12} {'HF tok/s':>10} {'ratio':>6}  engine peak rows")
+    head = (
+        f"  {'rows x tokens':<14} {'engine tok/s':>12} {'HF tok/s':>10} {'ratio':>6} {'CPU-time ratio':>15}"
+    )
+    print(head + "  engine peak rows")
     for r in results:
         print(
             f"  {r['rows']:>4} x {r['tokens']:<7} {r['engine']:12.1f} {r['hf']:10.1f} "
-            f"{r['ratio']:6.2f}  {r['peak_rows']:.0f}"
+            f"{r['ratio']:6.2f} {r['cpu_ratio']:15.2f}  {r['peak_rows']:.0f}"
         )
 
 
@@ -176,7 +192,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()

@@ -219,9 +219,10 @@ class TorchEngine(Engine):
                 return  # several groups asked for the same new version: it is loaded once
             try:
                 if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
-                    model = load_adapter(policy.path, self.model_path, self.device, self.dtype)
+                    model = load_adapter(policy.path, self.model_path, self.device)
                 else:
-                    model = load_model(policy.path, self.device, self.dtype)
+                    model = load_model(policy.path, self.device)
+                model = model.to(getattr(torch, self.dtype))  # published in float32: the engine's dtype
             except (OSError, ValueError) as exc:  # no such directory, not a checkpoint, an unknown model
                 raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
             with self._exclusive():
