@@ -122,6 +122,15 @@ class Database:
         with self.lock:
             return self.conn.execute(sql, params).fetchall()
 
+    puts = 0  # messages this process published: its own commits do not move ``data_version``
+
+    def version(self) -> tuple[int, int]:
+        """Changes when a message may have arrived: another connection committed (``PRAGMA
+        data_version``, a counter read that touches no table) or this process published one. A write
+        that changes nothing (an empty poll's claim) commits no page and moves no one's version."""
+        with self.lock:
+            return int(self.conn.execute("PRAGMA data_version").fetchone()[0]), self.puts
+
 
 class QoS(virtual.QoS):
     """Acks and rejects act on the leased rows; a graceful close releases the leases."""
@@ -236,6 +245,7 @@ class Channel(virtual.Channel):
     # --- messages ------------------------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         self.db.execute("INSERT INTO messages (queue, payload) VALUES (?, ?)", (queue, json.dumps(message)))
+        self.db.puts += 1
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         self._renew_leases()
@@ -346,13 +356,22 @@ class Transport(virtual.Transport):
     def driver_version(self) -> str:
         return sqlite3.sqlite_version
 
-    # Adaptive polling: for ``hot_s`` seconds after a delivery, kombu's loop polls every
-    # ``hot_polling_interval`` (a worker that just acked a task fetches the next one at once: with one
-    # prefetched message per process it waited ~25 ms on average per task at the idle interval, +66 %
-    # on 0.1 s rollout groups in bench/rollout.py); idle, it polls at the configured interval. A poll
-    # while the prefetch window is full does not touch the database. An ack or reject in this process
-    # (the window has room again) ends the wait at once instead of at the next poll.
-    hot_polling_interval = 0.005
+    # Waiting for a message: after an empty poll the loop sleeps until the broker file changes
+    # (``Database.version``: another process committed, or this one published), checked every
+    # ``change_tick`` s doubling while quiet up to ``hot_tick_max`` for ``hot_s`` seconds after a
+    # delivery, else every ``idle_tick_max``, and polls again then; a full poll still runs every
+    # polling interval (a lease that expired changes no page). A check is one PRAGMA under the
+    # process's SQLite lock; a poll is kombu's cycle over every consumed queue, a claim statement each.
+    # Before, a worker polled every 5 ms for 2 s after a delivery, else at the 50 ms idle interval: one
+    # idle for longer (its queue empty while the direct leg of bench/rollout.py ran, or a trainer's
+    # step) saw the next task ~25 ms late on average (issue 37: +17 % on a quick run of 0.3 s rounds
+    # at 4 in flight on vLLM); now within ``idle_tick_max`` (idle, ~0.5 % of a core more than before
+    # on the 2-core machine). An ack or reject in this process (the window has room again) ends the
+    # wait at once; while the task window is full only that lets a task in, and the remote-control
+    # queue is polled at the idle interval.
+    change_tick = 0.001
+    hot_tick_max = 0.004
+    idle_tick_max = 0.016
     hot_s = 2.0
     _idle_interval: float | None = None
     _last_delivery = 0.0
@@ -362,11 +381,16 @@ class Transport(virtual.Transport):
         if self._wake_event is not None:
             self._wake_event.set()
 
+    def _version(self) -> tuple[int, int] | None:
+        channels = self.channels
+        return channels[0].db.version() if channels else None
+
     def drain_events(self, connection: Any, timeout: float | None = None) -> Any:  # type: ignore[override]
-        """kombu's polling loop (``virtual.Transport.drain_events``) with an interruptible sleep, and
-        polling at the idle interval while the task window is full (``_windows_full``). Returns on a
-        delivery; raises ``socket.timeout`` after ``timeout``, capped at one second: Celery's
-        synchronous loop checks for shutdown between calls, so a SIGTERM'd worker exits promptly."""
+        """kombu's polling loop (``virtual.Transport.drain_events``) with a sleep that ends when the
+        broker file changes or this process acks, and polling at the idle interval while the task
+        window is full (``_windows_full``). Returns on a delivery; raises ``socket.timeout`` after
+        ``timeout``, capped at one second: Celery's synchronous loop checks for shutdown between
+        calls, so a SIGTERM'd worker exits promptly."""
         if self._idle_interval is None:
             self._idle_interval = float(self.polling_interval)  # the configured one (transport options)
         idle = self._idle_interval
@@ -379,25 +403,37 @@ class Transport(virtual.Transport):
         limit = None if timeout is None else min(timeout, 1.0)
         while True:
             wake.clear()  # before the attempt: an ack during it makes the wait below return at once
+            version = self._version()  # before the attempt too: a publish during it ends the wait
             try:
                 cycle.get(self._deliver, timeout=limit)
             except Empty:
                 now = time.monotonic()
                 if limit is not None and now - start >= limit:
                     raise TimeoutError() from None  # socket.timeout is TimeoutError
-                if self._windows_full():
-                    # only an ack or reject here (it wakes us) lets a task in; the channels without a
-                    # window (Celery's remote-control queue) are polled at the idle interval
-                    interval = idle
-                else:
-                    hot = now - self._last_delivery < self.hot_s
-                    interval = self.hot_polling_interval if hot else idle
+                interval = idle
                 if limit is not None:
                     interval = min(interval, max(0.0, limit - (now - start)))
-                wake.wait(interval)
+                if self._windows_full() or version is None:
+                    wake.wait(interval)
+                else:
+                    if now - self._last_delivery < self.hot_s:
+                        self._wait_change(version, interval, self.change_tick, self.hot_tick_max)
+                    else:  # idle: a check every idle_tick_max from the start (a few dozen a second)
+                        self._wait_change(version, interval, self.idle_tick_max, self.idle_tick_max)
             else:
                 self._last_delivery = time.monotonic()
                 return None
+
+    def _wait_change(self, version: tuple[int, int], limit: float, tick: float, tick_max: float) -> None:
+        """Until the broker's version moves from ``version``, this process acks, or ``limit`` s."""
+        wake = self._wake_event
+        assert wake is not None
+        end = time.monotonic() + limit
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or wake.wait(min(tick, left)) or self._version() != version:
+                return
+            tick = min(tick * 2, tick_max)
 
     def _windows_full(self) -> bool:
         """Every consuming channel with a prefetch window (the task queue's) has it full: polling for
