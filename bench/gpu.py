@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from engine_vs_hf import PROMPT_LEN, QWEN2_05B, SMALL, Body, build, compare, n_params  # noqa: E402
 
@@ -98,10 +98,10 @@ def engine_section(device: str, reps: int) -> tuple[list[str], dict[str, Any]]:
 
 
 def learner_section(device: str) -> list[str]:
-    try:
-        from gpu_learner import learner_rows  # type: ignore[import-not-found]
-    except ImportError as exc:
-        return [f"bench/gpu_learner.py is missing ({exc}): no learner rows."]
+    if not (REPO / "bench" / "gpu_learner.py").is_file():
+        return ["bench/gpu_learner.py is missing: no learner rows."]
+    from gpu_learner import learner_rows  # type: ignore[import-not-found]
+
     rows: list[dict[str, Any]] = learner_rows(device)
     if not rows:
         return ["The learner section returned no rows."]
