@@ -87,32 +87,31 @@ def test_requests_in_flight_during_a_reload_match_the_version_they_are_labelled_
     engine = VLLMEngine(vllm.ensure("raw"), policy_store=store.root, pause_mode=pause_mode)  # type: ignore[arg-type]
     v1 = store.get(1)
     assert v1 is not None
-    # early groups run to max_tokens (no EOS): long enough to be running still when the update starts,
-    # on a quick server as on a loaded one; the late group only has to show the new weights
-    early_req = RolloutRequest(
-        prompt_ids=prompt_ids,
-        sampling=SamplingParams(n=2, max_tokens=400, temperature=2.0, seed=1, ignore_eos=True),
+    req = RolloutRequest(
+        prompt_ids=prompt_ids, sampling=SamplingParams(n=4, max_tokens=400, temperature=2.0, seed=1)
     )
-    late_req = RolloutRequest(
-        prompt_ids=prompt_ids, sampling=SamplingParams(n=2, max_tokens=24, seed=2), group_id="late"
-    )
-    settings = Settings()
 
     async def scenario() -> tuple[list[Group], list[Group]]:
         await engine.load_policy(PolicyVersion(version=0, path=str(TINY)))
+        settings = Settings()
         early = [
             asyncio.create_task(
                 generate_group(
-                    early_req.model_copy(update={"group_id": f"e{i}"}), engine, lambda: tokenizer, settings
+                    req.model_copy(update={"group_id": f"e{i}"}), engine, lambda: tokenizer, settings
                 )
             )
-            for i in range(2)
+            for i in range(3)
         ]
-        # the update starts once the server runs them, or once they are done (then this try shows nothing)
-        while not all(t.done() for t in early) and await asyncio.to_thread(_running, engine.base_url) == 0:
+        for _ in range(600):  # until the server runs them (slow to show on a loaded machine)
+            if await asyncio.to_thread(_running, engine.base_url) > 0:
+                break
             await asyncio.sleep(0.05)
         await engine.load_policy(v1)
-        late = [await generate_group(late_req, engine, lambda: tokenizer, settings)]
+        late = [
+            await generate_group(
+                req.model_copy(update={"group_id": "late"}), engine, lambda: tokenizer, settings
+            )
+        ]
         return list(await asyncio.gather(*early)), late
 
     paths = {0: TINY, 1: Path(v1.path)}
