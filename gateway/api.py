@@ -33,7 +33,7 @@ from gateway.routes.deps import Backpressure, Gateway
 from gateway.routes.web import mount as mount_run_page
 from gateway.state import GatewayState
 from loom.contracts.settings import SERVICES, Settings, get_settings
-from loom.service import add_ping_route, broker_check, create_app
+from loom.service import create_queue_app
 
 
 def build_gateway(
@@ -68,15 +68,15 @@ def build_app(
         from gateway.tasks import celery_app as default_app
 
         celery_app = default_app
-    app = create_app(
+    app = create_queue_app(
         "gateway",
+        celery_app,
+        ping=SERVICES,
         settings=settings,
-        ready_checks={"broker": broker_check(celery_app)},
         description=__doc__ or "",
         errors=(401, 403, 429),
         body_limits={"/v1/datasets": config.dataset_max_bytes},
     )
-    add_ping_route(app, celery_app, SERVICES)
     gateway = build_gateway(settings, config, celery_app, stages)
     keys = KeyRing.from_spec(settings.api_keys)
     failures = TokenBuckets(config.auth_fail_rate, config.auth_fail_burst)

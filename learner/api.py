@@ -30,7 +30,7 @@ from learner.assign import assign_batch
 from loom.contracts.settings import Settings
 from loom.contracts.wire import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
 from loom.remote_store import add_store_routes
-from loom.service import add_ping_route, broker_check, create_app
+from loom.service import create_queue_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
 
 
@@ -88,14 +88,13 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
         from learner.tasks import celery_app as default_app
 
         celery_app = default_app
-    app = create_app(
+    app = create_queue_app(
         "learner",
+        celery_app,
         settings=settings,
-        ready_checks={"broker": broker_check(celery_app)},
         description="Advantages, losses, train steps and policy versions.",
         errors=(504,),  # a step or a score that took longer than its timeout
     )
-    add_ping_route(app, celery_app, ("learner",))
     internal = internal_route_guard(app)
     # the internal routes: the service token, when set (docs/security-workers.md)
     internal_post = functools.partial(

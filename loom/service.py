@@ -3,7 +3,9 @@
 ``create_app(service)`` gives: ``/healthz`` (process alive), ``/readyz`` (broker and the service's own
 dependencies), ``/metrics`` (Prometheus text), ``/version``; request-body size limit (413); validation
 errors as 422 with the field path; any unhandled error as a typed 500 body without a stack trace.
-Services add their routes to the returned app and stay thin.
+Services add their routes to the returned app and stay thin. ``create_queue_app(service, celery_app)``,
+for the services in front of Celery workers (all five), adds the broker to ``/readyz`` and
+``POST /v1/ping``.
 
 Every error body has one shape, ``ErrorBody`` (loom.contracts.errors): ``{"error": <kind>,
 "detail": <text or the list of problems>, ...}`` (never ``detail.detail``), and every route's OpenAPI
@@ -255,6 +257,17 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _crash)
     app.include_router(ops_router)
+    return app
+
+
+def create_queue_app(
+    service: str, celery_app: Any, *, ping: tuple[str, ...] | None = None, **kwargs: Any
+) -> FastAPI:
+    """``create_app`` for a service whose work runs on Celery workers: ``/readyz`` checks
+    ``celery_app``'s broker and ``POST /v1/ping`` round-trips the queues of ``ping`` (default: the
+    service's own); ``kwargs`` go to ``create_app``."""
+    app = create_app(service, ready_checks={"broker": broker_check(celery_app)}, **kwargs)
+    add_ping_route(app, celery_app, ping or (service,))
     return app
 
 

@@ -14,18 +14,15 @@ import asyncio
 from fastapi.responses import JSONResponse
 
 from loom.contracts.wire import ReflectRequest, ReflectResult
-from loom.service import add_ping_route, broker_check, create_app
+from loom.service import create_queue_app
 from reflect_svc.backends import make_services, policy_tokenizer
 from reflect_svc.config import get_reflect_settings
 from reflect_svc.revise import InputError, ServiceError, revise_group
 from reflect_svc.tasks import celery_app
 
-app = create_app(
-    "reflect",
-    ready_checks={"broker": broker_check(celery_app)},
-    description="Reflection truncation of overthinking and revised samples (REA-RL).",
+app = create_queue_app(
+    "reflect", celery_app, description="Reflection truncation of overthinking and revised samples (REA-RL)."
 )
-add_ping_route(app, celery_app, ("reflect",))
 
 
 def _revise(body: ReflectRequest) -> ReflectResult:

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from loom.contracts.reward_settings import get_reward_settings
 from loom.contracts.rewards import COMPONENT_PARAMS, RequestError, check_spec, check_timeout
 from loom.contracts.wire import Group, RewardRequest, RewardResult, RewardSpec, TaskKind
-from loom.service import add_ping_route, broker_check, create_app
+from loom.service import create_queue_app
 from reward_svc.core import (
     Refused,
     check_request,
@@ -45,12 +45,11 @@ from reward_svc.tasks import celery_app
 
 log = logging.getLogger("reward_svc.api")
 
-app = create_app(
+app = create_queue_app(
     "reward",
-    ready_checks={"broker": broker_check(celery_app)},
+    celery_app,
     description="Rewards: accuracy, format, length, reflection, efficiency; isolated verification.",
 )
-add_ping_route(app, celery_app, ("reward",))
 
 _settings = get_reward_settings()
 _state = DensityStats()

@@ -28,7 +28,7 @@ from pydantic import Field
 
 from loom.contracts.wire import Contract, Group, RolloutRequest
 from loom.remote_store import PolicyStoreError
-from loom.service import ErrorBody, add_ping_route, broker_check, create_app
+from loom.service import ErrorBody, create_queue_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
 from rollout_svc.config import RolloutSettings
 from rollout_svc.engines import get_engine_async, get_tokenizer
@@ -48,14 +48,13 @@ from rollout_svc.tasks import celery_app
 
 log = logging.getLogger("loom.rollout.api")
 
-app = create_app(
+app = create_queue_app(
     "rollout",
-    ready_checks={"broker": broker_check(celery_app)},
+    celery_app,
     description="Generation: engines (vLLM server, torch) and rollout modes.",
     errors=(404,),  # POST /v1/policy: no such version
 )
 app.state.rollout = RolloutSettings()  # this service's own settings (tests swap it like app.state.settings)
-add_ping_route(app, celery_app, ("rollout",))
 internal = internal_route_guard(app)
 
 
