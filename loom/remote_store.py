@@ -26,18 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, TypeVar
 
 import httpx
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
 from loom.contracts.errors import ErrorBody
@@ -171,50 +172,54 @@ def add_store_routes(app: FastAPI, guard: Any) -> None:
         404: {"model": ErrorBody, "description": "no such version (or file) in the policy store"},
     }
 
-    @app.get("/v1/store/latest", tags=["store"], dependencies=[guard], responses=answers)
-    def latest() -> dict[str, int]:
-        return _latest_of(app, None)
-
-    @app.get("/v1/store/v/{version}/manifest", tags=["store"], dependencies=[guard], responses=answers)
-    def manifest(version: int) -> dict[str, Any]:
-        return _manifest_or_404(app, None, version)
-
-    file_answers = {**answers, 200: {"content": {"application/octet-stream": {}}}}
-
-    @app.get(
-        "/v1/store/v/{version}/files/{path:path}",
-        tags=["store"],
-        dependencies=[guard],
-        responses=file_answers,
-        response_class=StreamingResponse,
-    )
-    def file(version: int, path: str) -> StreamingResponse:
-        return _file_of(app, None, version, path)
-
-    @app.get("/v1/store/ns/{namespace}/latest", tags=["store"], dependencies=[guard], responses=answers)
-    def ns_latest(namespace: str) -> dict[str, int]:
-        return _latest_of(app, namespace)
-
-    @app.get(
-        "/v1/store/ns/{namespace}/v/{version}/manifest",
-        tags=["store"],
-        dependencies=[guard],
-        responses=answers,
-    )
-    def ns_manifest(namespace: str, version: int) -> dict[str, Any]:
-        return _manifest_or_404(app, namespace, version)
-
-    @app.get(
-        "/v1/store/ns/{namespace}/v/{version}/files/{path:path}",
-        tags=["store"],
-        dependencies=[guard],
-        responses=file_answers,
-        response_class=StreamingResponse,
-    )
-    def ns_file(namespace: str, version: int, path: str) -> StreamingResponse:
-        return _file_of(app, namespace, version, path)
+    for prefix, namespace_of, name in (
+        ("/v1/store", _learner_namespace, ""),
+        ("/v1/store/ns/{namespace}", _trainer_namespace, "ns_"),
+    ):
+        _add_read_routes(app, guard, answers, prefix, namespace_of, name)
 
     add_publish_routes(app, guard)
+
+
+def _learner_namespace() -> None:
+    """The read routes under ``/v1/store``: the learner's own versions (no namespace)."""
+    return None
+
+
+def _trainer_namespace(namespace: str) -> str:
+    """The read routes under ``/v1/store/ns/{namespace}``: a trainer's versions."""
+    return namespace
+
+
+def _add_read_routes(
+    app: FastAPI,
+    guard: Any,
+    answers: dict[int | str, dict[str, Any]],
+    prefix: str,
+    namespace_of: Callable[..., str | None],
+    name: str,
+) -> None:
+    """The three read routes under ``prefix``, serving the namespace ``namespace_of`` reads (a path
+    parameter, or none); ``name`` prefixes the routes' names."""
+    get = functools.partial(app.get, tags=["store"], dependencies=[guard])
+    file_answers = {**answers, 200: {"content": {"application/octet-stream": {}}}}
+
+    @get(f"{prefix}/latest", responses=answers, name=f"{name}latest")
+    def latest(namespace: str | None = Depends(namespace_of)) -> dict[str, int]:
+        return _latest_of(app, namespace)
+
+    @get(f"{prefix}/v/{{version}}/manifest", responses=answers, name=f"{name}manifest")
+    def manifest(version: int, namespace: str | None = Depends(namespace_of)) -> dict[str, Any]:
+        return _manifest_or_404(app, namespace, version)
+
+    @get(
+        f"{prefix}/v/{{version}}/files/{{path:path}}",
+        responses=file_answers,
+        response_class=StreamingResponse,
+        name=f"{name}file",
+    )
+    def file(version: int, path: str, namespace: str | None = Depends(namespace_of)) -> StreamingResponse:
+        return _file_of(app, namespace, version, path)
 
 
 def add_publish_routes(app: FastAPI, guard: Any) -> None:
