@@ -36,6 +36,43 @@ stray = pathlib.Path(sysconfig.get_paths()["purelib"]) / "tests"
 if stray.is_dir():
     shutil.rmtree(stray)
 PY
+# issue 34: verl's agent loop imports hydra, and hydra-core 1.3 / omegaconf 2.3 need the ANTLR 4.9
+# runtime, while math-verify needs 4.13.2 (this venv's). A side interpreter for verl's side of
+# tests/interop_rollout/test_verl_rollout.py: a venv inside .venv holding only those three (no deps),
+# with a .pth that appends this venv's site-packages after its own, so its ANTLR 4.9 wins there and
+# torch, verl and loom come from here (docs/interop-rollout.md, "verl"). Where it cannot be made, the
+# verl tests skip and say so.
+side=.venv/side-verl
+side_pins="hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3"
+main_sp=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+side_pth="import site; site.addsitedir('$main_sp')"
+side_ok() {
+  [ -x "$side/bin/python" ] && "$side/bin/python" - "$side_pth" <<'PY' 2>/dev/null
+import pathlib, sys, sysconfig
+from importlib.metadata import version
+pth = pathlib.Path(sysconfig.get_paths()["purelib"]) / "loom-main-venv.pth"
+assert pth.read_text().strip() == sys.argv[1]
+assert [version(p) for p in ("hydra-core", "omegaconf", "antlr4-python3-runtime")] == ["1.3.8", "2.3.0", "4.9.3"]
+import loom  # noqa: F401  (from the main venv, through the .pth)
+PY
+}
+if ! side_ok; then
+  rm -rf "$side"
+  if .venv/bin/python -m venv --without-pip "$side" \
+    && .venv/bin/python -m pip --python "$side/bin/python" install -q --no-deps $side_pins \
+    && side_sp=$("$side/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+    && printf '%s\n' "$side_pth" >"$side_sp/loom-main-venv.pth" \
+    && "$side/bin/python" -c "
+import antlr4, hydra, verl.experimental.agent_loop, loom
+from importlib.metadata import version
+assert version('antlr4-python3-runtime').startswith('4.9.'), version('antlr4-python3-runtime')
+" && side_ok; then
+    :
+  else
+    rm -rf "$side"
+    echo "deploy/setup.sh: could not make the verl side interpreter ($side_pins); tests/interop_rollout/test_verl_rollout.py will skip" >&2
+  fi
+fi
 # issue 28: tests/web drive Debian's chromium headless with playwright (dev extra); never
 # `playwright install`, which downloads a browser of its own. Installed only where it is missing.
 if [ ! -x /usr/bin/chromium ]; then
