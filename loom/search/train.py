@@ -27,11 +27,10 @@ from loom.tiny.tokenizer import train_tokenizer
 from loom.tiny.traces import Piece, trace_text
 from loom.tiny.train import (
     TrainConfig,
+    card_markdown,
     encode,
     final_loss,
     fit,
-    heldout_table,
-    model_lines,
     print_card,
     record_heldout,
     shared_config,
@@ -198,16 +197,14 @@ def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-unty
 
 def model_card(card: dict) -> str:
     cfg = card["config"]
-    lines = [
-        "# Loom search model",
-        "",
+    about = [
         "A small Llama trained from scratch by `loom train-search` on Countdown search traces",
         "(loom/search/traces.py: the search written out move by move, with backtracking) in the plain,",
         "reflect, stream and spawn formats, and on the tiny model's arithmetic. Reproduce with",
         f"`loom train-search --seed {cfg['seed']} --steps {cfg['steps']}"
         f" --fixed-steps {cfg['fixed_steps']} --fixed-rounds {cfg['fixed_rounds']}`.",
-        "",
-        *model_lines(card),
+    ]
+    data = [
         f"- problems: {card['problems']}",
         f"- data mix (format: kind, search orders): {card['mix']}; {card['sequences']} sequences",
         "- phases (drawn orders, then rounds of the fixed order it writes): "
@@ -215,14 +212,9 @@ def model_card(card: dict) -> str:
             f"{k}: {v['steps']} steps, lr {v['lr']}, {v['train_seconds']} s on {v['torch_threads']} thread(s)"
             for k, v in card["phases"].items()
         ),
-        f"- steps {cfg['steps']}, batch {cfg['batch_size']}, lr {cfg['lr']}, seed {cfg['seed']}",
-        f"- training time: {card['train_seconds']} s on {card['device']}; final loss {card['final_loss']}",
-        "",
-        "## Held-out greedy accuracy (Countdown search problems)",
-        "",
-        *heldout_table(card),
     ]
-    return "\n".join(lines) + "\n"
+    heldout = "Held-out greedy accuracy (Countdown search problems)"
+    return card_markdown(card, "Loom search model", about, data, card["device"], heldout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -187,14 +187,6 @@ def heldout_row(r: FormatResult) -> dict:
     return {"accuracy": round(r.accuracy, 4), "parsed": r.parsed, "correct": r.correct, "total": r.total}
 
 
-def model_lines(card: dict) -> list[str]:
-    """The model card's lines on the model itself: its size and architecture."""
-    return [
-        f"- parameters: {card['params']:,}; vocabulary: {card['vocab_size']} (byte-level BPE, single digits)",
-        f"- architecture: {card['model']}",
-    ]
-
-
 def record_heldout(card: dict, evaluate: Callable[[], dict[str, FormatResult]]) -> None:
     """Run the held-out evaluation and record it on ``card``: its seconds, a row and a sample per format."""
     t1 = time.perf_counter()
@@ -204,12 +196,33 @@ def record_heldout(card: dict, evaluate: Callable[[], dict[str, FormatResult]]) 
     card["samples"] = {fmt: r.sample for fmt, r in results.items()}
 
 
-def heldout_table(card: dict) -> list[str]:
-    """The model card's table of held-out accuracy, a row per format."""
-    lines = ["| format | accuracy | parsed | total |", "|---|---|---|---|"]
+def card_markdown(
+    card: dict, title: str, about: list[str], data: list[str], trained_on: str, heldout: str
+) -> str:
+    """A checkpoint's MODEL_CARD.md (the tiny and the search model's): ``title``, the ``about``
+    paragraph (what it learned, how to reproduce it), the model's size, its ``data`` lines, the
+    training run (``trained_on``: the threads or the device), and the ``heldout`` table of held-out
+    accuracy, a row per format."""
+    cfg = card["config"]
+    lines = [
+        f"# {title}",
+        "",
+        *about,
+        "",
+        f"- parameters: {card['params']:,}; vocabulary: {card['vocab_size']} (byte-level BPE, single digits)",
+        f"- architecture: {card['model']}",
+        *data,
+        f"- steps {cfg['steps']}, batch {cfg['batch_size']}, lr {cfg['lr']}, seed {cfg['seed']}",
+        f"- training time: {card['train_seconds']} s on {trained_on}; final loss {card['final_loss']}",
+        "",
+        f"## {heldout}",
+        "",
+        "| format | accuracy | parsed | total |",
+        "|---|---|---|---|",
+    ]
     for fmt, r in card.get("heldout", {}).items():
         lines.append(f"| {fmt} | {r['accuracy']:.3f} | {r['parsed']} | {r['total']} |")
-    return lines
+    return "\n".join(lines) + "\n"
 
 
 def print_card(card: dict) -> None:
@@ -240,24 +253,14 @@ def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-unty
 
 def model_card(card: dict) -> str:
     cfg = card["config"]
-    lines = [
-        "# Loom tiny model",
-        "",
+    about = [
         "A small Llama trained from scratch by `loom train-tiny` on Loom's synthetic tasks",
         "(loom/tiny/tasks.py) in every trace format (loom/tiny/traces.py). Reproduce with",
         f"`loom train-tiny --seed {cfg['seed']} --steps {cfg['steps']}`.",
-        "",
-        *model_lines(card),
-        f"- data mix (format: kinds): {card['mix']}; {card['sequences']} training sequences",
-        f"- steps {cfg['steps']}, batch {cfg['batch_size']}, lr {cfg['lr']}, seed {cfg['seed']}",
-        f"- training time: {card['train_seconds']} s on {card['torch_threads']} torch thread(s);"
-        f" final loss {card['final_loss']}",
-        "",
-        "## Held-out greedy accuracy",
-        "",
-        *heldout_table(card),
     ]
-    return "\n".join(lines) + "\n"
+    data = [f"- data mix (format: kinds): {card['mix']}; {card['sequences']} training sequences"]
+    threads = f"{card['torch_threads']} torch thread(s)"
+    return card_markdown(card, "Loom tiny model", about, data, threads, "Held-out greedy accuracy")
 
 
 def training_parser(prog: str, description: str, d: TrainConfig) -> argparse.ArgumentParser:
