@@ -18,10 +18,11 @@ they are sent again) -> ``POST /collective_rpc {"method": "loom_reload_weights",
 refused or failed load leaves the old weights served and is ``PolicyLoadError``) ->
 ``POST /reset_prefix_cache`` (must answer ``{"success": true}``) -> ``POST /update_weight_version``
 (a label naming the policy-store record) -> ``POST /resume`` (always, also after a failure).
-A LoRA adapter: ``POST /v1/load_lora_adapter`` (answers plain text) under a name unique to the
-version, requests name it, the adapters beyond the newest ``lora_keep`` are unloaded
-(``/v1/unload_lora_adapter``); no dev-mode route is needed (a new adapter name is a new prefix-cache
-namespace).
+A LoRA adapter (of the base model, as the torch engine merges it: when the server holds a full
+version, the served model's own checkpoint is reloaded first): ``POST /v1/load_lora_adapter``
+(answers plain text) under a name unique to the version, requests name it, the adapters beyond the
+newest ``lora_keep`` are unloaded (``/v1/unload_lora_adapter``); no other dev-mode route is needed (a
+new adapter name is a new prefix-cache namespace).
 
 The server's version is never assumed: before the first request (and after a connection failure, or
 after ``resync_s`` without a request, which a restarted server cannot hide behind) the client reads
@@ -408,7 +409,7 @@ class VLLMEngine(Engine):
                 return
             await self._discover()
             if self._policy is not None and self._policy.kind == "lora":
-                self._synced = await self._lora_still_served()
+                self._synced = await self._lora_still_served() and await self._base_served()
                 if self._synced:
                     return
                 await self._load_lora(self._policy)
@@ -552,7 +553,22 @@ class VLLMEngine(Engine):
             delay *= 2
         return False
 
+    async def _base_served(self) -> bool:
+        """Whether the server's weights are the served model's own (``/weight_info``): an adapter
+        applies to them. Without dev mode no full reload was possible: they are."""
+        try:
+            label = (await self._request("GET", "/weight_info")).get("weight_version")
+        except Refused as exc:
+            if exc.route_missing:
+                return True
+            raise
+        return label in (BASE_LABEL, weight_label(PolicyVersion(version=0, path=self._base_path or "")))
+
     async def _load_lora(self, policy: PolicyVersion) -> None:
+        # a LoRA version is an adapter of the base model (the torch engine merges it into its base):
+        # after a full version, the served model's own weights are reloaded first
+        if not await self._base_served():
+            await self._load_full(PolicyVersion(version=0, path=self._base_path or ""))
         name = lora_name(policy)
         try:
             await self._request(
