@@ -17,11 +17,15 @@ Equal work: the same prompts, ``n``, ``max_tokens`` and temperature, ``ignore_eo
 every completion is ``max_tokens`` long (the tokens each side generated are counted and printed).
 The repetitions alternate (loom, trl, trl, loom, ...) after one warm-up call of each; the overhead is
 median(loom) / median(trl) - 1. ``--profile`` breaks one Loom call down: the job's submission, the
-first and the last group's arrival on the stream, and the adapter's own work after it. Publishing is
-left out of both (TRL's server mode moves weights over NCCL, which has no CPU form).
+first and the last group's arrival on the stream, and the adapter's own work after it. ``--timeline``
+runs the stack with ``LOOM_TIMELINE`` (loom/timeline.py) and prints the worker-side timeline of the
+calls after the repetitions: per stage (gateway publish, rollout task start, engine call, engine
+admits and batch end, reward task, result read, group stored, event sent) the first and last of the
+call's groups, in seconds after the call began. Publishing is left out of both (TRL's server mode
+moves weights over NCCL, which has no CPU form).
 
     python bench/trl_overhead.py [--prompts 8] [--group 8] [--max-tokens 96] [--reps 6]
-                                 [--concurrency 8] [--profile] [--out FILE.json]
+                                 [--concurrency 8] [--profile] [--timeline N] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -120,6 +124,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cwd=_BENCH.parent,
     )
     stack_env = {"LOOM_ROLLOUT_CONCURRENCY": str(args.concurrency)}
+    timeline_file = tmp / "timeline.jsonl"
+    if args.timeline:
+        stack_env["LOOM_TIMELINE"] = str(timeline_file)
     try:
         with Stack(settings, services=("gateway", "rollout", "reward"), env=stack_env, ready_timeout=300):
             engine_url = f"http://127.0.0.1:{engine_port}"
@@ -170,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     tokens[side].append(n_tok)
                     print(f"rep {r} {side}: {dt:.2f} s, {n_tok} tokens", flush=True)
             profile = _profile(rollout, repeated, trainer) if args.profile else None
+            timelines = [_timeline(timeline_file, loom) for _ in range(args.timeline)]
             rollout.close()
             client.session.close()
     finally:
@@ -195,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "trl_median_s": med["trl"],
         "overhead": med["loom"] / med["trl"] - 1.0,
         "profile": profile,
+        "timelines": timelines,
         "load_avg": os.getloadavg(),
     }
 
@@ -238,6 +247,78 @@ def _profile(rollout: Any, repeated: list[str], trainer: Any) -> dict[str, Any]:
     }
 
 
+# the stages of one group in path order: (label, event, which task key: generate or score)
+_STAGES = (
+    ("gen publish", "publish", "gen"),
+    ("gen published", "published", "gen"),
+    ("rollout task start", "task_start", "gen"),
+    ("engine call", "engine_call", "gen"),
+    ("engine done", "engine_done", "gen"),
+    ("rollout task end", "task_end", "gen"),
+    ("gen result at gateway", "result", "gen"),
+    ("score publish", "publish", "score"),
+    ("score start", "score_start", "score"),
+    ("score end", "score_end", "score"),
+    ("score result at gateway", "result", "score"),
+    ("group stored", "stored", "job"),
+)
+
+
+def _timeline(path: Path, call: Any) -> dict[str, Any]:
+    """One Loom call's marks (loom/timeline.py) as seconds after the call began: per stage the first
+    and the last of its groups; the engine's admits (requests, rows already running) and batch ends;
+    the event stream's sends."""
+    from loom.timeline import read
+
+    t0 = time.time()
+    total, _ = call()
+    t1 = time.time()
+    marks = [m for m in read(path) if t0 <= m["t"] <= t1]
+    publishes = [m["key"] for m in marks if m["event"] == "publish" and not m["key"].endswith(".score")]
+    if not publishes:
+        return {"total_s": total, "note": "no marks: LOOM_TIMELINE unset in the stack?"}
+    job = publishes[0].split(".", 1)[0]
+
+    def kind(key: str) -> str:
+        if key.endswith(".score"):
+            return "score"
+        return "gen" if key.count(".") == 2 else "job"
+
+    stages: dict[str, list[float]] = {}
+    for label, event, which in _STAGES:
+        ts = [
+            m["t"] - t0
+            for m in marks
+            if m["event"] == event and m["key"].startswith(job + ".") and kind(m["key"]) == which
+        ]
+        if ts:
+            stages[label] = [round(min(ts), 4), round(max(ts), 4), len(ts)]
+    return {
+        "total_s": total,
+        "job": job,
+        "stages": stages,
+        "admits": [
+            [round(m["t"] - t0, 4), m.get("requests"), m.get("rows")] for m in marks if m["event"] == "admit"
+        ],
+        "batch_ends": [round(m["t"] - t0, 4) for m in marks if m["event"] == "batch_end"],
+        "sent": [round(m["t"] - t0, 4) for m in marks if m["event"] == "sent" and m["key"] == job],
+    }
+
+
+def _print_timeline(tl: dict[str, Any]) -> None:
+    if "stages" not in tl:
+        print(tl)
+        return
+    print(f"timeline of job {tl['job']} ({tl['total_s']:.3f} s): stage first last (groups)")
+    for label, (first, last, n) in tl["stages"].items():
+        print(f"  {label:26s} {first:7.3f} {last:7.3f} ({n})")
+    print(f"  engine admits (s, requests, rows running): {tl['admits']}")
+    print(f"  engine batch ends: {tl['batch_ends']}")
+    sent = tl["sent"]
+    if sent:
+        print(f"  stream sends: {len(sent)}, first {min(sent):.3f}, last {max(sent):.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts per call")
@@ -253,10 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="break one Loom call down after the reps")
+    p.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the reps, N more Loom calls with the worker-side timeline printed (LOOM_TIMELINE)",
+    )
     p.add_argument("--out", type=Path, help="append the result as a JSON line")
     args = p.parse_args(argv)
     r = run(args)
     print(json.dumps(r), flush=True)
+    for tl in r["timelines"]:
+        _print_timeline(tl)
     print(
         f"loom median {r['loom_median_s']:.2f} s, trl median {r['trl_median_s']:.2f} s: "
         f"overhead {r['overhead']:+.1%} (tokens per call: loom {set(r['loom_tokens'])}, "

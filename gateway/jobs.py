@@ -15,6 +15,7 @@ from gateway.pipeline import Cancelled, Stages, collect, gather_all
 from gateway.runs import adaptive_config, to_request
 from gateway.state import GatewayState
 from loom.contracts.wire import RolloutRequest
+from loom.timeline import mark
 
 log = logging.getLogger("loom.gateway.jobs")
 
@@ -71,6 +72,7 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
             per_prompt = counters["adaptive_samples"] / counters["adaptive_prompts"]
             counters["adaptive_samples_per_prompt"] = per_prompt
         await asyncio.to_thread(state.jobs.add_group, job_id, i, payload)
+        mark("stored", f"{job_id}.p{i}")
 
     try:
         await gather_all(one(i) for i in range(len(items)) if i not in done)

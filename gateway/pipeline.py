@@ -34,6 +34,7 @@ from kombu.exceptions import OperationalError
 from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, Rounds, merge_group, select
 from loom.contracts.wire import Group, RewardResult, RewardSpec, RolloutRequest, StepResult, TrainBatch
 from loom.results import STORE_UNREACHABLE, ResultHub
+from loom.timeline import mark
 
 GENERATE = "rollout.generate_group"
 SCORE = "reward.score_group"
@@ -110,9 +111,11 @@ class CeleryStages:
 
     def _publish(self, name: str, key: str, args: tuple[Any, ...]) -> None:
         # A task already started or finished under this key is awaited, not published again.
+        mark("publish", key)
         if self.app.AsyncResult(key).state in ("STARTED", "SUCCESS", "RETRY"):
             return
         self.app.send_task(name, args=list(args), task_id=key)
+        mark("published", key)
 
     async def _send(self, name: str, key: str, *args: Any) -> str:
         """Publish task ``name`` under ``key``. The broker or the result store may be restarting: try
@@ -156,6 +159,7 @@ class CeleryStages:
             meta = await asyncio.wait_for(self.hub.wait(key), self.timeout)
         except TimeoutError:
             raise StageError(f"task {key} still pending after {self.timeout:.0f} s") from None
+        mark("result", key)
         published = self._published.get(scope_of(key))
         if published is not None:
             published.discard(key)

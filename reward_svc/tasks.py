@@ -20,6 +20,7 @@ from celery.result import AsyncResult
 
 from loom.contracts.wire import Group, RewardSpec
 from loom.queue import make_celery, send
+from loom.timeline import mark
 
 celery_app = make_celery("reward")
 
@@ -44,10 +45,14 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
     from loom.contracts.rewards import check_spec
     from reward_svc.core import score_group
 
+    key = score_group_task.request.id or ""
+    mark("score_start", key)
     g = Group.model_validate(group)
     s = RewardSpec.model_validate(spec or {})
     check_spec(s)
-    return score_group(g, s, _verifier().check_many).model_dump(mode="json")
+    out = score_group(g, s, _verifier().check_many).model_dump(mode="json")
+    mark("score_end", key)
+    return out
 
 
 @celery_app.task(name="reward.match_texts")

@@ -37,6 +37,7 @@ from celery import Task
 from loom.contracts.settings import get_settings
 from loom.contracts.wire import RolloutRequest
 from loom.queue import make_celery
+from loom.timeline import mark
 from rollout_svc.config import get_rollout_settings
 from rollout_svc.engines import get_engine, get_tokenizer
 from rollout_svc.engines.base import EngineTimeout, EngineUnavailable
@@ -93,23 +94,28 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     max_retries=3,
 )
 def generate_group_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
+    mark("task_start", self.request.id or "")
     settings, limit = get_settings(), get_rollout_settings().group_timeout_s
     req = RolloutRequest.model_validate(request)
     if req.group_id is None:
         req = req.model_copy(update={"group_id": self.request.id})
     engine = get_engine(settings)
+    mark("engine_call", self.request.id or "")
     group = run(
         on_engine(
             generate_group(req, engine, lambda: get_tokenizer(settings), settings, group_timeout_s=limit)
         )
     )
+    mark("engine_done", self.request.id or "")
     group.meta.update(
         worker_pid=os.getpid(),
         redelivered=bool((self.request.delivery_info or {}).get("redelivered")),
         retries=int(self.request.retries or 0),
         generated_at=time.time(),
     )
-    return group.model_dump(mode="json")
+    out = group.model_dump(mode="json")
+    mark("task_end", self.request.id or "")
+    return out
 
 
 @celery_app.task(name="rollout.load_policy", bind=True)

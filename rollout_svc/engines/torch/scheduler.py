@@ -2,8 +2,11 @@
 
 The requests admitted together are prefilled in one left-padded forward (those with a cached prefix
 one by one, past their prefix: the prefix cache), and their rows join the running batch at the next
-decode step (one left-padded batch KV cache: zero keys and values on the left, a 2D attention mask
-with 0 there, explicit per-row position ids). Rows in flight are bounded by a KV-memory budget
+decode step: their keys and values are copied into the batch's static KV cache (``kv.StaticKv``:
+preallocated, left-padded, every step written in place into one column, a boolean mask of each
+row's real tokens, explicit per-row position ids), and the decode forward is ``decode.DecodeStep``
+(eager; or with static shapes, captured in CUDA graphs on CUDA with ``cuda_graphs``). Rows in
+flight are bounded by a KV-memory budget
 (``KvBudget``: every row reserves its prompt plus ``max_tokens`` positions at the batch's widest),
 and by ``max_rows`` when one is set. Every request keeps its own sampling params and seeded
 generator, so a seeded request's tokens do not depend on its batch mates (up to float rounding).
@@ -25,13 +28,17 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from loom.contracts.wire import SamplingParams
+from loom.timeline import mark
 from rollout_svc.engines.base import Completion, Listener, Progress
-from rollout_svc.engines.torch.prefix_cache import Key, drop_left, merge, pad_left
+from rollout_svc.engines.torch.decode import DecodeStep, Mode
+from rollout_svc.engines.torch.kv import StaticKv, allocate
+from rollout_svc.engines.torch.prefix_cache import Key
 from rollout_svc.engines.torch.sampling import TopRows, generator, is_plain, new_outputs, sample_rows
 
 if TYPE_CHECKING:
@@ -102,14 +109,13 @@ def default_kv_budget(device: str) -> int:
 
 @dataclass
 class Batch:
-    """The running decode batch: rows, their left-padded KV cache, attention mask and next logits.
+    """The running decode batch: rows, their static KV cache and next logits.
 
-    Row b holds ``lengths[b]`` real tokens: the last ``lengths[b]`` positions of the cache (pads on
-    the left, mask 0). ``logits[b]`` is the distribution its next token is sampled from."""
+    Row b holds ``lengths[b]`` real tokens: the last ``lengths[b]`` used columns of row b of ``kv``
+    (pads on the left, masked). ``logits[b]`` is the distribution its next token is sampled from."""
 
     rows: list[Row] = field(default_factory=list)
-    cache: Any = None
-    mask: torch.Tensor | None = None  # (rows, positions) long, 1 = real token
+    kv: StaticKv | None = None
     lengths: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None
 
@@ -144,8 +150,12 @@ class Scheduler:
     """The engine's lock (one user of the model and the prefix cache at a time) and its batching
     thread, started by the first request and ended after ``idle_s`` without work."""
 
-    def __init__(self, engine: TorchEngine, budget: KvBudget, max_rows: int | None = None) -> None:
+    def __init__(
+        self, engine: TorchEngine, budget: KvBudget, max_rows: int | None = None, mode: Mode = "eager"
+    ) -> None:
         self.engine = engine
+        self.decode = DecodeStep(mode)
+        self.kv: StaticKv | None = None  # kept between batches (its buffers, and graphs captured on them)
         self.budget = budget
         self.max_rows = max(1, max_rows) if max_rows is not None else None
         self.lock = threading.Lock()  # the model and the prefix cache: one user at a time
@@ -224,7 +234,9 @@ class Scheduler:
 
     def _run(self) -> None:
         """Decode batches until no row is left (admitting new requests at every step)."""
-        batch = Batch()
+        if self.kv is not None:
+            self.kv.rows = 0
+        batch = Batch(kv=self.kv)
         taken: list[Request] = []
         try:
             while True:
@@ -255,6 +267,8 @@ class Scheduler:
                     break
                 new.append(self.pending.popleft())
                 rows, widest = total, wide
+        if new:
+            mark("admit", "", requests=len(new), rows=rows)
         fresh: list[Request] = []
         for req in new:
             if not req.future.set_running_or_notify_cancel():
@@ -300,20 +314,15 @@ class Scheduler:
     def _join(
         self, batch: Batch, rows: list[Row], cache: Any, mask: torch.Tensor, logits: torch.Tensor
     ) -> None:
-        """Add prefilled rows (their left-padded cache and mask) to the batch: left-pad the narrower
-        side, stack the rows."""
+        """Add prefilled rows (their left-padded cache and mask) to the batch: copied into its static
+        KV cache (grown when they do not fit), with room for every row's tokens still to come."""
         lengths = mask.sum(dim=1).tolist()
-        if batch.mask is None or batch.logits is None:
-            batch.cache, batch.mask, batch.lengths, batch.logits = cache, mask, lengths, logits
-        else:
-            width, length = batch.mask.shape[1], mask.shape[1]
-            total = max(width, length)
-            batch.cache = merge(batch.cache, width, cache, length)
-            batch.mask = torch.cat(
-                [pad_left(batch.mask, total - width, 1), pad_left(mask, total - length, 1)]
-            )
-            batch.lengths = batch.lengths + lengths
-            batch.logits = torch.cat([batch.logits, logits])
+        room = max(_room(row) for row in batch.rows + rows)
+        kv = allocate(batch.kv, cache, len(batch.rows) + len(rows), mask.shape[1], room)
+        kv.add(cache, mask, room)
+        batch.kv = self.kv = kv
+        batch.lengths = batch.lengths + lengths
+        batch.logits = logits if batch.logits is None else torch.cat([batch.logits, logits])
         batch.rows += rows
 
     def _step(self, batch: Batch) -> None:
@@ -343,7 +352,10 @@ class Scheduler:
                 req.future.set_result(req.out)
         keep = [b for b in range(len(batch.rows)) if b not in drop]
         if not keep:
-            batch.rows, batch.cache, batch.mask, batch.lengths, batch.logits = [], None, None, [], None
+            batch.rows, batch.lengths, batch.logits = [], [], None
+            if batch.kv is not None:
+                batch.kv.rows = 0
+            mark("batch_end", "")
             return
         if len(keep) < len(batch.rows):
             next_tokens = [next_tokens[b] for b in keep]
@@ -424,30 +436,25 @@ class Scheduler:
 
     def _retire(self, batch: Batch, ended: list[int]) -> None:
         """Finished rows leave their cache (left padding dropped) in the prefix cache."""
-        assert batch.mask is not None
-        width = batch.mask.shape[1]
+        kv = batch.kv
+        assert kv is not None
         for b in ended:
             row = batch.rows[b]
             c = row.req.out[row.sample]
-            self.engine.prefix.retire(row.req.key, c.token_ids, 0, batch.cache, b, width - batch.lengths[b])
+            self.engine.prefix.retire_with(row.req.key, c.token_ids, 0, partial(kv.row, b, batch.lengths[b]))
 
     def _keep_rows(self, batch: Batch, keep: list[int]) -> None:
-        """Only rows ``keep`` go on; columns that are padding in every one of them are dropped."""
-        assert batch.mask is not None
-        width = batch.mask.shape[1]
-        sel = torch.tensor(keep, device=self.engine.device)
-        batch.cache.batch_select_indices(sel)
-        batch.mask = batch.mask[sel]
+        """Only rows ``keep`` go on (moved up in the static cache, in order); columns that are
+        padding in every one of them are dropped."""
+        assert batch.kv is not None
+        batch.kv.keep(keep)
         batch.rows = [batch.rows[b] for b in keep]
         batch.lengths = [batch.lengths[b] for b in keep]
-        start = width - max(batch.lengths)
-        if start > 0:
-            batch.cache = drop_left(batch.cache, start)
-            batch.mask = batch.mask[:, start:]
+        batch.kv.drop_left(max(batch.lengths))
 
     def _forward(self, batch: Batch, next_tokens: list[int]) -> None:
         """Feed every row its sampled token: the batch's next logits (and the step's statistics)."""
-        assert batch.mask is not None
+        assert batch.kv is not None
         engine, rows = self.engine, len(batch.rows)
         extra = engine.stats.extra
         extra["decode_steps"] += 1
@@ -455,14 +462,16 @@ class Scheduler:
         extra["peak_batch_rows"] = max(extra["peak_batch_rows"], rows)
         extra["peak_batch_requests"] = max(extra["peak_batch_requests"], len({id(r.req) for r in batch.rows}))
         engine.stats.decode_tokens += rows
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(rows, 1)], dim=1)
-        x = torch.tensor(next_tokens, device=engine.device)[:, None]
-        pos = torch.tensor(batch.lengths, device=engine.device)[:, None]
-        out = engine.model(
-            x, attention_mask=batch.mask, position_ids=pos, past_key_values=batch.cache, use_cache=True
-        )
-        batch.logits = out.logits[:, -1, :].float()
+        kv = batch.kv
+        if kv.end >= kv.width:  # never with the room ``_join`` keeps: grown rather than overrun
+            kv = batch.kv = self.kv = allocate(kv, None, kv.rows, kv.end - kv.start, 1)
+        batch.logits = self.decode(engine.model, kv, next_tokens, batch.lengths)
         batch.lengths = [n + 1 for n in batch.lengths]
+
+
+def _room(row: Row) -> int:
+    """Columns the row may still write: every token it may still feed."""
+    return max(1, row.req.params.max_tokens - len(row.req.out[row.sample].token_ids))
 
 
 def _reserve(req: Request) -> int:
