@@ -28,6 +28,12 @@ class RolloutSettings(BaseSettings):
         "do not reach the threads pool)",
     )
 
+    torch_cuda_graphs: bool = Field(
+        default=False,
+        description="the torch engine on CUDA captures its batched decode step in CUDA graphs "
+        "(rollout_svc/engines/torch/decode.py); ignored on CPU",
+    )
+
 
 GROUP_TIMEOUT_S: float = RolloutSettings.model_fields["group_timeout_s"].default
 

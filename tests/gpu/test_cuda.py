@@ -4,8 +4,9 @@ Users run the learner and the torch engine on GPU hosts (``LOOM_DEVICE=cuda``); 
 test here is skipped there with the reason, and they are run on a GPU host with
 ``python -m pytest tests/gpu``. What they cover:
 
-- the torch engine on CUDA: batched sampling, the prefix cache and the group layout (block mask) are
-  token-exact against a CPU teacher-forced pass (tolerance 2e-4 absolute: float32 on both, the
+- the torch engine on CUDA: batched sampling, the prefix cache, the group layout (block mask) and
+  the decode step captured in CUDA graphs (``cuda_graphs=True``) are token-exact against a CPU
+  teacher-forced pass (tolerance 2e-4 absolute: float32 on both, the
   device's kernels sum in another order); greedy picks the CPU argmax wherever the CPU's top two
   logits are more than 1e-3 apart;
 - FCI scoring on CUDA: the streaming scorer equals eager attention on the device and the CPU scores;
@@ -251,6 +252,49 @@ def test_the_cuda_kv_budget_is_half_the_free_memory_and_holds_256_rows(cpu: Torc
     assert engine.stats.extra["peak_batch_rows"] > 64  # the old fixed cap is gone
     ref = teacher_forced_logprobs(cpu.model, ids + outs[0][0].token_ids, len(ids))
     assert outs[0][0].logprobs == pytest.approx(ref, abs=ATOL)
+
+
+def test_the_decode_step_in_cuda_graphs_is_token_exact_and_replayed(cpu: TorchEngine) -> None:
+    """``cuda_graphs=True``: the batched decode step is captured once per row bucket and replayed
+    (rollout_svc/engines/torch/decode.py); greedy and seeded rows, rows leaving at different steps
+    and a request joining the running batch stay token-exact against the CPU pass."""
+    engine = TorchEngine(CHECKPOINT_DIR, device="cuda", cache_entries=4, cuda_graphs=True)
+    assert engine.cuda_graphs and engine.scheduler.decode.mode == "graphs"
+    assert not TorchEngine(CHECKPOINT_DIR, cache_entries=0, cuda_graphs=True).cuda_graphs  # never on CPU
+    prompts = _prompts(engine.tokenizer, n=5, seed=21)
+    params = [
+        SamplingParams(n=3, max_tokens=64, seed=1),
+        SamplingParams(max_tokens=48, temperature=0.0),
+        SamplingParams(n=2, max_tokens=24, seed=2, logprobs=2),
+        SamplingParams(max_tokens=80, temperature=0.7, seed=3),
+        SamplingParams(max_tokens=40, temperature=0.0),
+    ]
+
+    async def staggered(e: TorchEngine) -> list[Any]:
+        first = [asyncio.create_task(e.generate(i, p)) for i, p in zip(prompts[:4], params[:4], strict=True)]
+        while e.stats.extra["decode_steps"] < 5:  # the batch is running: the last one joins it
+            await asyncio.sleep(0.005)
+        last = await e.generate(prompts[4], params[4])
+        return [*(await asyncio.gather(*first)), last]
+
+    got = run(staggered(engine))
+    decode = engine.scheduler.decode
+    assert decode.graph_error is None, decode.graph_error
+    assert decode.captures >= 1 and decode.replays >= 20  # the steps really ran as graph replays
+    for ids, completions in zip(prompts, got, strict=True):
+        for c in completions:
+            ref = teacher_forced_logprobs(cpu.model, ids + c.token_ids, len(ids))
+            assert c.logprobs == pytest.approx(ref, abs=ATOL)
+    # the greedy rows pick the CPU argmax wherever it is not a near tie
+    for k in (1, 4):
+        ids, c = prompts[k], got[k][0]
+        with torch.no_grad():
+            logits = cpu.model(torch.tensor([ids + c.token_ids])).logits[0, len(ids) - 1 : -1]
+        top2 = logits.topk(2, dim=-1)
+        for i, tok in enumerate(c.token_ids):
+            if float(top2.values[i, 0] - top2.values[i, 1]) > 1e-3:
+                assert tok == int(top2.indices[i, 0]), f"request {k} token {i}"
+    engine.stop_scheduler()
 
 
 # ------------------------------------------------------------------------------------------ learner

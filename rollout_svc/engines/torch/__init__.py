@@ -1,7 +1,8 @@
 """The torch engine: transformers in-process (CPU or GPU), Loom's reference implementation, split by
 concern: ``engine`` (the ``TorchEngine`` facade), ``scheduler`` (the batching thread: admitting,
 decoding and retiring rows), ``alone`` (one request decoded alone: group layouts,
-``batching=False``), ``prefix_cache`` (the prefix KV cache and the batch's KV surgery), ``sampling``
+``batching=False``), ``kv`` (the running batch's static KV cache), ``decode`` (its decode step,
+eager or captured in CUDA graphs), ``prefix_cache`` (the prefix KV cache and its KV surgery), ``sampling``
 (logits processors, temperature / top-k / top-p / min-p, log-probs, stops) and ``model`` (loading,
 the teacher-forced reference pass, ``prompt_logprobs``). The modules import each other by their own
 names, never through this package, which only re-exports (no import-order loop)."""

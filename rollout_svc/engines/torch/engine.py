@@ -3,7 +3,9 @@
 - Prefix KV cache (``prefix_cache``): a new request reuses the longest cached prefix and computes
   only the rest; ``stats.prefill_tokens`` counts the prompt tokens actually computed.
 - Batching (``batching=True``, the default): concurrent requests without a group layout are decoded
-  together by one scheduler thread (``scheduler``). ``stats.extra``: ``decode_steps``,
+  together by one scheduler thread (``scheduler``), their keys and values in one preallocated static
+  KV cache written in place (``kv``); with ``cuda_graphs`` (CUDA only, off by default) the decode
+  step is captured in CUDA graphs (``decode``). ``stats.extra``: ``decode_steps``,
   ``batched_steps`` (forwards with more than one row), ``peak_batch_rows`` / ``peak_batch_requests``
   (the most rows / requests in one forward). ``batching=False`` serialises every call (one request at
   a time); requests with a layout always take that single-request path (``alone``), and FCI scoring,
@@ -88,6 +90,7 @@ class TorchEngine(Engine):
         max_batch_rows: int | None = None,
         dtype: Dtype = "float32",
         kv_budget_bytes: int | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         super().__init__()
         self.model_path = Path(model_path)
@@ -107,8 +110,16 @@ class TorchEngine(Engine):
         self._loaded: tuple[int, str] | None = None  # (version, path) of the last policy loaded
         self.batching = batching
         budget = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget(self.device)
+        if cuda_graphs is None:  # LOOM_ROLLOUT_TORCH_CUDA_GRAPHS (rollout_svc/config.py)
+            from rollout_svc.config import get_rollout_settings
+
+            cuda_graphs = get_rollout_settings().torch_cuda_graphs
+        self.cuda_graphs = bool(cuda_graphs) and self.device.startswith("cuda")  # never on CPU
         self.scheduler = Scheduler(
-            self, KvBudget(kv_bytes_per_token(self.model.config, self.dtype), budget), max_batch_rows
+            self,
+            KvBudget(kv_bytes_per_token(self.model.config, self.dtype), budget),
+            max_batch_rows,
+            "graphs" if self.cuda_graphs else "eager",
         )
         self.eos_ids: set[int] = eos_ids(self.model, self.tokenizer)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,9 +93,16 @@ class PrefixCache:
         """Keep a finished row's cache: row ``row`` of ``cache`` from column ``start`` (its left
         padding dropped) holds ``prompt_key`` and every generated token but the last (sampled, never
         fed), which continue ``gen_group``."""
+        self.retire_with(prompt_key, token_ids, gen_group, lambda: row_cache(cache, row, start))
+
+    def retire_with(
+        self, prompt_key: Key, token_ids: list[int], gen_group: int, row: Callable[[], Any]
+    ) -> None:
+        """``retire`` with the finished row's cache made by ``row()`` (called only when it is kept:
+        the batch's static KV cache copies the row out, ``kv.StaticKv.row``)."""
         if self.capacity <= 0:
             return
-        self.store(prompt_key + [(t, gen_group) for t in token_ids[:-1]], row_cache(cache, row, start))
+        self.store(prompt_key + [(t, gen_group) for t in token_ids[:-1]], row())
 
 
 def layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

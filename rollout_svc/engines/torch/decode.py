@@ -1,0 +1,128 @@
+"""One decode step of the running batch over its static KV cache (``kv.StaticKv``): every row fed its
+sampled token, the next logits of every row.
+
+- ``eager`` (the default, CPU and CUDA): transformers' forward over the used rows and columns.
+- ``static``: the same forward with static shapes (rows padded to ``kv.row_bucket``, every column,
+  the write column a device tensor): what a CUDA graph can hold. Run uncaptured, it is the CPU
+  tests' check of the static-shape arithmetic.
+- ``graphs`` (CUDA only, ``TorchEngine(cuda_graphs=True)``): the static step captured once per row
+  bucket in a ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, the capture rules of
+  https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs) and replayed: one launch per step
+  instead of one per kernel. A graph holds the model's weights and the cache's buffers by address,
+  so a policy load (another model) or a reallocated cache (``StaticKv.generation``) recaptures. A
+  capture that fails (an operation of the model that cannot be captured) is logged once and the
+  static step runs uncaptured from then on (``graph_error``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from rollout_svc.engines.torch.kv import StaticKv, row_bucket
+
+log = logging.getLogger("loom.rollout.torch")
+
+Mode = Literal["eager", "static", "graphs"]
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    logits: torch.Tensor  # the captured step's output (static)
+
+
+class DecodeStep:
+    """The decode forward of one scheduler, in ``mode`` (see the module docstring)."""
+
+    def __init__(self, mode: Mode = "eager") -> None:
+        self.mode: Mode = mode
+        self.graph_error: str | None = None
+        self.captures = 0  # graphs captured (statistics and tests)
+        self.replays = 0  # steps run by a graph replay
+        self._graphs: dict[int, _Graph] = {}
+        self._key: tuple[int, int] | None = None  # (id(model), kv.generation) the graphs belong to
+        self._ids: torch.Tensor | None = None  # static inputs, (kv.capacity, 1) each
+        self._pos: torch.Tensor | None = None
+        self._pool: Any = None
+
+    def __call__(self, model: Any, kv: StaticKv, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Feed row b ``tokens[b]`` at position ``positions[b]``; the rows' next logits (float32)."""
+        try:
+            if self.mode == "eager":
+                return self._eager(model, kv, tokens, positions)
+            return self._static(model, kv, tokens, positions)
+        finally:
+            kv.advance()
+
+    def _eager(self, model: Any, kv: StaticKv, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        kv.full = False
+        device = kv.device
+        x = torch.tensor(tokens, device=device)[:, None]
+        pos = torch.tensor(positions, device=device)[:, None]
+        out = model(x, attention_mask=kv.step_mask(), position_ids=pos, past_key_values=kv, use_cache=True)
+        return out.logits[:, -1, :].float()
+
+    def _static(self, model: Any, kv: StaticKv, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        rows = len(tokens)
+        bucket = min(row_bucket(rows), kv.capacity)
+        key = (id(model), kv.generation)
+        if key != self._key or self._ids is None or self._pos is None:
+            self._graphs.clear()
+            self._key = key
+            self._ids = torch.zeros(kv.capacity, 1, dtype=torch.long, device=kv.device)
+            self._pos = torch.zeros(kv.capacity, 1, dtype=torch.long, device=kv.device)
+        ids, pos = self._ids, self._pos
+        ids[:rows, 0] = torch.tensor(tokens, device=kv.device)
+        pos[:rows, 0] = torch.tensor(positions, device=kv.device)
+        ids[rows:bucket] = 0
+        pos[rows:bucket] = 0
+        kv.full = True
+        kv.step_mask()
+        kv.mask[rows:bucket] = True  # padding rows attend somewhere (no all-masked softmax)
+        kv.col.fill_(kv.end)
+        try:
+            if self.mode == "graphs" and self.graph_error is None and kv.device.type == "cuda":
+                graph = self._graphs.get(bucket) or self._capture(model, kv, bucket)
+                if graph is not None:
+                    graph.graph.replay()
+                    self.replays += 1
+                    return graph.logits[:rows].clone()
+            return _forward_static(model, kv, ids, pos, bucket)[:rows]
+        finally:
+            kv.full = False
+
+    def _capture(self, model: Any, kv: StaticKv, bucket: int) -> _Graph | None:
+        assert self._ids is not None and self._pos is not None
+        ids, pos = self._ids, self._pos
+        try:
+            side = torch.cuda.Stream(device=kv.device)
+            side.wait_stream(torch.cuda.current_stream(kv.device))
+            with torch.cuda.stream(side):  # warm-up: writes this step's column, as the replay will
+                for _ in range(2):
+                    _forward_static(model, kv, ids, pos, bucket)
+            torch.cuda.current_stream(kv.device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = _forward_static(model, kv, ids, pos, bucket)
+        except Exception as e:  # the model holds an operation a graph cannot capture
+            self.graph_error = repr(e)
+            log.warning("CUDA graph capture failed, decoding without graphs: %r", e)
+            return None
+        self.captures += 1
+        self._graphs[bucket] = _Graph(graph, logits)
+        return self._graphs[bucket]
+
+
+def _forward_static(
+    model: Any, kv: StaticKv, ids: torch.Tensor, pos: torch.Tensor, bucket: int
+) -> torch.Tensor:
+    mask = kv.mask[:bucket, None, None, :]
+    out = model(
+        ids[:bucket], attention_mask=mask, position_ids=pos[:bucket], past_key_values=kv, use_cache=True
+    )
+    return out.logits[:, -1, :].float()
