@@ -27,7 +27,10 @@
 
 Usage: ``loom bench rollout [--quick] [--only overhead,prefill,scaling,vllm]
 [--engines process,in-process,server] [--concurrency 1,4] [--brokers embedded,rabbitmq] [--ready N]
-[--vllm-eager]``. Model: LOOM_MODEL (tiny).
+[--vllm-eager] [--timeline]``. Model: LOOM_MODEL (tiny). ``--timeline``: the workers run with
+``LOOM_TIMELINE`` (loom/timeline.py) and each queue leg's groups are split into publish -> task start
+(broker pickup), task start -> engine call, the engine call, engine done -> task end, task end ->
+result read by the bench (median and max ms over the leg's groups), printed after the table.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from loom.contracts.wire import RolloutRequest, SamplingParams  # noqa: E402
 from loom.runtime import configure_process  # noqa: E402
 
 RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+TIMELINE: Path | None = None  # --timeline: the marks file (loom/timeline.py) of the workers and this process
+TIMELINES: list[dict[str, Any]] = []  # one per queue leg
 REDIS = "redis://127.0.0.1:6379/4"
 
 
@@ -109,6 +114,8 @@ def queue_env(data_dir: Path, rabbit: bool, **extra: str) -> dict[str, str]:
         )
     else:
         env.update(LOOM_BROKER_URL="embedded", LOOM_RESULT_BACKEND="embedded")
+    if TIMELINE is not None:
+        env["LOOM_TIMELINE"] = str(TIMELINE)
     env.update(extra)
     return env
 
@@ -151,12 +158,14 @@ def run_through_queue(app: Any, requests: list[RolloutRequest]) -> tuple[float, 
     (``gateway.pipeline.CeleryStages._result``), so the overhead measured is the one a run sees."""
     from gateway.pipeline import CeleryStages
     from loom.queue import send
+    from loom.timeline import mark
 
     stages = CeleryStages(app)
     t0 = time.perf_counter()
-    pending = [
-        send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id) for r in requests
-    ]
+    pending = []
+    for r in requests:
+        mark("publish", r.group_id or "")
+        pending.append(send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id))
 
     async def wait_all() -> list[Any]:
         return list(await asyncio.gather(*(stages._result(p.id) for p in pending)))
@@ -166,7 +175,34 @@ def run_through_queue(app: Any, requests: list[RolloutRequest]) -> tuple[float, 
     elapsed = time.perf_counter() - t0
     tokens = sum(len(t["completion_ids"]) for g in groups.values() for t in g["trajectories"])
     engine_s = sum(g["trajectories"][0]["timing"]["generate_s"] for g in groups.values())
+    if TIMELINE is not None:
+        TIMELINES.append(leg_timeline(TIMELINE, [r.group_id or "" for r in requests], elapsed))
     return elapsed, tokens, engine_s
+
+
+_SPANS = (
+    ("pickup", "publish", "task_start"),
+    ("to engine", "task_start", "engine_call"),
+    ("engine", "engine_call", "engine_done"),
+    ("to end", "engine_done", "task_end"),
+    ("result back", "task_end", "result"),
+)
+
+
+def leg_timeline(path: Path, keys: list[str], elapsed: float) -> dict[str, Any]:
+    """One queue leg's groups split into spans (``_SPANS``): median and max ms over its groups."""
+    from loom.timeline import read
+
+    at: dict[str, dict[str, float]] = {k: {} for k in keys}
+    for m in read(path):
+        if m["key"] in at:
+            at[m["key"]].setdefault(m["event"], m["t"])
+    out: dict[str, Any] = {"groups": len(keys), "leg_s": round(elapsed, 3)}
+    for name, a, b in _SPANS:
+        ms = [1e3 * (e[b] - e[a]) for e in at.values() if a in e and b in e]
+        if ms:
+            out[name] = (round(statistics.median(ms), 1), round(max(ms), 1))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -486,12 +522,21 @@ def main(argv: list[str] | None = None) -> int:
         "or process, none in-process)",
     )
     p.add_argument("--vllm-eager", action="store_true", help="start vLLM with --enforce-eager (faster start)")
+    p.add_argument(
+        "--timeline", action="store_true", help="split each queue leg's groups by the workers' marks"
+    )
     args = p.parse_args(argv)
     configure_process()
     only = set(args.only.split(","))
     rows: list[tuple[str, str, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="loom-bench-rollout-") as d:
         tmp = Path(d)
+        if args.timeline:
+            global TIMELINE
+            from loom import timeline
+
+            TIMELINE = tmp / "timeline.jsonl"
+            timeline.PATH = str(TIMELINE)
         if "overhead" in only:
             wanted = args.brokers.split(",")
             brokers = [("embedded", False)] if "embedded" in wanted else []
@@ -594,6 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'benchmark':<42} {'measured side by side':<70} {'result':<22} target")
     for name, detail, result, target in rows:
         print(f"{name:<42} {detail:<70} {result:<22} {target}")
+    if TIMELINES:
+        print("\nqueue legs in order (the warm-up first in each configuration): ms median / max per group")
+        for tl in TIMELINES:
+            spans = " | ".join(f"{n} {tl[n][0]}/{tl[n][1]}" for n, _, _ in _SPANS if n in tl)
+            print(f"  {tl['groups']} groups, {tl['leg_s']} s: {spans}")
     return 0
 
 
