@@ -91,14 +91,16 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 @pytest.fixture
 def engine(vllm: Any, arun: Any, world: World) -> Iterator[VLLMEngine]:
     """A vllm client of the session's server, its store the replica's cache; on the base model."""
+    base = PolicyVersion(version=0, path=str(TINY))
     e = VLLMEngine(vllm.ensure("raw"), policy_store=world.replica.policy_local_root, retries=1)
-    arun(e.load_policy(PolicyVersion(version=0, path=str(TINY))))
+    arun(e.load_policy(base))
     try:
         yield e
     finally:
-        for name in _models(e.base_url):  # leave no adapter of this module loaded
+        for name in _models(e.base_url):  # leave the server as found: no adapter, the base weights
             if name != SERVED:
                 httpx.post(f"{e.base_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+        arun(e.load_policy(base))
         arun(e.close())
 
 
