@@ -132,59 +132,79 @@ def engine_rate(engine: TorchEngine, prompts: list[list[int]], tokens: int, seed
     return made / elapsed, made / cpu
 
 
-def make_engine(model: Any, tokenizer: Any, rows: int) -> TorchEngine:
+def make_engine(model: Any, tokenizer: Any, rows: int, cuda_graphs: bool = False) -> TorchEngine:
     """An engine over ``model`` that may hold ``rows`` rows (the code before issue 37 capped them at
-    ``max_batch_rows``; the budgeted engine needs no cap)."""
+    ``max_batch_rows``; the budgeted engine needs no cap), its decode step in CUDA graphs if asked."""
     kwargs: dict[str, Any] = {"model": model, "tokenizer": tokenizer, "cache_entries": 0}
-    if "max_batch_rows" in inspect.signature(TorchEngine).parameters:
+    params = inspect.signature(TorchEngine).parameters
+    if "max_batch_rows" in params:
         kwargs["max_batch_rows"] = rows
+    if "cuda_graphs" in params:
+        kwargs["cuda_graphs"] = cuda_graphs
     return TorchEngine(resolve_model_path("tiny"), **kwargs)
 
 
 def compare(
-    model: Any, tokenizer: Any, rows: int, tokens: int, reps: int, device: str, warmup: int = 4
+    model: Any,
+    tokenizer: Any,
+    rows: int,
+    tokens: int,
+    reps: int,
+    device: str,
+    warmup: int = 4,
+    graphs: bool = False,
 ) -> dict[str, Any]:
     """Engine and ``generate`` interleaved ``reps`` times on the same prompts (after a short warm-up
-    of each): the medians and their ratio."""
+    of each; the leg that goes first alternates): the medians and their ratio. ``graphs`` (CUDA):
+    a third leg, the engine with its decode step in CUDA graphs (``graphs``, ``graphs_ratio``)."""
     vocab = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(rows)
     ids = torch.randint(3, min(vocab, 50_000), (rows, PROMPT_LEN), generator=g)
     batch, prompts = ids.to(device), ids.tolist()
-    engine = make_engine(model, tokenizer, rows)
+    engines = {"engine": make_engine(model, tokenizer, rows)}
+    if graphs:
+        engines["graphs"] = make_engine(model, tokenizer, rows, cuda_graphs=True)
     hf_rate(model, batch, warmup, 0)
-    engine_rate(engine, prompts, warmup, 0)
-    hf: list[tuple[float, float]] = []
-    ours: list[tuple[float, float]] = []
+    for engine in engines.values():
+        engine_rate(engine, prompts, warmup, 0)
+    legs = ["hf", *engines]
+    runs: dict[str, list[tuple[float, float]]] = {side: [] for side in legs}
     for rep in range(reps):
-        for side in ("hf", "engine") if rep % 2 == 0 else ("engine", "hf"):
+        for side in legs if rep % 2 == 0 else legs[::-1]:
             if side == "hf":
-                hf.append(hf_rate(model, batch, tokens, 100 + rep))
+                runs[side].append(hf_rate(model, batch, tokens, 100 + rep))
             else:
-                ours.append(engine_rate(engine, prompts, tokens, 100 + rep))
-    engine.stop_scheduler()
-    peak = engine.stats.extra.get("peak_batch_rows", 0.0)
-    e, h = statistics.median(r for r, _ in ours), statistics.median(r for r, _ in hf)
-    e_cpu, h_cpu = statistics.median(c for _, c in ours), statistics.median(c for _, c in hf)
-    return {
+                runs[side].append(engine_rate(engines[side], prompts, tokens, 100 + rep))
+    for engine in engines.values():
+        engine.stop_scheduler()
+    wall = {side: statistics.median(r for r, _ in runs[side]) for side in legs}
+    cpu = {side: statistics.median(c for _, c in runs[side]) for side in legs}
+    out = {
         "rows": rows,
         "tokens": tokens,
-        "engine": e,
-        "hf": h,
-        "ratio": e / h,
-        "cpu_ratio": e_cpu / h_cpu,
-        "peak_rows": peak,
+        "engine": wall["engine"],
+        "hf": wall["hf"],
+        "ratio": wall["engine"] / wall["hf"],
+        "cpu_ratio": cpu["engine"] / cpu["hf"],
+        "ratios": [e / h for (e, _), (h, _) in zip(runs["engine"], runs["hf"], strict=True)],
+        "peak_rows": engines["engine"].stats.extra.get("peak_batch_rows", 0.0),
     }
+    if graphs:
+        out["graphs"], out["graphs_ratio"] = wall["graphs"], wall["graphs"] / wall["hf"]
+        out["graph_error"] = engines["graphs"].scheduler.decode.graph_error
+    return out
 
 
 def print_rows(results: list[dict[str, Any]]) -> None:
     head = (
         f"  {'rows x tokens':<14} {'engine tok/s':>12} {'HF tok/s':>10} {'ratio':>6} {'CPU-time ratio':>15}"
     )
-    print(head + "  engine peak rows")
+    print(head + "  engine peak rows  per-rep ratios")
     for r in results:
         print(
             f"  {r['rows']:>4} x {r['tokens']:<7} {r['engine']:12.1f} {r['hf']:10.1f} "
-            f"{r['ratio']:6.2f} {r['cpu_ratio']:15.2f}  {r['peak_rows']:.0f}"
+            f"{r['ratio']:6.2f} {r['cpu_ratio']:15.2f}  {r['peak_rows']:16.0f}  "
+            + " ".join(f"{x:.2f}" for x in r["ratios"])
         )
 
 
@@ -204,7 +224,9 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}, prompt {PROMPT_LEN} tokens, T=1, {a.reps} reps "
         f"(median); {platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.2f}"
     )
-    print_rows([compare(model, tokenizer, rows, a.tokens, a.reps, a.device) for rows in a.rows])
+    results = [compare(model, tokenizer, rows, a.tokens, a.reps, a.device) for rows in a.rows]
+    print_rows(results)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ docs/benchmarks/gpu.md with the date and the card (issue 37):
 
 1. the torch engine against transformers' ``generate`` (``bench/engine_vs_hf.py``'s ``compare``):
    on CUDA a random body shaped like Qwen2-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads) in
-   bf16 at 64 x 256 and 256 x 128 rows x tokens; on CPU the ~10 M Llama in float32 at 32 and 128
+   bf16 at 64 x 256 and 256 x 128 rows x tokens, the engine eager and with its decode step in CUDA
+   graphs (``cuda_graphs=True``) as a third leg; on CPU the ~10 M Llama in float32 at 32 and 128
    rows x 64 tokens (one torch thread);
 2. the memory-bound floor of a decode step at those sizes: the weights and the rows' KV cache read
    once per step at the bandwidth measured here (a device-to-device copy), as tokens/s;
@@ -85,13 +86,20 @@ def engine_section(device: str, reps: int) -> tuple[list[str], dict[str, Any]]:
     ]
     results = []
     for rows, tokens in sizes:
-        r = compare(model, tokenizer, rows, tokens, reps, device)
+        r = compare(model, tokenizer, rows, tokens, reps, device, graphs=cuda)
         r["floor"] = floor_rate(model, rows, tokens, bw)
         results.append(r)
         lines.append(
             f"| {rows} x {tokens} | {r['engine']:,.0f} | {r['hf']:,.0f} | {r['ratio']:.2f} | "
             f"{r['floor']:,.0f} | {r['engine'] / r['floor']:.3f} | {r['peak_rows']:.0f} |"
         )
+        if cuda:  # the same engine with its decode step captured in CUDA graphs (cuda_graphs=True)
+            note = f" (capture failed: {r['graph_error']})" if r["graph_error"] else ""
+            lines.append(
+                f"| {rows} x {tokens}, CUDA graphs{note} | {r['graphs']:,.0f} | {r['hf']:,.0f} | "
+                f"{r['graphs_ratio']:.2f} | {r['floor']:,.0f} | {r['graphs'] / r['floor']:.3f} | "
+                f"{r['peak_rows']:.0f} |"
+            )
         print(lines[-1], flush=True)
     del model
     return lines, {"bandwidth": bw, "rows": results}

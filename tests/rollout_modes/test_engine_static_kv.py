@@ -18,6 +18,7 @@ from loom.tiny import child_prompt, make_problems, spawn_prompt
 from rollout_svc.engines.base import Completion, Progress
 from rollout_svc.engines.torch import TorchEngine, prefix_cache, teacher_forced_logprobs
 from rollout_svc.engines.torch.kv import StaticKv, allocate, row_bucket
+from rollout_svc.engines.torch.scheduler import _fill_holes
 
 ATOL = 1e-4
 TIMEOUT = 120
@@ -54,6 +55,11 @@ def staggered(
         futures.extend(engine._submit(ids, params) for ids, params in first[1:])
     done = [f.result(timeout=TIMEOUT) for f in futures[: len(first)]]
     return done + [f.result(timeout=TIMEOUT) for f in futures[len(first) :]]
+
+
+def test_cuda_graphs_are_never_used_on_cpu(tiny_engine: Any) -> None:
+    engine = TorchEngine(tiny_engine.model_path, model=tiny_engine.model, cuda_graphs=True)
+    assert not engine.cuda_graphs and engine.scheduler.decode.mode == "eager"
 
 
 @pytest.mark.parametrize("mode", ["eager", "static"])
@@ -128,15 +134,24 @@ def test_the_static_cache_holds_what_the_dynamic_cache_surgery_held() -> None:
     for i, s in enumerate(step):
         kv.write(i, s, s)
     kv.advance()
-    # rows 2 and 3 leave: rows 0, 1, 4 go on in order, then the all-padding columns go
-    kv.keep([0, 1, 4])
+    # rows 1 and 3 leave: row 4 takes row 1's place, then the all-padding columns go
+    order = _fill_holes(5, {1, 3})
+    assert order == [0, 4, 2]
+    kv.keep(order)
     kv.drop_left(10)
-    assert kv.end - kv.start == 10
-    for i, (wk, _) in enumerate(prefix_cache.layers(want)):
-        full = torch.cat([wk, step[i]], dim=2)[[0, 1, 4]]
-        assert torch.equal(kv.keys[i][:3, :, kv.start : kv.end], full)
-    row = prefix_cache.layers(kv.row(1, 4))[0][0]
-    assert torch.equal(row, torch.cat([prefix_cache.layers(want)[0][0], step[0]], dim=2)[1:2, :, -4:])
+    assert kv.rows == 3 and kv.end - kv.start == 10
+    for i, (wk, wv) in enumerate(prefix_cache.layers(want)):
+        assert torch.equal(kv.keys[i][:3, :, kv.start : kv.end], torch.cat([wk, step[i]], dim=2)[order])
+        assert torch.equal(kv.values[i][:3, :, kv.start : kv.end], torch.cat([wv, step[i]], dim=2)[order])
+    row = prefix_cache.layers(kv.row(2, 4))[0][0]
+    assert torch.equal(row, torch.cat([prefix_cache.layers(want)[0][0], step[0]], dim=2)[2:3, :, -4:])
+    assert kv.mask[:3, kv.start : kv.end].sum(dim=1).tolist() == [6, 10, 10]
+
+
+def test_leavers_places_are_filled_from_the_end() -> None:
+    assert _fill_holes(6, {5}) == [0, 1, 2, 3, 4]  # the last row leaves: nothing moves
+    assert _fill_holes(6, {0, 4}) == [5, 1, 2, 3]
+    assert _fill_holes(4, {0, 1, 2, 3}) == []
 
 
 def test_row_buckets_are_powers_of_two_then_steps_of_32() -> None:

@@ -62,7 +62,10 @@ class DecodeStep:
         device = kv.device
         x = torch.tensor(tokens, device=device)[:, None]
         pos = torch.tensor(positions, device=device)[:, None]
-        out = model(x, attention_mask=kv.step_mask(), position_ids=pos, past_key_values=kv, use_cache=True)
+        step = kv.step_mask()
+        # no row is padded: no mask (transformers' generate skips it too)
+        mask = None if min(positions) == kv.end - kv.start else step
+        out = model(x, attention_mask=mask, position_ids=pos, past_key_values=kv, use_cache=True)
         return out.logits[:, -1, :].float()
 
     def _static(self, model: Any, kv: StaticKv, tokens: list[int], positions: list[int]) -> torch.Tensor:

@@ -6,9 +6,9 @@ so a decode step writes every row's new keys and values into the same column ``e
 ``torch.cat`` of the whole cache per layer per step, as transformers' ``DynamicCache`` does). The
 batch occupies rows ``[0, rows)`` and columns ``[start, end)``; ``mask`` (rows, width, bool) marks
 each row's real tokens there and is False elsewhere, so what lies outside (another row's stale
-values, zeros) is never attended. A row leaving moves the rows after it up (order kept: a request's
-rows stay in sample order, which its seeded draws follow); columns that are padding in every row
-are dropped by moving ``start`` (a view, no copy).
+values, zeros) is never attended. A row leaving is replaced by the last row (one row copied, not
+every row after it; the scheduler keeps each request's rows in sample order by ``Row.sample``);
+columns that are padding in every row are dropped by moving ``start`` (a view, no copy).
 
 Two ways to run a decode step through it (``full``):
 
@@ -157,17 +157,18 @@ class StaticKv(Cache):
         self.mask[:n, wide:] = False
         self.start, self.end = 0, wide
 
-    def keep(self, idx: list[int]) -> None:
-        """Only rows ``idx`` (ascending) go on, moved up in order."""
-        n = len(idx)
-        first = next((i for i, b in enumerate(idx) if b != i), n)
-        if first < n:
-            sel = torch.tensor(idx[first:], device=self.device)
+    def keep(self, order: list[int]) -> None:
+        """Only rows ``order`` go on, new row i the old row ``order[i]``: only the rows whose place
+        changes are copied."""
+        moved = [i for i, b in enumerate(order) if b != i]
+        if moved:
+            dst = torch.tensor(moved, device=self.device)
+            src = torch.tensor([order[i] for i in moved], device=self.device)
             cols = slice(self.start, self.end)
             for buf in (*self.keys, *self.values):
-                buf[first:n, :, cols] = buf[sel, :, cols]
-            self.mask[first:n] = self.mask[sel]
-        self.rows = n
+                buf[dst, :, cols] = buf[src, :, cols]
+            self.mask[dst] = self.mask[src]
+        self.rows = len(order)
 
     def drop_left(self, widest: int) -> None:
         """The rows' longest is ``widest`` tokens: the columns before are padding in every row."""

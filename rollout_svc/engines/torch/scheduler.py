@@ -350,14 +350,14 @@ class Scheduler:
         for req in finished:
             if not req.future.done():
                 req.future.set_result(req.out)
-        keep = [b for b in range(len(batch.rows)) if b not in drop]
+        keep = _fill_holes(len(batch.rows), drop)
         if not keep:
             batch.rows, batch.lengths, batch.logits = [], [], None
             if batch.kv is not None:
                 batch.kv.rows = 0
             mark("batch_end", "")
             return
-        if len(keep) < len(batch.rows):
+        if drop:
             next_tokens = [next_tokens[b] for b in keep]
             self._keep_rows(batch, keep)
         self._forward(batch, next_tokens)
@@ -371,7 +371,9 @@ class Scheduler:
         device = self.engine.device
         rows = [b for _, idx in plain for b in idx]
         logits = (
-            batch.logits if len(rows) == len(batch.rows) else batch.logits[torch.tensor(rows, device=device)]
+            batch.logits
+            if rows == list(range(len(batch.rows)))
+            else batch.logits[torch.tensor(rows, device=device)]
         )
         temps = torch.tensor([req.params.temperature for req, idx in plain for _ in idx], device=device)
         draws, offsets, at = [], [], 0
@@ -401,7 +403,7 @@ class Scheduler:
         truncation)."""
         assert batch.logits is not None and req.gen is not None
         params = req.params
-        span = idx[-1] - idx[0] + 1 == len(idx)
+        span = idx == list(range(idx[0], idx[0] + len(idx)))
         sel = batch.logits[idx[0] : idx[-1] + 1] if span else batch.logits[idx]
         outputs = [req.out[batch.rows[b].sample].token_ids for b in idx]
         tokens, lps, table = self.engine._sample(sel, params, req.gen, req.prompt_ids, outputs)
@@ -444,8 +446,9 @@ class Scheduler:
             self.engine.prefix.retire_with(row.req.key, c.token_ids, 0, partial(kv.row, b, batch.lengths[b]))
 
     def _keep_rows(self, batch: Batch, keep: list[int]) -> None:
-        """Only rows ``keep`` go on (moved up in the static cache, in order); columns that are
-        padding in every one of them are dropped."""
+        """Only rows ``keep`` go on, new row i the old row ``keep[i]`` (``_fill_holes``: only the rows
+        that fill a leaver's place are copied in the static cache); columns that are padding in
+        every one of them are dropped."""
         assert batch.kv is not None
         batch.kv.keep(keep)
         batch.rows = [batch.rows[b] for b in keep]
@@ -480,8 +483,20 @@ def _reserve(req: Request) -> int:
 
 
 def _by_request(rows: list[Row]) -> list[tuple[Request, list[int]]]:
-    """Every request with its batch rows, in the order the requests first appear."""
+    """Every request with its batch rows in sample order (the order its seeded draws follow, as
+    alone), in the order the requests first appear."""
     by_req: dict[int, tuple[Request, list[int]]] = {}
     for b, row in enumerate(rows):
         by_req.setdefault(id(row.req), (row.req, []))[1].append(b)
+    for _, idx in by_req.values():
+        idx.sort(key=lambda b: rows[b].sample)
     return list(by_req.values())
+
+
+def _fill_holes(n: int, drop: set[int]) -> list[int]:
+    """The rows of ``n`` that go on when rows ``drop`` leave, as the new order: a leaver's place
+    below the new count is taken by a row that goes on from the end, the others stay put (so only
+    as many rows move as leave, not every row after the first leaver)."""
+    m = n - len(drop)
+    tail = iter([b for b in range(m, n) if b not in drop])
+    return [next(tail) if b in drop else b for b in range(m)]
