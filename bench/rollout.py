@@ -598,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
                         "<= 5 %",
                     )
                 )
+                print(" | ".join(rows[-1]), f"| idle slots {100 * o['idle_slots']:+.1f} %", flush=True)
             t = bench_vllm_throughput(args.quick, tmp, args.vllm_eager)
             for n in (4, 16):
                 rows.append(

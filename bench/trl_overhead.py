@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cwd=_BENCH.parent,
     )
     stack_env = {"LOOM_ROLLOUT_CONCURRENCY": str(args.concurrency)}
+    if args.reward_concurrency:  # only the reward worker reads it in this stack (gateway: no worker)
+        stack_env["LOOM_WORKER_CONCURRENCY"] = str(args.reward_concurrency)
     timeline_file = tmp / "timeline.jsonl"
     if args.timeline:
         stack_env["LOOM_TIMELINE"] = str(timeline_file)
@@ -194,6 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "rollout_concurrency": args.concurrency,
+        "reward_concurrency": args.reward_concurrency,
         "reps": args.reps,
         "loom_s": times["loom"],
         "trl_s": times["trl"],
@@ -331,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=8,
         help="LOOM_ROLLOUT_CONCURRENCY: groups the rollout worker's engine batches at once",
+    )
+    p.add_argument(
+        "--reward-concurrency",
+        type=int,
+        default=0,
+        help="LOOM_WORKER_CONCURRENCY of the reward worker (0: its default)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="break one Loom call down after the reps")
