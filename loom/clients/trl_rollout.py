@@ -6,7 +6,8 @@
 How TRL calls it (trl/trainer/grpo_trainer.py, ``_generate``): ``rollout_func(prompts, trainer)``
 with this process's prompts, each repeated ``num_generations`` times in a row (the RepeatSampler's
 order), and no vLLM needed (``use_vllm=False``). It returns, one entry per prompt given:
-``prompt_ids``, ``completion_ids``, ``logprobs`` (Loom's behaviour log-probs), ``env_mask`` (TRL
+``prompt_ids``, ``completion_ids``, ``logprobs`` (Loom's behaviour log-probs where they are of
+the tempered distribution TRL recomputes, None per token where not: ``trl_logprobs``), ``env_mask`` (TRL
 multiplies it into its loss mask: Loom's trained tokens, so inserted observations, forced markers and
 join blocks are never trained) and extra fields that reach the reward functions as columns:
 ``loom_reward`` (the total the job's reward spec gave; ``job_reward`` returns it), ``loom_components``,
@@ -61,6 +62,25 @@ def publish_with(publisher: _Publisher, tokenizer: Any = None) -> Publish:
         return PublishedVersion(fields.get("namespace"), int(fields["version"]))
 
     return publish
+
+
+def trl_logprobs(sample: RolloutSample, temperature: float) -> list[float | None]:
+    """The sample's behaviour log-probs as TRL reads them: of its logits divided by ``temperature``
+    (what TRL recomputes, and what vLLM's ``processed_logprobs`` give it). Loom's are that
+    distribution's when they are 'processed' ones of this temperature, or 'raw' ones (the model's own)
+    at temperature 1; any others (raw ones of a tempered sampling: the deployment's
+    ``engine_logprobs_mode`` is 'raw') are not, and are returned as None per token, which TRL reads as
+    NaN and leaves out of its vLLM importance correction (ratio 1) instead of correcting by the gap
+    between two temperatures."""
+    t = sample.trajectory
+    if sample.logprobs is None:
+        return [None] * len(sample.completion_ids)
+    if t.logprobs_kind == "processed":
+        proc = t.logprobs_processing
+        usable = proc is not None and abs(proc.temperature - temperature) < 1e-6
+    else:
+        usable = abs(temperature - 1.0) < 1e-6
+    return list(sample.logprobs) if usable else [None] * len(sample.completion_ids)
 
 
 def job_reward(
@@ -168,7 +188,7 @@ class LoomRolloutFunc:
             for s in chosen:
                 out["prompt_ids"].append(s.prompt_ids)
                 out["completion_ids"].append(s.completion_ids)
-                out["logprobs"].append(s.logprobs or [0.0] * len(s.completion_ids))
+                out["logprobs"].append(trl_logprobs(s, float(trainer.temperature)))
                 out["env_mask"].append(s.loss_mask)
                 out["loom_reward"].append(s.reward)
                 out["loom_components"].append(s.components)

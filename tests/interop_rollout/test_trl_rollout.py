@@ -19,7 +19,15 @@ from trl import GRPOConfig, GRPOTrainer
 from loom.answers import last_boxed
 from loom.clients.policies import PolicyPublisher
 from loom.clients.rollouts import RolloutGroup
-from loom.clients.trl_rollout import LoomRolloutFunc, job_reward, off_policy_calls, pick_leaves, publish_with
+from loom.clients.trl_rollout import (
+    LoomRolloutFunc,
+    job_reward,
+    off_policy_calls,
+    pick_leaves,
+    publish_with,
+    trl_logprobs,
+)
+from loom.contracts.wire import Group
 from loom.store import PolicyStore
 from loom.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt
 from loom.tiny.traces import stream_sentences
@@ -37,7 +45,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoomStack]:
         yield s
 
 
-def _trainer(tmp_path: Path, rollout: Any, dataset: Dataset, steps: int) -> GRPOTrainer:
+def _trainer(
+    tmp_path: Path, rollout: Any, dataset: Dataset, steps: int, temperature: float = 1.0
+) -> GRPOTrainer:
     torch.manual_seed(0)
     args = GRPOConfig(
         output_dir=str(tmp_path),
@@ -45,7 +55,7 @@ def _trainer(tmp_path: Path, rollout: Any, dataset: Dataset, steps: int) -> GRPO
         per_device_train_batch_size=8,
         num_generations=4,  # two prompts' groups of 4 per step
         max_completion_length=64,
-        temperature=1.0,
+        temperature=temperature,
         learning_rate=5e-5,
         logging_steps=1,
         report_to="none",
@@ -77,10 +87,12 @@ class Recorded:
         return out
 
 
-def teacher_forced(model: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+def teacher_forced(
+    model: Any, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+) -> list[float]:
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
     return [float(logp[len(prompt_ids) + j - 1, t]) for j, t in enumerate(completion_ids)]
 
 
@@ -188,7 +200,7 @@ def test_grpo_trainer_trains_on_loom_streaming_rollouts(stack: LoomStack, tmp_pa
 
 
 def test_pick_leaves_keeps_whole_subtrees_first() -> None:
-    from loom.contracts.wire import Group, Trajectory
+    from loom.contracts.wire import Trajectory
 
     def t(tid: str, parent: str | None = None) -> dict[str, Any]:
         return Trajectory(id=tid, group_id="g", completion_ids=[1], parent_id=parent).model_dump(mode="json")
@@ -199,3 +211,56 @@ def test_pick_leaves_keeps_whole_subtrees_first() -> None:
     assert [s.id for s in pick_leaves(group, 6)] == ["r1", "r1.b0", "r1.b1", "r2", "r2.b0", "r0"]
     with pytest.raises(ValueError, match="6 leaves, fewer than num_generations=7"):
         pick_leaves(group, 7)
+
+
+def test_trl_logprobs_are_the_tempered_distributions_or_none() -> None:
+    """TRL compares the behaviour log-probs with its own, of the logits divided by its temperature:
+    raw ones of a tempered sampling are another distribution's and reach TRL as None (NaN there: no
+    importance correction) instead of a gap of several nats."""
+    from loom.contracts.wire import LogprobsProcessing, Trajectory
+
+    def sample(kind: str, processing: float | None) -> Any:
+        t = Trajectory(
+            id="t",
+            group_id="g",
+            completion_ids=[5, 6],
+            logprobs=[-0.5, -1.5],
+            logprobs_kind=kind,  # type: ignore[arg-type]
+            logprobs_processing=None if processing is None else LogprobsProcessing(temperature=processing),
+        )
+        group = Group(id="g", trajectories=[t.model_dump(mode="json")])
+        return RolloutGroup.from_event({"index": 0, "group": group, "rewards": None}).samples[0]
+
+    assert trl_logprobs(sample("raw", None), 1.0) == [-0.5, -1.5]
+    assert trl_logprobs(sample("raw", None), 1.3) == [None, None]
+    assert trl_logprobs(sample("processed", 1.3), 1.3) == [-0.5, -1.5]
+    assert trl_logprobs(sample("processed", 1.0), 1.3) == [None, None]
+    assert trl_logprobs(sample("processed", None), 1.3) == [None, None]  # processing unknown
+
+
+@pytest.fixture
+def processed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoomStack]:
+    """A deployment whose engine reports the tempered (processed) log-probs."""
+    env = {"LOOM_ENGINE_LOGPROBS_MODE": "processed"}
+    with LoomStack(tmp_path_factory.mktemp("trl-processed"), extra_env=env) as s:
+        yield s
+
+
+def test_trl_gets_the_log_probs_of_its_temperature(processed_stack: LoomStack, tmp_path: Path) -> None:
+    """At temperature 1.3 the log-probs TRL gets equal the ones it recomputes (its logits / 1.3) on
+    every trained token, where the deployment reports processed log-probs."""
+    torch.set_num_threads(1)
+    problems = make_problems("arith", 2, seed=41)
+    dataset = Dataset.from_list([{"prompt": plain_prompt(p), "answer": p.gold} for p in problems])
+    tasks = {plain_prompt(p): {"label": p.gold, "task": "arithmetic"} for p in problems}
+    rollout = LoomRolloutFunc(processed_stack.url, TRAINER_KEY, mode="tree", mode_params=TREE, tasks=tasks)
+    rec = Recorded(rollout)
+    _trainer(tmp_path, rec, dataset, steps=1, temperature=1.3).train()
+
+    (out,) = rec.outputs
+    model = load_model().eval()
+    for i in range(len(out["completion_ids"])):
+        ids, mask, got = out["completion_ids"][i], out["env_mask"][i], out["logprobs"][i]
+        ref = teacher_forced(model, out["prompt_ids"][i], ids, temperature=1.3)
+        trained = [j for j, m in enumerate(mask) if m]
+        assert [got[j] for j in trained] == pytest.approx([ref[j] for j in trained], abs=1e-4), i
