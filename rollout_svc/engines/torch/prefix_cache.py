@@ -6,7 +6,8 @@ computes only the rest, so streaming rounds and shared prefixes cost their new t
 (token id, group) of every position, so a group layout's positions never match a plain prompt's.
 
 Batched caches are left-padded: row b of a batch holds its tokens in the last columns, zero keys and
-values on the left (``merge``, ``row_cache``, ``drop_left``)."""
+values on the left (``row_cache``; ``merge`` and ``drop_left`` are the DynamicCache form of what the
+running batch's static cache does in place, ``kv.StaticKv``, and its tests' reference)."""
 
 from __future__ import annotations
 
