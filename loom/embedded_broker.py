@@ -36,6 +36,8 @@ from typing import Any
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 
+from loom import timeline
+
 DEFAULT_VISIBILITY_TIMEOUT = 30.0
 DEFAULT_POLLING_INTERVAL = 0.05
 BUSY_TIMEOUT_MS = 30_000
@@ -272,6 +274,8 @@ class Channel(virtual.Channel):
         delivery_info = props.setdefault("delivery_info", {})
         if deliveries > 1 or message.pop("redelivered", False):
             delivery_info["redelivered"] = True
+        if timeline.PATH is not None:  # the task's id: when its worker claimed it (loom/timeline.py)
+            timeline.mark("claim", str((message.get("headers") or {}).get("id") or ""))
         return message
 
     def _row_id(self, delivery_tag: str) -> int:

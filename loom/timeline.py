@@ -5,6 +5,7 @@ to that file: ``{"t": <time.time()>, "pid": ..., "event": ..., "key": ..., **ext
 mark costs one attribute read. The marks along one job (docs/benchmarks/trl-rollout.md): the gateway's
 ``publish``/``published`` per task and ``result`` when a task's result reaches it (gateway/pipeline.py),
 ``stored`` per job group (gateway/jobs.py), ``sent`` per event-stream group (gateway/routes/jobs.py);
+the embedded broker's ``claim`` (a worker leased the task's message; loom/embedded_broker.py);
 the rollout worker's ``task_start``, ``engine_call``, ``engine_done``, ``task_end``
 (rollout_svc/tasks.py); the engine process's ``admit`` and ``batch_end`` (the torch scheduler); the
 reward worker's ``score_start``/``score_end`` (reward_svc/tasks.py). ``bench/trl_overhead.py
