@@ -9,7 +9,7 @@ sampled token, the next logits of every row.
   bucket in a ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, the capture rules of
   https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs) and replayed: one launch per step
   instead of one per kernel. A graph holds the model's weights and the cache's buffers by address,
-  so a policy load (another model) or a reallocated cache (``StaticKv.generation``) recaptures. A
+  so a policy load (``forget``) or a reallocated cache (``StaticKv.generation``) recaptures. A
   capture that fails (an operation of the model that cannot be captured) is logged once and the
   static step runs uncaptured from then on (``graph_error``)."""
 
@@ -47,6 +47,11 @@ class DecodeStep:
         self._ids: torch.Tensor | None = None  # static inputs, (kv.capacity, 1) each
         self._pos: torch.Tensor | None = None
         self._pool: Any = None
+
+    def forget(self) -> None:
+        """Drop the captured graphs (a policy load: they hold the old weights' addresses)."""
+        self._graphs.clear()
+        self._key = None
 
     def __call__(self, model: Any, kv: StaticKv, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Feed row b ``tokens[b]`` at position ``positions[b]``; the rows' next logits (float32)."""

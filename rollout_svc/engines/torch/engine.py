@@ -238,6 +238,7 @@ class TorchEngine(Engine):
                 raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
             with self._exclusive():
                 self.model = model
+                self.scheduler.decode.forget()  # CUDA graphs captured on the old weights
                 self.prefix.clear()
                 self.policy_version, self.policy_namespace = policy.version, policy.namespace
             self._loaded = (policy.version, str(policy.path))
