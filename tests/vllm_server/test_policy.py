@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,77 +72,122 @@ def test_a_reload_serves_the_new_weights_tied_head_included(
         assert httpx.get(f"{engine.base_url}/is_paused", timeout=10).json() == {"is_paused": False}
 
 
-def _running(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running")
+def _counts(url: str) -> tuple[float, float]:
+    """The requests the server runs now and the tokens it has generated so far (its metrics)."""
+    values = {"vllm:num_requests_running": 0.0, "vllm:generation_tokens_total": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values["vllm:num_requests_running"], values["vllm:generation_tokens_total"]
+
+
+def _paused(url: str) -> bool:
+    return bool(httpx.get(f"{url}/is_paused", timeout=60).json()["is_paused"])
+
+
+@dataclass
+class Reload:
+    """One try of the reload scenario: what came back, and whether requests were in flight."""
+
+    early: list[Group]
+    late: Group
+    aborted: int  # requests the update cut (abort mode), which the client sent again
+    decoded_while_paused: bool  # the server went on decoding under the update's pause (wait mode)
+
+
+async def reload_under_requests(
+    engine: VLLMEngine, v1: PolicyVersion, prompt_ids: list[int], tokenizer: Any
+) -> Reload:
+    """Start two groups whose requests cannot end before the context is full (``ignore_eos``,
+    ``max_tokens`` filling the 512-token context), update to ``v1`` as soon as the server runs them
+    (its gauge, read once it has generated a token of theirs), watching the server; then a small
+    group on the new weights.
+
+    The condition is made, not hoped for: the early requests need ~500 decode steps, whatever the
+    machine's speed, and the update starts after the first of them (milliseconds later on an idle
+    machine, where those steps take a second or more; both slow down together under load)."""
+    url = engine.base_url
+    await engine.load_policy(PolicyVersion(version=0, path=str(TINY)))
+    settings = Settings()
+    room = 512 - len(prompt_ids)  # the server's --max-model-len (tests/vllm_server/conftest.py)
+    long = SamplingParams(n=2, max_tokens=room, seed=1, ignore_eos=True)
+    aborted_before = engine.stats.extra.get("aborted_requests", 0)
+    _, generated_before = await asyncio.to_thread(_counts, url)
+    early = [
+        asyncio.create_task(
+            generate_group(
+                RolloutRequest(prompt_ids=prompt_ids, sampling=long, group_id=f"e{i}"),
+                engine,
+                lambda: tokenizer,
+                settings,
+            )
+        )
+        for i in range(2)
+    ]
+    # a try whose groups ended first (a process starved that long) shows nothing: the caller retries
+    while not all(t.done() for t in early):
+        running, generated = await asyncio.to_thread(_counts, url)
+        if running > 0 and generated > generated_before:  # a gauge from after they started
+            break
+        await asyncio.sleep(0.02)
+    update = asyncio.create_task(engine.load_policy(v1))
+    decoded_while_paused = False
+    polls: list[tuple[bool, float]] = []  # (paused, then tokens generated so far), in turn
+    while engine.pause_mode == "wait" and not update.done() and not decoded_while_paused:
+        paused = await asyncio.to_thread(_paused, url)
+        polls.append((paused, (await asyncio.to_thread(_counts, url))[1]))
+        if len(polls) >= 3:  # tokens came between two readings that the one pause encloses
+            (paused_0, generated_0), (_, generated_1), (paused_2, _) = polls[-3:]
+            decoded_while_paused = paused_0 and paused_2 and generated_1 > generated_0
+        await asyncio.sleep(0.05)
+    await update
+    short = SamplingParams(n=2, max_tokens=16, seed=2)
+    late = await generate_group(
+        RolloutRequest(prompt_ids=prompt_ids, sampling=short, group_id="late"),
+        engine,
+        lambda: tokenizer,
+        settings,
     )
+    aborted = int(engine.stats.extra.get("aborted_requests", 0) - aborted_before)
+    return Reload(list(await asyncio.gather(*early)), late, aborted, decoded_while_paused)
 
 
 @pytest.mark.parametrize("pause_mode", ["wait", "abort"])
 def test_requests_in_flight_during_a_reload_match_the_version_they_are_labelled_with(
     vllm: Any, arun: Any, store: PolicyStore, tokenizer: Any, prompt_ids: list[int], pause_mode: str
 ) -> None:
-    engine = VLLMEngine(vllm.ensure("raw"), policy_store=store.root, pause_mode=pause_mode)  # type: ignore[arg-type]
+    # generous request timeouts: on a loaded machine the long requests, and the wait-mode pause that
+    # waits for them, take minutes (the client's default of 120 s would cut them)
+    engine = VLLMEngine(
+        vllm.ensure("raw"),
+        policy_store=store.root,
+        pause_mode=pause_mode,  # type: ignore[arg-type]
+        timeout=600,
+    )
     v1 = store.get(1)
     assert v1 is not None
-    req = RolloutRequest(
-        prompt_ids=prompt_ids, sampling=SamplingParams(n=4, max_tokens=400, temperature=2.0, seed=1)
-    )
-
-    async def scenario() -> tuple[list[Group], list[Group]]:
-        await engine.load_policy(PolicyVersion(version=0, path=str(TINY)))
-        settings = Settings()
-        early = [
-            asyncio.create_task(
-                generate_group(
-                    req.model_copy(update={"group_id": f"e{i}"}), engine, lambda: tokenizer, settings
-                )
-            )
-            for i in range(3)
-        ]
-        for _ in range(600):  # until the server runs them (slow to show on a loaded machine)
-            if await asyncio.to_thread(_running, engine.base_url) > 0:
-                break
-            await asyncio.sleep(0.05)
-        await engine.load_policy(v1)
-        late = [
-            await generate_group(
-                req.model_copy(update={"group_id": "late"}), engine, lambda: tokenizer, settings
-            )
-        ]
-        return list(await asyncio.gather(*early)), late
-
     paths = {0: TINY, 1: Path(v1.path)}
-
-    def check(groups: list[Group]) -> list[int]:
-        labels = []
-        for group in groups:
-            for t in group.trajectories:
-                labels.append(t.policy_version)
-                assert t.finish_reason != "abort"
-                ref = reference_logprobs(paths[t.policy_version], t.prompt_ids, t.completion_ids)
-                assert max_diff(t.logprobs or [], ref) < ATOL, (pause_mode, t.policy_version)
-        return labels
-
     try:
-        # the case under test needs requests still running when the update starts; on a quick
-        # server they may all be done first (then the invariants hold trivially): try again
-        for _ in range(5):
-            aborted_before = engine.stats.extra.get("aborted_requests", 0)
-            early, late = arun(scenario())
-            labels = check(early + late)
-            assert {t.policy_version for t in late[0].trajectories} == {1}
-            if pause_mode == "wait" and 0 in labels:  # running requests finished on the old weights
+        for _ in range(3):
+            r = arun(reload_under_requests(engine, v1, prompt_ids, tokenizer))
+            if r.aborted if pause_mode == "abort" else r.decoded_while_paused:
                 break
-            if pause_mode == "abort" and engine.stats.extra.get("aborted_requests", 0) > aborted_before:
-                break  # running requests were cut and sent again, on the new weights
         else:
-            pytest.fail(f"no request was running when the update started, in 5 tries ({pause_mode})")
+            pytest.fail(f"no request was running when the update started, in 3 tries ({pause_mode})")
     finally:
         arun(engine.close())
+    early = [t for g in r.early for t in g.trajectories]
+    labels = {t.policy_version for t in early}
+    # wait: the requests that ran under the pause finished on the old weights, and say so; abort:
+    # they were cut and sent again once the update was done, whole, on the new weights
+    assert (0 if pause_mode == "wait" else 1) in labels
+    assert {t.policy_version for t in r.late.trajectories} == {1}
+    for t in early + r.late.trajectories:
+        assert t.finish_reason != "abort"
+        ref = reference_logprobs(paths[t.policy_version], t.prompt_ids, t.completion_ids)
+        assert max_diff(t.logprobs or [], ref) < ATOL, (pause_mode, t.policy_version)
+    assert all(len(t.completion_ids) == 512 - len(prompt_ids) for t in early)
 
 
 def _bad_checkpoints(root: Path) -> dict[str, Path]:
