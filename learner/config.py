@@ -56,6 +56,17 @@ class LearnerSettings(BaseSettings):
         description="tokens per chunk of the fused output projection + log-softmax + entropy (no "
         "tokens x vocabulary float32 logits at once); 0: the whole logits from the model's forward",
     )
+    logprob_keep_mib: int = Field(
+        default=256,
+        ge=0,
+        description="the fused head keeps a micro-batch's float32 logits for backward when they fit in "
+        "this many MiB, instead of recomputing them chunk by chunk (0: always recompute)",
+    )
+    segment_attention: bool = Field(
+        default=True,
+        description="packed rows attend per trajectory (learner/segment_attention.py: attention costs "
+        "sum(L_i^2), not row^2) where the model runs sdpa; False: sdpa with the row's block mask",
+    )
     torch_compile: Literal["off", "inductor", "aot_eager", "eager"] = Field(
         default="off",
         description="torch.compile each decoder layer with this backend (dynamic shapes); 'inductor' is "

@@ -20,11 +20,16 @@ Interleaved rows carry no mask: the model's own packed-sequence masking reads th
 ids (a block-diagonal causal mask under sdpa/eager, variable-length kernels under flash attention).
 Group-position rows carry an explicit block-diagonal boolean mask [rows, 1, W, W] of each trajectory's
 ``group_visibility`` (flash attention takes no such mask: there the model must run sdpa or eager).
+With ``segment_attention`` (the default) a model running sdpa attends per trajectory instead
+(learner/segment_attention.py): one causal or group-masked sdpa per trajectory, so attention costs
+sum(L_i^2), not rows x W^2, and the row's mask serves only the group-position trajectories' slices.
 
 The head (``logprob_chunk`` > 0): the decoder's hidden states at the positions that predict completion
 tokens only, through the output projection ``chunk`` tokens at a time inside one autograd function
 (``_HeadLogProbs``) that keeps no logits for backward and recomputes each chunk there, so the
-float32 tokens x vocabulary logits never exist at once. ``logprob_chunk=0`` is the whole logits from
+float32 tokens x vocabulary logits never exist at once; where a micro-batch's float32 logits fit in
+``keep_logits_bytes`` (the learner's ``logprob_keep_mib``) it keeps them instead of recomputing (one
+output-projection matmul fewer per token in the backward). ``logprob_chunk=0`` is the whole logits from
 the model's forward, as before (and under FSDP, whose root owns the head's sharded weight).
 """
 
@@ -39,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from learner.segment_attention import segments, use_segment_attention
 from loom.contracts.wire import Trajectory
 from loom.layout import group_positions, group_visibility
 
@@ -134,11 +140,13 @@ def budget_tokens(
     compute_bytes: int = 4,
     checkpointing: bool = False,
     chunk: int = 4096,
+    kept_logits: int = 0,
 ) -> int:
     """The micro-batch token budget a memory budget allows, from the model's config (an estimate).
 
     Fixed: float32 weights (4 B) of every parameter, and for the trainable ones a gradient and AdamW's
-    two moments (12 B); the head's float32 chunk and its recomputation (3 x chunk x vocab x 4 B). Per
+    two moments (12 B); the head's float32 chunk and its recomputation (3 x chunk x vocab x 4 B), and
+    the logits it may keep for backward (``kept_logits`` bytes at most). Per
     token, per decoder layer, the activations autograd keeps: ~16 hidden-wide and 5 intermediate-wide
     tensors in the compute dtype (norms, q/k/v/o, residuals, the SwiGLU gate/up/act), with activation
     checkpointing only the layer's input (hidden-wide) and one layer's working set."""
@@ -148,7 +156,7 @@ def budget_tokens(
     per_layer = (16 * hidden + 5 * inter) * compute_bytes
     per_token = (hidden * compute_bytes * layers + per_layer) if checkpointing else per_layer * layers
     per_token += 2 * hidden * 4  # the final hidden states kept for the head, and their gradient
-    fixed = 4 * (trainable + frozen) + 12 * trainable + 3 * chunk * int(config.vocab_size) * 4
+    fixed = 4 * (trainable + frozen) + 12 * trainable + 3 * chunk * int(config.vocab_size) * 4 + kept_logits
     return max(1, (memory_bytes - fixed) // per_token)
 
 
@@ -184,6 +192,18 @@ def _packed_inputs(layouts: Sequence[SeqLayout], rows: list[list[int]], device: 
     return out
 
 
+def _segments(layouts: Sequence[SeqLayout], rows: list[list[int]]) -> Tensor:
+    """(row, start, end, causal) of every trajectory in the packed rows (``segment_attention``)."""
+    bounds = []
+    for r, row in enumerate(rows):
+        o = 0
+        for k in row:
+            n = len(layouts[k].input_ids)
+            bounds.append((r, o, o + n, layouts[k].groups is None))
+            o += n
+    return segments(bounds)
+
+
 def _completion_index(
     layouts: Sequence[SeqLayout], rows: list[list[int]], width: int, tc: int
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -217,7 +237,8 @@ def _head_module(model: Any) -> Any:
 
 class _HeadLogProbs(torch.autograd.Function):
     """log softmax(h W^T / T)[y] and the entropy of softmax(h W^T / T), ``chunk`` rows at a time; the
-    backward recomputes each chunk's logits (nothing tokens x vocabulary is saved):
+    backward recomputes each chunk's logits unless the float32 logits of all rows fit in ``keep_bytes``,
+    then it keeps them (one output-projection matmul fewer per token, for n x vocabulary x 4 bytes):
     d logp_y / dz = onehot(y) - p, dH / dz = -p (z - E_p[z]), z = h W^T / T."""
 
     @staticmethod
@@ -230,24 +251,33 @@ class _HeadLogProbs(torch.autograd.Function):
         chunk: int,
         dtype: torch.dtype | None,
         with_entropy: bool,
+        keep_bytes: int = 0,
     ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
+        keep = n * weight.shape[0] * 4 <= keep_bytes
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         logz = torch.empty_like(logp)
         mean_z = torch.zeros_like(logp)
+        kept: list[Tensor] = []
         for s in range(0, n, chunk):
-            z = _chunk_logits(hidden[s : s + chunk], weight, dtype, temperature)
-            logz[s : s + chunk] = torch.logsumexp(z, dim=-1)
-            logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - logz[s : s + chunk]
+            e = s + chunk
+            z = _chunk_logits(hidden[s:e], weight, dtype, temperature)
+            top = z.amax(dim=-1, keepdim=True)
+            ez = torch.exp(z - top)  # one exponential per logit for log Z and E_p[z] both
+            total = ez.sum(-1)
+            logz[s:e] = top.squeeze(1) + torch.log(total)
+            logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - logz[s:e]
             if with_entropy:
-                mean_z[s : s + chunk] = (torch.softmax(z, dim=-1) * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, logz, mean_z)
+                mean_z[s:e] = (ez.mul_(z)).sum(-1) / total
+            if keep:
+                kept.append(z)
+        ctx.save_for_backward(hidden, weight, targets, logz, mean_z, *kept)
         ctx.temperature, ctx.chunk, ctx.dtype, ctx.with_entropy = temperature, chunk, dtype, with_entropy
         return logp, logz - mean_z if with_entropy else torch.zeros_like(logp)
 
     @staticmethod
     def backward(ctx: Any, g_logp: Tensor, g_ent: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        hidden, weight, targets, logz, mean_z = ctx.saved_tensors
+        hidden, weight, targets, logz, mean_z, *kept = ctx.saved_tensors
         dt = ctx.dtype or torch.float32
         g_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         g_weight = (
@@ -255,21 +285,29 @@ class _HeadLogProbs(torch.autograd.Function):
             if ctx.needs_input_grad[1]
             else None
         )
-        for s in range(0, hidden.shape[0], ctx.chunk):
+        for k, s in enumerate(range(0, hidden.shape[0], ctx.chunk)):
             e = s + ctx.chunk
             h = hidden[s:e].to(dt)
-            z = _chunk_logits(hidden[s:e], weight, ctx.dtype, ctx.temperature)
+            z = kept[k] if kept else _chunk_logits(hidden[s:e], weight, ctx.dtype, ctx.temperature)
+            # dz = g_logp (onehot(y) - p) - g_ent p (z - E_p[z])
+            #    = onehot(y) g_logp - p (g_logp + g_ent (z - E_p[z]))
             p = torch.exp(z - logz[s:e, None])
-            dz = p * -g_logp[s:e, None]
-            dz.scatter_add_(1, targets[s:e, None], g_logp[s:e, None])
             if ctx.with_entropy:
-                dz -= g_ent[s:e, None] * p * (z - mean_z[s:e, None])
-            dz = (dz / ctx.temperature).to(dt)
+                p.mul_((z - mean_z[s:e, None]).mul_(g_ent[s:e, None]).add_(g_logp[s:e, None]))
+            else:
+                p.mul_(g_logp[s:e, None])
+            dz = p.neg_().scatter_add_(1, targets[s:e, None], g_logp[s:e, None])
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)
+            dz = dz.to(dt)
             if g_hidden is not None:
                 g_hidden[s:e] = (dz @ weight.to(dt)).to(hidden.dtype)
-            if g_weight is not None:
+            if g_weight is not None and dt == torch.float32:
+                g_weight.addmm_(dz.T, h)
+            elif g_weight is not None:
                 g_weight += (dz.T @ h).float()
-        return g_hidden, None if g_weight is None else g_weight.to(weight.dtype), None, None, None, None, None
+        g_w = None if g_weight is None else g_weight.to(weight.dtype)
+        return g_hidden, g_w, None, None, None, None, None, None
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, dtype: torch.dtype | None, temperature: float) -> Tensor:
@@ -322,12 +360,16 @@ def completion_logprobs(
     with_entropy: bool = False,
     autocast_dtype: torch.dtype | None = None,
     temperature: float = 1.0,
+    segment_attention: bool = True,
+    keep_logits_bytes: int = 0,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """One forward pass over ``layouts``; returns [b, T_c] completion log-probs, entropies, valid mask.
 
     ``rows``: positions in ``layouts`` packed per row, listed in ``layouts``' order (None: one per
-    row, padded); ``chunk`` > 0: the fused chunked head (module docstring). Gradients flow when called
-    outside ``torch.no_grad``. Logits are upcast to float32 and divided by ``temperature``: the
+    row, padded); ``chunk`` > 0: the fused chunked head (module docstring), which keeps its float32
+    logits for backward when they fit in ``keep_logits_bytes``; ``segment_attention``: packed rows
+    attend per trajectory (learner/segment_attention.py) where the model runs sdpa. Gradients flow
+    when called outside ``torch.no_grad``. Logits are upcast to float32 and divided by ``temperature``: the
     log-probs of the distribution the rollout sampled from (verl's convention), so the gradient is the
     sampled policy's.
     """
@@ -339,7 +381,16 @@ def completion_logprobs(
     )
     if rows is not None or chunk > 0:
         return _packed_logprobs(
-            model, layouts, _rows(layouts, rows), chunk, with_entropy, autocast_dtype, temperature, ctx
+            model,
+            layouts,
+            _rows(layouts, rows),
+            chunk,
+            with_entropy,
+            autocast_dtype,
+            temperature,
+            ctx,
+            segment_attention and rows is not None,
+            keep_logits_bytes,
         )
     inputs = _model_inputs(layouts, device)
     with ctx:
@@ -376,6 +427,8 @@ def _packed_logprobs(
     autocast_dtype: torch.dtype | None,
     temperature: float,
     ctx: Any,
+    per_trajectory: bool,
+    keep_bytes: int,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """``completion_logprobs`` on packed rows: the head only at the positions that predict a completion
     token, the results scattered back to [b, T_c] in ``layouts``' order."""
@@ -387,6 +440,9 @@ def _packed_logprobs(
     b, tc = len(layouts), max(x.n_completion for x in layouts)
     pred, target_at, dest = (t.to(device) for t in _completion_index(layouts, rows, width, tc))
     targets = inputs["input_ids"].reshape(-1)[target_at]
+    # attention per trajectory, not per row (learner/segment_attention.py)
+    if per_trajectory and use_segment_attention(model):
+        inputs["loom_segments"] = _segments(layouts, rows)
     head = _head_module(model) if chunk > 0 else None
     entropy_flat: Tensor | None = None
     with ctx:
@@ -405,7 +461,7 @@ def _packed_logprobs(
     else:
         h = hidden.reshape(-1, hidden.shape[-1])[pred]
         logp_flat, ent = _HeadLogProbs.apply(
-            h, head.weight, targets, temperature, chunk, autocast_dtype, with_entropy
+            h, head.weight, targets, temperature, chunk, autocast_dtype, with_entropy, keep_bytes
         )
         entropy_flat = ent if with_entropy else None
 
@@ -427,10 +483,12 @@ def recompute(
     autocast_dtype: torch.dtype | None = None,
     each: Callable[[MicroBatchOut], None] | None = None,
     temperature: float = 1.0,
+    segment_attention: bool = True,
+    keep_logits_bytes: int = 0,
 ) -> list[MicroBatchOut]:
     """Completion log-probs of every trajectory, micro-batched by ``token_budget`` (``plan``);
-    ``packing`` and ``chunk`` as in the module docstring (both off: one padded row per trajectory and
-    the whole logits).
+    ``packing``, ``chunk``, ``keep_logits_bytes`` and ``segment_attention`` as in the module docstring
+    (packing and chunk off: one padded row per trajectory and the whole logits).
 
     With ``each`` the caller consumes every micro-batch as it is produced (e.g. loss + backward, so
     only one micro-batch's activations are alive) and nothing is kept.
@@ -453,6 +511,8 @@ def recompute(
             with_entropy=with_entropy,
             autocast_dtype=autocast_dtype,
             temperature=temperature,
+            segment_attention=segment_attention,
+            keep_logits_bytes=keep_logits_bytes,
         )
         mb = MicroBatchOut(idx, logp, ent, valid, local)
         if each is not None:

@@ -240,6 +240,8 @@ class Learner:
                 token_budget=self.token_budget,
                 packing=self.cfg.packing,
                 chunk=self.cfg.logprob_chunk,
+                segment_attention=self.cfg.segment_attention,
+                keep_logits_bytes=kept_logits_bytes(self.cfg),
                 with_entropy=spec.entropy_coef != 0.0,
                 autocast_dtype=self.ranks.autocast(self.compute_dtype()),
                 each=functools.partial(self._backward, samples, batch, frozen, totals, ref),
@@ -277,6 +279,7 @@ class Learner:
                     [lp.layout_of(s.trajectory) for s in rows],
                     rows=mb.rows,
                     chunk=self.cfg.logprob_chunk,
+                    segment_attention=self.cfg.segment_attention,
                     autocast_dtype=self.compute_dtype(),
                     temperature=spec.temperature,
                 )
@@ -370,7 +373,17 @@ def micro_batch_budget(model: Any, cfg: LearnerSettings, compute_dtype: torch.dt
         compute_bytes=2 if compute_dtype is not None else 4,
         checkpointing=cfg.activation_checkpointing,
         chunk=cfg.logprob_chunk or 0,
+        kept_logits=kept_logits_bytes(cfg),
     )
+
+
+def kept_logits_bytes(cfg: LearnerSettings) -> int:
+    """The most float32 logits bytes the fused head keeps for backward (``logprob_keep_mib``); with a
+    ``memory_budget_mib``, at most an eighth of it (``micro_batch_budget`` reserves them)."""
+    if cfg.logprob_chunk <= 0:
+        return 0
+    keep = cfg.logprob_keep_mib * 2**20
+    return min(keep, cfg.memory_budget_mib * 2**20 // 8) if cfg.memory_budget_mib > 0 else keep
 
 
 def check_vocabulary(model: Any, sequences: Iterable[Sequence[int]]) -> None:

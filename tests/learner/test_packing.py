@@ -61,10 +61,11 @@ def test_packed_plan_keeps_every_trajectory_once_within_the_budget_with_little_p
 
 
 @pytest.mark.parametrize("group_layout", [False, True])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("temperature", "keep"), [(1.0, 0), (0.7, 0), (1.0, 1 << 30), (0.7, 1 << 30)])
 def test_packed_chunked_logprobs_and_gradients_equal_the_padded_path(
-    model_dir, batch_parts, group_layout, temperature
+    model_dir, batch_parts, group_layout, temperature, keep
 ):
+    """Recomputing the head's logits in the backward (keep 0) or keeping them: the same gradients."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     groups, _ = batch_parts(n_groups=3, seed=3)
     if group_layout:
@@ -87,7 +88,7 @@ def test_packed_chunked_logprobs_and_gradients_equal_the_padded_path(
         return logp, ent, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ref_logp, ref_ent, ref_grad = run(token_budget=10_000, packing=False, chunk=0)
-    logp, ent, grad = run(token_budget=120, packing=True, chunk=16)
+    logp, ent, grad = run(token_budget=120, packing=True, chunk=16, keep_logits_bytes=keep)
     assert len(lp.plan([len(t.prompt_ids) + len(t.completion_ids) for t in trajs], 120, packing=True)) > 1
     for i in ref_logp:
         assert torch.allclose(logp[i], ref_logp[i], atol=1e-5, rtol=0)
@@ -132,6 +133,10 @@ def test_the_chunked_head_keeps_no_tokens_by_vocabulary_tensor_for_backward(batc
     # the fused head saves the hidden states and the head's weight, no logits
     assert largest_saved_logits(packing=True, chunk=8) == 0
     assert largest_saved_logits(packing=False, chunk=8) == 0
+    # allowed to keep them: one chunk per saved tensor, and only while all of them fit in the bytes
+    fits = n_completion * vocab * 4
+    assert largest_saved_logits(packing=True, chunk=8, keep_logits_bytes=fits) == 8
+    assert largest_saved_logits(packing=True, chunk=8, keep_logits_bytes=fits - 1) == 0
 
 
 @pytest.mark.parametrize(
