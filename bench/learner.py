@@ -128,6 +128,9 @@ def main() -> None:
     p.add_argument("--packing", action="store_true", help="padded vs packed on a batch of mixed lengths")
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=512)
+    p.add_argument(
+        "--row-mask", action="store_true", help="with --packing: also the packed learner with sdpa's row mask"
+    )
     args = p.parse_args()
     configure_process()
     if args.packing:
@@ -564,8 +567,11 @@ def computed_tokens(lengths: list[int], token_budget: int, packing: bool) -> int
 
 PACKING_SIDES = {
     "padded (before issue 37)": {"packing": False, "logprob_chunk": 0},
+    # the defaults: attention per trajectory, the fused head keeping its logits within 256 MiB
     "packed + chunked head": {"packing": True, "logprob_chunk": 4096},
 }
+# --row-mask: the first packed learner of issue 37 too (sdpa with the row's block mask, logits recomputed)
+ROW_MASK_SIDE = {"packing": True, "logprob_chunk": 4096, "segment_attention": False, "logprob_keep_mib": 0}
 
 
 def compare_packing(args: argparse.Namespace) -> None:
@@ -578,6 +584,9 @@ def compare_packing(args: argparse.Namespace) -> None:
     from learner.train import Learner
 
     size = SIZES[args.size or "10m"]
+    sides = dict(PACKING_SIDES)
+    if args.row_mask:
+        sides["packed, row mask, logits recomputed"] = ROW_MASK_SIDE
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -600,14 +609,17 @@ def compare_packing(args: argparse.Namespace) -> None:
                     **kw,  # type: ignore[arg-type]
                 )
             )
-            for k, (name, kw) in enumerate(PACKING_SIDES.items())
+            for k, (name, kw) in enumerate(sides.items())
         }
         tps: dict[str, list[float]] = {name: [] for name in learners}
         secs: dict[str, list[float]] = {name: [] for name in learners}
+        cpu: dict[str, list[float]] = {name: [] for name in learners}
         for step in range(args.steps + 1):  # step 0 is warm-up
             for name in list(learners) if step % 2 == 0 else list(reversed(learners)):
+                c0 = time.process_time()  # one torch thread: the step's CPU seconds, less load-bound
                 res = learners[name].train_step(TrainBatch(step=step, groups=groups, rewards=rewards))
                 if step > 0:
+                    cpu[name].append(time.process_time() - c0)
                     tps[name].append(res.metrics["tokens_per_s"])
                     secs[name].append(res.metrics["train_seconds"])
     real = sum(lengths)
@@ -621,10 +633,14 @@ def compare_packing(args: argparse.Namespace) -> None:
         f"{real} real tokens, GRPO, token_budget {args.token_budget}; median of {args.steps} steps after a "
         "warm-up, sides alternating, publishing excluded"
     )
-    print("| learner | micro-batches | computed tokens | computed / real | step s | tokens/s | vs padded |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| learner | micro-batches | computed tokens | computed / real | step s | tokens/s | vs padded "
+        "| step CPU s (with publish) | vs padded (CPU) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(tps[next(iter(tps))])
-    for name, kw in PACKING_SIDES.items():
+    base_cpu = statistics.median(cpu[next(iter(cpu))])
+    for name, kw in sides.items():
         from learner import logprobs as lp
 
         n_mb = len(lp.plan(lengths, args.token_budget, packing=bool(kw["packing"])))
@@ -632,7 +648,8 @@ def compare_packing(args: argparse.Namespace) -> None:
         med = statistics.median(tps[name])
         print(
             f"| {name} | {n_mb} | {comp} | {comp / real:.3f} | {statistics.median(secs[name]):.2f} | "
-            f"{med:.0f} | {med / base:.2f}x |"
+            f"{med:.0f} | {med / base:.2f}x | {statistics.median(cpu[name]):.2f} | "
+            f"{base_cpu / statistics.median(cpu[name]):.2f}x |"
         )
 
 

@@ -1,0 +1,34 @@
+"""bench/learner.py --packing: padded, packed and (--row-mask) the row-masked packed learner in one table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_packing_bench_prints_the_three_learners_side_by_side() -> None:
+    cmd = [sys.executable, "bench/learner.py", "--packing", "--size", "2m", "--row-mask", "--steps", "1"]
+    cmd += ["--groups", "1", "--g", "6", "--min-len", "8", "--max-len", "64"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] != "learner" and not cells[0].startswith("---"):
+            rows[cells[0]] = cells[1:]
+    names = ["padded (before issue 37)", "packed + chunked head", "packed, row mask, logits recomputed"]
+    assert list(rows) == names, done.stdout
+    # cells: micro-batches, computed tokens, computed / real, step s, tokens/s, vs padded, CPU s, vs padded
+    ratio = {name: float(cells[2]) for name, cells in rows.items()}
+    assert ratio[names[1]] == ratio[names[2]] < ratio[names[0]]  # the same packed rows, less padding
+    for name, cells in rows.items():
+        assert float(cells[3]) > 0 and float(cells[4]) > 0 and float(cells[6]) > 0, (name, cells)
+    assert rows[names[0]][5] == "1.00x" and rows[names[0]][7] == "1.00x"
