@@ -34,7 +34,10 @@ prompt+completion tokens, uniform) is trained by the padded learner as it was be
 (``packing=False, logprob_chunk=0``: one row per trajectory, the whole logits) and by the packed one
 (``packing=True`` and the fused chunked head, the defaults), alternating step by step in one run on a
 random-weight Llama of ``--size`` (default 10m), one torch thread: median tokens/s side by side, and the
-computed tokens (rows x row width summed over the micro-batches) over the real ones.
+computed tokens (rows x row width summed over the micro-batches) over the real ones, and each step's
+CPU seconds (``time.process_time``, publishing included: on a shared machine less load-bound than the
+wall time). ``--row-mask`` adds the first packed learner of issue 37 (sdpa with the row's block mask,
+the head's logits recomputed in the backward) as a third side.
 """
 
 from __future__ import annotations

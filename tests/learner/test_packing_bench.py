@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_packing_bench_prints_the_three_learners_side_by_side() -> None:
     cmd = [sys.executable, "bench/learner.py", "--packing", "--size", "2m", "--row-mask", "--steps", "1"]
-    cmd += ["--groups", "1", "--g", "6", "--min-len", "8", "--max-len", "64"]
+    cmd += ["--groups", "2", "--g", "8", "--min-len", "8", "--max-len", "64"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
