@@ -7,9 +7,13 @@ engine serving the built-in tiny model) generates each step's groups through a g
 publishes its weights as policy version = step (``PolicyPublisher``: the gateway's upload routes, into
 the trainer key's namespace), which the job of the next step asks for exactly.
 
-Printed (and written with ``--out``): per step the mean reward TRL trained on, the first and last ten
-steps' means, whether every trajectory carried the version of its step, held-out greedy accuracy of
-the format before and after, the wall time per step and how many tree leaves each group grew.
+Printed (and written with ``--out``): per step the mean reward TRL trained on, its 10-step means, the
+first and last ten steps' means, the least-squares slope of the reward over the step with its
+standard error, 10-step means of TRL's own metrics (clip ratios, entropy, grad norm, completion
+lengths, zero-std groups), whether every trajectory carried the version of its step, the largest gap
+between Loom's behaviour log-probs and the trainer's own at the temperature (every
+``--check-logprobs`` steps; the stack reports processed log-probs), held-out greedy accuracy of the
+format before and after, the wall time per step and how many tree leaves each group grew.
 ``--native`` is the control: the same trainer, prompts and settings with TRL's own generation (HF
 ``generate``) and the exact accuracy of the boxed answer as the reward.
 
@@ -17,6 +21,7 @@ the format before and after, the wall time per step and how many tree leaves eac
                                 [--lr 1e-4] [--warmup 20] [--scheduler constant_with_warmup]
                                 [--temperature 1.3] [--weight-decay 0.01] [--loss-type dapo]
                                 [--beta 0.0] [--epsilon-high 0.28] [--seed 0] [--eval 64] [--native]
+                                [--check-logprobs 10]
                                 [--out FILE.json] [--plot FILE.png]
 
 Training prompts are the tiny model's arithmetic (+ and -, 2-3 digits: ``tiny_problems``, as ``loom
@@ -151,7 +156,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         key = "loom_" + secrets.token_urlsafe(24)  # the trainer's key: it publishes into namespace "trainer"
         keys = f"trainer:{hashlib.sha256(key.encode()).hexdigest()}:jobs+policy"
         embedded = {"broker_url": "embedded", "result_backend": "embedded"}
-        settings = Settings(data_dir=tmp, api_keys=keys, **embedded, **ports)
+        # processed log-probs: the tempered distribution's, as TRL recomputes them (``trl_logprobs``)
+        settings = Settings(
+            data_dir=tmp, api_keys=keys, engine_logprobs_mode="processed", **embedded, **ports
+        )
         store = PolicyStore(settings.policy_store_path / "ns" / "trainer")
         with Stack(settings, services=("gateway", "rollout", "reward"), ready_timeout=300):
             url = settings.service_url("gateway")
@@ -172,10 +180,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 leaves.extend(len(g.samples) for g in groups)
                 return groups
 
+            logp_gap: list[float] = []
+
             def timed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
                 t0 = time.perf_counter()
                 result = rollout(prompts, trainer)
                 step_s.append(time.perf_counter() - t0)
+                if args.check_logprobs and trainer.state.global_step % args.check_logprobs == 0:
+                    logp_gap.append(_logprob_gap(trainer, result, args.temperature))
                 return result
 
             rollout.rollouts.generate = counted  # type: ignore[method-assign]
@@ -186,11 +198,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "published_versions": len(store.versions()),
             "rollout_s_per_step": sum(step_s) / len(step_s),
             "leaves_per_group": sum(leaves) / len(leaves) if leaves else None,
+            "logprob_gap_max": max(logp_gap) if logp_gap else None,
         }
-    rewards = [
-        h["rewards/job_reward/mean"] for h in trainer.state.log_history if "rewards/job_reward/mean" in h
-    ]
+    logged = [h for h in trainer.state.log_history if "rewards/job_reward/mean" in h]
+    rewards = [h["rewards/job_reward/mean"] for h in logged]
     k = min(10, len(rewards))
+    slope, slope_se = _slope(rewards)
     return {
         "mode": "native" if args.native else args.mode,
         "steps": trainer.state.global_step,
@@ -208,12 +221,77 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reward_per_step": rewards,
         "reward_first10": sum(rewards[:k]) / k,
         "reward_last10": sum(rewards[-k:]) / k,
+        "reward_10step_means": [round(sum(c) / len(c), 3) for c in _chunks(rewards, 10)],
+        "reward_slope_per_step": slope,
+        "reward_slope_se": slope_se,
+        "trl_metrics": _metric_means(logged),
         "heldout_acc_before": acc_before,
         "heldout_acc_after": held_out(args.mode, trainer.model, tok, args.eval),
         "heldout_n": args.eval,
         "wall_s": wall,
         **out,
     }
+
+
+def _logprob_gap(trainer: Any, result: dict[str, list[Any]], temperature: float) -> float:
+    """The largest |Loom's behaviour log-prob - the trainer's own| over the trained tokens of a call,
+    the trainer's computed as TRL computes them (logits / temperature, then log-softmax)."""
+    import torch
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    gap = 0.0
+    with torch.no_grad():
+        rows = (result[k] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask"))
+        for p, c, lp, m in zip(*rows, strict=True):
+            logits = model(torch.tensor([list(p) + list(c)])).logits[0, len(p) - 1 : -1].float()
+            ref = torch.log_softmax(logits / temperature, dim=-1)
+            mine = ref.gather(1, torch.tensor(list(c)).unsqueeze(1)).squeeze(1)
+            if any(x is None for x in lp):  # not the tempered distribution's (``trl_logprobs``)
+                return float("nan")
+            keep = torch.tensor(list(m), dtype=torch.bool)
+            if keep.any():
+                gap = max(gap, float((mine - torch.tensor(lp))[keep].abs().max()))
+    return gap
+
+
+def _chunks(xs: list[float], n: int) -> list[list[float]]:
+    return [xs[i : i + n] for i in range(0, len(xs), n)]
+
+
+def _slope(ys: list[float]) -> tuple[float | None, float | None]:
+    """Least-squares slope of ``ys`` over their index (the step), and its standard error."""
+    n = len(ys)
+    if n < 3:
+        return None, None
+    mx, my = (n - 1) / 2, sum(ys) / n
+    sxx = sum((i - mx) ** 2 for i in range(n))
+    b = sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx
+    resid = sum((y - my - b * (i - mx)) ** 2 for i, y in enumerate(ys))
+    return b, (resid / (n - 2) / sxx) ** 0.5
+
+
+# TRL's logged per-step metrics worth reading beside the reward: clipping, entropy, lengths, grad norm
+_METRICS = (
+    "clip_ratio/region_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "entropy",
+    "grad_norm",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "frac_reward_zero_std",
+    "reward_std",
+)
+
+
+def _metric_means(logged: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """10-step means of TRL's metrics in ``_METRICS`` (those it logged)."""
+    out = {}
+    for key in _METRICS:
+        vals = [float(h[key]) for h in logged if key in h]
+        if vals:
+            out[key] = [round(sum(c) / len(c), 4) for c in _chunks(vals, 10)]
+    return out
 
 
 def _boxed(completion: str) -> str | None:
@@ -237,14 +315,11 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ]
         ax.plot(range(len(ys)), ys, alpha=0.3)
         held = f"held-out {r['heldout_acc_before']:.2f} -> {r['heldout_acc_after']:.2f}"
-        label = f"{r['mode']} (5-step mean; {held})"
+        temp = r.get("temperature", 1.0)
+        run = f"{r['prompts_per_step']}x{r['num_generations']}, lr {r['lr']:g}, T {temp:g}"
+        label = f"{r['mode']} {run} (5-step mean; {held})"
         ax.plot(range(len(ys)), smooth, label=label, color=ax.lines[-1].get_color(), linewidth=2)
-    first = results[0]
-    ax.set_title(
-        f"TRL GRPOTrainer, Loom rollouts: {first['prompts_per_step']} x {first['num_generations']} a step, "
-        f"lr {first['lr']:g}, T {first.get('temperature', 1.0):g}",
-        fontsize=10,
-    )
+    ax.set_title("TRL GRPOTrainer on Loom rollouts (prompts x samples a step)", fontsize=10)
     ax.set_xlabel("TRL step")
     ax.set_ylabel("mean reward (accuracy)")
     ax.set_ylim(0.0, 1.0)
@@ -274,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epsilon-high", type=float, default=0.28, help="clip-higher (Loom's eps_high)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval", type=int, default=64, help="held-out problems, greedy")
+    p.add_argument(
+        "--check-logprobs",
+        type=int,
+        default=10,
+        metavar="N",
+        help="every N steps, compare Loom's behaviour log-probs with the trainer's (0: never)",
+    )
     p.add_argument("--native", action="store_true", help="control: TRL's own generation (tree's prompts)")
     p.add_argument("--out", type=Path, help="append the results as JSON lines")
     p.add_argument("--plot", type=Path, help="the reward curves as a PNG")
