@@ -497,8 +497,10 @@ class VLLMEngine(Engine):
         if current == label:  # another client of this server loaded it already
             self._adopt_full(policy)
             return
-        await self._dev("POST", "/pause", params={"mode": self.pause_mode})
+        # /pause inside the try: a wait-mode pause can outlast the client's timeout on a loaded server
+        # (in-flight requests draining), and the server must not stay paused after this call gives up
         try:
+            await self._dev("POST", "/pause", params={"mode": self.pause_mode})
             results = await self._rpc_reload(policy.path)
             bad = [r for r in results if not (isinstance(r, dict) and r.get("loaded"))]
             if bad:
