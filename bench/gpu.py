@@ -66,7 +66,7 @@ def floor_rate(model: Any, rows: int, tokens: int, bytes_per_s: float) -> float:
     return rows * bytes_per_s / (weights + kv)
 
 
-def engine_section(device: str, reps: int) -> tuple[list[str], dict[str, Any]]:
+def engine_section(device: str, reps: int, graphs: bool = True) -> tuple[list[str], dict[str, Any]]:
     cuda = device.startswith("cuda")
     body: Body = QWEN2_05B if cuda else SMALL
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -86,14 +86,14 @@ def engine_section(device: str, reps: int) -> tuple[list[str], dict[str, Any]]:
     ]
     results = []
     for rows, tokens in sizes:
-        r = compare(model, tokenizer, rows, tokens, reps, device, graphs=cuda)
+        r = compare(model, tokenizer, rows, tokens, reps, device, graphs=cuda and graphs)
         r["floor"] = floor_rate(model, rows, tokens, bw)
         results.append(r)
         lines.append(
             f"| {rows} x {tokens} | {r['engine']:,.0f} | {r['hf']:,.0f} | {r['ratio']:.2f} | "
             f"{r['floor']:,.0f} | {r['engine'] / r['floor']:.3f} | {r['peak_rows']:.0f} |"
         )
-        if cuda:  # the same engine with its decode step captured in CUDA graphs (cuda_graphs=True)
+        if cuda and graphs:  # the same engine with its decode step captured in CUDA graphs (cuda_graphs=True)
             note = f" (capture failed: {r['graph_error']})" if r["graph_error"] else ""
             lines.append(
                 f"| {rows} x {tokens}, CUDA graphs{note} | {r['graphs']:,.0f} | {r['hf']:,.0f} | "
@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-learner", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graphs leg")
     a = ap.parse_args()
     configure_process()
     device = a.device
@@ -146,11 +147,11 @@ def main() -> None:
     head = [
         f"- date: {when}; device: {card}; torch {torch.__version__}; "
         f"torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}",
-        f"- command: `python bench/gpu.py --reps {a.reps}`",
+        f"- command: `python {' '.join(sys.argv)}`",
         "",
     ]
     print("\n".join(head), flush=True)
-    engine_lines, _ = engine_section(device, a.reps)
+    engine_lines, _ = engine_section(device, a.reps, graphs=not a.no_graphs)
     learner = ["(skipped: --no-learner)"] if a.no_learner else learner_section(device)
     print("\n".join(learner), flush=True)
     tests = ["(skipped: --no-tests)"] if a.no_tests else tests_section()

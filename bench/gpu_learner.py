@@ -8,7 +8,10 @@ docs/benchmarks/gpu.md, and ``python bench/gpu_learner.py [--device cuda]`` prin
   autocast with float32 master weights, 16 groups x 8 trajectories x ~400 tokens, 8,192-token
   micro-batches. Rows: ``full`` (padded, the whole logits: the learner before issue 37), ``lora`` (r = 8
   on q/k/v/o, packed), ``packed`` (full fine-tuning, packed rows + the fused chunked head), and
-  ``packed 32k`` (one 32,768-token micro-batch, no activation checkpointing: does it fit?).
+  ``packed 32k`` (one 32,768-token micro-batch, no activation checkpointing: does it fit?); on request
+  (``--variants``) ``packed inductor`` (each decoder layer under ``torch.compile``'s inductor),
+  ``packed rowmask`` (sdpa over each packed row with its block mask, not one sdpa per trajectory) and
+  ``packed rowmask inductor`` (both).
 - CPU: the same rows at the ~10 M size (``10m``) on 2 groups x 8 x ~200 tokens, one torch thread; the
   32,768-token row is left out there (host memory says nothing about a card's).
 
@@ -26,6 +29,7 @@ import gc
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lora": {"lora_rank": 8},
     "packed": {},
     "packed 32k": {"token_budget": 32_768},
+    "packed inductor": {"torch_compile": "inductor"},
+    "packed rowmask": {"segment_attention": False},
+    "packed rowmask inductor": {"segment_attention": False, "torch_compile": "inductor"},
 }
 
 
@@ -62,10 +69,14 @@ def dense_bf16_peak(device_name: str) -> float | None:
 
 
 def learner_rows(
-    device: str, steps: int = 3, variants: tuple[str, ...] = tuple(VARIANTS)
+    device: str,
+    steps: int = 3,
+    variants: tuple[str, ...] = ("full", "lora", "packed", "packed 32k"),
+    report: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One dict per variant: name, device, size, params, tokens, micro-batch budget, step_s,
-    tokens_per_s, mfu (None where the peak is unknown, e.g. CPU), peak_gib, fits, note."""
+    tokens_per_s, mfu (None where the peak is unknown, e.g. CPU), peak_gib, fits, note. ``report``
+    is called with each row as soon as it is measured (a run cut short keeps the rows it made)."""
     import torch
 
     from learner.config import LearnerSettings
@@ -134,15 +145,18 @@ def learner_rows(
             row["peak_gib"] = _peak(torch.device(device), baseline) / 2**30
             del learner
             gc.collect()
+            if report is not None:
+                report(row)
     return rows
 
 
+HEADER = (
+    "| variant | device | size | tokens/step | micro-batch tokens | step s | tokens/s | MFU | peak GiB "
+    "| fits |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    print(
-        "| variant | device | size | tokens/step | micro-batch tokens | step s | tokens/s | MFU | peak GiB "
-        "| fits |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         step = f"{r['step_s']:.3f}" if r["step_s"] is not None else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] is not None else "-"
@@ -165,7 +179,8 @@ def main() -> None:
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(unknown)}")
-    print_rows(learner_rows(args.device, args.steps, variants))
+    print(HEADER, flush=True)
+    learner_rows(args.device, args.steps, variants, report=lambda row: print_rows([row]))
 
 
 if __name__ == "__main__":

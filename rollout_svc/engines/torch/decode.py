@@ -52,6 +52,7 @@ class DecodeStep:
         """Drop the captured graphs (a policy load: they hold the old weights' addresses)."""
         self._graphs.clear()
         self._key = None
+        self._pool = None  # the dropped graphs freed their pool: a new one for the next capture
 
     def __call__(self, model: Any, kv: StaticKv, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Feed row b ``tokens[b]`` at position ``positions[b]``; the rows' next logits (float32)."""
@@ -79,6 +80,7 @@ class DecodeStep:
         key = (id(model), kv.generation)
         if key != self._key or self._ids is None or self._pos is None:
             self._graphs.clear()
+            self._pool = None  # freed with the dropped graphs (reusing its handle trips the allocator)
             self._key = key
             self._ids = torch.zeros(kv.capacity, 1, dtype=torch.long, device=kv.device)
             self._pos = torch.zeros(kv.capacity, 1, dtype=torch.long, device=kv.device)
@@ -118,8 +120,10 @@ class DecodeStep:
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = _forward_static(model, kv, ids, pos, bucket)
         except Exception as e:  # the model holds an operation a graph cannot capture
-            self.graph_error = repr(e)
-            log.warning("CUDA graph capture failed, decoding without graphs: %r", e)
+            self.graph_error = _chain(e)
+            log.warning(
+                "CUDA graph capture failed, decoding without graphs: %s", self.graph_error, exc_info=True
+            )
             return None
         self.captures += 1
         self._graphs[bucket] = _Graph(graph, logits)
@@ -134,3 +138,15 @@ def _forward_static(
         ids[:bucket], attention_mask=mask, position_ids=pos[:bucket], past_key_values=kv, use_cache=True
     )
     return out.logits[:, -1, :].float()
+
+
+def _chain(e: BaseException) -> str:
+    """``e`` and the exceptions it was raised while handling, the first cause last (a failed capture
+    often ends in an allocator assert raised while the graph unwinds, which hides the operation that
+    could not be captured)."""
+    seen: list[str] = []
+    cur: BaseException | None = e
+    while cur is not None and len(seen) < 5:
+        seen.append(repr(cur))
+        cur = cur.__cause__ or cur.__context__
+    return " <- while handling ".join(seen)
