@@ -78,8 +78,8 @@ fi
 if [ ! -x /usr/bin/chromium ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
-    $SUDO apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+    $SUDO apt-get update -qq -o DPkg::Lock::Timeout=600
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 chromium
   else
     echo "deploy/setup.sh: no apt-get; install chromium at /usr/bin/chromium for tests/web" >&2
   fi

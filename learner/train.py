@@ -100,6 +100,11 @@ class Learner:
             self.ranks.resume(self.model, self.optimizer, self.store.root, latest.version)
             log.info("learner resumed from policy version %d (%s)", latest.version, latest.path)
 
+    def segment_attention(self) -> bool:
+        """Attention per trajectory in packed rows: the setting, or when unset everywhere but CUDA."""
+        chosen = self.cfg.segment_attention
+        return self.device.type != "cuda" if chosen is None else chosen
+
     def compute_dtype(self) -> torch.dtype | None:
         """bf16 when ``mixed_precision`` asks for it ("auto": on CUDA), else None (float32)."""
         mode = self.cfg.mixed_precision
@@ -240,7 +245,7 @@ class Learner:
                 token_budget=self.token_budget,
                 packing=self.cfg.packing,
                 chunk=self.cfg.logprob_chunk,
-                segment_attention=self.cfg.segment_attention,
+                segment_attention=self.segment_attention(),
                 keep_logits_bytes=kept_logits_bytes(self.cfg),
                 with_entropy=spec.entropy_coef != 0.0,
                 autocast_dtype=self.ranks.autocast(self.compute_dtype()),
@@ -279,7 +284,7 @@ class Learner:
                     [lp.layout_of(s.trajectory) for s in rows],
                     rows=mb.rows,
                     chunk=self.cfg.logprob_chunk,
-                    segment_attention=self.cfg.segment_attention,
+                    segment_attention=self.segment_attention(),
                     autocast_dtype=self.compute_dtype(),
                     temperature=spec.temperature,
                 )
