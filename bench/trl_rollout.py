@@ -21,8 +21,9 @@ format before and after, the wall time per step and how many tree leaves each gr
                                 [--lr 1e-4] [--warmup 20] [--scheduler constant_with_warmup]
                                 [--temperature 1.3] [--weight-decay 0.01] [--loss-type dapo]
                                 [--beta 0.0] [--epsilon-high 0.28] [--seed 0] [--eval 64] [--native]
-                                [--check-logprobs 10]
+                                [--check-logprobs 10] [--progress FILE.jsonl]
                                 [--out FILE.json] [--plot FILE.png]
+    python bench/trl_rollout.py --replot FILE.jsonl --plot FILE.png   # --out and/or --progress lines
 
 Training prompts are the tiny model's arithmetic (+ and -, 2-3 digits: ``tiny_problems``, as ``loom
 demo`` and the held-out set); the defaults are ``loom demo``'s learner settings in TRL's terms.
@@ -104,6 +105,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows, tasks = _tasks(args.mode, problems)
     tok = load_tokenizer()
     acc_before = held_out(args.mode, load_model(), tok, args.eval)
+    run_info = {
+        "mode": "native" if args.native else args.mode,
+        "prompts_per_step": args.prompts,
+        "num_generations": args.group,
+        "lr": args.lr,
+        "temperature": args.temperature,
+        "heldout_acc_before": acc_before,
+    }
     config = GRPOConfig(
         output_dir=str(tmp / "trl"),
         max_steps=args.steps,
@@ -136,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             train_dataset=Dataset.from_list(rows),
             processing_class=tok,
             rollout_func=rollout_func,
+            callbacks=[_progress_callback(args.progress, run_info)] if args.progress else None,
         )
         t0 = time.perf_counter()
         trainer.train()
@@ -233,6 +243,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _progress_callback(path: Path, run_info: dict[str, Any]) -> Any:
+    """A TRL callback appending each logged step (the run's settings, its reward, TRL's metrics and
+    the wall clock) to ``path`` as a JSON line as it happens, so a run stopped before its end still
+    leaves its steps (``--replot`` reads them back as a run without a held-out accuracy after)."""
+    from transformers import TrainerCallback
+
+    class Progress(TrainerCallback):  # type: ignore[misc]
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "rewards/job_reward/mean" in logs:
+                line = {**run_info, "step": state.global_step, "time": time.time(), **logs}
+                with open(path, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+
+    return Progress()
+
+
 def _logprob_gap(trainer: Any, result: dict[str, list[Any]], temperature: float) -> float:
     """The largest |Loom's behaviour log-prob - the trainer's own| over the trained tokens of a call,
     the trainer's computed as TRL computes them (logits / temperature, then log-softmax)."""
@@ -314,7 +340,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))
         ]
         ax.plot(range(len(ys)), ys, alpha=0.3)
-        held = f"held-out {r['heldout_acc_before']:.2f} -> {r['heldout_acc_after']:.2f}"
+        before, after = r.get("heldout_acc_before"), r.get("heldout_acc_after")
+        # a run stopped before its end (its steps read back from --progress) has no held-out after
+        held = f"held-out {before:.2f} -> {after:.2f}" if after is not None else f"stopped at step {len(ys)}"
         temp = r.get("temperature", 1.0)
         run = f"{r['prompts_per_step']}x{r['num_generations']}, lr {r['lr']:g}, T {temp:g}"
         label = f"{r['mode']} {run} (5-step mean; {held})"
@@ -327,6 +355,22 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _read_runs(path: Path) -> list[dict[str, Any]]:
+    """The runs of a file of ``--out`` lines and/or ``--progress`` lines (one run per mode, in order)."""
+    runs: list[dict[str, Any]] = []
+    partial: dict[str, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if "reward_per_step" in r:
+            runs.append(r)
+            continue
+        run = partial.setdefault(r["mode"], {**r, "reward_per_step": [], "heldout_acc_after": None})
+        run["reward_per_step"].append(r["rewards/job_reward/mean"])
+    return runs + list(partial.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,11 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--native", action="store_true", help="control: TRL's own generation (tree's prompts)")
     p.add_argument("--out", type=Path, help="append the results as JSON lines")
+    p.add_argument("--progress", type=Path, help="append each step's TRL log as a JSON line as it happens")
     p.add_argument("--plot", type=Path, help="the reward curves as a PNG")
     p.add_argument("--replot", type=Path, help="only plot the JSON lines of earlier --out runs to --plot")
     args = p.parse_args(argv)
     if args.replot:
-        plot([json.loads(line) for line in args.replot.read_text().splitlines() if line.strip()], args.plot)
+        plot(_read_runs(args.replot), args.plot)
         return 0
     results = []
     for mode in (args.modes or ["tree"]) if not args.native else ["tree"]:
