@@ -49,10 +49,12 @@ class DecodeStep:
         self._pool: Any = None
 
     def forget(self) -> None:
-        """Drop the captured graphs (a policy load: they hold the old weights' addresses)."""
+        """Drop the captured graphs (a policy load: they hold the old weights' addresses; a reallocated
+        cache: they hold its buffers'). Their memory pool goes with them: the next capture takes a new
+        one (capturing into a freed pool's handle trips the caching allocator's assert)."""
         self._graphs.clear()
         self._key = None
-        self._pool = None  # the dropped graphs freed their pool: a new one for the next capture
+        self._pool = None
 
     def __call__(self, model: Any, kv: StaticKv, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Feed row b ``tokens[b]`` at position ``positions[b]``; the rows' next logits (float32)."""
@@ -79,8 +81,7 @@ class DecodeStep:
         bucket = min(row_bucket(rows), kv.capacity)
         key = (id(model), kv.generation)
         if key != self._key or self._ids is None or self._pos is None:
-            self._graphs.clear()
-            self._pool = None  # freed with the dropped graphs (reusing its handle trips the allocator)
+            self.forget()
             self._key = key
             self._ids = torch.zeros(kv.capacity, 1, dtype=torch.long, device=kv.device)
             self._pos = torch.zeros(kv.capacity, 1, dtype=torch.long, device=kv.device)
@@ -141,9 +142,8 @@ def _forward_static(
 
 
 def _chain(e: BaseException) -> str:
-    """``e`` and the exceptions it was raised while handling, the first cause last (a failed capture
-    often ends in an allocator assert raised while the graph unwinds, which hides the operation that
-    could not be captured)."""
+    """``e`` and the exceptions it was raised while handling, the first cause last, for ``graph_error``
+    (an error raised while a failed capture unwinds would otherwise hide the one that failed it)."""
     seen: list[str] = []
     cur: BaseException | None = e
     while cur is not None and len(seen) < 5:
