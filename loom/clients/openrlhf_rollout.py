@@ -46,7 +46,7 @@ from typing import Any, Literal
 from openrlhf.utils.agent import AgentExecutorBase  # openrlhf==0.11.2 (deploy/setup.sh)
 
 from loom.clients.rollouts import AsyncRollouts, RolloutGroup, RolloutSample
-from loom.clients.trl_rollout import pick_leaves
+from loom.clients.trainer_rows import check_tree_initial, trainer_samples
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
@@ -134,10 +134,7 @@ class LoomAgentExecutor(AgentExecutorBase):
         params = mode_params.model_dump() if isinstance(mode_params, ModeParams) else dict(mode_params or {})
         if mode == "streaming" and params.get("layout") == "group_positions":
             raise ValueError("streaming layout 'group_positions' has no OpenRLHF form (positions run 0..L)")
-        if mode == "tree" and params.get("initial") is not None and params["initial"] < n_samples_per_prompt:
-            raise ValueError(
-                f"tree mode_params.initial={params['initial']} < n_samples_per_prompt: too few leaves"
-            )
+        check_tree_initial(mode, params, n_samples_per_prompt, "n_samples_per_prompt")
         self.url, self.api_key, self.timeout = url, api_key, timeout
         self.n, self.mode, self.mode_params = n_samples_per_prompt, mode, mode_params
         self.task, self.tasks, self.sampling, self.reward = task, tasks, dict(sampling or {}), reward
@@ -188,16 +185,7 @@ class LoomAgentExecutor(AgentExecutorBase):
             policy_match=self.match if version is not None else None,
         )
         self.groups.append(group)
-        if group.group is None:
-            raise ValueError(f"the prompt {prompt[:80]!r} came back without a group")
-        if self.mode == "tree":
-            return pick_leaves(group, self.n)
-        roots = [s for s in group.samples if s.trajectory.parent_id is None]  # spawn: the roots
-        if len(roots) != self.n:
-            raise ValueError(
-                f"group {group.group.id} has {len(roots)} samples for n_samples_per_prompt={self.n}"
-            )
-        return roots
+        return trainer_samples(group, self.mode, self.n)
 
     def _rollouts(self) -> AsyncRollouts:
         """One client per event loop (Ray's actor keeps one; each ``asyncio.run`` makes another)."""

@@ -38,8 +38,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loom.clients.rollouts import AsyncRollouts, RolloutGroup, RolloutSample, job_body
-from loom.clients.trl_rollout import pick_leaves
+from loom.clients.rollouts import AsyncRollouts, RolloutSample, job_body
+from loom.clients.trainer_rows import check_tree_initial, trainer_samples
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode, SamplingParams
@@ -153,7 +153,7 @@ class LoomGenerate:
         )
         self.jobs += 1
         (group,) = groups
-        return self._keep(group, n)
+        return trainer_samples(group, self.mode, n)
 
     def _rollouts(self) -> AsyncRollouts:
         loop = asyncio.get_running_loop()
@@ -161,16 +161,6 @@ class LoomGenerate:
             self._client = AsyncRollouts(self.url, self.api_key, timeout=self.timeout)
             self._loop = loop
         return self._client
-
-    def _keep(self, group: RolloutGroup, n: int) -> list[RolloutSample]:
-        if group.group is None:
-            raise ValueError(f"prompt {group.index} came back without a group")
-        if self.mode == "tree":
-            return pick_leaves(group, n)
-        roots = [s for s in group.samples if s.trajectory.parent_id is None]  # spawn: the roots
-        if len(roots) != n:
-            raise ValueError(f"group {group.group.id} has {len(roots)} samples for n_samples_per_prompt={n}")
-        return roots
 
     def _task(self, sample: Any) -> dict[str, Any]:
         extra = dict((sample.metadata or {}).get("loom") or {})
@@ -192,11 +182,7 @@ class LoomGenerate:
         if stop:
             out["stop"] = [stop] if isinstance(stop, str) else list(stop)
         out |= self.sampling
-        if self.mode == "tree":
-            if self._initial is not None and self._initial < n:
-                raise ValueError(
-                    f"tree mode_params.initial={self._initial} < n_samples_per_prompt={n}: too few leaves"
-                )
+        check_tree_initial(self.mode, {"initial": self._initial}, n, "n_samples_per_prompt")
         SamplingParams.model_validate(out)  # a bad one fails before the job
         return out
 

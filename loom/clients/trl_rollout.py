@@ -32,7 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from loom.clients.rollouts import RolloutGroup, Rollouts, RolloutSample
+from loom.clients.rollouts import Rollouts, RolloutSample
+from loom.clients.trainer_rows import check_tree_initial, trainer_samples
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
@@ -90,27 +91,6 @@ def job_reward(
     if loom_reward is None:
         raise ValueError("job_reward needs the loom_reward column: use it with LoomRolloutFunc")
     return [0.0 if r is None else float(r) for r in loom_reward]
-
-
-def pick_leaves(group: RolloutGroup, n: int) -> list[RolloutSample]:
-    """``n`` samples of a tree group, whole subtrees first: each expanded initial response with its
-    branches (in the order the tree grew), then the initial responses that were not expanded."""
-    samples = group.samples
-    children: dict[str | None, list[RolloutSample]] = {}
-    for s in samples:
-        children.setdefault(s.trajectory.parent_id, []).append(s)
-
-    def subtree(s: RolloutSample) -> list[RolloutSample]:
-        return [s] + [d for c in children.get(s.id, []) for d in subtree(c)]
-
-    roots = children.get(None, [])
-    ordered = [x for r in roots if r.id in children for x in subtree(r)]
-    ordered += [r for r in roots if r.id not in children]
-    if len(ordered) < n:
-        raise ValueError(
-            f"tree group {group.index} has {len(ordered)} leaves, fewer than num_generations={n}"
-        )
-    return ordered[:n]
 
 
 Tasks = Callable[[Any], Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]
@@ -182,10 +162,7 @@ class LoomRolloutFunc:
         )
         out: dict[str, list[Any]] = {k: [] for k in _KEYS}
         for group in groups:
-            if group.group is None:
-                raise ValueError(f"prompt {group.index} came back without a group")
-            chosen = self._keep(group, g)
-            for s in chosen:
+            for s in trainer_samples(group, self.mode, g):
                 out["prompt_ids"].append(s.prompt_ids)
                 out["completion_ids"].append(s.completion_ids)
                 out["logprobs"].append(trl_logprobs(s, float(trainer.temperature)))
@@ -195,7 +172,7 @@ class LoomRolloutFunc:
                 out["loom_policy_version"].append(s.policy_version)
                 out["loom_policy_namespace"].append(s.policy_namespace)
                 out["loom_trajectory_id"].append(s.id)
-                out["loom_group_id"].append(group.group.id)
+                out["loom_group_id"].append(s.trajectory.group_id)
         self.history.append(
             {
                 "step": step,
@@ -220,14 +197,6 @@ class LoomRolloutFunc:
         if ref.namespace is not None:
             self.namespace = ref.namespace
 
-    def _keep(self, group: RolloutGroup, g: int) -> list[RolloutSample]:
-        if self.mode == "tree":
-            return pick_leaves(group, g)
-        samples = [s for s in group.samples if s.trajectory.parent_id is None]  # spawn: the roots
-        if len(samples) != g:
-            raise ValueError(f"group {group.index} has {len(samples)} samples for num_generations={g}")
-        return samples
-
     def _task(self, prompt: Any, trainer: Any) -> dict[str, Any]:
         text = _prompt_text(prompt, trainer)
         if self.tasks is None:
@@ -251,10 +220,7 @@ class LoomRolloutFunc:
             "top_p": float(getattr(trainer, "top_p", 1.0) or 1.0),
             "top_k": int(top_k) if top_k else -1,
         }
-        if self.mode == "tree":
-            initial = dict(_as_dict(self.mode_params)).get("initial")
-            if initial is not None and initial < g:
-                raise ValueError(f"tree mode_params.initial={initial} < num_generations={g}: too few leaves")
+        check_tree_initial(self.mode, _as_dict(self.mode_params), g, "num_generations")
         return follows | self.sampling
 
     def close(self) -> None:

@@ -61,8 +61,8 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 
 from loom.clients.policies import PolicyPublisher
-from loom.clients.rollouts import AsyncRollouts, RolloutGroup, RolloutSample
-from loom.clients.trl_rollout import pick_leaves
+from loom.clients.rollouts import AsyncRollouts, RolloutSample
+from loom.clients.trainer_rows import check_tree_initial, trainer_samples
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
 from loom.interop import label_text, message_text, plain
@@ -241,10 +241,7 @@ class _Job:
     async def _generate(self) -> dict[str, tuple[list[RolloutSample], str]]:
         s = self.settings
         n = max(self.rows.values())
-        if s.mode == "tree" and int(s.mode_params.get("initial", n)) < n:
-            raise ValueError(
-                f"tree mode_params.initial={s.mode_params['initial']} < rollout.n={n}: too few leaves"
-            )
+        check_tree_initial(s.mode, s.mode_params, n, "rollout.n")
         version, namespace, match = await self._policy()
         uids = list(self.tasks)
         async with AsyncRollouts(s.url, s.api_key, timeout=s.timeout) as rollouts:
@@ -258,7 +255,11 @@ class _Job:
                 policy_namespace=namespace,
                 policy_match=match,
             )
-        return {u: self._keep(g, self.rows[u]) for u, g in zip(uids, groups, strict=True)}
+        out: dict[str, tuple[list[RolloutSample], str]] = {}
+        for u, g in zip(uids, groups, strict=True):
+            rows = trainer_samples(g, s.mode, self.rows[u], exact=False)
+            out[u] = rows, rows[0].trajectory.group_id
+        return out
 
     async def _policy(self) -> tuple[int | None, str | None, PolicyMatch | None]:
         s = self.settings
@@ -291,13 +292,3 @@ class _Job:
         if p.get("top_k") is not None:
             follows["top_k"] = int(p["top_k"]) if int(p["top_k"]) > 0 else -1
         return follows | self.settings.sampling
-
-    def _keep(self, group: RolloutGroup, rows: int) -> tuple[list[RolloutSample], str]:
-        if group.group is None:
-            raise ValueError(f"prompt {group.index} came back without a group")
-        if self.settings.mode == "tree":
-            return pick_leaves(group, rows), group.group.id
-        roots = [x for x in group.samples if x.trajectory.parent_id is None]  # spawn: the roots
-        if len(roots) < rows:
-            raise ValueError(f"group {group.index} has {len(roots)} samples for {rows} rows")
-        return roots[:rows], group.group.id

@@ -23,7 +23,6 @@ from loom.clients.trl_rollout import (
     LoomRolloutFunc,
     job_reward,
     off_policy_calls,
-    pick_leaves,
     publish_with,
     trl_logprobs,
 )
@@ -197,20 +196,6 @@ def test_grpo_trainer_trains_on_loom_streaming_rollouts(stack: LoomStack, tmp_pa
             assert 0 in mask and 1 in mask  # the sentences are observations, never trained
             inserted = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
             assert "number is" in inserted
-
-
-def test_pick_leaves_keeps_whole_subtrees_first() -> None:
-    from loom.contracts.wire import Trajectory
-
-    def t(tid: str, parent: str | None = None) -> dict[str, Any]:
-        return Trajectory(id=tid, group_id="g", completion_ids=[1], parent_id=parent).model_dump(mode="json")
-
-    trajs = [t("r0"), t("r1"), t("r2"), t("r1.b0", "r1"), t("r1.b1", "r1"), t("r2.b0", "r2")]
-    group = RolloutGroup.from_event({"index": 0, "group": Group(id="g", trajectories=trajs), "rewards": None})
-    assert [s.id for s in pick_leaves(group, 4)] == ["r1", "r1.b0", "r1.b1", "r2"]
-    assert [s.id for s in pick_leaves(group, 6)] == ["r1", "r1.b0", "r1.b1", "r2", "r2.b0", "r0"]
-    with pytest.raises(ValueError, match="6 leaves, fewer than num_generations=7"):
-        pick_leaves(group, 7)
 
 
 def test_trl_logprobs_are_the_tempered_distributions_or_none() -> None:

@@ -1,0 +1,56 @@
+"""Which of a Loom group's samples a trainer's rows get: one rule for the four trainer adapters
+(docs/interop-rollout.md, "What each mode keeps").
+
+A trainer whose loss treats samples independently asks for ``n`` rows per prompt. A plain or
+streaming group has exactly its ``n`` trajectories; a spawn group's rows are its roots (the
+children's threads have prompts of their own and are not the trainer's rows); a tree (its leaf
+count varies with the branching) starts from ``initial >= n`` responses, so it always has enough
+leaves, and ``n`` of them are kept in subtree order (``pick_leaves``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from loom.clients.rollouts import RolloutGroup, RolloutSample
+from loom.contracts.wire import Mode
+
+
+def pick_leaves(group: RolloutGroup, n: int) -> list[RolloutSample]:
+    """``n`` samples of a tree group, whole subtrees first: each expanded initial response with its
+    branches (in the order the tree grew), then the initial responses that were not expanded."""
+    children: dict[str | None, list[RolloutSample]] = {}
+    for s in group.samples:
+        children.setdefault(s.trajectory.parent_id, []).append(s)
+
+    def subtree(s: RolloutSample) -> list[RolloutSample]:
+        return [s] + [d for c in children.get(s.id, []) for d in subtree(c)]
+
+    roots = children.get(None, [])
+    ordered = [x for r in roots if r.id in children for x in subtree(r)]
+    ordered += [r for r in roots if r.id not in children]
+    if len(ordered) < n:
+        raise ValueError(f"tree group {group.index} has {len(ordered)} leaves, fewer than {n} rows")
+    return ordered[:n]
+
+
+def trainer_samples(group: RolloutGroup, mode: Mode, n: int, *, exact: bool = True) -> list[RolloutSample]:
+    """The ``n`` samples of ``group`` that become the trainer's rows (module docstring). ``exact``:
+    a non-tree group must have exactly ``n`` roots (False: at least ``n``, the first ``n`` kept)."""
+    if group.group is None:
+        raise ValueError(f"prompt {group.index} came back without a group")
+    if mode == "tree":
+        return pick_leaves(group, n)
+    roots = [s for s in group.samples if s.trajectory.parent_id is None]
+    if len(roots) < n or (exact and len(roots) != n):
+        raise ValueError(f"group {group.group.id} has {len(roots)} samples for {n} rows")
+    return roots[:n]
+
+
+def check_tree_initial(mode: Mode, mode_params: Mapping[str, Any], n: int, what: str) -> None:
+    """Refuse, before the job, a tree that starts from fewer responses than the ``n`` rows it must
+    fill (``what`` names the trainer's own setting of ``n`` in the message)."""
+    initial = mode_params.get("initial")
+    if mode == "tree" and initial is not None and int(initial) < n:
+        raise ValueError(f"tree mode_params.initial={initial} < {what}={n}: too few leaves")
