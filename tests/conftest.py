@@ -67,6 +67,14 @@ SESSION_ID = uuid.uuid4().hex[:8]
 _namespace_counter = itertools.count()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """tests/docker runs last: under .ci/run, Docker's install and the image build run beside the
+    rest of the suite, and that layer waits for them (tests/docker/test_compose_up.py)."""
+    docker = Path(__file__).parent / "docker"
+    last = [i for i in items if docker in Path(str(i.fspath)).parents]
+    items[:] = [i for i in items if docker not in Path(str(i.fspath)).parents] + last
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -138,8 +138,27 @@ def _tasks(container: str, event: str) -> int:
     return len(re.findall(rf"Task rollout\.generate_group\[[^\]]+\] {event}", _container_log(container)))
 
 
+def _wait_for_ci_build() -> None:
+    """Under .ci/run, Docker's install and the image build run beside the rest of the suite (this
+    layer is ordered last, tests/conftest.py): wait for them. ``LOOM_CI_IMAGES_RC`` names the file
+    their exit status lands in ("nodocker": Docker could not be installed; the check below skips)."""
+    rc_file = os.environ.get("LOOM_CI_IMAGES_RC")
+    if not rc_file:
+        return
+    path = Path(rc_file)
+    deadline = time.monotonic() + 1500
+    while not path.exists():
+        assert time.monotonic() < deadline, f"the image build .ci/run started did not end ({rc_file})"
+        time.sleep(5)
+    status = path.read_text().strip()
+    log = path.with_suffix(".log")
+    tail = log.read_text()[-3000:] if log.exists() else ""
+    assert status in ("0", "nodocker"), f"deploy/images (.ci/run) failed with {status}: {tail}"
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
+    _wait_for_ci_build()
     reason = _docker_unavailable()
     if reason:
         pytest.skip(reason)

@@ -58,6 +58,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
         elif item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
+    # fewer server starts (~40 s each on a loaded machine): the one test module that needs
+    # ``--logprobs-mode processed`` goes last in the layer, after the restart tests' own servers
+    layer = [i for i in items if here in Path(str(i.fspath)).parents]
+    if layer:
+        processed = [i for i in layer if Path(str(i.fspath)).name == "test_logprobs_processed.py"]
+        rest = [i for i in layer if i not in processed]
+        at = items.index(layer[0])
+        others = [i for i in items if here not in Path(str(i.fspath)).parents]
+        items[:] = others[:at] + rest + processed + others[at:]
 
 
 def free_port() -> int:

@@ -58,27 +58,22 @@ def test_a_restarted_server_is_brought_back_to_the_clients_version(
 def test_without_dev_mode_loras_load_and_full_updates_say_what_is_missing(
     vllm: Any, arun: Any, store: PolicyStore, prompt_ids: list[int]
 ) -> None:
-    url = vllm.ensure("raw", dev=False)
+    url = vllm.ensure("raw", dev=False)  # the next test's ensure() starts the server it needs
+    for method, path in DEV_ROUTES:
+        r = httpx.request(method, f"{url}{path}", timeout=10)
+        assert (r.status_code, r.json()) == (404, {"detail": "Not Found"}), path
+    engine = VLLMEngine(url, policy_store=store.root)
     try:
-        for method, path in DEV_ROUTES:
-            r = httpx.request(method, f"{url}{path}", timeout=10)
-            assert (r.status_code, r.json()) == (404, {"detail": "Not Found"}), path
-        engine = VLLMEngine(url, policy_store=store.root)
-        try:
-            outs = arun(engine.generate(prompt_ids, SamplingParams(max_tokens=8, seed=1)))  # served model
-            assert engine.policy_version == 0
-            assert max_diff(outs[0].logprobs, reference_logprobs(TINY, prompt_ids, outs[0].token_ids)) < ATOL
-            lora = store.get(2)
-            assert lora is not None
-            arun(engine.load_policy(lora))
-            assert engine.policy_version == 2 and arun(
-                engine.generate(prompt_ids, SamplingParams(max_tokens=4))
-            )
-            full = store.get(1)
-            assert full is not None
-            with pytest.raises(EngineRequestError, match="VLLM_SERVER_DEV_MODE"):
-                arun(engine.load_policy(full))
-        finally:
-            arun(engine.close())
+        outs = arun(engine.generate(prompt_ids, SamplingParams(max_tokens=8, seed=1)))  # served model
+        assert engine.policy_version == 0
+        assert max_diff(outs[0].logprobs, reference_logprobs(TINY, prompt_ids, outs[0].token_ids)) < ATOL
+        lora = store.get(2)
+        assert lora is not None
+        arun(engine.load_policy(lora))
+        assert engine.policy_version == 2 and arun(engine.generate(prompt_ids, SamplingParams(max_tokens=4)))
+        full = store.get(1)
+        assert full is not None
+        with pytest.raises(EngineRequestError, match="VLLM_SERVER_DEV_MODE"):
+            arun(engine.load_policy(full))
     finally:
-        vllm.ensure("raw")  # back to the layer's usual server for the tests that follow
+        arun(engine.close())
