@@ -37,7 +37,12 @@ random-weight Llama of ``--size`` (default 10m), one torch thread: median tokens
 computed tokens (rows x row width summed over the micro-batches) over the real ones, and each step's
 CPU seconds (``time.process_time``, publishing included: on a shared machine less load-bound than the
 wall time). ``--row-mask`` adds the first packed learner of issue 37 (sdpa with the row's block mask,
-the head's logits recomputed in the backward) as a third side.
+the head's logits recomputed in the backward) as a third side. ``--compile inductor`` adds the packed
+learner with its decoder layers compiled (``torch_compile``, learner/train.py ``compile_layers``) as a
+side of its own: its compilation happens before the timed steps (the equality check's forward and the
+warm-up step; their seconds are printed per side), and the run prints how far it is from the packed
+learner on the same weights: the completion log-probs' max |difference| before any step, the warm-up
+step's loss and the weights after it; and the graphs compiled before and during the timed steps.
 """
 
 from __future__ import annotations
@@ -133,6 +138,11 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument(
         "--row-mask", action="store_true", help="with --packing: also the packed learner with sdpa's row mask"
+    )
+    p.add_argument(
+        "--compile",
+        choices=("inductor", "aot_eager", "eager"),
+        help="with --packing: also the packed learner with its decoder layers torch.compiled by this backend",
     )
     args = p.parse_args()
     configure_process()
@@ -575,6 +585,40 @@ PACKING_SIDES = {
 }
 # --row-mask: the first packed learner of issue 37 too (sdpa with the row's block mask, logits recomputed)
 ROW_MASK_SIDE = {"packing": True, "logprob_chunk": 4096, "segment_attention": False, "logprob_keep_mib": 0}
+PACKED = "packed + chunked head"
+
+
+def packed_logprobs(learner: Any, trajectories: list[Trajectory]) -> Any:
+    """The completion log-probs (0 where no token) the learner's step computes, with autograd on (the
+    graphs a compiled learner trains with), flattened over its micro-batches."""
+    import torch
+
+    from learner import logprobs as lp
+    from learner.train import kept_logits_bytes
+
+    outs = lp.recompute(
+        learner.model,
+        trajectories,
+        token_budget=learner.token_budget,
+        packing=learner.cfg.packing,
+        chunk=learner.cfg.logprob_chunk,
+        segment_attention=learner.segment_attention(),
+        keep_logits_bytes=kept_logits_bytes(learner.cfg),
+    )
+    return torch.cat([(o.logp * o.valid).detach().flatten() for o in outs])
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has compiled in this process so far (dynamo's counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def max_weight_diff(a: Any, b: Any) -> float:
+    """The largest |difference| between two learners' parameters."""
+    pb = dict(b.model.named_parameters())
+    return max(float((p.detach() - pb[n].detach()).abs().max()) for n, p in a.model.named_parameters())
 
 
 def compare_packing(args: argparse.Namespace) -> None:
@@ -590,6 +634,9 @@ def compare_packing(args: argparse.Namespace) -> None:
     sides = dict(PACKING_SIDES)
     if args.row_mask:
         sides["packed, row mask, logits recomputed"] = ROW_MASK_SIDE
+    compiled = f"packed + {args.compile}" if args.compile else None
+    if compiled:
+        sides[compiled] = {**PACKING_SIDES[PACKED], "torch_compile": args.compile}
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -617,14 +664,39 @@ def compare_packing(args: argparse.Namespace) -> None:
         tps: dict[str, list[float]] = {name: [] for name in learners}
         secs: dict[str, list[float]] = {name: [] for name in learners}
         cpu: dict[str, list[float]] = {name: [] for name in learners}
+        warm: dict[str, float] = {name: 0.0 for name in learners}  # equality forward + warm-up step, s
+        loss0: dict[str, float] = {}
+        same: list[str] = []
+        if compiled:  # the same computation? both from the same checkpoint, before any step
+            trajs = [t for g in groups for t in g.trajectories]
+            logps = {}
+            for name in (PACKED, compiled):
+                t0 = time.perf_counter()
+                logps[name] = packed_logprobs(learners[name], trajs)
+                warm[name] += time.perf_counter() - t0
+            diff = float((logps[PACKED] - logps[compiled]).abs().max())
+            same.append(f"completion log-probs before any step: max |diff| {diff:.2e}")
+        graphs = 0
         for step in range(args.steps + 1):  # step 0 is warm-up
+            if step == 1:
+                graphs = compiled_graphs()
             for name in list(learners) if step % 2 == 0 else list(reversed(learners)):
-                c0 = time.process_time()  # one torch thread: the step's CPU seconds, less load-bound
+                c0, t0 = time.process_time(), time.perf_counter()  # CPU: one torch thread, less load-bound
                 res = learners[name].train_step(TrainBatch(step=step, groups=groups, rewards=rewards))
                 if step > 0:
                     cpu[name].append(time.process_time() - c0)
                     tps[name].append(res.metrics["tokens_per_s"])
                     secs[name].append(res.metrics["train_seconds"])
+                else:
+                    warm[name] += time.perf_counter() - t0
+                    loss0[name] = res.metrics["loss"]
+            if step == 0 and compiled:
+                same.append(f"warm-up step loss: max |diff| {abs(loss0[PACKED] - loss0[compiled]):.2e}")
+                moved = max_weight_diff(learners[PACKED], learners[compiled])
+                same.append(f"weights after it: max |diff| {moved:.2e}")
+        if compiled:  # dynamic shapes: the timed steps should run the warm-up's graphs
+            during = compiled_graphs() - graphs
+            same.append(f"graphs compiled: {graphs} before the timed steps, {during} during them")
     real = sum(lengths)
     print(
         f"model=llama-{args.size or '10m'} ({n_params / 1e6:.1f} M parameters: hidden {size.hidden}, "
@@ -654,6 +726,12 @@ def compare_packing(args: argparse.Namespace) -> None:
             f"{med:.0f} | {med / base:.2f}x | {statistics.median(cpu[name]):.2f} | "
             f"{base_cpu / statistics.median(cpu[name]):.2f}x |"
         )
+    print(
+        "warm-up (compilation included: the equality forward and the warm-up step), s: "
+        + ", ".join(f"{name} {w:.1f}" for name, w in warm.items())
+    )
+    if compiled:
+        print(f"{compiled} vs {PACKED} on the same weights: " + "; ".join(same))
 
 
 if __name__ == "__main__":

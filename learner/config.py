@@ -72,7 +72,9 @@ class LearnerSettings(BaseSettings):
     torch_compile: Literal["off", "inductor", "aot_eager", "eager"] = Field(
         default="off",
         description="torch.compile each decoder layer with this backend (dynamic shapes); 'inductor' is "
-        "the fast one (CUDA), 'eager'/'aot_eager' trace without code generation",
+        "the fast one; on CPU (a C++ compiler needed) the packed 10m step took 4-10 % fewer CPU seconds "
+        "after 23-62 s of compilation on the first step (docs/benchmarks/learner.md), so it stays off "
+        "by default; 'eager'/'aot_eager' trace without code generation",
     )
     weight_decay: float = Field(default=0.01, ge=0.0, description="AdamW's (AdaSR Table 9)")
     betas: tuple[float, float] = (0.9, 0.999)
