@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mode": "native" if args.native else args.mode,
         "prompts_per_step": args.prompts,
         "num_generations": args.group,
+        "leaves": args.leaves,
         "lr": args.lr,
         "temperature": args.temperature,
         "heldout_acc_before": acc_before,
@@ -180,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 mode_params=TREE if args.mode == "tree" else None,
                 tasks=tasks,
                 publish=publish_with(PolicyPublisher(url, key), tok),
+                leaves=args.leaves,
             )
             leaves: list[int] = []
             step_s: list[float] = []
@@ -219,6 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": trainer.state.global_step,
         "prompts_per_step": args.prompts,
         "num_generations": args.group,
+        "leaves": args.leaves,
         "lr": args.lr,
         "warmup": args.warmup,
         "scheduler": args.scheduler,
@@ -377,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", dest="modes", choices=["tree", "streaming", "plain"], action="append")
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument(
+        "--leaves",
+        choices=["subtree", "spread"],
+        default="subtree",
+        help="which n of a tree's leaves TRL trains (loom/clients/trainer_rows.py pick_leaves)",
+    )
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts per step")
     p.add_argument("--group", type=int, default=8, help="num_generations")
     p.add_argument("--max-tokens", type=int, default=96)

@@ -5,21 +5,28 @@ A trainer whose loss treats samples independently asks for ``n`` rows per prompt
 streaming group has exactly its ``n`` trajectories; a spawn group's rows are its roots (the
 children's threads have prompts of their own and are not the trainer's rows); a tree (its leaf
 count varies with the branching) starts from ``initial >= n`` responses, so it always has enough
-leaves, and ``n`` of them are kept in subtree order (``pick_leaves``).
+leaves, and ``n`` of them are kept (``pick_leaves``): in subtree order (the default), or spread
+over the expanded responses (``leaves="spread"``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from loom.clients.rollouts import RolloutGroup, RolloutSample
 from loom.contracts.wire import Mode
 
+Leaves = Literal["subtree", "spread"]
 
-def pick_leaves(group: RolloutGroup, n: int) -> list[RolloutSample]:
-    """``n`` samples of a tree group, whole subtrees first: each expanded initial response with its
-    branches (in the order the tree grew), then the initial responses that were not expanded."""
+
+def pick_leaves(group: RolloutGroup, n: int, leaves: Leaves = "subtree") -> list[RolloutSample]:
+    """``n`` samples of a tree group. ``subtree``: whole subtrees first, each expanded initial response
+    with its branches (in the order the tree grew), then the initial responses that were not
+    expanded. ``spread``: the same subtrees taken in turns (every expanded response, then the first
+    branch of each, then the second, ...), then the responses not expanded: a group's rows come from
+    as many initial responses as ``n`` allows, since a branch shares its response's prefix and is
+    not an independent draw."""
     children: dict[str | None, list[RolloutSample]] = {}
     for s in group.samples:
         children.setdefault(s.trajectory.parent_id, []).append(s)
@@ -28,20 +35,27 @@ def pick_leaves(group: RolloutGroup, n: int) -> list[RolloutSample]:
         return [s] + [d for c in children.get(s.id, []) for d in subtree(c)]
 
     roots = children.get(None, [])
-    ordered = [x for r in roots if r.id in children for x in subtree(r)]
+    trees = [subtree(r) for r in roots if r.id in children]
+    if leaves == "spread":
+        ordered = [t[i] for i in range(max(map(len, trees), default=0)) for t in trees if i < len(t)]
+    else:
+        ordered = [x for t in trees for x in t]
     ordered += [r for r in roots if r.id not in children]
     if len(ordered) < n:
         raise ValueError(f"tree group {group.index} has {len(ordered)} leaves, fewer than {n} rows")
     return ordered[:n]
 
 
-def trainer_samples(group: RolloutGroup, mode: Mode, n: int, *, exact: bool = True) -> list[RolloutSample]:
+def trainer_samples(
+    group: RolloutGroup, mode: Mode, n: int, *, exact: bool = True, leaves: Leaves = "subtree"
+) -> list[RolloutSample]:
     """The ``n`` samples of ``group`` that become the trainer's rows (module docstring). ``exact``:
-    a non-tree group must have exactly ``n`` roots (False: at least ``n``, the first ``n`` kept)."""
+    a non-tree group must have exactly ``n`` roots (False: at least ``n``, the first ``n`` kept);
+    ``leaves``: which of a tree's leaves (``pick_leaves``)."""
     if group.group is None:
         raise ValueError(f"prompt {group.index} came back without a group")
     if mode == "tree":
-        return pick_leaves(group, n)
+        return pick_leaves(group, n, leaves)
     roots = [s for s in group.samples if s.trajectory.parent_id is None]
     if len(roots) < n or (exact and len(roots) != n):
         raise ValueError(f"group {group.group.id} has {len(roots)} samples for {n} rows")

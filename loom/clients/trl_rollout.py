@@ -15,7 +15,8 @@ join blocks are never trained) and extra fields that reach the reward functions 
 
 One Loom group per distinct prompt, with ``n = num_generations``; a tree (its leaf count varies)
 starts from ``initial >= num_generations`` responses, so it always has enough leaves, and the
-first ``num_generations`` of them in subtree order are kept (``pick_leaves``). Spawn keeps the
+first ``num_generations`` of them in subtree order are kept (``pick_leaves``; ``leaves="spread"``
+takes the expanded responses' subtrees in turns). Spawn keeps the
 roots (children's threads have prompts of their own); reflection revisions and adaptive sampling
 change a group's size and are refused here (the ``Rollouts`` client has them).
 
@@ -33,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from loom.clients.rollouts import Rollouts, RolloutSample
-from loom.clients.trainer_rows import check_tree_initial, trainer_samples
+from loom.clients.trainer_rows import Leaves, check_tree_initial, trainer_samples
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
@@ -120,13 +121,14 @@ class LoomRolloutFunc:
         policy_namespace: str | None = None,
         policy_match: PolicyMatch = "exact",
         timeout: float = 600.0,
+        leaves: Leaves = "subtree",
     ) -> None:
         if mode == "streaming" and dict(_as_dict(mode_params)).get("layout") == "group_positions":
             raise ValueError(
                 "streaming layout 'group_positions' has no TRL form (TRL numbers positions 0..L)"
             )
         self.rollouts = Rollouts(url, api_key, timeout=timeout)
-        self.mode, self.mode_params = mode, mode_params
+        self.mode, self.mode_params, self.leaves = mode, mode_params, leaves
         self.sampling, self.reward, self.tasks = dict(sampling or {}), reward, tasks
         self.publish, self.publish_initial = publish, publish_initial
         self.namespace, self.match = policy_namespace, policy_match
@@ -162,7 +164,7 @@ class LoomRolloutFunc:
         )
         out: dict[str, list[Any]] = {k: [] for k in _KEYS}
         for group in groups:
-            for s in trainer_samples(group, self.mode, g):
+            for s in trainer_samples(group, self.mode, g, leaves=self.leaves):
                 out["prompt_ids"].append(s.prompt_ids)
                 out["completion_ids"].append(s.completion_ids)
                 out["logprobs"].append(trl_logprobs(s, float(trainer.temperature)))

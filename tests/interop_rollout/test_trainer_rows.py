@@ -24,6 +24,14 @@ def test_pick_leaves_keeps_whole_subtrees_first() -> None:
         pick_leaves(TREE, 7)
 
 
+def test_spread_takes_the_expanded_subtrees_in_turns() -> None:
+    assert [s.id for s in pick_leaves(TREE, 4, "spread")] == ["r1", "r2", "r1.b0", "r2.b0"]
+    assert [s.id for s in pick_leaves(TREE, 6, "spread")] == ["r1", "r2", "r1.b0", "r2.b0", "r1.b1", "r0"]
+    assert [s.id for s in trainer_samples(TREE, "tree", 3, leaves="spread")] == ["r1", "r2", "r1.b0"]
+    with pytest.raises(ValueError, match="6 leaves, fewer than 7 rows"):
+        pick_leaves(TREE, 7, "spread")
+
+
 def test_trees_keep_leaves_and_the_other_modes_their_roots() -> None:
     assert [s.id for s in trainer_samples(TREE, "tree", 4)] == ["r1", "r1.b0", "r1.b1", "r2"]
     spawn = _group(("a", None), ("b", None), ("a.c0", "a"), ("a.c1", "a"))  # children have their own prompts
