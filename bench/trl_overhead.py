@@ -16,12 +16,14 @@ engine (the built-in tiny model, one torch thread per process, as every Loom pro
 Equal work: the same prompts, ``n``, ``max_tokens`` and temperature, ``ignore_eos`` on both sides so
 every completion is ``max_tokens`` long (the tokens each side generated are counted and printed).
 The repetitions alternate (loom, trl, trl, loom, ...) after one warm-up call of each; the overhead is
-median(loom) / median(trl) - 1. ``--profile`` breaks one Loom call down: the job's submission, the
+median(loom) / median(trl) - 1, and per repetition loom / trl - 1 of its two calls (the median of
+those pairs is printed too). ``--profile`` breaks one Loom call down: the job's submission, the
 first and the last group's arrival on the stream, and the adapter's own work after it. ``--timeline``
 runs the stack with ``LOOM_TIMELINE`` (loom/timeline.py) and prints the worker-side timeline of the
 calls after the repetitions: per stage (gateway publish, rollout task start, engine call, engine
 admits and batch end, reward task, result read, group stored, event sent) the first and last of the
-call's groups, in seconds after the call began. Publishing is left out of both (TRL's server mode
+call's groups, in seconds after the call began, and the claims and starts of the batched reward tasks
+(``reward.score_groups``). Publishing is left out of both (TRL's server mode
 moves weights over NCCL, which has no CPU form).
 
     python bench/trl_overhead.py [--prompts 8] [--group 8] [--max-tokens 96] [--reps 6]
@@ -100,11 +102,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     repeated = [t for t in texts for _ in range(args.group)]
     trainer = _trainer(args)
 
+    load_start = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="loom-trl-overhead-"))
-    ports = {f"{svc}_port": _free_port() for svc in ("gateway", "rollout", "reward", "reflect", "learner")}
+    ports: dict[str, Any] = {
+        f"{svc}_port": _free_port() for svc in ("gateway", "rollout", "reward", "reflect", "learner")
+    }
     key = "loom_" + secrets.token_urlsafe(24)
     keys = f"trainer:{hashlib.sha256(key.encode()).hexdigest()}:jobs+policy"
-    embedded = {"broker_url": "embedded", "result_backend": "embedded"}
+    embedded: dict[str, Any] = {"broker_url": "embedded", "result_backend": "embedded"}
     settings = Settings(data_dir=tmp, api_keys=keys, **embedded, **ports)
     engine_port = _free_port()
     engine_env = {
@@ -190,6 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine.kill()
         engine_log.close()
     med = {side: statistics.median(v) for side, v in times.items()}
+    pairs = [a / b - 1.0 for a, b in zip(times["loom"], times["trl"], strict=True)]  # rep r's two calls
     return {
         "prompts": args.prompts,
         "num_generations": args.group,
@@ -205,8 +211,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "loom_median_s": med["loom"],
         "trl_median_s": med["trl"],
         "overhead": med["loom"] / med["trl"] - 1.0,
+        "pair_overheads": pairs,
+        "median_pair_overhead": statistics.median(pairs),
         "profile": profile,
         "timelines": timelines,
+        "load_avg_start": load_start,
         "load_avg": os.getloadavg(),
     }
 
@@ -306,6 +315,12 @@ def _timeline(path: Path, call: Any) -> dict[str, Any]:
             [round(m["t"] - t0, 4), m.get("requests"), m.get("rows")] for m in marks if m["event"] == "admit"
         ],
         "batch_ends": [round(m["t"] - t0, 4) for m in marks if m["event"] == "batch_end"],
+        # reward tasks scoring several groups (``reward.score_groups``): claimed, started
+        "score_batches": [
+            [m["event"], round(m["t"] - t0, 4)]
+            for m in marks
+            if m["event"] in ("claim", "batch_start") and m["key"].startswith("scores-")
+        ],
         "sent": [round(m["t"] - t0, 4) for m in marks if m["event"] == "sent" and m["key"] == job],
     }
 
@@ -319,6 +334,8 @@ def _print_timeline(tl: dict[str, Any]) -> None:
         print(f"  {label:26s} {first:7.3f} {last:7.3f} ({n})")
     print(f"  engine admits (s, requests, rows running): {tl['admits']}")
     print(f"  engine batch ends: {tl['batch_ends']}")
+    if tl.get("score_batches"):
+        print(f"  reward batches (claim / batch_start, s): {tl['score_batches']}")
     sent = tl["sent"]
     if sent:
         print(f"  stream sends: {len(sent)}, first {min(sent):.3f}, last {max(sent):.3f}")
@@ -360,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         _print_timeline(tl)
     print(
         f"loom median {r['loom_median_s']:.2f} s, trl median {r['trl_median_s']:.2f} s: "
-        f"overhead {r['overhead']:+.1%} (tokens per call: loom {set(r['loom_tokens'])}, "
-        f"trl {set(r['trl_tokens'])})"
+        f"overhead {r['overhead']:+.1%}, median of the {len(r['pair_overheads'])} pairs "
+        f"{r['median_pair_overhead']:+.1%} (tokens per call: loom {set(r['loom_tokens'])}, "
+        f"trl {set(r['trl_tokens'])}); load average {r['load_avg_start'][0]:.2f} at the start, "
+        f"{r['load_avg'][0]:.2f} at the end"
     )
     if args.out:
         with open(args.out, "a") as f:

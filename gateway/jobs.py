@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from gateway.models import JobRequest
-from gateway.pipeline import Cancelled, Stages, collect, gather_all
+from gateway.pipeline import Cancelled, Coalescer, Stages, collect, gather_all
 from gateway.runs import adaptive_config, to_request
 from gateway.state import GatewayState
 from loom.contracts.wire import RolloutRequest
@@ -47,6 +47,13 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
     counters: dict[str, float] = dict(row.counters)
     slots = asyncio.Semaphore(parallel)
 
+    async def write(groups: list[tuple[int, dict[str, Any]]]) -> list[BaseException | None]:
+        await asyncio.to_thread(state.jobs.add_groups, job_id, groups)
+        return [None] * len(groups)
+
+    # the groups scored in one turn of the loop (one reward task's, read together) in one commit
+    store: Coalescer[tuple[int, dict[str, Any]]] = Coalescer(write)
+
     async def one(i: int) -> None:
         async with slots:
             got = await collect(
@@ -71,7 +78,7 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
         if counters.get("adaptive_prompts"):
             per_prompt = counters["adaptive_samples"] / counters["adaptive_prompts"]
             counters["adaptive_samples_per_prompt"] = per_prompt
-        await asyncio.to_thread(state.jobs.add_group, job_id, i, payload)
+        await store.add((i, payload))
         mark("stored", f"{job_id}.p{i}")
 
     try:

@@ -8,10 +8,17 @@ every stage restartable: a re-published task whose key already has a result retu
 
 Every stage is a coroutine: a job or run waiting on its tasks holds futures, not threads. Results are
 read for the whole process by one ``loom.results.ResultHub`` thread; publishing (blocking broker I/O)
-runs on a small pool of ``publishers`` threads. Every task key begins with its job's or run's id and
-a dot (``scope_of``): ``CeleryStages.cancel(scope)`` marks the scope's published, unfinished tasks as
-done with a ``SKIPPED`` result, so a worker that receives one returns at once (LoomTask's idempotency
-read) instead of generating or scoring for a cancelled job.
+runs on a small pool of ``publishers`` threads. Fixed costs are shared (``Coalescer``, issue 34):
+the groups whose generation results come back together (one engine batch) are scored by ONE reward
+task (``reward.score_groups``), each group's result still stored and read under its own
+``<key>.score`` as soon as it is scored, so the keys, the restarts and the cancels work per group
+as before (a group alone is still a ``reward.score_group`` task under its key; the reward task's copy
+of a group leaves out its log-probs, ``REWARD_DROPS``).
+
+Every task key begins with its job's or run's id and a dot (``scope_of``): ``CeleryStages.cancel(scope)``
+marks the scope's published, unfinished tasks as done with a ``SKIPPED`` result, so a worker that
+receives one returns at once (LoomTask's idempotency read) instead of generating or scoring for a
+cancelled job.
 
 ``Stages`` is the seam: ``CeleryStages`` talks to the real workers; anything with the same coroutine
 methods can stand in (benchmarks with simulated latencies, tests).
@@ -23,10 +30,11 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from celery import states
 from kombu.exceptions import OperationalError
@@ -38,6 +46,7 @@ from loom.timeline import mark
 
 GENERATE = "rollout.generate_group"
 SCORE = "reward.score_group"
+SCORE_MANY = "reward.score_groups"  # several groups in one task, each result under its own key
 REFLECT = "reflect.revise_group"
 TRAIN = "learner.train_step"
 SKIPPED = {"loom_skipped": "cancelled"}  # the result a cancelled job's unfinished tasks are given
@@ -45,6 +54,8 @@ SKIPPED = {"loom_skipped": "cancelled"}  # the result a cancelled job's unfinish
 log = logging.getLogger("loom.gateway.pipeline")
 _UNREACHABLE: tuple[type[BaseException], ...] = (OperationalError, *STORE_UNREACHABLE)  # both come back
 R = TypeVar("R")
+T = TypeVar("T")
+_AWAITED = (states.STARTED, states.SUCCESS, states.RETRY)  # a task in these states is not published again
 
 
 class Cancelled(RuntimeError):
@@ -70,6 +81,102 @@ async def gather_all(aws: Iterable[Awaitable[R]]) -> list[R]:
         for t in tasks:
             if not t.done():
                 t.cancel()
+
+
+@dataclass
+class _Open(Generic[T]):
+    done: asyncio.Future[list[BaseException | None]]
+    first: float
+    last: float
+    items: list[T] = field(default_factory=list)
+    full: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Coalescer(Generic[T]):
+    """Items handed in close together go out in one call: ``await c.add(item)`` joins the open batch
+    of its event loop and returns (or raises) that item's outcome once the batch is flushed.
+    ``flush(items)`` is a coroutine returning one outcome per item (None, or the exception that item's
+    caller gets). A batch is flushed at the loop's next turn after its first item when ``linger`` is
+    0 (the callers woken together by one event all join it), else once no item has joined for
+    ``linger`` s or ``max_wait`` s after its first, and at once at ``max_items``; one flush at a time
+    per loop (a group commit: the items that come while one is flushed go out in the next one, not
+    in a second writer contending for the same lock). A caller cancelled while it waits leaves its
+    item in the batch (its key is in ``CeleryStages._published``, so a cancel skips it all the same)."""
+
+    def __init__(
+        self,
+        flush: Callable[[list[T]], Awaitable[list[BaseException | None]]],
+        linger: float = 0.0,
+        max_wait: float = 0.0,
+        max_items: int = 0,
+    ) -> None:
+        self.flush, self.linger, self.max_wait, self.max_items = (
+            flush,
+            linger,
+            max(max_wait, linger),
+            max_items,
+        )
+        self._open: dict[asyncio.AbstractEventLoop, _Open[T]] = {}
+        self._flushing: set[asyncio.Task[None]] = set()  # referenced until done
+        self._serial: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+
+    async def add(self, item: T) -> None:
+        loop = asyncio.get_running_loop()
+        batch = self._open.get(loop)
+        now = time.monotonic()
+        if batch is None:
+            batch = self._open[loop] = _Open(loop.create_future(), now, now)
+            task = loop.create_task(self._run(loop, batch))
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
+        index = len(batch.items)
+        batch.items.append(item)
+        batch.last = now
+        if self.max_items and len(batch.items) >= self.max_items:
+            del self._open[loop]
+            batch.full.set()
+        outcome = (await asyncio.shield(batch.done))[index]
+        if outcome is not None:
+            raise outcome
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: _Open[T]) -> None:
+        await asyncio.sleep(0)
+        while not batch.full.is_set():
+            left = min(batch.last + self.linger, batch.first + self.max_wait) - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(batch.full.wait(), left)
+            except TimeoutError:
+                pass
+        serial = self._serial.setdefault(loop, asyncio.Lock())
+        try:
+            async with serial:  # items still join while the previous flush runs
+                if self._open.get(loop) is batch:
+                    del self._open[loop]
+                items = list(batch.items)
+                try:
+                    outcomes = await self.flush(items)
+                except Exception as exc:
+                    outcomes = [exc] * len(items)
+        except asyncio.CancelledError:
+            batch.done.cancel()
+            raise
+        finally:
+            if not self._flushing - {asyncio.current_task()}:  # idle: no loop kept alive by the map
+                self._serial.pop(loop, None)
+        batch.done.set_result(outcomes)
+
+
+# What the reward service never reads of a group: no reward component uses log-probs (checked by
+# tests/reward/test_score_groups.py), and they are most of a group's JSON (a float each token against
+# a token id), so the reward task's message, its claim and its decoding carry ~3x less without them.
+REWARD_DROPS = {"trajectories": {"__all__": {"logprobs"}}}
+
+
+def for_reward(group: Group) -> dict[str, Any]:
+    """``group`` as JSON for its reward task: all of it but what the reward service never reads."""
+    return group.model_dump(mode="json", exclude=REWARD_DROPS)
 
 
 class Stages(Protocol):
@@ -100,36 +207,78 @@ class CeleryStages:
     stop: threading.Event = field(default_factory=threading.Event)
     publish_timeout: float = 300.0  # how long a publish waits for an unreachable broker to come back
     publishers: int = 4  # threads that publish (blocking broker I/O) for every job and run
+    # Reward tasks: groups whose generation results come back together (one engine batch) are scored
+    # by one ``reward.score_groups`` task, each group's result stored under its own ``<key>.score``
+    # as it is scored; a batch waits ``score_linger`` s after its last group joined (at most
+    # ``score_max_wait`` s after its first). 1: one ``reward.score_group`` task per group.
+    score_batch: int = 16
+    score_linger: float = 0.005
+    score_max_wait: float = 0.025
 
     def __post_init__(self) -> None:
         self.hub = ResultHub(self.app, poll=self.poll, name="gateway-results")
         self._pool = ThreadPoolExecutor(self.publishers, thread_name_prefix="gateway-publish")
         self._published: dict[str, set[str]] = {}  # scope -> keys published, result not read yet
+        self._scores: Coalescer[tuple[str, Any, Any]] = Coalescer(
+            self._publish_scores, self.score_linger, self.score_max_wait, max(1, self.score_batch)
+        )
 
     async def _blocking(self, fn: Callable[..., R], *args: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def _states(self, keys: list[str]) -> dict[str, str]:
+        """The result store's state of each key that has one (one batched read where the store can)."""
+        backend = self.app.backend
+        if hasattr(backend, "mget") and hasattr(backend, "get_key_for_task"):
+            raw = backend.mget([backend.get_key_for_task(k) for k in keys])
+            return {k: backend.decode_result(v)["status"] for k, v in zip(keys, raw, strict=True) if v}
+        return {k: self.app.AsyncResult(k).state for k in keys}
+
     def _publish(self, name: str, key: str, args: tuple[Any, ...]) -> None:
         # A task already started or finished under this key is awaited, not published again.
         mark("publish", key)
-        if self.app.AsyncResult(key).state in ("STARTED", "SUCCESS", "RETRY"):
+        if self.app.AsyncResult(key).state in _AWAITED:
             return
         self.app.send_task(name, args=list(args), task_id=key)
         mark("published", key)
 
-    async def _send(self, name: str, key: str, *args: Any) -> str:
-        """Publish task ``name`` under ``key``. The broker or the result store may be restarting: try
-        again until it is back, the last time at or after ``publish_timeout`` s, so a failed publish has
-        always been tried at least twice however long one try takes (the task's key makes a duplicate
-        harmless: a task whose key has a result returns it, LoomTask)."""
+    def _publish_score_task(self, members: list[tuple[str, Any, Any]]) -> None:
+        """One reward task for ``members`` (key, group, spec) whose key has no result or running task:
+        ``reward.score_group`` under its key for one, ``reward.score_groups`` for several."""
+        for key, _, _ in members:
+            mark("publish", key)
+        known = self._states([key for key, _, _ in members])
+        todo = [m for m in members if known.get(m[0]) not in _AWAITED]
+        if len(todo) == 1:
+            key, group, spec = todo[0]
+            self.app.send_task(SCORE, args=[group, spec], task_id=key)
+        elif todo:
+            # the batch's own id only names the message: every member's result is under its own key
+            self.app.send_task(
+                SCORE_MANY, args=[[list(m) for m in todo]], task_id=f"scores-{uuid.uuid4().hex}"
+            )
+        for key, _, _ in todo:
+            mark("published", key)
+
+    async def _publish_scores(self, members: list[tuple[str, Any, Any]]) -> list[BaseException | None]:
+        label = members[0][0] if len(members) == 1 else f"{members[0][0]} and {len(members) - 1} more"
+        try:
+            await self._retrying(SCORE, label, lambda: self._blocking(self._publish_score_task, members))
+        except StageError as exc:
+            return [exc] * len(members)
+        return [None] * len(members)
+
+    async def _retrying(self, name: str, key: str, attempt: Callable[[], Awaitable[Any]]) -> None:
+        """``attempt()`` until the broker and result store take it: try again until they are back, the
+        last time at or after ``publish_timeout`` s, so a failed publish has always been tried at least
+        twice however long one try takes."""
         deadline = time.monotonic() + self.publish_timeout
         wait, tries = 0.25, 0
         while True:
             tries += 1
             try:
-                self._published.setdefault(scope_of(key), set()).add(key)
-                await self._blocking(self._publish, name, key, args)
-                return key
+                await attempt()
+                return
             except _UNREACHABLE as exc:
                 what = "broker" if isinstance(exc, OperationalError) else "result store"
                 left = deadline - time.monotonic()
@@ -141,6 +290,25 @@ class CeleryStages:
                 log.warning("publishing %s[%s] failed (%s); again in %.2f s", name, key, exc, pause)
                 await self._pause(pause)
                 wait = min(2 * wait, 5.0)
+
+    async def _send(self, name: str, key: str, *args: Any) -> str:
+        """Publish task ``name`` under ``key``. The broker or the result store may be restarting:
+        ``_retrying`` (the task's key makes a duplicate harmless: a task whose key has a result returns
+        it, LoomTask)."""
+
+        async def attempt() -> None:
+            self._published.setdefault(scope_of(key), set()).add(key)
+            await self._blocking(self._publish, name, key, args)
+
+        await self._retrying(name, key, attempt)
+        return key
+
+    async def _score(self, key: str, group: Any, spec: Any) -> Any:
+        """Score ``group`` (JSON) under ``key``: in a reward task with the groups that joined it
+        (``score_batch``), the result read under ``key`` as any task's."""
+        self._published.setdefault(scope_of(key), set()).add(key)
+        await self._scores.add((key, group, spec))
+        return await self._result(key)
 
     async def _pause(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -182,11 +350,12 @@ class CeleryStages:
         async def one(key: str, req: RolloutRequest) -> tuple[Group, RewardResult]:
             group = Group.model_validate(await self._call(GENERATE, key, req.model_dump(mode="json")))
             g = group.model_dump(mode="json")
-            result = RewardResult.model_validate(await self._call(SCORE, f"{key}.score", g, spec_d))
+            result = RewardResult.model_validate(await self._score(f"{key}.score", for_reward(group), spec_d))
             if reflect:  # optional stage: reflect.revise_group(group) -> revisions added, then re-scored
                 group = Group.model_validate(await self._call(REFLECT, f"{key}.reflect", g))
-                g = group.model_dump(mode="json")
-                result = RewardResult.model_validate(await self._call(SCORE, f"{key}.rescore", g, spec_d))
+                result = RewardResult.model_validate(
+                    await self._score(f"{key}.rescore", for_reward(group), spec_d)
+                )
             return group, result
 
         return await gather_all(one(key, req) for key, req in items)

@@ -18,6 +18,7 @@ both slip under a limit.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import threading
@@ -126,6 +127,9 @@ class Database:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
+        # readers of this process woken by its commits (the event streams, ``watch``)
+        self._watchers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._watch_lock = threading.Lock()
         db = self.connection()
         db.executescript(SCHEMA)
         for table in ("jobs", "runs"):
@@ -154,6 +158,27 @@ class Database:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+        self._committed()
+
+    def watch(self, event: asyncio.Event) -> None:
+        """Set ``event`` (on the running loop) after every write transaction of this process commits,
+        until ``unwatch``: an event stream wakes at a group's or a job's end's commit instead of at
+        its next check of the change counter (which still catches other processes' commits)."""
+        with self._watch_lock:
+            self._watchers.add((asyncio.get_running_loop(), event))
+
+    def unwatch(self, event: asyncio.Event) -> None:
+        with self._watch_lock:
+            self._watchers = {w for w in self._watchers if w[1] is not event}
+
+    def _committed(self) -> None:
+        with self._watch_lock:
+            watchers = list(self._watchers)
+        for loop, event in watchers:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that loop is closed: its stream is gone
+                self.unwatch(event)
 
     def all(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
         return self.connection().execute(sql, args).fetchall()
@@ -300,12 +325,18 @@ class JobStore(WorkStore[JobRow]):
         return request.job_key, {"n_prompts": len(request.items())}
 
     def add_group(self, job_id: str, idx: int, payload: dict[str, Any]) -> None:
+        self.add_groups(job_id, [(idx, payload)])
+
+    def add_groups(self, job_id: str, groups: Sequence[tuple[int, dict[str, Any]]]) -> None:
+        """Store groups of ``job_id`` (index, payload) in one transaction (one commit for groups that
+        finished together); each gets the next sequence number, an index already stored is kept."""
         with self.db.tx() as db:
-            seq = db.execute("SELECT COUNT(*) FROM job_groups WHERE job_id=?", (job_id,)).fetchone()[0]
-            db.execute(
-                "INSERT OR IGNORE INTO job_groups (job_id, idx, seq, payload) VALUES (?, ?, ?, ?)",
-                (job_id, idx, seq, json.dumps(payload)),
-            )
+            for idx, payload in groups:
+                seq = db.execute("SELECT COUNT(*) FROM job_groups WHERE job_id=?", (job_id,)).fetchone()[0]
+                db.execute(
+                    "INSERT OR IGNORE INTO job_groups (job_id, idx, seq, payload) VALUES (?, ?, ?, ?)",
+                    (job_id, idx, seq, json.dumps(payload)),
+                )
 
     def groups(self, job_id: str, after_seq: int = -1) -> list[tuple[int, dict[str, Any]]]:
         """(sequence number, ScoredGroup as JSON) of the groups stored after ``after_seq``."""

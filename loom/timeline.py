@@ -8,7 +8,8 @@ mark costs one attribute read. The marks along one job (docs/benchmarks/trl-roll
 the embedded broker's ``claim`` (a worker leased the task's message; loom/embedded_broker.py);
 the rollout worker's ``task_start``, ``engine_call``, ``engine_done``, ``task_end``
 (rollout_svc/tasks.py); the engine process's ``admit`` and ``batch_end`` (the torch scheduler); the
-reward worker's ``score_start``/``score_end`` (reward_svc/tasks.py). ``bench/trl_overhead.py
+reward worker's ``score_start``/``score_end`` per group and ``batch_start`` per ``reward.score_groups``
+task (reward_svc/tasks.py). ``bench/trl_overhead.py
 --timeline`` reads them back. One line is one ``write`` on a file opened for appending, so lines of
 several processes do not interleave.
 """

@@ -6,16 +6,26 @@ task threads (``LOOM_REWARD_POOL=threads``, the default) or owned by the prefork
 task, so a hostile answer costs its per-item deadline there too. Publish it with ``submit_group``:
 the task id is derived from the group id and the spec, so a redelivered or re-sent group returns the
 stored result (LoomTask).
+
+``reward.score_groups`` scores several groups in one task (the gateway's groups whose generation
+ended together: one message, one claim instead of one per group; gateway/pipeline.py). Each member
+is ``[key, group, spec]`` and its result is stored under its own ``key`` as soon as it is scored, as
+if ``reward.score_group`` had run under that key: a member whose key already has a result is
+skipped, a member that fails gets a FAILURE under its key (the others are scored), every member's
+math items go to the verifier pool together (a hostile answer costs its own group its per-item
+deadline, not the others), and the message is acknowledged after the last member, so a killed worker's
+batch is redelivered and only the members without a result are scored again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import threading
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task, states
 from celery.result import AsyncResult
 
 from loom.contracts.wire import Group, RewardSpec
@@ -53,6 +63,61 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
     out = score_group(g, s, _verifier().check_many).model_dump(mode="json")
     mark("score_end", key)
     return out
+
+
+@celery_app.task(name="reward.score_groups", bind=True, ignore_result=True)
+def score_groups_task(self: Task, members: list[list[Any]]) -> dict[str, int]:
+    """Score each ``[key, group, spec]`` of ``members``; its ``RewardResult`` (or failure) is stored
+    under ``key``. Returns how many were scored and skipped (not stored: the members' keys are read)."""
+    mark("batch_start", self.request.id or "")
+    backend = self.backend
+    keys = [str(m[0]) for m in members]
+    todo: list[str] = []
+    try:
+        raw = backend.mget([backend.get_key_for_task(k) for k in keys]) if hasattr(backend, "mget") else None
+        metas = [backend.decode_result(v) if v else None for v in raw] if raw is not None else None
+        for i, key in enumerate(keys):
+            meta = metas[i] if metas is not None else backend.get_task_meta(key)
+            if (meta or {}).get("status") != states.SUCCESS and key not in todo:
+                todo.append(key)
+        asyncio.run(
+            _score_members(backend, {str(m[0]): (m[1], m[2]) for m in members if str(m[0]) in todo}, todo)
+        )
+    except Exception as exc:  # no member is left without a result (a killed worker's batch is redelivered)
+        for key in todo:
+            if backend.get_task_meta(key).get("status") not in states.READY_STATES:
+                backend.store_result(key, exc, states.FAILURE)
+        raise
+    return {"scored": len(todo), "skipped": len(keys) - len(todo)}
+
+
+async def _score_members(backend: Any, members: dict[str, tuple[Any, Any]], order: list[str]) -> None:
+    """Plan every member, verify all their math items in the pool at once, and store each member's
+    result (or its error) as soon as its own items are answered."""
+    from loom.contracts.rewards import check_spec
+    from reward_svc.core import finish_group, plan_group
+
+    pool = _verifier()
+
+    async def one(key: str) -> None:
+        group, spec = members[key]
+        mark("score_start", key)
+        try:
+            g = Group.model_validate(group)
+            s = RewardSpec.model_validate(spec or {})
+            check_spec(s)
+            t0 = asyncio.get_running_loop().time()
+            p = plan_group(g, s)
+            verdicts = await pool.acheck_many([item for _, item in p.math], s.timeout_s) if p.math else []
+            result = finish_group(p, verdicts)
+            result.score_s = asyncio.get_running_loop().time() - t0
+        except Exception as exc:  # this member fails, as its own score_group task would
+            backend.store_result(key, exc, states.FAILURE)
+        else:
+            backend.store_result(key, result.model_dump(mode="json"), states.SUCCESS)
+        mark("score_end", key)
+
+    await asyncio.gather(*(one(key) for key in order))
 
 
 @celery_app.task(name="reward.match_texts")

@@ -34,7 +34,9 @@ from loom.timeline import mark
 # change, doubling while nothing changes up to STREAM_TICK_MAX_S, and reads its job when it moved. It
 # slept 0.2 s between checks before: a group stored waited ~0.1 s on average (up to 0.2 s) for its
 # event, 11 % of a 0.9 s TRL call (issue 34, docs/benchmarks/trl-rollout.md); now <= 16 ms, for ~60
-# checks a second of an idle stream (~0.3 % of a core on the 2-core machine).
+# checks a second of an idle stream (~0.3 % of a core on the 2-core machine). A commit of this
+# process (the job driven here: a group stored, the job's end) also ends the wait at once
+# (``Database.watch``): the last group and the end no longer wait up to a backed-off tick each.
 STREAM_TICK_S = 0.002
 STREAM_TICK_MAX_S = 0.016
 STREAM_POLL_S = 0.2  # how often an event stream checks that its client is still connected
@@ -106,11 +108,24 @@ async def job_event_stream(
     state: GatewayState, job_id: str, after: int, request: Request
 ) -> AsyncIterator[bytes]:
     """``group`` events after sequence number ``after``, then ``end`` once the job has ended."""
+    committed = asyncio.Event()  # set by this process's commits (a job driven here: its groups, its end)
+    state.db.watch(committed)
+    try:
+        async for chunk in _stream(state, job_id, after, request, committed):
+            yield chunk
+    finally:
+        state.db.unwatch(committed)
+
+
+async def _stream(
+    state: GatewayState, job_id: str, after: int, request: Request, committed: asyncio.Event
+) -> AsyncIterator[bytes]:
     version, last_read, tick = -1, 0.0, STREAM_TICK_S
     last_check = time.monotonic()
     while True:
         # read the job only when the database changed (or every STREAM_FULL_READ_S): an idle
         # stream costs one PRAGMA per check, not two queries
+        committed.clear()  # before the read: a commit after it ends the wait below at once
         now = time.monotonic()
         seen = state.data_version()
         if seen != version or now - last_read >= STREAM_FULL_READ_S:
@@ -129,7 +144,10 @@ async def job_event_stream(
             last_check = now
             if await request.is_disconnected():
                 return
-        await asyncio.sleep(tick)
+        try:
+            await asyncio.wait_for(committed.wait(), tick)
+        except TimeoutError:
+            pass
 
 
 @router.get(

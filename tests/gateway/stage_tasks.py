@@ -5,7 +5,8 @@ under the real task names, so the gateway's orchestration runs over a real broke
   p(prompt) drawn from a hash (a simulated pass rate), or never when the prompt contains "impossible";
   ``policy_version`` is the version the request names (as the real rollout loads it from the store),
   or the one last loaded by ``rollout.load_policy`` when that is newer.
-- ``reward.score_group``: total 1.0 for a correct trajectory, else 0.0.
+- ``reward.score_group``: total 1.0 for a correct trajectory, else 0.0; ``reward.score_groups`` the
+  same for several groups, each result stored under its member's key (the gateway's batched form).
 - both append "<unix time> <task> <group id>" to ``$LOOM_TEST_TASK_LOG`` (when set) as they START
   their work, so a test can tell which groups were generated or scored after a cancel.
 - ``learner.train_step``: appends "<step> <new version>" to ``$LOOM_TEST_STAGE_LOG`` (one line per
@@ -106,6 +107,15 @@ def score_group(group: dict[str, Any], spec: dict[str, Any] | None = None) -> di
         for t in g.trajectories
     ]
     return RewardResult(group_id=g.id, rewards=rewards).model_dump(mode="json")
+
+
+@app.task(name="reward.score_groups", bind=True, ignore_result=True)
+def score_groups(self: Any, members: list[list[Any]]) -> None:
+    """The gateway's batched reward task: each ``[key, group, spec]`` scored as ``score_group`` and
+    stored under its key (a key that has a result already is skipped)."""
+    for key, group, spec in members:
+        if self.backend.get_task_meta(key).get("status") != "SUCCESS":
+            self.backend.store_result(key, score_group(group, spec), "SUCCESS")
 
 
 @app.task(name="learner.train_step")
