@@ -348,7 +348,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         held = f"held-out {before:.2f} -> {after:.2f}" if after is not None else f"stopped at step {len(ys)}"
         temp = r.get("temperature", 1.0)
         run = f"{r['prompts_per_step']}x{r['num_generations']}, lr {r['lr']:g}, T {temp:g}"
-        label = f"{r['mode']} {run} (5-step mean; {held})"
+        mode = f"{r['mode']}, {r['leaves']} leaves" if r["mode"] == "tree" and r.get("leaves") else r["mode"]
+        label = f"{mode} {run} (5-step mean; {held})"
         ax.plot(range(len(ys)), smooth, label=label, color=ax.lines[-1].get_color(), linewidth=2)
     ax.set_title("TRL GRPOTrainer on Loom rollouts (prompts x samples a step)", fontsize=10)
     ax.set_xlabel("TRL step")
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--leaves",
         choices=["subtree", "spread"],
-        default="subtree",
+        default="spread",
         help="which n of a tree's leaves TRL trains (loom/clients/trainer_rows.py pick_leaves)",
     )
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts per step")

@@ -5,8 +5,11 @@ A trainer whose loss treats samples independently asks for ``n`` rows per prompt
 streaming group has exactly its ``n`` trajectories; a spawn group's rows are its roots (the
 children's threads have prompts of their own and are not the trainer's rows); a tree (its leaf
 count varies with the branching) starts from ``initial >= n`` responses, so it always has enough
-leaves, and ``n`` of them are kept (``pick_leaves``): in subtree order (the default), or spread
-over the expanded responses (``leaves="spread"``).
+leaves, and ``n`` of them are kept (``pick_leaves``): whole subtrees first (the default), or
+spread over the expanded responses (``leaves="spread"``, ``LoomRolloutFunc(leaves=...)``).
+Measured with TRL's ``GRPOTrainer`` at 16 x 8 for 120 steps, one seed each (docs/interop-rollout.md,
+"TRL"): with spread rows the sampled reward rose +0.100 per 100 steps, with subtree rows (~3 initial
+responses and their branches a group) +0.060.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ Leaves = Literal["subtree", "spread"]
 
 
 def pick_leaves(group: RolloutGroup, n: int, leaves: Leaves = "subtree") -> list[RolloutSample]:
-    """``n`` samples of a tree group. ``subtree``: whole subtrees first, each expanded initial response
-    with its branches (in the order the tree grew), then the initial responses that were not
-    expanded. ``spread``: the same subtrees taken in turns (every expanded response, then the first
-    branch of each, then the second, ...), then the responses not expanded: a group's rows come from
-    as many initial responses as ``n`` allows, since a branch shares its response's prefix and is
-    not an independent draw."""
+    """``n`` samples of a tree group. ``spread``: the expanded initial responses' subtrees taken in
+    turns (every expanded response, then the first branch of each, then the second, ...), then the
+    responses not expanded: a group's rows come from as many initial responses as ``n`` allows, since
+    a branch shares its response's prefix and is not an independent draw (where every response was
+    expanded and ``n`` is their number, that is the responses alone). ``subtree``: whole
+    subtrees first, each expanded response with its branches (in the order the tree grew), then the
+    responses not expanded."""
     children: dict[str | None, list[RolloutSample]] = {}
     for s in group.samples:
         children.setdefault(s.trajectory.parent_id, []).append(s)

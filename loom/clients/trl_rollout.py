@@ -14,9 +14,10 @@ join blocks are never trained) and extra fields that reach the reward functions 
 ``loom_policy_version``, ``loom_trajectory_id``, ``loom_group_id``.
 
 One Loom group per distinct prompt, with ``n = num_generations``; a tree (its leaf count varies)
-starts from ``initial >= num_generations`` responses, so it always has enough leaves, and the
-first ``num_generations`` of them in subtree order are kept (``pick_leaves``; ``leaves="spread"``
-takes the expanded responses' subtrees in turns). Spawn keeps the
+starts from ``initial >= num_generations`` responses, so it always has enough leaves, and
+``num_generations`` of them are kept, whole subtrees first (``pick_leaves``; ``leaves="spread"``:
+spread over the expanded responses, which let the reward rise more in docs/interop-rollout.md's
+runs). Spawn keeps the
 roots (children's threads have prompts of their own); reflection revisions and adaptive sampling
 change a group's size and are refused here (the ``Rollouts`` client has them).
 

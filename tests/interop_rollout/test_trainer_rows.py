@@ -18,13 +18,14 @@ TREE = _group(("r0", None), ("r1", None), ("r2", None), ("r1.b0", "r1"), ("r1.b1
 
 
 def test_pick_leaves_keeps_whole_subtrees_first() -> None:
-    assert [s.id for s in pick_leaves(TREE, 4)] == ["r1", "r1.b0", "r1.b1", "r2"]
-    assert [s.id for s in pick_leaves(TREE, 6)] == ["r1", "r1.b0", "r1.b1", "r2", "r2.b0", "r0"]
+    assert [s.id for s in pick_leaves(TREE, 4, "subtree")] == ["r1", "r1.b0", "r1.b1", "r2"]
+    assert [s.id for s in pick_leaves(TREE, 6, "subtree")] == ["r1", "r1.b0", "r1.b1", "r2", "r2.b0", "r0"]
     with pytest.raises(ValueError, match="6 leaves, fewer than 7 rows"):
-        pick_leaves(TREE, 7)
+        pick_leaves(TREE, 7, "subtree")
 
 
 def test_spread_takes_the_expanded_subtrees_in_turns() -> None:
+    assert pick_leaves(TREE, 5) == pick_leaves(TREE, 5, "subtree") != pick_leaves(TREE, 5, "spread")
     assert [s.id for s in pick_leaves(TREE, 4, "spread")] == ["r1", "r2", "r1.b0", "r2.b0"]
     assert [s.id for s in pick_leaves(TREE, 6, "spread")] == ["r1", "r2", "r1.b0", "r2.b0", "r1.b1", "r0"]
     assert [s.id for s in trainer_samples(TREE, "tree", 3, leaves="spread")] == ["r1", "r2", "r1.b0"]
