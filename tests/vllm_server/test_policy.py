@@ -99,7 +99,7 @@ class Reload:
 async def reload_under_requests(
     engine: VLLMEngine, v1: PolicyVersion, prompt_ids: list[int], tokenizer: Any
 ) -> Reload:
-    """Start two groups whose requests cannot end before the context is full (``ignore_eos``,
+    """Start two groups of 16 whose requests cannot end before the context is full (``ignore_eos``,
     ``max_tokens`` filling the 512-token context), update to ``v1`` as soon as the server runs them
     (its gauge, read once it has generated a token of theirs), watching the server; then a small
     group on the new weights.
@@ -111,7 +111,10 @@ async def reload_under_requests(
     await engine.load_policy(PolicyVersion(version=0, path=str(TINY)))
     settings = Settings()
     room = 512 - len(prompt_ids)  # the server's --max-model-len (tests/vllm_server/conftest.py)
-    long = SamplingParams(n=2, max_tokens=room, seed=1, ignore_eos=True)
+    # 2 x 16 sequences: on an idle machine 2 x 2 of them (2,000 tokens) were all decoded within the
+    # 0.19 s the update took to pause (the vLLM server's CPU build decodes the tiny model that fast),
+    # so the update found nothing in flight in 3 of 3 tries; 16,000 tokens outlast it
+    long = SamplingParams(n=16, max_tokens=room, seed=1, ignore_eos=True)
     aborted_before = engine.stats.extra.get("aborted_requests", 0)
     _, generated_before = await asyncio.to_thread(_counts, url)
     early = [
@@ -140,7 +143,7 @@ async def reload_under_requests(
         if len(polls) >= 3:  # tokens came between two readings that the one pause encloses
             (paused_0, generated_0), (_, generated_1), (paused_2, _) = polls[-3:]
             decoded_while_paused = paused_0 and paused_2 and generated_1 > generated_0
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
     await update
     short = SamplingParams(n=2, max_tokens=16, seed=2)
     late = await generate_group(
