@@ -594,17 +594,8 @@ def packed_logprobs(learner: Any, trajectories: list[Trajectory]) -> Any:
     import torch
 
     from learner import logprobs as lp
-    from learner.train import kept_logits_bytes
 
-    outs = lp.recompute(
-        learner.model,
-        trajectories,
-        token_budget=learner.token_budget,
-        packing=learner.cfg.packing,
-        chunk=learner.cfg.logprob_chunk,
-        segment_attention=learner.segment_attention(),
-        keep_logits_bytes=kept_logits_bytes(learner.cfg),
-    )
+    outs = lp.recompute(learner.model, trajectories, **learner.layout())
     return torch.cat([(o.logp * o.valid).detach().flatten() for o in outs])
 
 

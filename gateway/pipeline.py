@@ -41,7 +41,7 @@ from kombu.exceptions import OperationalError
 
 from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, Rounds, merge_group, select
 from loom.contracts.wire import Group, RewardResult, RewardSpec, RolloutRequest, StepResult, TrainBatch
-from loom.results import STORE_UNREACHABLE, ResultHub
+from loom.results import STORE_UNREACHABLE, ResultHub, stored_metas
 from loom.timeline import mark
 
 GENERATE = "rollout.generate_group"
@@ -226,14 +226,6 @@ class CeleryStages:
     async def _blocking(self, fn: Callable[..., R], *args: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _states(self, keys: list[str]) -> dict[str, str]:
-        """The result store's state of each key that has one (one batched read where the store can)."""
-        backend = self.app.backend
-        if hasattr(backend, "mget") and hasattr(backend, "get_key_for_task"):
-            raw = backend.mget([backend.get_key_for_task(k) for k in keys])
-            return {k: backend.decode_result(v)["status"] for k, v in zip(keys, raw, strict=True) if v}
-        return {k: self.app.AsyncResult(k).state for k in keys}
-
     def _publish(self, name: str, key: str, args: tuple[Any, ...]) -> None:
         # A task already started or finished under this key is awaited, not published again.
         mark("publish", key)
@@ -247,8 +239,8 @@ class CeleryStages:
         ``reward.score_group`` under its key for one, ``reward.score_groups`` for several."""
         for key, _, _ in members:
             mark("publish", key)
-        known = self._states([key for key, _, _ in members])
-        todo = [m for m in members if known.get(m[0]) not in _AWAITED]
+        known = stored_metas(self.app, [key for key, _, _ in members])
+        todo = [m for m in members if known.get(m[0], {}).get("status") not in _AWAITED]
         if len(todo) == 1:
             key, group, spec = todo[0]
             self.app.send_task(SCORE, args=[group, spec], task_id=key)

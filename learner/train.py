@@ -105,6 +105,17 @@ class Learner:
         chosen = self.cfg.segment_attention
         return self.device.type != "cuda" if chosen is None else chosen
 
+    def layout(self) -> dict[str, Any]:
+        """How this learner lays out and computes its log-probs: ``learner.logprobs.recompute``'s
+        keyword arguments from the settings (the train step's, and what a bench compares with)."""
+        return {
+            "token_budget": self.token_budget,
+            "packing": self.cfg.packing,
+            "chunk": self.cfg.logprob_chunk,
+            "segment_attention": self.segment_attention(),
+            "keep_logits_bytes": kept_logits_bytes(self.cfg),
+        }
+
     def compute_dtype(self) -> torch.dtype | None:
         """bf16 when ``mixed_precision`` asks for it ("auto": on CUDA), else None (float32)."""
         mode = self.cfg.mixed_precision
@@ -242,11 +253,7 @@ class Learner:
                 lp.recompute,
                 self.model,
                 trajs,
-                token_budget=self.token_budget,
-                packing=self.cfg.packing,
-                chunk=self.cfg.logprob_chunk,
-                segment_attention=self.segment_attention(),
-                keep_logits_bytes=kept_logits_bytes(self.cfg),
+                **self.layout(),
                 with_entropy=spec.entropy_coef != 0.0,
                 autocast_dtype=self.ranks.autocast(self.compute_dtype()),
                 each=functools.partial(self._backward, samples, batch, frozen, totals, ref),

@@ -39,6 +39,19 @@ MetaMap = dict[str, dict[str, Any]]
 STORE_UNREACHABLE: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError)
 
 
+def stored_metas(app: Any, ids: Iterable[str]) -> MetaMap:
+    """Task id -> stored meta (``status``, ``result``) of the ``ids`` the result store has anything
+    for, in any state: one batched read (``mget``) where the store has it, else one read per id."""
+    ids, b = list(ids), app.backend
+    if not ids:
+        return {}
+    if hasattr(b, "mget") and hasattr(b, "get_key_for_task"):
+        values = b.mget([b.get_key_for_task(t) for t in ids])
+        return {t: b.decode_result(raw) for t, raw in zip(ids, values, strict=True) if raw is not None}
+    metas = {t: b.get_task_meta(t) for t in ids}
+    return {t: m for t, m in metas.items() if m.get("status", states.PENDING) != states.PENDING}
+
+
 class ResultWaiter:
     def __init__(self, app: Any, poll: float = 0.02, tick: float = 0.001, max_quiet: float = 0.25) -> None:
         self.app = app
@@ -70,16 +83,7 @@ class ResultWaiter:
                 if res.ready():
                     out[tid] = {"status": res.state, "result": res.result}
             return out
-        b = self.backend
-        values = b.mget([b.get_key_for_task(t) for t in ids])
-        out = {}
-        for tid, raw in zip(ids, values, strict=True):
-            if raw is None:
-                continue
-            meta = b.decode_result(raw)
-            if meta["status"] in states.READY_STATES:
-                out[tid] = meta
-        return out
+        return {t: m for t, m in stored_metas(self.app, ids).items() if m["status"] in states.READY_STATES}
 
     # --- waiting -------------------------------------------------------------------------------------
     def wait(self, ids: Iterable[str], timeout: float, interrupt: threading.Event | None = None) -> MetaMap:

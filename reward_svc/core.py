@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from reward_svc.registry import REGISTRY
 from reward_svc.trace import view_of
 
 VerifyFn = Callable[[Sequence[MathItem], int], list[Verdict]]
+AsyncVerifyFn = Callable[[Sequence[MathItem], int], Awaitable[list[Verdict]]]
 
 
 def check_request(groups: Sequence[Group], max_items: int) -> None:
@@ -137,6 +138,19 @@ def score_group(group: Group, spec: RewardSpec, verify: VerifyFn, state: Any = N
     t0 = time.perf_counter()
     p = plan_group(group, spec)
     verdicts = verify([item for _, item in p.math], spec.timeout_s) if p.math else []
+    result = finish_group(p, verdicts, state)
+    result.score_s = time.perf_counter() - t0
+    return result
+
+
+async def ascore_group(
+    group: Group, spec: RewardSpec, verify: AsyncVerifyFn, state: Any = None
+) -> RewardResult:
+    """``score_group`` with the verifier awaited (``VerifierPool.acheck_many``): the groups of one
+    reward task share the pool at once."""
+    t0 = time.perf_counter()
+    p = plan_group(group, spec)
+    verdicts = await verify([item for _, item in p.math], spec.timeout_s) if p.math else []
     result = finish_group(p, verdicts, state)
     result.score_s = time.perf_counter() - t0
     return result

@@ -30,6 +30,7 @@ from celery.result import AsyncResult
 
 from loom.contracts.wire import Group, RewardSpec
 from loom.queue import make_celery, send
+from loom.results import stored_metas
 from loom.timeline import mark
 
 celery_app = make_celery("reward")
@@ -49,18 +50,23 @@ def _verifier() -> Any:
         return _pool
 
 
+def _parsed(group: dict[str, Any], spec: dict[str, Any] | None) -> tuple[Group, RewardSpec]:
+    """A reward task's ``Group`` and ``RewardSpec`` from their JSON, the spec checked."""
+    from loom.contracts.rewards import check_spec
+
+    s = RewardSpec.model_validate(spec or {})
+    check_spec(s)
+    return Group.model_validate(group), s
+
+
 @celery_app.task(name="reward.score_group")
 def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
     """Score one group: ``Group`` and ``RewardSpec`` as JSON in, ``RewardResult`` as JSON out."""
-    from loom.contracts.rewards import check_spec
     from reward_svc.core import score_group
 
     key = score_group_task.request.id or ""
     mark("score_start", key)
-    g = Group.model_validate(group)
-    s = RewardSpec.model_validate(spec or {})
-    check_spec(s)
-    out = score_group(g, s, _verifier().check_many).model_dump(mode="json")
+    out = score_group(*_parsed(group, spec), _verifier().check_many).model_dump(mode="json")
     mark("score_end", key)
     return out
 
@@ -74,11 +80,9 @@ def score_groups_task(self: Task, members: list[list[Any]]) -> dict[str, int]:
     keys = [str(m[0]) for m in members]
     todo: list[str] = []
     try:
-        raw = backend.mget([backend.get_key_for_task(k) for k in keys]) if hasattr(backend, "mget") else None
-        metas = [backend.decode_result(v) if v else None for v in raw] if raw is not None else None
-        for i, key in enumerate(keys):
-            meta = metas[i] if metas is not None else backend.get_task_meta(key)
-            if (meta or {}).get("status") != states.SUCCESS and key not in todo:
+        stored = stored_metas(self.app, keys)
+        for key in keys:
+            if stored.get(key, {}).get("status") != states.SUCCESS and key not in todo:
                 todo.append(key)
         asyncio.run(
             _score_members(backend, {str(m[0]): (m[1], m[2]) for m in members if str(m[0]) in todo}, todo)
@@ -94,8 +98,7 @@ def score_groups_task(self: Task, members: list[list[Any]]) -> dict[str, int]:
 async def _score_members(backend: Any, members: dict[str, tuple[Any, Any]], order: list[str]) -> None:
     """Plan every member, verify all their math items in the pool at once, and store each member's
     result (or its error) as soon as its own items are answered."""
-    from loom.contracts.rewards import check_spec
-    from reward_svc.core import finish_group, plan_group
+    from reward_svc.core import ascore_group
 
     pool = _verifier()
 
@@ -103,14 +106,7 @@ async def _score_members(backend: Any, members: dict[str, tuple[Any, Any]], orde
         group, spec = members[key]
         mark("score_start", key)
         try:
-            g = Group.model_validate(group)
-            s = RewardSpec.model_validate(spec or {})
-            check_spec(s)
-            t0 = asyncio.get_running_loop().time()
-            p = plan_group(g, s)
-            verdicts = await pool.acheck_many([item for _, item in p.math], s.timeout_s) if p.math else []
-            result = finish_group(p, verdicts)
-            result.score_s = asyncio.get_running_loop().time() - t0
+            result = await ascore_group(*_parsed(group, spec), pool.acheck_many)
         except Exception as exc:  # this member fails, as its own score_group task would
             backend.store_result(key, exc, states.FAILURE)
         else:
