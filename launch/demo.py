@@ -39,9 +39,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="plain")
     p.add_argument("--estimator", choices=ESTIMATORS, default="grpo")
     p.add_argument("--task", choices=("arith", "countdown"), default="arith")
-    # 180: 416 s measured on 2 cores with 2 groups in flight (+0.219); with lr 1e-4 the reward was still
-    # rising at step 150, and the first 150 steps of two runs read +0.183 and +0.136 only
-    p.add_argument("--steps", type=int, default=180)
+    # 400 steps or --time-limit, whichever comes first: at lr 1e-4 the reward still rose at step 400
+    # (10-step means 0.38 -> 0.70, +0.347 in 488 s on a quiet hour of the 2-core VM; 180 steps gave
+    # +0.12 to +0.24, docs/benchmarks/demo.md), so the demo trains as long as its time allows
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     # 1e-4: measured 150 steps each, 2e-4 dipped for ~60 steps before rising (10-step means 0.39 ->
@@ -62,7 +63,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--staleness", type=int, default=1, help="0 = synchronous; 1 = one-step off-policy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-limit", type=float, default=900.0, help="seconds before the run is cancelled")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=540.0,
+        help="training time budget in seconds: the run is stopped there and the demo reports the steps it "
+        "completed (with the stack's start and stop, the default fits 10 minutes)",
+    )
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/demo-<time>)")
     p.add_argument("--url", default=None, help="use a running gateway instead of starting a stack")
     p.add_argument(
@@ -168,9 +175,11 @@ def follow(client: Any, run_id: str, args: argparse.Namespace, out: Path) -> tup
                     bar.write(f"run {status}: {view['error']}")
                 break
             if time.monotonic() > deadline:
-                bar.write(f"time limit of {args.time_limit:.0f} s reached; cancelling the run")
+                bar.write(
+                    f"time budget of {args.time_limit:.0f} s spent after {len(rows)} steps; stopping the run"
+                )
                 client.cancel_run(run_id)
-                status = "timed_out"
+                status = "time_budget"
                 break
             time.sleep(1.0)
     return status, rows
@@ -292,4 +301,10 @@ def _drive(client: Any, args: argparse.Namespace, out: Path, t0: float) -> int:
         where = out / "state" / "runs" / run_id / "trackers" if not args.url else "the gateway's data_dir"
         print(f"trackers ({', '.join(args.tracker)}): {where}")
     print(f"total wall time {time.monotonic() - t0:.0f} s; run {status}")
-    return 0 if status == "succeeded" else 1
+    return 0 if finished(status, rows) else 1
+
+
+def finished(status: str, rows: list[dict[str, Any]]) -> bool:
+    """Succeeded, or stopped at the time budget after it trained (a run that completed no step in the
+    budget is a failure, whatever stopped it)."""
+    return status == "succeeded" or (status == "time_budget" and len(rows) > 0)
