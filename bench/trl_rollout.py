@@ -384,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--leaves",
         choices=["subtree", "spread"],
-        default="spread",
-        help="which n of a tree's leaves TRL trains (loom/clients/trainer_rows.py pick_leaves)",
+        default="subtree",
+        help="which n of a tree's leaves TRL trains (loom/clients/trainer_rows.py pick_leaves; the "
+        "adapters' default: over two seeds neither rule rose more, docs/interop-rollout.md)",
     )
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts per step")
     p.add_argument("--group", type=int, default=8, help="num_generations")
