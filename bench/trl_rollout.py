@@ -347,7 +347,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         # a run stopped before its end (its steps read back from --progress) has no held-out after
         held = f"held-out {before:.2f} -> {after:.2f}" if after is not None else f"stopped at step {len(ys)}"
         temp = r.get("temperature", 1.0)
-        run = f"{r['prompts_per_step']}x{r['num_generations']}, lr {r['lr']:g}, T {temp:g}"
+        seed = r.get("seed", 0)
+        run = f"{r['prompts_per_step']}x{r['num_generations']}, lr {r['lr']:g}, T {temp:g}, seed {seed}"
         mode = f"{r['mode']}, {r['leaves']} leaves" if r["mode"] == "tree" and r.get("leaves") else r["mode"]
         label = f"{mode} {run} (5-step mean; {held})"
         ax.plot(range(len(ys)), smooth, label=label, color=ax.lines[-1].get_color(), linewidth=2)
