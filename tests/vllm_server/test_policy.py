@@ -104,7 +104,7 @@ class Reload:
 async def reload_under_requests(
     engine: VLLMEngine, v1: PolicyVersion, prompt_ids: list[int], tokenizer: Any
 ) -> Reload:
-    """Start two groups of 16 whose requests cannot end before the context is full (``ignore_eos``,
+    """Start two groups of 48 whose requests cannot end before the context is full (``ignore_eos``,
     ``max_tokens`` filling the 512-token context), update to ``v1`` as soon as the server runs them
     (its gauge, read once it has generated a token of theirs), watching the server; then a small
     group on the new weights.
