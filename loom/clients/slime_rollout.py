@@ -16,12 +16,13 @@ Each ``Sample`` is filled as slime's own ``generate`` fills it (``Sample.append_
 ``response_length``, ``response`` (Loom's decoded text: special tokens dropped; the tokens are the
 truth), ``loss_mask`` (0 on the tokens the mode inserted: streaming's sentences and forced markers,
 spawn's join blocks), ``rollout_log_probs`` (the behaviour log-probs, 0.0 on inserted tokens),
-``status`` from the finish reason, ``weight_versions`` (+ the policy version), ``reward`` (the job's
+``status`` from the finish reason (``FAILED`` for a spawn rollout's format error: ``slime_status``),
+``weight_versions`` (+ the policy version), ``reward`` (the job's
 reward spec: its total, or ``{"reward": total, **components}`` under ``--reward-key``;
 ``loom_use_reward: false`` leaves it to slime's reward model) and ``metadata``
 (``loom_policy_version``, ``loom_policy_namespace``, ``loom_trajectory_id``, ``loom_group_id``,
-``loom_parent_id``, ``loom_components``, ``loom_env_mask``, ``loom_advantages``: tree mode's TreeRL
-node advantages).
+``loom_parent_id``, ``loom_components``, ``loom_reward_status``, ``loom_rollout_status``,
+``loom_env_mask``, ``loom_advantages``: tree mode's TreeRL node advantages).
 
 Tree: a group keeps ``n_samples_per_prompt`` leaves (``pick_leaves``, from ``initial >= n``
 responses). Spawn: the roots (the children's threads have prompts of their own).
@@ -187,6 +188,19 @@ class LoomGenerate:
         return out
 
 
+def slime_status(s: RolloutSample) -> str:
+    """slime's ``Sample.Status`` name for one of Loom's samples: the finish reason's, except a spawn
+    rollout that ended in a format error (its call's ``finish_reason`` is ``"abort"``, its
+    ``meta["rollout_status"]`` is ``"format_error"``). slime reads ``ABORTED`` as an engine abort to
+    generate again (``fully_async_rollout.py`` requeues the group; a partial rollout continues it,
+    which Loom refuses) and ``FAILED`` as a parsing error whose output stands (``slime/utils/types.py``
+    ``Sample.Status``): the format error is the policy's, scored by the job's reward, so ``FAILED``."""
+    meta = s.trajectory.meta
+    if meta.get("rollout_status") == "format_error" or meta.get("status") == "format_error":
+        return "FAILED"
+    return _STATUS[s.trajectory.finish_reason]
+
+
 def fill(sample: Any, s: RolloutSample, *, reward_key: str | None = None, use_reward: bool = True) -> None:
     """Fill slime's ``Sample`` with one of Loom's samples (as ``Sample.append_response_tokens`` would
     with the mode's inserted tokens appended ``trainable=False``)."""
@@ -198,7 +212,7 @@ def fill(sample: Any, s: RolloutSample, *, reward_key: str | None = None, use_re
     sample.response_length = len(s.completion_ids)
     sample.loss_mask = list(s.loss_mask)
     sample.rollout_log_probs = list(s.logprobs)
-    sample.status = getattr(status, _STATUS[s.trajectory.finish_reason])
+    sample.status = getattr(status, slime_status(s))
     sample.weight_versions = [*sample.weight_versions, str(s.policy_version)]
     if use_reward and s.reward is not None:
         sample.reward = {"reward": s.reward, **s.components} if reward_key else s.reward
@@ -210,6 +224,7 @@ def fill(sample: Any, s: RolloutSample, *, reward_key: str | None = None, use_re
         "loom_parent_id": s.trajectory.parent_id,
         "loom_components": dict(s.components),
         "loom_reward_status": s.reward_status,
+        "loom_rollout_status": s.trajectory.meta.get("rollout_status", "ok"),
         "loom_env_mask": list(s.env_mask),
         "loom_advantages": s.advantages,
     }

@@ -313,7 +313,10 @@ def check_samples(groups: list[list[Sample]], train: dict[str, Any], model: Any,
         strict=True,
     ):
         s.validate_lengths()
-        assert s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+        if s.metadata["loom_rollout_status"] == "format_error":  # spawn: the policy's malformed block
+            assert s.status == Sample.Status.FAILED
+        else:
+            assert s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
         prompt_ids = tokens[: len(tokens) - length]
         completion = tokens[len(tokens) - length :]
         assert prompt_ids == tok.encode(s.prompt, add_special_tokens=False)
@@ -364,6 +367,24 @@ def test_slime_rollout_loop_fills_token_exact_samples(stack: LoomStack, model: A
         assert any(s.metadata["loom_parent_id"] for s in flat), "no branch leaf reached slime"
         for s in flat:  # TreeRL's node advantages ride along in the metadata, one per response token
             assert len(s.metadata["loom_advantages"]) == s.response_length
+
+
+def test_a_spawn_format_error_reaches_slime_as_failed_with_its_reward(stack: LoomStack, model: Any) -> None:
+    # max_depth 0: the root may not spawn, so each root's first spawn block is the policy's format error
+    n = 2
+    args = slime_args(
+        n, url=stack.url, api_key=TRAINER_KEY, mode="spawn", mode_params={"max_depth": 0}, task="arithmetic"
+    )
+    args.rollout_max_response_len = 200
+    groups, train = run_slime(args, spawn_samples(2))
+    check_samples(groups, train, model, n)  # FAILED exactly where the rollout ended in a format error
+    flat = [s for g in groups for s in g]
+    failed = [s for s in flat if s.status == Sample.Status.FAILED]
+    assert failed, "no root spawned: the case needs the tiny model's spawn habit"
+    for s in failed:  # no join: the rollout stopped at the block, and the job's reward stands
+        assert s.metadata["loom_rollout_status"] == "format_error"
+        assert all(s.loss_mask or [None]) and s.reward is not None
+    assert not any(s.status == Sample.Status.ABORTED for s in flat)  # slime would generate these again
 
 
 def test_the_trainer_names_the_exact_policy_version(stack: LoomStack, model: Any) -> None:
