@@ -23,8 +23,10 @@ runs the stack with ``LOOM_TIMELINE`` (loom/timeline.py) and prints the worker-s
 calls after the repetitions: per stage (gateway publish, rollout task start, engine call, engine
 admits and batch end, reward task, result read, group stored, event sent) the first and last of the
 call's groups, in seconds after the call began, and the claims and starts of the batched reward tasks
-(``reward.score_groups``). Publishing is left out of both (TRL's server mode
-moves weights over NCCL, which has no CPU form).
+(``reward.score_groups``); then N TRL calls with their engine server's own marks, and the median
+engine span (first admit to last batch end) of each side: a longer span on Loom's side is its
+engine's decode slowed by what runs beside it, the rest of a call's excess is its hops. Publishing
+is left out of both (TRL's server mode moves weights over NCCL, which has no CPU form).
 
     python bench/trl_overhead.py [--prompts 8] [--group 8] [--max-tokens 96] [--reps 6]
                                  [--concurrency 8] [--profile] [--timeline N] [--out FILE.json]
@@ -120,6 +122,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "MKL_NUM_THREADS": "1",
         "LOOM_DATA_DIR": str(tmp / "engine"),
     }
+    engine_timeline = tmp / "engine-timeline.jsonl"  # TRL's server: its admits and batch ends
+    if args.timeline:
+        engine_env["LOOM_TIMELINE"] = str(engine_timeline)
     engine_log = open(tmp / "engine.log", "w")  # noqa: SIM115 - closed below
     engine = subprocess.Popen(
         [sys.executable, "-m", "launch", "engine", "--model", "tiny", "--port", str(engine_port)],
@@ -185,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"rep {r} {side}: {dt:.2f} s, {n_tok} tokens", flush=True)
             profile = _profile(rollout, repeated, trainer) if args.profile else None
             timelines = [_timeline(timeline_file, loom) for _ in range(args.timeline)]
+            engine_spans = [_engine_span(engine_timeline, trl) for _ in range(args.timeline)]
             rollout.close()
             client.session.close()
     finally:
@@ -215,6 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "median_pair_overhead": statistics.median(pairs),
         "profile": profile,
         "timelines": timelines,
+        "trl_engine_spans": engine_spans,
         "load_avg_start": load_start,
         "load_avg": os.getloadavg(),
     }
@@ -325,6 +332,34 @@ def _timeline(path: Path, call: Any) -> dict[str, Any]:
     }
 
 
+def _engine_span(path: Path, call: Any) -> dict[str, float]:
+    """One TRL call against its engine server: the call's time and the engine's own span in it (its
+    first admit to its last batch end), the same span ``_timeline`` gives of a Loom call's engine, so
+    the two engines' batches compare side by side (a longer one is the decode slowed, not a hop)."""
+    from loom.timeline import read
+
+    t0 = time.time()
+    total, _ = call()
+    t1 = time.time()
+    marks = [m for m in read(path) if t0 <= m["t"] <= t1]
+    admits = [m["t"] for m in marks if m["event"] == "admit"]
+    ends = [m["t"] for m in marks if m["event"] == "batch_end"]
+    if not admits or not ends:
+        return {"total_s": total}
+    return {
+        "total_s": total,
+        "first_admit_s": round(min(admits) - t0, 4),
+        "engine_span_s": round(max(ends) - min(admits), 4),
+        "after_engine_s": round(t1 - max(ends), 4),
+    }
+
+
+def engine_span(tl: dict[str, Any]) -> float | None:
+    """A Loom call's engine span (``_timeline``): its first admit to its last batch end."""
+    admits, ends = tl.get("admits") or [], tl.get("batch_ends") or []
+    return ends[-1] - admits[0][0] if admits and ends else None
+
+
 def _print_timeline(tl: dict[str, Any]) -> None:
     if "stages" not in tl:
         print(tl)
@@ -375,6 +410,18 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(r), flush=True)
     for tl in r["timelines"]:
         _print_timeline(tl)
+    spans = [engine_span(tl) for tl in r["timelines"]]
+    loom_spans = [x for x in spans if x is not None]
+    trl_spans = [e["engine_span_s"] for e in r["trl_engine_spans"] if "engine_span_s" in e]
+    if loom_spans and trl_spans:
+        loom_s = statistics.median(loom_spans)
+        trl_s = statistics.median(trl_spans)
+        print(
+            f"engine span (first admit -> last batch end), median of {len(loom_spans)} calls each: "
+            f"loom {loom_s:.3f} s, trl {trl_s:.3f} s ({loom_s / trl_s - 1:+.1%}); "
+            f"trl calls {[e['total_s'] for e in r['trl_engine_spans']]}, "
+            f"their first admit {[e.get('first_admit_s') for e in r['trl_engine_spans']]} s"
+        )
     print(
         f"loom median {r['loom_median_s']:.2f} s, trl median {r['trl_median_s']:.2f} s: "
         f"overhead {r['overhead']:+.1%}, median of the {len(r['pair_overheads'])} pairs "

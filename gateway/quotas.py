@@ -46,28 +46,23 @@ class Quotas:
 
     @classmethod
     def from_settings(cls, config: GatewaySettings) -> Quotas:
-        return cls(
-            jobs=config.quota_jobs,
-            runs=config.quota_runs,
-            samples=config.quota_samples,
-            tokens=config.quota_tokens,
-            run_samples=config.max_run_samples,
-            streams=config.quota_streams,
-            dataset_bytes=config.quota_dataset_bytes,
-            datasets=config.quota_datasets,
-        )
+        return cls(**{quota: getattr(config, name) for quota, name in _FIELD.items()})
 
 
-SETTING = {
-    "jobs": "LOOM_GATEWAY_QUOTA_JOBS",
-    "runs": "LOOM_GATEWAY_QUOTA_RUNS",
-    "samples": "LOOM_GATEWAY_QUOTA_SAMPLES",
-    "tokens": "LOOM_GATEWAY_QUOTA_TOKENS",
-    "run_samples": "LOOM_GATEWAY_MAX_RUN_SAMPLES",
-    "streams": "LOOM_GATEWAY_QUOTA_STREAMS",
-    "dataset_bytes": "LOOM_GATEWAY_QUOTA_DATASET_BYTES",
-    "datasets": "LOOM_GATEWAY_QUOTA_DATASETS",
+# each quota's GatewaySettings field: the one table behind ``from_settings`` and ``SETTING``, the
+# environment variable a refusal names
+_FIELD = {
+    "jobs": "quota_jobs",
+    "runs": "quota_runs",
+    "samples": "quota_samples",
+    "tokens": "quota_tokens",
+    "run_samples": "max_run_samples",
+    "streams": "quota_streams",
+    "dataset_bytes": "quota_dataset_bytes",
+    "datasets": "quota_datasets",
 }
+_PREFIX = GatewaySettings.model_config["env_prefix"]
+SETTING = {quota: f"{_PREFIX}{name}".upper() for quota, name in _FIELD.items()}
 
 
 class QuotaExceeded(Exception):

@@ -198,6 +198,7 @@ def build_revision(
         finish_reason=generated.finish_reason,
         stop_reason=generated.stop_reason,
         policy_version=generated.policy_version,
+        policy_namespace=generated.policy_namespace,  # a trainer's version is numbered in its namespace
         engine=generated.engine,
         timing=dict(generated.timing),
         parent_id=original.id,

@@ -15,6 +15,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from gateway.config import GatewaySettings
 from gateway.manager import Manager
@@ -129,6 +130,17 @@ def owned(row: Row | None, request: Request, kind: str, item_id: str) -> Row:
     if row is None or row.owner != owner(request):
         raise HTTPException(404, {"error": "not_found", "detail": f"no {kind} {item_id}"})
     return row
+
+
+View = TypeVar("View", bound=BaseModel)
+
+
+def view(model: type[View], row: JobRow | RunRow, **computed: Any) -> View:
+    """The API's ``model`` (``JobView``, ``RunView``) of a stored row: each of its fields the row
+    holds, and the ``computed`` ones it does not (a job's groups, a run's last metrics); what only
+    the gateway reads (the owner, the stored request, the quota counts) stays out."""
+    held = {name: getattr(row, name) for name in model.model_fields if name not in computed}
+    return model(**held, **computed)
 
 
 async def submit(

@@ -25,6 +25,7 @@ from gateway.routes.deps import (
     refused,
     sse,
     submit,
+    view,
 )
 from gateway.state import GatewayState
 from loom.service import LoomRoute, error_responses
@@ -68,16 +69,7 @@ async def submit_job(body: JobRequest, request: Request, gw: GatewayDep) -> Any:
 async def get_job(job_id: str, request: Request, gw: GatewayDep) -> JobView:
     row = owned(gw.state.jobs.get(job_id), request, "job", job_id)
     groups = [ScoredGroup.model_validate(p) for _, p in gw.state.jobs.groups(job_id)]
-    return JobView(
-        id=job_id,
-        job_key=row.job_key,
-        status=row.status,
-        n_prompts=row.n_prompts,
-        n_done=len(groups),
-        error=row.error,
-        counters=row.counters,
-        groups=sorted(groups, key=lambda g: g.index),
-    )
+    return view(JobView, row, n_done=len(groups), groups=sorted(groups, key=lambda g: g.index))
 
 
 @router.post("/{job_id}/cancel", response_model=JobView, responses=NOT_FOUND)

@@ -23,6 +23,7 @@ from gateway.routes.deps import (
     owner,
     refused,
     submit,
+    view,
 )
 from loom.service import LoomRoute, error_responses
 
@@ -82,16 +83,7 @@ async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
 async def get_run(run_id: str, request: Request, gw: GatewayDep) -> RunView:
     row = owned(gw.state.runs.get(run_id), request, "run", run_id)
     last = gw.state.runs.steps(run_id, row.completed_steps - 2)
-    return RunView(
-        id=run_id,
-        status=row.status,
-        completed_steps=row.completed_steps,
-        total_steps=row.total_steps,
-        policy_version=row.policy_version,
-        batch_size=row.batch_size,
-        error=row.error,
-        last_metrics=finite_metrics(last[-1] if last else {}),
-    )
+    return view(RunView, row, last_metrics=finite_metrics(last[-1] if last else {}))
 
 
 @router.get("/{run_id}/metrics", responses=NOT_FOUND)

@@ -46,7 +46,7 @@ from typing import Any, Literal
 from openrlhf.utils.agent import AgentExecutorBase  # openrlhf==0.11.2 (deploy/setup.sh)
 
 from loom.clients.rollouts import AsyncRollouts, RolloutGroup, RolloutSample
-from loom.clients.trainer_rows import check_tree_initial, trainer_samples
+from loom.clients.trainer_rows import check_tree_initial, trainer_mode_params, trainer_samples
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
@@ -131,9 +131,7 @@ class LoomAgentExecutor(AgentExecutorBase):
         policy_match: PolicyMatch = "exact",
         timeout: float = 600.0,
     ) -> None:
-        params = mode_params.model_dump() if isinstance(mode_params, ModeParams) else dict(mode_params or {})
-        if mode == "streaming" and params.get("layout") == "group_positions":
-            raise ValueError("streaming layout 'group_positions' has no OpenRLHF form (positions run 0..L)")
+        params = trainer_mode_params(mode, mode_params, "OpenRLHF")
         check_tree_initial(mode, params, n_samples_per_prompt, "n_samples_per_prompt")
         self.url, self.api_key, self.timeout = url, api_key, timeout
         self.n, self.mode, self.mode_params = n_samples_per_prompt, mode, mode_params

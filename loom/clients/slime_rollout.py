@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.clients.rollouts import AsyncRollouts, RolloutSample, job_body
-from loom.clients.trainer_rows import check_tree_initial, trainer_samples
+from loom.clients.trainer_rows import check_tree_initial, trainer_mode_params, trainer_samples
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode, SamplingParams
@@ -96,9 +96,7 @@ class LoomGenerate:
         policy: Policy | None = None,
         timeout: float = 600.0,
     ) -> None:
-        given = mode_params.model_dump() if isinstance(mode_params, ModeParams) else dict(mode_params or {})
-        if mode == "streaming" and given.get("layout") == "group_positions":
-            raise ValueError("streaming layout 'group_positions' has no slime form (positions run 0..L)")
+        given = trainer_mode_params(mode, mode_params, "slime")
         # a bad parameter fails here, not mid-rollout (streaming's sentences come with each sample)
         probe = {"prompt": "x", "mode_params": {"sentences": ["x."]} if mode == "streaming" else {}}
         job_body([probe], mode=mode, mode_params=mode_params)

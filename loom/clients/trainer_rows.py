@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from loom.clients.rollouts import RolloutGroup, RolloutSample
+from loom.contracts.modes import ModeParams
 from loom.contracts.wire import Mode
 
 Leaves = Literal["subtree", "spread"]
@@ -64,6 +65,18 @@ def trainer_samples(
     if len(roots) < n or (exact and len(roots) != n):
         raise ValueError(f"group {group.group.id} has {len(roots)} samples for {n} rows")
     return roots[:n]
+
+
+def trainer_mode_params(
+    mode: Mode, mode_params: ModeParams | Mapping[str, Any] | None, trainer: str
+) -> dict[str, Any]:
+    """``mode_params`` as a plain dict, refused before any job where ``trainer`` (its name, for the
+    message) has no form for them: streaming's ``group_positions`` layout numbers the positions of a
+    group's samples across the group, and every trainer numbers each sample's positions 0..L."""
+    params = mode_params.model_dump() if isinstance(mode_params, ModeParams) else dict(mode_params or {})
+    if mode == "streaming" and params.get("layout") == "group_positions":
+        raise ValueError(f"streaming layout 'group_positions' has no {trainer} form (positions run 0..L)")
+    return params
 
 
 def check_tree_initial(mode: Mode, mode_params: Mapping[str, Any], n: int, what: str) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from loom.clients.rollouts import Rollouts, RolloutSample
-from loom.clients.trainer_rows import Leaves, check_tree_initial, trainer_samples
+from loom.clients.trainer_rows import Leaves, check_tree_initial, trainer_mode_params, trainer_samples
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
@@ -124,10 +124,7 @@ class LoomRolloutFunc:
         timeout: float = 600.0,
         leaves: Leaves = "subtree",
     ) -> None:
-        if mode == "streaming" and dict(_as_dict(mode_params)).get("layout") == "group_positions":
-            raise ValueError(
-                "streaming layout 'group_positions' has no TRL form (TRL numbers positions 0..L)"
-            )
+        trainer_mode_params(mode, mode_params, "TRL")
         self.rollouts = Rollouts(url, api_key, timeout=timeout)
         self.mode, self.mode_params, self.leaves = mode, mode_params, leaves
         self.sampling, self.reward, self.tasks = dict(sampling or {}), reward, tasks

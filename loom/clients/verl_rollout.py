@@ -62,7 +62,7 @@ from verl.experimental.agent_loop.agent_loop import (
 
 from loom.clients.policies import PolicyPublisher
 from loom.clients.rollouts import AsyncRollouts, RolloutSample
-from loom.clients.trainer_rows import check_tree_initial, trainer_samples
+from loom.clients.trainer_rows import check_tree_initial, trainer_mode_params, trainer_samples
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
 from loom.interop import label_text, message_text, plain
@@ -112,8 +112,7 @@ class LoomAgentLoop(AgentLoopBase):
         url = url or os.environ.get("LOOM_GATEWAY_URL")
         if not url:
             raise ValueError("LoomAgentLoop needs url (its agent loop config) or LOOM_GATEWAY_URL")
-        if mode == "streaming" and (plain(mode_params) or {}).get("layout") == "group_positions":
-            raise ValueError("streaming layout 'group_positions' has no verl form (positions run 0..L)")
+        params = trainer_mode_params(mode, plain(mode_params), "verl")
         if isinstance(policy_version, str) and policy_version != LATEST:
             raise ValueError(f"policy_version must be an int, {LATEST!r} or null, not {policy_version!r}")
         if policy_match not in (None, "exact", "at_least"):
@@ -122,7 +121,7 @@ class LoomAgentLoop(AgentLoopBase):
             url=url,
             api_key=api_key or os.environ.get(api_key_env),
             mode=mode,
-            mode_params=dict(plain(mode_params) or {}),
+            mode_params=params,
             sampling=dict(plain(sampling) or {}),
             reward=plain(reward),
             policy_version=policy_version,

@@ -10,19 +10,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from loom.answers import last_boxed
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN
+from loom.tiny import traces
 from loom.tiny.tasks import Problem
-from loom.tiny.traces import (
-    child_message,
-    child_prompt,
-    join_block,
-    parse_spawn,
-    parse_stream,
-    plain_prompt,
-    reflect_prompt,
-    spawn_prompt,
-    stream_connector,
-    stream_prompt,
-)
 
 
 @torch.no_grad()
@@ -89,7 +78,7 @@ class FormatResult:
 def eval_plain(
     model, tok, problems: list[Problem], reflect: bool = False, b: Budgets = Budgets()
 ) -> FormatResult:  # type: ignore[no-untyped-def]
-    build = reflect_prompt if reflect else plain_prompt
+    build = traces.reflect_prompt if reflect else traces.plain_prompt
     prompts = [build(p) for p in problems]
     outs = generate_batch(model, tok, prompts, [], b.reflect if reflect else b.plain)
     res = FormatResult(total=len(problems), sample=prompts[0] + outs[0] if outs else "")
@@ -104,7 +93,7 @@ def eval_stream(model, tok, problems: list[Problem], b: Budgets = Budgets()) -> 
     m = DEFAULT_MARKERS
     states, sentences = [], []
     for p in problems:
-        header, obs = stream_prompt(p)
+        header, obs = traces.stream_prompt(p)
         states.append(header)
         sentences.append(obs)
     thoughts: list[list[str]] = [[] for _ in problems]
@@ -115,11 +104,11 @@ def eval_stream(model, tok, problems: list[Problem], b: Budgets = Budgets()) -> 
         for i, text, o in zip(active, texts, outs, strict=True):
             states[i] = text + o
             thoughts[i].append(o)
-    texts = [s + stream_connector() for s in states]
+    texts = [s + traces.stream_connector() for s in states]
     finals = generate_batch(model, tok, texts, [m.answer_end], b.final)
     res = FormatResult(total=len(problems), sample=texts[0] + finals[0] if finals else "")
     for p, th, fin in zip(problems, thoughts, finals, strict=True):
-        parsed = parse_stream(th, fin)
+        parsed = traces.parse_stream(th, fin)
         res.parsed += parsed.well_formed
         res.correct += parsed.well_formed and p.verify(parsed.answer)
     return res
@@ -127,20 +116,20 @@ def eval_stream(model, tok, problems: list[Problem], b: Budgets = Budgets()) -> 
 
 def eval_spawn(model, tok, problems: list[Problem], b: Budgets = Budgets()) -> FormatResult:  # type: ignore[no-untyped-def]
     s = DEFAULT_SPAWN
-    prompts = [spawn_prompt(p) for p in problems]
+    prompts = [traces.spawn_prompt(p) for p in problems]
     heads = generate_batch(model, tok, prompts, [s.spawn_close], b.spawn_head)
     texts = [pr + h for pr, h in zip(prompts, heads, strict=True)]
-    spawns = [parse_spawn(h) if h.endswith(s.spawn_close) else None for h in heads]
+    spawns = [traces.parse_spawn(h) if h.endswith(s.spawn_close) else None for h in heads]
     child_texts, owners = [], []
     for i, children in enumerate(spawns):
         for _, _, message in children or []:
-            child_texts.append(child_prompt(message))
+            child_texts.append(traces.child_prompt(message))
             owners.append(i)
     child_outs = generate_batch(model, tok, child_texts, [], b.child)
     messages: list[list[str]] = [[] for _ in problems]
     for i, o in zip(owners, child_outs, strict=True):
-        messages[i].append(child_message(o))
-    resumed = [t + join_block(msgs) for t, msgs in zip(texts, messages, strict=True)]
+        messages[i].append(traces.child_message(o))
+    resumed = [t + traces.join_block(msgs) for t, msgs in zip(texts, messages, strict=True)]
     finals = generate_batch(model, tok, resumed, [], b.join_answer)
     res = FormatResult(total=len(problems), sample=resumed[0] + finals[0] if finals else "")
     for p, sp, fin in zip(problems, spawns, finals, strict=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loom.clients.rollouts import RolloutGroup
-from loom.clients.trainer_rows import check_tree_initial, pick_leaves, trainer_samples
+from loom.clients.trainer_rows import check_tree_initial, pick_leaves, trainer_mode_params, trainer_samples
 from loom.contracts.wire import Group, Trajectory
 
 
@@ -53,3 +53,26 @@ def test_a_dropped_prompt_and_a_small_tree_are_refused() -> None:
     check_tree_initial("tree", {"initial": 4}, 4, "num_generations")  # enough: no error
     check_tree_initial("tree", {}, 4, "num_generations")  # the mode's default is checked by the mode
     check_tree_initial("plain", {"initial": 1}, 4, "num_generations")  # only trees have leaves
+
+
+def test_each_adapter_refuses_streamings_group_positions_when_it_is_built() -> None:
+    from loom.clients.openrlhf_rollout import LoomAgentExecutor
+    from loom.clients.slime_rollout import LoomGenerate
+    from loom.clients.trl_rollout import LoomRolloutFunc
+    from loom.contracts.modes import StreamingParams
+
+    group = {"layout": "group_positions"}
+    builds = {
+        "TRL": lambda p: LoomRolloutFunc("http://127.0.0.1:9", mode="streaming", mode_params=p),
+        "slime": lambda p: LoomGenerate("http://127.0.0.1:9", mode="streaming", mode_params=p),
+        "OpenRLHF": lambda p: LoomAgentExecutor(
+            "http://127.0.0.1:9", n_samples_per_prompt=2, mode="streaming", mode_params=p
+        ),
+    }
+    for trainer, build in builds.items():  # verl's: verl_side_checks.py, refused before any job
+        for params in (group, StreamingParams(layout="group_positions", context="A text.")):
+            with pytest.raises(ValueError, match=f"'group_positions' has no {trainer} form"):
+                build(params)
+        build({"layout": "interleaved"})  # the layout each trainer holds is built
+    assert trainer_mode_params("plain", None, "TRL") == {}
+    assert trainer_mode_params("tree", {"initial": 4}, "TRL") == {"initial": 4}

@@ -19,7 +19,13 @@ from loom.contracts.wire import (  # noqa: E402
 )
 from loom.formats import FORCED_ENDING  # noqa: E402
 from reflect_svc.chunking import Chunk, Thinking, chunk_thinking  # noqa: E402
-from reflect_svc.revise import keep_revision, limit_cut, revise_group, unique_revision_id  # noqa: E402
+from reflect_svc.revise import (  # noqa: E402
+    build_revision,
+    keep_revision,
+    limit_cut,
+    revise_group,
+    unique_revision_id,
+)
 
 
 def test_never_more_than_half_of_the_thinking_tokens_go():
@@ -58,6 +64,23 @@ class CorrectServices:
     def score(self, group, spec):
         rewards = [TrajectoryReward(trajectory_id=t.id, total=1.0) for t in group.trajectories]
         return RewardResult(group_id=group.id, rewards=rewards)
+
+
+def test_a_revision_carries_the_policy_version_and_namespace_that_generated_its_ending():
+    original = Trajectory(id="g.0", group_id="g", completion_ids=[5, 6, 7, 8], logprobs=[-1.0] * 4)
+    generated = Trajectory(
+        id="r",
+        group_id="r",
+        completion_ids=[9, 10],
+        logprobs=[-0.5, -0.25],
+        policy_version=3,
+        policy_namespace="trainer",
+        engine="torch",
+    )
+    rev = build_revision(original, 2, [11], generated, None, {})
+    assert rev.completion_ids == [5, 6, 11, 9, 10] and rev.loss_mask == [1, 1, 0, 1, 1]
+    assert (rev.policy_version, rev.policy_namespace) == (3, "trainer")
+    assert rev.logprobs == [-1.0, -1.0, 0.0, -0.5, -0.25]
 
 
 def test_revision_ids_stay_unique_when_an_original_is_named_like_a_revision(tok):
