@@ -321,6 +321,7 @@ def _timeline(path: Path, call: Any) -> dict[str, Any]:
         "admits": [
             [round(m["t"] - t0, 4), m.get("requests"), m.get("rows")] for m in marks if m["event"] == "admit"
         ],
+        "engine_span_s": _span(marks),
         "batch_ends": [round(m["t"] - t0, 4) for m in marks if m["event"] == "batch_end"],
         # reward tasks scoring several groups (``reward.score_groups``): claimed, started
         "score_batches": [
@@ -342,22 +343,23 @@ def _engine_span(path: Path, call: Any) -> dict[str, float]:
     total, _ = call()
     t1 = time.time()
     marks = [m for m in read(path) if t0 <= m["t"] <= t1]
-    admits = [m["t"] for m in marks if m["event"] == "admit"]
-    ends = [m["t"] for m in marks if m["event"] == "batch_end"]
-    if not admits or not ends:
+    span = _span(marks)
+    if span is None:
         return {"total_s": total}
+    first = min(m["t"] for m in marks if m["event"] == "admit")
     return {
         "total_s": total,
-        "first_admit_s": round(min(admits) - t0, 4),
-        "engine_span_s": round(max(ends) - min(admits), 4),
-        "after_engine_s": round(t1 - max(ends), 4),
+        "first_admit_s": round(first - t0, 4),
+        "engine_span_s": span,
+        "after_engine_s": round(t1 - first - span, 4),
     }
 
 
-def engine_span(tl: dict[str, Any]) -> float | None:
-    """A Loom call's engine span (``_timeline``): its first admit to its last batch end."""
-    admits, ends = tl.get("admits") or [], tl.get("batch_ends") or []
-    return ends[-1] - admits[0][0] if admits and ends else None
+def _span(marks: list[dict[str, Any]]) -> float | None:
+    """An engine's span in one call's marks: its first admit to its last batch end."""
+    admits = [m["t"] for m in marks if m["event"] == "admit"]
+    ends = [m["t"] for m in marks if m["event"] == "batch_end"]
+    return round(max(ends) - min(admits), 4) if admits and ends else None
 
 
 def _print_timeline(tl: dict[str, Any]) -> None:
@@ -410,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(r), flush=True)
     for tl in r["timelines"]:
         _print_timeline(tl)
-    spans = [engine_span(tl) for tl in r["timelines"]]
-    loom_spans = [x for x in spans if x is not None]
+    loom_spans = [tl["engine_span_s"] for tl in r["timelines"] if tl.get("engine_span_s") is not None]
     trl_spans = [e["engine_span_s"] for e in r["trl_engine_spans"] if "engine_span_s" in e]
     if loom_spans and trl_spans:
         loom_s = statistics.median(loom_spans)

@@ -188,13 +188,13 @@ class LoomGenerate:
 
 def slime_status(s: RolloutSample) -> str:
     """slime's ``Sample.Status`` name for one of Loom's samples: the finish reason's, except a spawn
-    rollout that ended in a format error (its call's ``finish_reason`` is ``"abort"``, its
-    ``meta["rollout_status"]`` is ``"format_error"``). slime reads ``ABORTED`` as an engine abort to
-    generate again (``fully_async_rollout.py`` requeues the group; a partial rollout continues it,
-    which Loom refuses) and ``FAILED`` as a parsing error whose output stands (``slime/utils/types.py``
+    rollout that ended in a format error (the offending call's ``finish_reason`` is ``"abort"``;
+    every call of the rollout has ``meta["rollout_status"] == "format_error"``,
+    rollout_svc/modes/spawn.py). slime reads ``ABORTED`` as an engine abort to generate again
+    (``fully_async_rollout.py`` requeues the group; a partial rollout continues it, which Loom
+    refuses) and ``FAILED`` as a parsing error whose output stands (``slime/utils/types.py``
     ``Sample.Status``): the format error is the policy's, scored by the job's reward, so ``FAILED``."""
-    meta = s.trajectory.meta
-    if meta.get("rollout_status") == "format_error" or meta.get("status") == "format_error":
+    if s.trajectory.meta.get("rollout_status") == "format_error":
         return "FAILED"
     return _STATUS[s.trajectory.finish_reason]
 

@@ -124,7 +124,7 @@ class LoomRolloutFunc:
         timeout: float = 600.0,
         leaves: Leaves = "subtree",
     ) -> None:
-        trainer_mode_params(mode, mode_params, "TRL")
+        self._params = trainer_mode_params(mode, mode_params, "TRL")  # as a dict, checked once
         self.rollouts = Rollouts(url, api_key, timeout=timeout)
         self.mode, self.mode_params, self.leaves = mode, mode_params, leaves
         self.sampling, self.reward, self.tasks = dict(sampling or {}), reward, tasks
@@ -220,7 +220,7 @@ class LoomRolloutFunc:
             "top_p": float(getattr(trainer, "top_p", 1.0) or 1.0),
             "top_k": int(top_k) if top_k else -1,
         }
-        check_tree_initial(self.mode, _as_dict(self.mode_params), g, "num_generations")
+        check_tree_initial(self.mode, self._params, g, "num_generations")
         return follows | self.sampling
 
     def close(self) -> None:
@@ -239,12 +239,6 @@ _KEYS = (
     "loom_trajectory_id",
     "loom_group_id",
 )
-
-
-def _as_dict(params: ModeParams | Mapping[str, Any] | None) -> Mapping[str, Any]:
-    if params is None:
-        return {}
-    return params.model_dump() if isinstance(params, ModeParams) else params
 
 
 def _prompt_text(prompt: Any, trainer: Any) -> str:
