@@ -151,7 +151,11 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         p, steps=24, prompts=8, group=8, lr=1e-4, temperature=1.0, max_tokens=256, eval_n=32, warmup=5
     )
     p.add_argument("--segment-cap", type=int, default=32, help="tokens per streaming thought")
+    rl_loop.add_seed_args(p)
     args = p.parse_args(argv)
+    if args.summarize:
+        rl_loop.write_summary(args.summarize, args.out, "AdaSR: HRPO vs GRPO", against="grpo", arm="hrpo")
+        return []
     from loom.runtime import configure_process
 
     rl_loop.quiet()
@@ -187,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         " (AdaSR: a shorter streaming phase at equal accuracy)"
     )
     print(f"total {time.perf_counter() - t0:.0f} s")
+    rl_loop.write_record(args.json, cfg, base, results)
     if args.out is not None:
         title = f"AdaSR: HRPO vs GRPO, {args.model} model, {cfg.steps} steps"
         for line in rl_loop.write_out(

@@ -167,7 +167,12 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         default=1.0,
         help="weight of the reflection reward (a revision cut before its first reflection scores -1)",
     )
+    rl_loop.add_seed_args(p)
     args = p.parse_args(argv)
+    if args.summarize:
+        title = "REA-RL: reflection + truncation vs length reward"
+        rl_loop.write_summary(args.summarize, args.out, title, against="length", arm="reflection+truncation")
+        return []
     from loom.runtime import configure_process
 
     rl_loop.quiet()
@@ -203,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         " (REA-RL: short responses that keep their reflections, accuracy kept)"
     )
     print(f"total {time.perf_counter() - t0:.0f} s")
+    rl_loop.write_record(args.json, cfg, base, results)
     if args.out is not None:
         title = f"REA-RL: reflection + truncation vs length reward, {args.model} model, {cfg.steps} steps"
         for line in rl_loop.write_out(

@@ -13,6 +13,7 @@ after each arm. No HTTP, no queue: the services' cores, called directly.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import statistics
 import tempfile
@@ -377,8 +378,9 @@ def write_out(
 
 
 def problems_for(model: str, n: int, seed: int, split: str, kind: str = "countdown") -> list[Any]:
-    """The model's own problems: the search model's Countdown (loom.search), else the tiny model's."""
-    if model == "search" or "search" in Path(model).parts[-3:]:
+    """The model's own problems: the search and stream models' Countdown (loom.search), else the
+    tiny model's."""
+    if model in ("search", "stream") or "search" in Path(model).parts[-3:]:
         from loom.search import search_problems
 
         return search_problems(kind, n, seed, split)  # type: ignore[arg-type]
@@ -461,3 +463,118 @@ def loop_config(args: Any) -> LoopConfig:
         eval_prompts=args.eval,
         warmup=args.warmup,
     )
+
+
+# ------------------------------------------------------------------------------------ several seeds
+
+
+def add_seed_args(p: Any) -> None:
+    """``--json`` (one seed's run, for ``--summarize``) and ``--summarize`` (several seeds' files as one
+    table, mean ± standard error, to ``--out``; no run)."""
+    p.add_argument("--json", type=Path, default=None, help="write this seed's run as JSON (for --summarize)")
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="no run: the --json files of several seeds as one table (mean ± standard error), to --out",
+    )
+
+
+def write_record(path: Path | None, cfg: LoopConfig, base: Eval, results: Sequence[ArmResult]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(run_record(cfg, base, results), indent=1) + "\n")
+
+
+def write_summary(paths: Sequence[Path], out: Path | None, name: str, against: str, arm: str) -> None:
+    """Several seeds' runs (``--json`` files) as one table, printed and written to ``out``."""
+    records = [json.loads(p.read_text()) for p in paths]
+    header, rows = summarize(records, against=against, arm=arm)
+    r0 = records[0]
+    title = (
+        f"{name}, {model_name(r0['model'])} model, {r0['steps']} steps, lr {r0['lr']}, {len(records)} seeds"
+    )
+    print(title)
+    print(text_table(header, rows))
+    if out is not None:
+        from bench.report import write
+
+        seeds = ", ".join(str(r["seed"]) for r in records)
+        table = markdown_table(header, rows).splitlines()
+        note = f"Seeds {seeds}; mean ± standard error over the seeds; one `--json` run per seed."
+        print(write(out.stem, title, [note, "", *table], out_dir=out.parent))
+
+
+def model_name(path: str) -> str:
+    """A built-in model's name (loom.models.BUILTIN) for its checkpoint path, else the path."""
+    from loom.models import BUILTIN, resolve_model_path
+
+    for name in BUILTIN:
+        if resolve_model_path(name).resolve() == Path(path).resolve():
+            return name
+    return path
+
+
+def run_record(cfg: LoopConfig, base: Eval, results: Sequence[ArmResult]) -> dict[str, Any]:
+    """One seed's run as JSON (``--json``): the start and every arm's held-out measures, their train
+    measures on the first and the last 4 steps, and the seconds. ``summarize`` reads several."""
+
+    def train_means(steps: Sequence[StepLog]) -> dict[str, float]:
+        keys = ["accuracy", *steps[0].means] if steps else []
+        return {
+            k: statistics.fmean(s.accuracy if k == "accuracy" else s.means[k] for s in steps) for k in keys
+        }
+
+    return {
+        "seed": cfg.seed,
+        "model": model_name(str(cfg.model)),
+        "steps": cfg.steps,
+        "lr": cfg.lr,
+        "start": {"accuracy": base.accuracy, **base.means},
+        "arms": {
+            r.arm.name: {
+                "held_out": {"accuracy": r.after.accuracy, **r.after.means},
+                "train_first": train_means(r.steps[:4]),
+                "train_last": train_means(r.steps[-4:]),
+                "weight_change": r.weight_change,
+                "seconds": r.seconds,
+            }
+            for r in results
+        },
+    }
+
+
+def mean_se(xs: Sequence[float]) -> str:
+    """``mean ± standard error`` (the sample standard deviation over sqrt(n); ± - for one value)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return f"{m:.3f} ± -"
+    return f"{m:.3f} ± {statistics.stdev(xs) / math.sqrt(len(xs)):.3f}"
+
+
+def summarize(records: Sequence[dict[str, Any]], against: str, arm: str) -> tuple[list[str], list[list[str]]]:
+    """Several seeds' ``run_record``s as one table: per measure, the start, each arm and the paired
+    difference ``arm - against`` (per seed, then mean ± standard error over the seeds)."""
+    keys = list(records[0]["start"])
+    arms = list(records[0]["arms"])
+    header = ["measure", "start", *arms, f"{arm} - {against} (paired)", "per seed"]
+    rows = []
+    for where, label in (
+        ("held_out", "held-out"),
+        ("train_first", "train, first 4 steps"),
+        ("train_last", "train, last 4 steps"),
+    ):
+        for k in keys:
+            if k not in records[0]["arms"][arm][where]:
+                continue
+            diffs = [r["arms"][arm][where][k] - r["arms"][against][where][k] for r in records]
+            rows.append(
+                [
+                    f"{label} {k}",
+                    mean_se([r["start"][k] for r in records]) if where == "held_out" else "",
+                    *(mean_se([r["arms"][a][where][k] for r in records]) for a in arms),
+                    mean_se(diffs),
+                    " ".join(f"{d:+.3f}" for d in diffs),
+                ]
+            )
+    return header, rows

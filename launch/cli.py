@@ -8,6 +8,7 @@ loom engine                  the torch engine behind a vLLM-compatible HTTP serv
 loom demo                    a short RL run on the built-in tiny model
 loom train-tiny              reproduce the built-in tiny model
 loom train-search            reproduce the built-in search model (Countdown search traces)
+loom train-stream            reproduce the built-in stream model (the search model, wasteful reading)
 loom bench NAME              run a benchmark from bench/
 """
 
@@ -32,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("launch.demo:main", "a short RL run on the built-in tiny model"),
     "train-tiny": ("loom.tiny.train:main", "reproduce the built-in tiny model"),
     "train-search": ("loom.search.train:main", "reproduce the built-in search model"),
+    "train-stream": ("loom.search.stream:main", "reproduce the built-in stream model"),
     "bench": ("launch.cli:bench_main", "run a benchmark from bench/"),
 }
 

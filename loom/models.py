@@ -1,12 +1,13 @@
 """The built-in models by name (``LOOM_MODEL``): ``tiny`` (loom/tiny, the fast model of the tests and
-the demo) and ``search`` (loom/search, trained on Countdown search traces, issue 29); any other value is
-a Hugging Face model directory."""
+the demo), ``search`` (loom/search, trained on Countdown search traces, issue 29) and ``stream``
+(loom/search/stream.py: the search model fine-tuned on a wasteful streaming reading phase, issue 38);
+any other value is a Hugging Face model directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-BUILTIN = ("tiny", "search")
+BUILTIN = ("tiny", "search", "stream")
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -20,4 +21,8 @@ def resolve_model_path(model: str | Path) -> Path:
         from loom.search import SEARCH_CHECKPOINT_DIR
 
         return Path(SEARCH_CHECKPOINT_DIR)
+    if name == "stream":
+        from loom.search import STREAM_CHECKPOINT_DIR
+
+        return Path(STREAM_CHECKPOINT_DIR)
     return Path(model)

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 SEARCH_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
+# the third built-in model (loom/search/stream.py, issue 38): the search model with a wasteful reading phase
+STREAM_CHECKPOINT_DIR = Path(__file__).resolve().parent / "stream_checkpoint"
 
 
 def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -33,6 +35,7 @@ __all__ = [
     "MAX_SOLVING",
     "SEARCH_CHECKPOINT_DIR",
     "SEARCH_KNOBS",
+    "STREAM_CHECKPOINT_DIR",
     "load_model",
     "load_tokenizer",
     "search_problems",

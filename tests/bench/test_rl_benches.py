@@ -4,6 +4,7 @@ engine serves what they published, the table holds both arms with finite numbers
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -55,10 +56,44 @@ def check_arms(results: list, out: str, arms: tuple[str, str], md: Path) -> None
 def test_adasr_bench_trains_grpo_and_hrpo_from_the_same_start(tmp_path: Path, capsys) -> None:
     adasr = bench("adasr")
     md = tmp_path / "adasr.md"
-    results = adasr.main([*TINY, "--out", str(md)])
+    record = tmp_path / "seed0.json"
+    results = adasr.main([*TINY, "--out", str(md), "--json", str(record)])
     check_arms(results, capsys.readouterr().out, ("grpo", "hrpo"), md)
     # same prompts and seeds: the first step samples the same responses in both arms
     assert results[0].steps[0].means == results[1].steps[0].means
+    run = json.loads(record.read_text())
+    assert run["model"] == "tiny" and run["seed"] == 0 and list(run["arms"]) == ["grpo", "hrpo"]
+    for r in results:  # the held-out measures recorded are the arm's own
+        assert run["arms"][r.arm.name]["held_out"] == {"accuracy": r.after.accuracy, **r.after.means}
+
+
+def test_seeds_summary_pairs_the_arms_per_seed_with_a_standard_error(tmp_path: Path, capsys) -> None:
+    def record(seed: int, acc_a: float, acc_b: float) -> dict:
+        arm = lambda acc: {  # noqa: E731
+            "held_out": {"accuracy": acc, "stream": 10.0},
+            "train_first": {"accuracy": 0.5, "stream": 30.0},
+            "train_last": {"accuracy": acc, "stream": 12.0},
+        }
+        start = {"accuracy": 0.5, "stream": 20.0}
+        return {"seed": seed, "model": "tiny", "steps": 2, "lr": 1e-4, "start": start,
+                "arms": {"grpo": arm(acc_a), "hrpo": arm(acc_b)}}  # fmt: skip
+
+    bench("adasr")  # puts the repository on sys.path: bench.rl_loop imports as the benches import it
+    rl_loop = importlib.import_module("bench.rl_loop")
+    runs = [record(0, 0.5, 0.7), record(1, 0.4, 0.5), record(2, 0.6, 0.6)]
+    header, rows = rl_loop.summarize(runs, against="grpo", arm="hrpo")
+    assert header[-2:] == ["hrpo - grpo (paired)", "per seed"]
+    acc = next(r for r in rows if r[0] == "held-out accuracy")
+    # differences 0.2, 0.1, 0.0: mean 0.1, sample sd 0.1, standard error 0.1 / sqrt(3)
+    assert acc[2:] == ["0.500 ± 0.058", "0.600 ± 0.058", "0.100 ± 0.058", "+0.200 +0.100 +0.000"]
+    assert next(r for r in rows if r[0] == "held-out stream")[4] == "0.000 ± 0.000"
+    paths = []
+    for run in runs:
+        paths.append(tmp_path / f"s{run['seed']}.json")
+        paths[-1].write_text(json.dumps(run))
+    out = tmp_path / "summary.md"
+    bench("adasr").main(["--summarize", *map(str, paths), "--out", str(out)])
+    assert "| held-out accuracy | 0.500 ± 0.000 |" in out.read_text() and "3 seeds" in capsys.readouterr().out
 
 
 @pytest.mark.slow

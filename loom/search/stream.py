@@ -1,0 +1,256 @@
+"""Loom's third built-in model, ``stream`` (issue 38): the search model fine-tuned on streaming traces
+whose reading phase can be wasteful, as real models' is, so that AdaSR's HRPO has something to shorten.
+
+The search model's streaming thoughts are already their shortest form (``n=3 5 7``, ``t=22`` or the
+skip marker), 13.2 tokens a trace in docs/benchmarks/adasr.md. Here each trace draws a *verbosity*
+``w`` (0 to 3, :data:`VERBOSITY`), and each thought carries up to ``w`` extras drawn from its
+sentence's pool:
+
+- the numbers (``We have 3, 5 and 7.``): a restatement (``we have 3, 5 and 7 so``) before
+  ``n=3 5 7``, and pre-solving with partial arithmetic on pairs of the numbers (``5*7=35``);
+- the target (``Make 22 from them.``): a restatement before ``t=22``, an early guess with its
+  verdict (``guess 3+5+7=15 no``), and what the target leaves after one number (``22-7=15``);
+- a distractor: its restatement (``it is a sunny day so skip``) in place of the skip marker.
+
+None of the extras is used by the deep phase, which is the search model's search (FIXED style) from
+the start, so a shorter reading phase costs no accuracy: the waste HRPO's streaming advantage (AdaSR
+eq. 8, A^s) is meant to remove. The verbosity is drawn per trace, not per problem, so one prompt's
+samples differ in reading-phase length; the wasteful forms are the majority (4 in 5 traces), so the
+start policy's greedy reading phase is wasteful too. Every thought stays under the streaming
+segment cap of bench/adasr.py (32 tokens; tests/search/test_stream.py checks it).
+
+``loom train-stream`` starts from the search checkpoint (``--init``) and trains one phase on these
+streaming traces mixed with the search model's plain Countdown traces and the tiny model's arithmetic
+(so the other skills are kept). docs/models.md describes it; docs/benchmarks/adasr.md measures it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from loom.formats import DEFAULT_MARKERS, Markers
+from loom.runtime import configure_process
+from loom.search import STREAM_CHECKPOINT_DIR
+from loom.search.tasks import search_problems
+from loom.search.traces import FIXED, boxed, expression_from_steps, search_lines
+from loom.search.traces import plain_trace as search_plain_trace
+from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_stream
+from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
+from loom.tiny.traces import Piece, stream_connector
+from loom.tiny.traces import _stream_units as concise_units
+from loom.tiny.traces import plain_trace as arith_plain_trace
+from loom.tiny.traces import stream_trace as arith_stream_trace
+from loom.tiny.train import TrainConfig
+
+# P(w) for w = 0..3 extras per thought: the concise form in 1 trace of 5
+VERBOSITY = (0.2, 0.3, 0.3, 0.2)
+OPS = "+-*"
+
+
+def _pair_ops(nums: Sequence[int], rng: random.Random) -> list[str]:
+    """Partial arithmetic on pairs of the numbers (pre-solving while reading), drawn."""
+    out = []
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        x, y = max(nums[i], nums[j]), min(nums[i], nums[j])
+        op = rng.choice(OPS)
+        out.append(f"{x}{op}{y}={_apply(x, op, y)}")
+    rng.shuffle(out)
+    return out
+
+
+def _guess(nums: Sequence[int], target: int, rng: random.Random) -> str:
+    """An early guess: the numbers in their order with drawn operators, evaluated left to right."""
+    ops = [rng.choice(OPS) for _ in range(len(nums) - 1)]
+    value = nums[0]
+    text = str(nums[0])
+    for op, n in zip(ops, nums[1:], strict=True):
+        value = value + n if op == "+" else value - n if op == "-" else value * n
+        text += f"{op}{n}"
+    return f"guess {text}={value} {'yes' if value == target else 'no'}"
+
+
+def _left(target: int, n: int) -> str:
+    """What the target leaves after one number (the larger minus the smaller)."""
+    return f"{target}-{n}={target - n}" if target >= n else f"{n}-{target}={n - target}"
+
+
+def wasteful_units(problem: Problem, rng: random.Random) -> list[tuple[str, str | None]]:
+    """(sentence, thought or None for skip): the sentences of ``loom.tiny.traces.stream_sentences``
+    (the same revealed text as every model's) with thoughts of a drawn verbosity."""
+    units = concise_units(problem, random.Random(problem.key))
+    w = rng.choices(range(len(VERBOSITY)), weights=VERBOSITY)[0]
+    nums, target = list(problem.numbers), problem.target
+    shown = ", ".join(str(n) for n in nums[:-1]) + f" and {nums[-1]}"
+    out: list[tuple[str, str | None]] = []
+    for sentence, thought in units:
+        if thought is None:  # a distractor: skipped, or restated
+            restated = sentence.rstrip(".").lower() + " so skip"
+            out.append((sentence, restated if w > 0 and rng.random() < 0.7 else None))
+            continue
+        numbers = thought.startswith("n=")
+        restate = f"we have {shown} so" if numbers else f"make {target} from them so"
+        extras = _pair_ops(nums, rng)[:2] if numbers else [_guess(nums, target, rng), _left(target, nums[-1])]
+        pool = ["restate", *extras]
+        picked = rng.sample(pool, min(w, len(pool)))
+        head = [restate] if "restate" in picked else []
+        tail = [e for e in extras if e in picked]
+        if head:  # a restated sentence keeps one extra: every thought stays under 32 tokens
+            tail = tail[:1]
+        out.append((sentence, " ".join([*head, thought, *tail])))
+    return out
+
+
+def stream_trace(problem: Problem, variant: int = 0, markers: Markers = DEFAULT_MARKERS) -> list[Piece]:
+    """A streaming trace with a wasteful reading phase (Countdown), then the search model's deep
+    phase; arithmetic keeps the tiny model's concise trace."""
+    if problem.kind == "arith":
+        return arith_stream_trace(problem, markers)
+    rng = random.Random(f"{problem.key}/stream/{variant}")
+    pieces = [Piece("[stream]", False)]
+    for sentence, thought in wasteful_units(problem, rng):
+        pieces.append(Piece(f" {sentence}{markers.sentence_end}", False))
+        body = f" {thought}" if thought else markers.skip
+        pieces.append(Piece(body + markers.thought_end, True))
+    pieces.append(Piece(stream_connector(markers), False))
+    lines, solution = search_lines(problem, rng, FIXED)
+    deep = "\n".join(lines[1:])
+    answer = boxed(expression_from_steps(solution))
+    pieces.append(Piece(f" {deep}{markers.reasoning_end} {answer}{markers.answer_end}", True))
+    return pieces
+
+
+# ------------------------------------------------------------------------------------------- training
+
+# the search model's greedy limits, with room for a wasteful thought
+BUDGETS = Budgets(plain=400, reflect=480, thought=40, final=400, spawn_head=160, child=200, join_answer=40)
+
+
+@dataclass
+class StreamTrainConfig(TrainConfig):
+    """One phase from the search checkpoint (a fresh AdamW, warm-up and cosine decay)."""
+
+    steps: int = 300
+    lr: float = 5e-4
+    warmup: int = 20
+    stream_variants: int = 2  # wasteful streaming traces per Countdown problem
+    max_len: int = 512
+
+
+def build_sequences(problems: dict[str, list[Problem]], variants: int) -> list[list[Piece]]:
+    """Wasteful streaming traces of Countdown (``variants`` per problem) and arithmetic, and plain
+    Countdown search and arithmetic (kept from the search model's mix)."""
+    seqs: list[list[Piece]] = []
+    for p in problems["countdown"]:
+        seqs.extend(stream_trace(p, v) for v in range(variants))
+        seqs.append(search_plain_trace(p, 0, FIXED))
+    for p in problems["arith"]:
+        seqs.append(arith_stream_trace(p))
+        seqs.append(arith_plain_trace(p))
+    return seqs
+
+
+def heldout(model, tok, n: int) -> dict[str, FormatResult]:  # type: ignore[no-untyped-def]
+    """Greedy held-out accuracy in the formats it was trained on (the search model's held-out set)."""
+    cd = search_problems("countdown", n, HELDOUT_SEED, "test")
+    return {"plain": eval_plain(model, tok, cd, b=BUDGETS), "stream": eval_stream(model, tok, cd, BUDGETS)}
+
+
+def train(cfg: StreamTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
+    from loom.search import SEARCH_CHECKPOINT_DIR
+    from loom.tiny import load_model, load_tokenizer
+    from loom.tiny.train import encode, final_loss, fit, record_heldout
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    problems = {
+        k: search_problems(k, cfg.train_problems, seed=cfg.seed, split="train")
+        for k in ("countdown", "arith")
+    }  # type: ignore[arg-type]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok, model = load_tokenizer(init), load_model(init)
+    model.to(device)  # type: ignore[arg-type]
+    seqs = build_sequences(problems, cfg.stream_variants)
+    losses, secs = fit(model, tok, encode(seqs, tok, cfg.max_len), cfg, True, "train-stream")
+    model.to("cpu")  # type: ignore[arg-type]
+    from loom.search.train import MODEL
+    from loom.tiny.model import n_params
+
+    card: dict = {
+        "config": asdict(cfg),
+        "init": "search" if init.resolve() == Path(SEARCH_CHECKPOINT_DIR).resolve() else str(init),
+        "model": asdict(MODEL),
+        "params": n_params(model),
+        "vocab_size": len(tok),
+        "sequences": len(seqs),
+        "verbosity": list(VERBOSITY),
+        "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "train_seconds": round(secs, 1),
+        "torch_threads": torch.get_num_threads(),
+        "final_loss": final_loss(losses),
+        "loss_every_50": [round(x, 4) for x in losses[::50]],
+    }
+    if evaluate_after:
+        record_heldout(card, lambda: heldout(model, tok, cfg.eval_problems))
+    if out_dir is not None:
+        from loom.tiny.train import write_checkpoint
+
+        write_checkpoint(
+            model, tok, out_dir, {k: v for k, v in card.items() if k != "samples"}, model_card(card)
+        )
+    return card
+
+
+def model_card(card: dict) -> str:
+    from loom.tiny.train import card_markdown
+
+    cfg = card["config"]
+    about = [
+        "The search model (loom/search/checkpoint) fine-tuned by `loom train-stream` on streaming",
+        "traces whose reading phase is wasteful at a drawn verbosity (loom/search/stream.py), mixed",
+        "with plain Countdown search and arithmetic. Reproduce with",
+        f"`loom train-stream --seed {cfg['seed']} --steps {cfg['steps']} --lr {cfg['lr']}`.",
+    ]
+    data = [f"- {card['sequences']} sequences; verbosity P(w=0..3) {card['verbosity']}"]
+    trained_on = f"{card['device']}, {card['torch_threads']} torch thread(s)"
+    return card_markdown(card, "Loom stream model", about, data, trained_on, "Held-out greedy accuracy")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from loom.search import SEARCH_CHECKPOINT_DIR
+    from loom.tiny.train import print_card
+
+    d = StreamTrainConfig()
+    p = argparse.ArgumentParser(prog="loom train-stream", description="reproduce the built-in stream model")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--eval-problems", type=int, default=d.eval_problems)
+    p.add_argument("--train-problems", type=int, default=d.train_problems, help="per kind")
+    p.add_argument("--init", type=Path, default=SEARCH_CHECKPOINT_DIR, help="default: the search model")
+    p.add_argument("--out", type=Path, default=None, help="default: loom/search/stream_checkpoint")
+    p.add_argument("--no-eval", action="store_true")
+    args = p.parse_args(argv)
+    configure_process()
+    cfg = StreamTrainConfig(
+        seed=args.seed,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        eval_problems=args.eval_problems,
+        train_problems=args.train_problems,
+    )
+    card = train(cfg, args.init, args.out or STREAM_CHECKPOINT_DIR, evaluate_after=not args.no_eval)
+    print_card(card)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
