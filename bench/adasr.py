@@ -20,9 +20,11 @@ deep-phase length on the held-out problems, the same lengths of the sampled trai
 first and the last step, and how far the weights moved. AdaSR's direction: HRPO shortens the
 streaming phase at equal accuracy.
 
-    python bench/adasr.py [--model search|tiny|DIR] [--task countdown|arith] [--steps 24] [--prompts 8]
-                          [--group 8] [--seed 0] [--lr 1e-4] [--warmup 5] [--temperature 1.0]
-                          [--max-tokens 256] [--segment-cap 32] [--eval 32] [--out FILE.md]
+    python bench/adasr.py [--model search|stream|tiny|DIR] [--task countdown|arith] [--steps 24]
+                          [--prompts 8] [--group 8] [--seed 0] [--lr 1e-4] [--warmup 5]
+                          [--temperature 1.0] [--max-tokens 256] [--segment-cap 32] [--eval 32]
+                          [--hrpo-lambda 0.05] [--out FILE.md] [--json RUN.json]
+    python bench/adasr.py --summarize RUN.json ... [--out FILE.md]   (seeds: mean ± standard error)
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ def reward_spec() -> RewardSpec:
     )
 
 
-def arms() -> list[rl_loop.Arm]:
+def arms(hrpo_lambda: float = 0.05) -> list[rl_loop.Arm]:
+    """GRPO and HRPO; ``hrpo_lambda`` is HRPO's local weight λ (AdaSR eq. 5, default 0.05)."""
     spec = reward_spec()
+    hrpo = {"beta": BETA, "w_acc": W_ACC, "w_fmt": W_FMT}
     return [
         rl_loop.Arm("grpo", "grpo", spec),
-        rl_loop.Arm("hrpo", "hrpo", spec, {"beta": BETA, "w_acc": W_ACC, "w_fmt": W_FMT}),
+        rl_loop.Arm("hrpo", "hrpo", spec, hrpo, loss={"hrpo_lambda": hrpo_lambda}),
     ]
 
 
@@ -151,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         p, steps=24, prompts=8, group=8, lr=1e-4, temperature=1.0, max_tokens=256, eval_n=32, warmup=5
     )
     p.add_argument("--segment-cap", type=int, default=32, help="tokens per streaming thought")
+    p.add_argument("--hrpo-lambda", type=float, default=0.05, help="HRPO's local weight λ (AdaSR eq. 5)")
     rl_loop.add_seed_args(p)
     args = p.parse_args(argv)
     if args.summarize:
@@ -167,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
     make = StreamRequest(args.segment_cap)
     print(
         f"AdaSR: HRPO vs GRPO on streaming rollouts, model {cfg.model}, {cfg.steps} steps x {cfg.prompts}"
-        f" prompts x {cfg.group} responses, lr {cfg.lr}, temperature {cfg.temperature}, seed {cfg.seed}",
+        f" prompts x {cfg.group} responses, lr {cfg.lr}, temperature {cfg.temperature}, seed {cfg.seed},"
+        f" HRPO lambda {args.hrpo_lambda}",
         flush=True,
     )
     base = rl_loop.base_eval(cfg, held_out, make, reward_spec(), phase_lengths)
@@ -176,7 +182,9 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         f" deep {base.means['deep']:.1f} tok",
         flush=True,
     )
-    results = [rl_loop.run_arm(cfg, arm, train, held_out, make, phase_lengths) for arm in arms()]
+    results = [
+        rl_loop.run_arm(cfg, arm, train, held_out, make, phase_lengths) for arm in arms(args.hrpo_lambda)
+    ]
     rows = table_rows(base, results)
     print(
         f"\nafter {cfg.steps} steps ({len(held_out)} held-out problems, greedy; tokens: trained tokens per"

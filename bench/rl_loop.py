@@ -65,6 +65,7 @@ class Arm:
     spec: RewardSpec
     estimator_params: dict[str, Any] = field(default_factory=dict)
     reflect: ReflectParams | None = None  # REA-RL: add gold-truncation revisions before training
+    loss: dict[str, Any] = field(default_factory=dict)  # LossSpec fields of this arm (e.g. hrpo_lambda)
 
 
 @dataclass
@@ -231,7 +232,7 @@ def run_arm(
     # processed log-probs: the tempered policy's, which the learner recomputes at loss.temperature
     engine = TorchEngine(cfg.model, logprobs_mode="processed", cache_entries=CACHE_ENTRIES)
     services = InProcessServices(engine, scorer)
-    loss = LossSpec(lr=cfg.lr, temperature=cfg.temperature, warmup_steps=cfg.warmup)
+    loss = LossSpec(lr=cfg.lr, temperature=cfg.temperature, warmup_steps=cfg.warmup, **arm.loss)
     steps: list[StepLog] = []
     with tempfile.TemporaryDirectory(prefix=f"loom-{arm.name}-") as tmp:
         learner = Learner(
@@ -502,6 +503,9 @@ def write_summary(paths: Sequence[Path], out: Path | None, name: str, against: s
         seeds = ", ".join(str(r["seed"]) for r in records)
         table = markdown_table(header, rows).splitlines()
         note = f"Seeds {seeds}; mean ± standard error over the seeds; one `--json` run per seed."
+        settings = {a: v["loss"] for a, v in r0["arms"].items() if v.get("loss")}
+        if settings:
+            note += " Loss settings per arm: " + "; ".join(f"{a} {s}" for a, s in settings.items()) + "."
         print(write(out.stem, title, [note, "", *table], out_dir=out.parent))
 
 
@@ -533,6 +537,7 @@ def run_record(cfg: LoopConfig, base: Eval, results: Sequence[ArmResult]) -> dic
         "start": {"accuracy": base.accuracy, **base.means},
         "arms": {
             r.arm.name: {
+                "loss": r.arm.loss,
                 "held_out": {"accuracy": r.after.accuracy, **r.after.means},
                 "train_first": train_means(r.steps[:4]),
                 "train_last": train_means(r.steps[-4:]),

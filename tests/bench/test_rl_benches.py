@@ -63,6 +63,7 @@ def test_adasr_bench_trains_grpo_and_hrpo_from_the_same_start(tmp_path: Path, ca
     assert results[0].steps[0].means == results[1].steps[0].means
     run = json.loads(record.read_text())
     assert run["model"] == "tiny" and run["seed"] == 0 and list(run["arms"]) == ["grpo", "hrpo"]
+    assert run["arms"]["hrpo"]["loss"] == {"hrpo_lambda": 0.05} and run["arms"]["grpo"]["loss"] == {}
     for r in results:  # the held-out measures recorded are the arm's own
         assert run["arms"][r.arm.name]["held_out"] == {"accuracy": r.after.accuracy, **r.after.means}
 
