@@ -163,7 +163,7 @@ def heldout(model, tok, n: int) -> dict[str, FormatResult]:  # type: ignore[no-u
 def train(cfg: StreamTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
     from loom.search import SEARCH_CHECKPOINT_DIR
     from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.train import encode, final_loss, fit, record_heldout
+    from loom.tiny.train import device_name, encode, fit, record_heldout, run_facts, write_checkpoint
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -178,30 +178,21 @@ def train(cfg: StreamTrainConfig, init: Path, out_dir: Path | None, evaluate_aft
     losses, secs = fit(model, tok, encode(seqs, tok, cfg.max_len), cfg, True, "train-stream")
     model.to("cpu")  # type: ignore[arg-type]
     from loom.search.train import MODEL
-    from loom.tiny.model import n_params
 
     card: dict = {
         "config": asdict(cfg),
         "init": "search" if init.resolve() == Path(SEARCH_CHECKPOINT_DIR).resolve() else str(init),
         "model": asdict(MODEL),
-        "params": n_params(model),
-        "vocab_size": len(tok),
         "sequences": len(seqs),
         "verbosity": list(VERBOSITY),
-        "device": device if device == "cpu" else torch.cuda.get_device_name(),
-        "train_seconds": round(secs, 1),
-        "torch_threads": torch.get_num_threads(),
-        "final_loss": final_loss(losses),
+        "device": device_name(device),
+        **run_facts(model, tok, losses, secs),
         "loss_every_50": [round(x, 4) for x in losses[::50]],
     }
     if evaluate_after:
         record_heldout(card, lambda: heldout(model, tok, cfg.eval_problems))
     if out_dir is not None:
-        from loom.tiny.train import write_checkpoint
-
-        write_checkpoint(
-            model, tok, out_dir, {k: v for k, v in card.items() if k != "samples"}, model_card(card)
-        )
+        write_checkpoint(model, tok, out_dir, card, model_card(card))
     return card
 
 
@@ -221,32 +212,16 @@ def model_card(card: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
     from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny.train import print_card
+    from loom.tiny.train import print_card, shared_config, training_parser
 
     d = StreamTrainConfig()
-    p = argparse.ArgumentParser(prog="loom train-stream", description="reproduce the built-in stream model")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--eval-problems", type=int, default=d.eval_problems)
+    p = training_parser("loom train-stream", "reproduce the built-in stream model", d)
     p.add_argument("--train-problems", type=int, default=d.train_problems, help="per kind")
     p.add_argument("--init", type=Path, default=SEARCH_CHECKPOINT_DIR, help="default: the search model")
-    p.add_argument("--out", type=Path, default=None, help="default: loom/search/stream_checkpoint")
-    p.add_argument("--no-eval", action="store_true")
     args = p.parse_args(argv)
     configure_process()
-    cfg = StreamTrainConfig(
-        seed=args.seed,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        eval_problems=args.eval_problems,
-        train_problems=args.train_problems,
-    )
+    cfg = StreamTrainConfig(**shared_config(args), train_problems=args.train_problems)
     card = train(cfg, args.init, args.out or STREAM_CHECKPOINT_DIR, evaluate_after=not args.no_eval)
     print_card(card)
     return 0

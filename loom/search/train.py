@@ -21,18 +21,20 @@ from loom.runtime import configure_process
 from loom.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems
 from loom.search.traces import DRAWN, FIXED, Style, build_trace
 from loom.tiny.evaluate import Budgets, FormatResult, evaluate
-from loom.tiny.model import TinyConfig, build_model, n_params
+from loom.tiny.model import TinyConfig, build_model
 from loom.tiny.tasks import HELDOUT_SEED, Problem
 from loom.tiny.tokenizer import train_tokenizer
 from loom.tiny.traces import Piece, trace_text
 from loom.tiny.train import (
     TrainConfig,
     card_markdown,
+    device_name,
     encode,
     final_loss,
     fit,
     print_card,
     record_heldout,
+    run_facts,
     shared_config,
     training_parser,
     write_checkpoint,
@@ -147,15 +149,11 @@ def train(
         "config": asdict(cfg),
         "model": asdict(MODEL),
         "problems": {"countdown": {**SEARCH_KNOBS, "max_solving_first_moves": MAX_SOLVING}},
-        "params": n_params(model),
-        "vocab_size": len(tok),
         "sequences": len(seqs),
         "phases": phases,
         "mix": {fmt: [list(k) for k in kinds] for fmt, kinds in MIX.items()},
-        "device": device if device == "cpu" else torch.cuda.get_device_name(),
-        "train_seconds": round(train_s, 1),
-        "final_loss": final_loss(losses),
-        "torch_threads": torch.get_num_threads(),
+        "device": device_name(device),
+        **run_facts(model, tok, losses, train_s),
     }
     if evaluate_after:
         record_heldout(card, lambda: heldout(model, tok, cfg.eval_problems))
@@ -192,7 +190,7 @@ def _card_phases(init: Path) -> dict[str, dict]:
 
 
 def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    write_checkpoint(model, tok, out_dir, {k: v for k, v in card.items() if k != "samples"}, model_card(card))
+    write_checkpoint(model, tok, out_dir, card, model_card(card))
 
 
 def model_card(card: dict) -> str:

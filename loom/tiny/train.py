@@ -104,14 +104,10 @@ def train(cfg: TrainConfig, out_dir: Path | None, progress: bool = True, evaluat
     card: dict = {
         "config": asdict(cfg),
         "model": asdict(TinyConfig()),
-        "params": n_params(model),
-        "vocab_size": len(tok),
         "sequences": len(seqs),
         "mix": {fmt: list(kinds) for fmt, kinds in MIX.items()},
-        "train_seconds": round(train_s, 1),
-        "final_loss": final_loss(losses),
+        **run_facts(model, tok, losses, train_s),
         "losses": losses,
-        "torch_threads": torch.get_num_threads(),
     }
     if evaluate_after:
         from loom.tiny.evaluate import evaluate
@@ -177,6 +173,22 @@ def fit(model, tok, data: list[tuple[list[int], list[int]]], cfg: TrainConfig, p
     return losses, time.perf_counter() - t0
 
 
+def run_facts(model, tok, losses: list[float], seconds: float) -> dict:  # type: ignore[no-untyped-def]
+    """What every built-in model's card records of its training run (tiny, search, stream)."""
+    return {
+        "params": n_params(model),
+        "vocab_size": len(tok),
+        "train_seconds": round(seconds, 1),
+        "final_loss": final_loss(losses),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def device_name(device: str) -> str:
+    """A card's ``device``: ``cpu``, or the GPU's name."""
+    return device if device == "cpu" else torch.cuda.get_device_name()
+
+
 def final_loss(losses: list[float]) -> float:
     """The mean of the last 50 steps' losses, as a card records it."""
     return round(sum(losses[-50:]) / len(losses[-50:]), 4)
@@ -236,17 +248,19 @@ def print_card(card: dict) -> None:
 
 
 def write_checkpoint(model, tok, out_dir: Path, card_json: dict, card_md: str) -> None:  # type: ignore[no-untyped-def]
-    """Weights (safetensors), the tokenizer, card.json and MODEL_CARD.md in ``out_dir``."""
+    """Weights (safetensors), the tokenizer, card.json (without the held-out ``samples``, which only
+    ``train`` returns) and MODEL_CARD.md in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
-    (out_dir / "card.json").write_text(json.dumps(card_json, indent=2) + "\n")
+    slim = {k: v for k, v in card_json.items() if k != "samples"}
+    (out_dir / "card.json").write_text(json.dumps(slim, indent=2) + "\n")
     (out_dir / "MODEL_CARD.md").write_text(card_md)
 
 
 def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    slim = {k: v for k, v in card.items() if k not in ("losses", "samples")}
+    slim = {k: v for k, v in card.items() if k != "losses"}
     slim["loss_every_100"] = [round(x, 4) for x in card["losses"][::100]]
     write_checkpoint(model, tok, out_dir, slim, model_card(card))
 
