@@ -381,7 +381,7 @@ def write_out(
 def problems_for(model: str, n: int, seed: int, split: str, kind: str = "countdown") -> list[Any]:
     """The model's own problems: the search and stream models' Countdown (loom.search), else the
     tiny model's."""
-    if model in ("search", "stream") or "search" in Path(model).parts[-3:]:
+    if model in ("search", "stream", "reflect") or "search" in Path(model).parts[-3:]:
         from loom.search import search_problems
 
         return search_problems(kind, n, seed, split)  # type: ignore[arg-type]

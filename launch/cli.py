@@ -9,6 +9,7 @@ loom demo                    a short RL run on the built-in tiny model
 loom train-tiny              reproduce the built-in tiny model
 loom train-search            reproduce the built-in search model (Countdown search traces)
 loom train-stream            reproduce the built-in stream model (the search model, wasteful reading)
+loom train-reflect           reproduce the built-in reflect model (the search model, reflecting mid-reasoning)
 loom bench NAME              run a benchmark from bench/
 """
 
@@ -34,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-tiny": ("loom.tiny.train:main", "reproduce the built-in tiny model"),
     "train-search": ("loom.search.train:main", "reproduce the built-in search model"),
     "train-stream": ("loom.search.stream:main", "reproduce the built-in stream model"),
+    "train-reflect": ("loom.search.reflect:main", "reproduce the built-in reflect model"),
     "bench": ("launch.cli:bench_main", "run a benchmark from bench/"),
 }
 

@@ -1,13 +1,14 @@
 """The built-in models by name (``LOOM_MODEL``): ``tiny`` (loom/tiny, the fast model of the tests and
-the demo), ``search`` (loom/search, trained on Countdown search traces, issue 29) and ``stream``
-(loom/search/stream.py: the search model fine-tuned on a wasteful streaming reading phase, issue 38);
-any other value is a Hugging Face model directory."""
+the demo), ``search`` (loom/search, trained on Countdown search traces, issue 29), ``stream``
+(loom/search/stream.py: the search model fine-tuned on a wasteful streaming reading phase, issue 38)
+and ``reflect`` (loom/search/reflect.py: the search model reflecting mid-reasoning, issue 38); any
+other value is a Hugging Face model directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-BUILTIN = ("tiny", "search", "stream")
+BUILTIN = ("tiny", "search", "stream", "reflect")
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -25,4 +26,8 @@ def resolve_model_path(model: str | Path) -> Path:
         from loom.search import STREAM_CHECKPOINT_DIR
 
         return Path(STREAM_CHECKPOINT_DIR)
+    if name == "reflect":
+        from loom.search import REFLECT_CHECKPOINT_DIR
+
+        return Path(REFLECT_CHECKPOINT_DIR)
     return Path(model)

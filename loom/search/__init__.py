@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 SEARCH_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
 # the third built-in model (loom/search/stream.py, issue 38): the search model with a wasteful reading phase
 STREAM_CHECKPOINT_DIR = Path(__file__).resolve().parent / "stream_checkpoint"
+# the fourth (loom/search/reflect.py, issue 38): the search model reflecting mid-reasoning (REA-RL)
+REFLECT_CHECKPOINT_DIR = Path(__file__).resolve().parent / "reflect_checkpoint"
 
 
 def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -33,6 +35,7 @@ def load_model(path: str | Path | None = None, **kwargs: object) -> LlamaForCaus
 
 __all__ = [
     "MAX_SOLVING",
+    "REFLECT_CHECKPOINT_DIR",
     "SEARCH_CHECKPOINT_DIR",
     "SEARCH_KNOBS",
     "STREAM_CHECKPOINT_DIR",

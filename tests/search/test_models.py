@@ -6,7 +6,7 @@ from pathlib import Path
 
 from loom.contracts.settings import Settings
 from loom.models import resolve_model_path
-from loom.search import SEARCH_CHECKPOINT_DIR, STREAM_CHECKPOINT_DIR
+from loom.search import REFLECT_CHECKPOINT_DIR, SEARCH_CHECKPOINT_DIR, STREAM_CHECKPOINT_DIR
 from loom.tiny import CHECKPOINT_DIR
 from rollout_svc.rollout import base_policy
 
@@ -15,8 +15,9 @@ def test_names_resolve_to_the_shipped_checkpoints_and_anything_else_is_a_path(tm
     assert resolve_model_path("tiny") == CHECKPOINT_DIR
     assert resolve_model_path("search") == SEARCH_CHECKPOINT_DIR
     assert resolve_model_path("stream") == STREAM_CHECKPOINT_DIR
+    assert resolve_model_path("reflect") == REFLECT_CHECKPOINT_DIR
     assert resolve_model_path(str(tmp_path)) == tmp_path
-    assert len({CHECKPOINT_DIR, SEARCH_CHECKPOINT_DIR, STREAM_CHECKPOINT_DIR}) == 3
+    assert len({CHECKPOINT_DIR, SEARCH_CHECKPOINT_DIR, STREAM_CHECKPOINT_DIR, REFLECT_CHECKPOINT_DIR}) == 4
 
 
 def test_the_rollout_services_base_policy_follows_loom_model(monkeypatch):
