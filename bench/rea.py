@@ -17,14 +17,16 @@ by the reward core, docs/algorithms.md §1):
 
 Printed per arm (and the start checkpoint): held-out greedy accuracy, response tokens and reflections
 per response (REA-RL eq. 3's count, on the thinking part), the sampled responses' tokens and accuracy
-on the first and the last step, revisions kept, and how far the weights moved. On Loom's synthetic
-reflect traces the answer is stated before the first re-check, so a gold-truncated revision keeps no
-reflection and its reflection reward is -1 (D = 0), below its correct original's; on the tiny model
-this pushes the second arm towards longer, more reflective responses. REA-RL's direction:
+on the first and the last step, revisions kept, and how far the weights moved. On the tiny and
+search models' reflect traces the answer is stated before the first re-check, so a gold-truncated
+revision keeps no reflection and its reflection reward is -1 (D = 0), below its correct original's;
+this pushes the second arm towards longer, more reflective responses. The ``reflect`` model
+(loom/search/reflect.py) reflects inside its search before the answer, so its revisions keep those
+reflections and lose only the re-checks, as REA-RL's do. REA-RL's direction:
 the length reward alone shortens responses by dropping reflection, at a cost in accuracy; with the
 reflection reward and revisions, responses are short while keeping reflection and accuracy.
 
-    python bench/rea.py [--model search|tiny|DIR] [--task countdown|arith] [--steps 24] [--prompts 8]
+    python bench/rea.py [--model reflect|search|tiny|DIR] [--task countdown|arith] [--steps 24] [--prompts 8]
                         [--group 8] [--seed 0] [--lr 1e-4] [--warmup 5] [--temperature 1.0]
                         [--max-tokens 320] [--min-chunk-tokens 8] [--answer-tokens 64]
                         [--reflection-weight 1.0] [--eval 32] [--out FILE.md]
