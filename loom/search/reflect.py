@@ -42,7 +42,7 @@ from loom.formats import FORCED_ENDING
 from loom.runtime import configure_process
 from loom.search import REFLECT_CHECKPOINT_DIR
 from loom.search.tasks import search_problems
-from loom.search.traces import FIXED, Move, expression_from_steps, moves, search, search_line
+from loom.search.traces import FIXED, Move, expression_from_steps, moves, rechecks, search, search_line
 from loom.search.traces import plain_trace as search_plain_trace
 from loom.tiny.evaluate import Budgets, FormatResult, eval_plain
 from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
@@ -53,18 +53,6 @@ from loom.tiny.train import TrainConfig
 
 BACKTRACK_WORDS = ("But", "Alternatively")
 BACKTRACK_WORD = 0.8  # P(a line after a failed move opens with a backtracking word)
-
-
-def rechecks(problem: Problem, answer: str, steps: Sequence[str]) -> list[str]:
-    """The redundant re-checks after the right answer (the search model's pool)."""
-    nums = " ".join(str(n) for n in problem.numbers)
-    return [
-        f"Wait, let me check: {' '.join(steps)}. Yes.",
-        f"Alternatively, check the numbers: {nums}. Yes.",
-        f"But let me check the target: {problem.target}. Yes.",
-        f"Hmm, let me verify again: {answer} is {problem.target}. Yes.",
-        f"Let me double-check each number is used once: {nums}. Yes.",
-    ]
 
 
 def wrong_finish(target: int, m: Move, rng: random.Random) -> tuple[str, str]:

@@ -31,6 +31,7 @@ moves on its pair the same way and returns the solution's moves or ``No solution
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING, Markers, SpawnSyntax
@@ -156,6 +157,18 @@ def plain_trace(problem: Problem, variant: int = 0, style: Style = FIXED) -> lis
     ]
 
 
+def rechecks(problem: Problem, answer: str, steps: Sequence[str]) -> list[str]:
+    """The re-checks of a stated answer (the reflect format's pool; loom/search/reflect.py too)."""
+    nums = " ".join(str(n) for n in problem.numbers)
+    return [
+        f"Wait, let me check: {' '.join(steps)}. Yes.",
+        f"Alternatively, check the numbers: {nums}. Yes.",
+        f"But let me check the target: {problem.target}. Yes.",
+        f"Hmm, let me verify again: {answer} is {problem.target}. Yes.",
+        f"Let me double-check each number is used once: {nums}. Yes.",
+    ]
+
+
 def reflect_trace(
     problem: Problem, variant: int = 0, checks: tuple[int, int] = (1, 3), style: Style = FIXED
 ) -> list[Piece]:
@@ -163,14 +176,7 @@ def reflect_trace(
     rng = _rng(problem, variant)
     lines, solution = search_lines(problem, rng, style)
     answer = expression_from_steps(solution)
-    nums = " ".join(str(n) for n in problem.numbers)
-    pool = [
-        f"Wait, let me check: {' '.join(solution)}. Yes.",
-        f"Alternatively, check the numbers: {nums}. Yes.",
-        f"But let me check the target: {problem.target}. Yes.",
-        f"Hmm, let me verify again: {answer} is {problem.target}. Yes.",
-        f"Let me double-check each number is used once: {nums}. Yes.",
-    ]
+    pool = rechecks(problem, answer, solution)
     rng.shuffle(pool)
     picked = [pool[i % len(pool)] for i in range(rng.randint(*checks))]
     think = "\n\n".join(["\n".join(lines) + f"\nSo the answer is {answer}.", *picked])
