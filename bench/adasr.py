@@ -23,7 +23,8 @@ streaming phase at equal accuracy.
     python bench/adasr.py [--model search|stream|tiny|DIR] [--task countdown|arith] [--steps 24]
                           [--prompts 8] [--group 8] [--seed 0] [--lr 1e-4] [--warmup 5]
                           [--temperature 1.0] [--max-tokens 256] [--segment-cap 32] [--eval 32]
-                          [--hrpo-lambda 0.05] [--out FILE.md] [--json RUN.json]
+                          [--hrpo-lambda 0.05] [--grpo-beta 0.05] [--filter-groups accuracy]
+                          [--out FILE.md] [--json RUN.json]
     python bench/adasr.py --summarize RUN.json ... [--out FILE.md]   (seeds: mean ± standard error)
 """
 
@@ -49,26 +50,28 @@ from loom.contracts.wire import Group, RewardComponent, RewardSpec, RolloutReque
 W_ACC, W_FMT, BETA = 1.0, 2.0, 0.05
 
 
-def reward_spec() -> RewardSpec:
+def reward_spec(beta: float = BETA) -> RewardSpec:
+    """AdaSR's components; ``beta`` weights the length and efficiency terms in GRPO's summed reward
+    (0: AdaSR Table 3's "Acc + format" column)."""
     return RewardSpec(
         components=[
             RewardComponent(name="accuracy", weight=W_ACC),
             RewardComponent(name="format_stream", weight=W_FMT),
             RewardComponent(name="format_deep", weight=W_FMT),
-            RewardComponent(name="length_stream", weight=BETA),
-            RewardComponent(name="length_deep", weight=BETA),
-            RewardComponent(name="efficiency", weight=BETA),
+            RewardComponent(name="length_stream", weight=beta),
+            RewardComponent(name="length_deep", weight=beta),
+            RewardComponent(name="efficiency", weight=beta),
         ]
     )
 
 
-def arms(hrpo_lambda: float = 0.05) -> list[rl_loop.Arm]:
-    """GRPO and HRPO; ``hrpo_lambda`` is HRPO's local weight λ (AdaSR eq. 5, default 0.05)."""
-    spec = reward_spec()
+def arms(hrpo_lambda: float = 0.05, grpo_beta: float = BETA) -> list[rl_loop.Arm]:
+    """GRPO and HRPO; ``hrpo_lambda`` is HRPO's local weight λ (AdaSR eq. 5, default 0.05),
+    ``grpo_beta`` the weight of the length terms in GRPO's reward (AdaSR's β, or 0 for none)."""
     hrpo = {"beta": BETA, "w_acc": W_ACC, "w_fmt": W_FMT}
     return [
-        rl_loop.Arm("grpo", "grpo", spec),
-        rl_loop.Arm("hrpo", "hrpo", spec, hrpo, loss={"hrpo_lambda": hrpo_lambda}),
+        rl_loop.Arm("grpo", "grpo", reward_spec(grpo_beta)),
+        rl_loop.Arm("hrpo", "hrpo", reward_spec(), hrpo, loss={"hrpo_lambda": hrpo_lambda}),
     ]
 
 
@@ -156,6 +159,13 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
     )
     p.add_argument("--segment-cap", type=int, default=32, help="tokens per streaming thought")
     p.add_argument("--hrpo-lambda", type=float, default=0.05, help="HRPO's local weight λ (AdaSR eq. 5)")
+    p.add_argument(
+        "--grpo-beta",
+        type=float,
+        default=BETA,
+        help="weight of the length and efficiency rewards in GRPO's summed reward (0: accuracy + format"
+        " only, AdaSR Table 3); HRPO keeps β = 0.05",
+    )
     rl_loop.add_seed_args(p)
     args = p.parse_args(argv)
     if args.summarize:
@@ -173,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
     print(
         f"AdaSR: HRPO vs GRPO on streaming rollouts, model {cfg.model}, {cfg.steps} steps x {cfg.prompts}"
         f" prompts x {cfg.group} responses, lr {cfg.lr}, temperature {cfg.temperature}, seed {cfg.seed},"
-        f" HRPO lambda {args.hrpo_lambda}",
+        f" HRPO lambda {args.hrpo_lambda}, GRPO length weight {args.grpo_beta}",
         flush=True,
     )
     base = rl_loop.base_eval(cfg, held_out, make, reward_spec(), phase_lengths)
@@ -183,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         flush=True,
     )
     results = [
-        rl_loop.run_arm(cfg, arm, train, held_out, make, phase_lengths) for arm in arms(args.hrpo_lambda)
+        rl_loop.run_arm(cfg, arm, train, held_out, make, phase_lengths)
+        for arm in arms(args.hrpo_lambda, args.grpo_beta)
     ]
     rows = table_rows(base, results)
     print(

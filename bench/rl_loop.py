@@ -56,6 +56,9 @@ class LoopConfig:
     max_tokens: int
     eval_prompts: int
     warmup: int = 0
+    # DAPO's dynamic sampling as verl's ``algorithm.filter_groups`` (without its re-sampling): a group
+    # whose reward component of this name is the same for every response is left out of the update
+    filter_groups: str | None = None
 
 
 @dataclass
@@ -83,6 +86,7 @@ class StepLog:
     skipped: bool
     seconds: float
     revisions: int = 0
+    trained_groups: int = 0  # groups in the update (all of them unless cfg.filter_groups drops some)
 
 
 @dataclass
@@ -273,31 +277,38 @@ def run_arm(
                 for t, r in zip(g.trajectories, res.rewards, strict=True)
                 if "revision_of" not in t.meta
             ]
-            batch = TrainBatch(
-                step=step,
-                groups=groups,
-                rewards=rewards,
-                estimator=arm.estimator,  # type: ignore[arg-type]
-                estimator_params=arm.estimator_params,
-                loss=loss,
-            )
-            res = learner.train_step(batch)
-            if res.policy is not None and res.policy.version != engine.policy_version:
-                engine.load_policy_sync(res.policy)
+            if cfg.filter_groups is not None:
+                groups, rewards = filter_groups(groups, rewards, cfg.filter_groups)
+            skipped = not groups
+            if groups:
+                batch = TrainBatch(
+                    step=step,
+                    groups=groups,
+                    rewards=rewards,
+                    estimator=arm.estimator,  # type: ignore[arg-type]
+                    estimator_params=arm.estimator_params,
+                    loss=loss,
+                )
+                res = learner.train_step(batch)
+                skipped = bool(res.metrics.get("skipped"))
+                if res.policy is not None and res.policy.version != engine.policy_version:
+                    engine.load_policy_sync(res.policy)
             entry = StepLog(
                 step=step,
                 reward=statistics.fmean(r.total for r in originals),
                 accuracy=statistics.fmean(r.components.get("accuracy", 0.0) for r in originals),
                 means=_means(rows),
-                skipped=bool(res.metrics.get("skipped")),
+                skipped=skipped,
                 seconds=time.perf_counter() - ts,
                 revisions=revisions,
+                trained_groups=len(groups),
             )
             steps.append(entry)
             shown = " ".join(f"{k} {v:.1f}" for k, v in entry.means.items())
             log(
                 f"  [{arm.name}] step {step}: reward {entry.reward:+.3f} acc {entry.accuracy:.2f} {shown}"
                 + (f" revisions {revisions}" if arm.reflect is not None else "")
+                + (f" groups trained {len(groups)}/{cfg.prompts}" if cfg.filter_groups is not None else "")
                 + (" (no update)" if entry.skipped else "")
                 + f" ({entry.seconds:.1f} s)"
             )
@@ -306,6 +317,18 @@ def run_arm(
     scorer.close()
     engine.stop_scheduler()
     return ArmResult(arm, steps, after, change, engine.policy_version, time.perf_counter() - t0)
+
+
+def filter_groups(
+    groups: Sequence[Group], rewards: Sequence[RewardResult], component: str
+) -> tuple[list[Group], list[RewardResult]]:
+    """The groups (and their rewards) whose responses differ in reward component ``component``: DAPO's
+    dynamic sampling filter (``cfg.filter_groups``); a group of all-equal values gives that component
+    no relative signal, and GRPO's normalisation would scale what is left of its summed reward."""
+    kept = [
+        i for i, res in enumerate(rewards) if len({r.components.get(component, 0.0) for r in res.rewards}) > 1
+    ]
+    return [groups[i] for i in kept], [rewards[i] for i in kept]
 
 
 def weight_change(start: dict[str, Any], now: dict[str, Any]) -> float:
@@ -428,6 +451,13 @@ def add_loop_args(
         default="countdown",
         help="the model's Countdown problems, or the tiny model's arithmetic",
     )
+    p.add_argument(
+        "--filter-groups",
+        default=None,
+        metavar="COMPONENT",
+        help="leave out of each update the groups whose reward COMPONENT (e.g. accuracy) is the same for"
+        " every response (DAPO's dynamic sampling, verl's algorithm.filter_groups, without re-sampling)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write a markdown table here (and a PNG beside it)")
 
 
@@ -463,6 +493,7 @@ def loop_config(args: Any) -> LoopConfig:
         max_tokens=args.max_tokens,
         eval_prompts=args.eval,
         warmup=args.warmup,
+        filter_groups=getattr(args, "filter_groups", None),
     )
 
 
@@ -506,6 +537,20 @@ def write_summary(paths: Sequence[Path], out: Path | None, name: str, against: s
         settings = {a: v["loss"] for a, v in r0["arms"].items() if v.get("loss")}
         if settings:
             note += " Loss settings per arm: " + "; ".join(f"{a} {s}" for a, s in settings.items()) + "."
+        weights = {a: v["rewards"] for a, v in r0["arms"].items() if "rewards" in v}
+        if len({json.dumps(w, sort_keys=True) for w in weights.values()}) > 1:
+            note += " Reward weights per arm: " + "; ".join(f"{a} {w}" for a, w in weights.items()) + "."
+        if r0.get("filter_groups"):
+            trained = {
+                a: mean_se([r["arms"][a]["trained_groups"] / (r["steps"] * r["prompts"]) for r in records])
+                for a in r0["arms"]
+            }
+            note += (
+                f" Groups whose {r0['filter_groups']} is the same for every response were left out of each"
+                " update (DAPO's dynamic sampling without re-sampling); fraction of groups trained per arm: "
+                + "; ".join(f"{a} {v}" for a, v in trained.items())
+                + "."
+            )
         print(write(out.stem, title, [note, "", *table], out_dir=out.parent))
 
 
@@ -533,15 +578,19 @@ def run_record(cfg: LoopConfig, base: Eval, results: Sequence[ArmResult]) -> dic
         "seed": cfg.seed,
         "model": model_name(str(cfg.model)),
         "steps": cfg.steps,
+        "prompts": cfg.prompts,
         "lr": cfg.lr,
+        "filter_groups": cfg.filter_groups,
         "start": {"accuracy": base.accuracy, **base.means},
         "arms": {
             r.arm.name: {
                 "loss": r.arm.loss,
+                "rewards": {c.name: c.weight for c in r.arm.spec.components},
                 "held_out": {"accuracy": r.after.accuracy, **r.after.means},
                 "train_first": train_means(r.steps[:4]),
                 "train_last": train_means(r.steps[-4:]),
                 "weight_change": r.weight_change,
+                "trained_groups": sum(s.trained_groups for s in r.steps),
                 "seconds": r.seconds,
             }
             for r in results

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from loom.contracts.wire import Group, Segment, Trajectory
+from loom.contracts.wire import Group, RewardResult, Segment, Trajectory, TrajectoryReward
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny", "--task", "arith", "--steps", "2", "--prompts", "2", "--group", "4"]
@@ -95,6 +95,46 @@ def test_seeds_summary_pairs_the_arms_per_seed_with_a_standard_error(tmp_path: P
     out = tmp_path / "summary.md"
     bench("adasr").main(["--summarize", *map(str, paths), "--out", str(out)])
     assert "| held-out accuracy | 0.500 ± 0.000 |" in out.read_text() and "3 seeds" in capsys.readouterr().out
+
+
+def test_filter_groups_leaves_out_the_groups_whose_component_is_uniform() -> None:
+    bench("adasr")
+    rl_loop = importlib.import_module("bench.rl_loop")
+
+    def group(gid: str, accuracies: list[float]) -> tuple[Group, RewardResult]:
+        n = len(accuracies)
+        trajs = [Trajectory(id=f"{gid}/{i}", group_id=gid, completion_ids=[1]) for i in range(n)]
+        rewards = [
+            TrajectoryReward(trajectory_id=t.id, total=a, components={"accuracy": a, "length": i / 100})
+            for i, (t, a) in enumerate(zip(trajs, accuracies, strict=True))
+        ]
+        return Group(id=gid, trajectories=trajs), RewardResult(group_id=gid, rewards=rewards)
+
+    pairs = [group("all-right", [1, 1, 1]), group("mixed", [1, 0, 1]), group("all-wrong", [0, 0, 0])]
+    groups, rewards = rl_loop.filter_groups([g for g, _ in pairs], [r for _, r in pairs], "accuracy")
+    assert [g.id for g in groups] == ["mixed"] and [r.group_id for r in rewards] == ["mixed"]
+    # every group's length differs across its responses: none is left out on that component
+    assert len(rl_loop.filter_groups([g for g, _ in pairs], [r for _, r in pairs], "length")[0]) == 3
+
+
+@pytest.mark.slow
+def test_adasr_bench_filters_groups_and_weights_grpos_length_terms(tmp_path: Path, capsys) -> None:
+    record = tmp_path / "seed0.json"
+    args = [*TINY, "--filter-groups", "accuracy", "--grpo-beta", "0", "--json", str(record)]
+    results = bench("adasr").main(args)
+    out = capsys.readouterr().out
+    run = json.loads(record.read_text())
+    assert run["filter_groups"] == "accuracy" and run["prompts"] == 2
+    grpo, hrpo = run["arms"]["grpo"]["rewards"], run["arms"]["hrpo"]["rewards"]
+    assert grpo["length_stream"] == grpo["efficiency"] == 0.0 and grpo["format_stream"] == 2.0
+    assert hrpo["length_stream"] == hrpo["efficiency"] == 0.05
+    for r in results:
+        assert run["arms"][r.arm.name]["trained_groups"] == sum(s.trained_groups for s in r.steps)
+        for s in r.steps:
+            assert 0 <= s.trained_groups <= 2
+            assert f"groups trained {s.trained_groups}/2" in out
+            if s.trained_groups == 0:  # nothing varied: no update, the step says so
+                assert s.skipped
 
 
 @pytest.mark.slow
