@@ -42,6 +42,7 @@ from loom.tiny.traces import (
     _state,
     boxed,
     child_prompt,
+    countdown_rechecks,
     expression_from_steps,
     plain_prompt,
     reflect_prompt,
@@ -158,15 +159,9 @@ def plain_trace(problem: Problem, variant: int = 0, style: Style = FIXED) -> lis
 
 
 def rechecks(problem: Problem, answer: str, steps: Sequence[str]) -> list[str]:
-    """The re-checks of a stated answer (the reflect format's pool; loom/search/reflect.py too)."""
-    nums = " ".join(str(n) for n in problem.numbers)
-    return [
-        f"Wait, let me check: {' '.join(steps)}. Yes.",
-        f"Alternatively, check the numbers: {nums}. Yes.",
-        f"But let me check the target: {problem.target}. Yes.",
-        f"Hmm, let me verify again: {answer} is {problem.target}. Yes.",
-        f"Let me double-check each number is used once: {nums}. Yes.",
-    ]
+    """The re-checks of a stated answer (the reflect format's pool; loom/search/reflect.py too): the
+    tiny model's pool, the first one replaying the search's steps."""
+    return countdown_rechecks(problem, answer, " ".join(steps))
 
 
 def reflect_trace(

@@ -207,12 +207,18 @@ def _reflections(problem: Problem) -> list[str]:
             f"Hmm, let me verify again: {a}{op}{b}={g}. Yes.",
             "Let me double-check the digits: " + " ".join(g) + ". Yes.",
         ]
+    return countdown_rechecks(problem, g, f"{g}={problem.target}")
+
+
+def countdown_rechecks(problem: Problem, answer: str, check: str) -> list[str]:
+    """The re-checks of a stated Countdown answer, ``check`` the first one's content (the tiny
+    model's reflect traces here, the search and reflect models' in loom/search/traces.py)."""
     nums = " ".join(str(n) for n in problem.numbers)
     return [
-        f"Wait, let me check: {g}={problem.target}. Yes.",
+        f"Wait, let me check: {check}. Yes.",
         f"Alternatively, check the numbers: {nums}. Yes.",
         f"But let me check the target: {problem.target}. Yes.",
-        f"Hmm, let me verify again: {g} is {problem.target}. Yes.",
+        f"Hmm, let me verify again: {answer} is {problem.target}. Yes.",
         f"Let me double-check each number is used once: {nums}. Yes.",
     ]
 
