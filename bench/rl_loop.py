@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loom.batching import differs
 from loom.contracts.wire import (
     Group,
     LossSpec,
@@ -323,11 +324,8 @@ def filter_groups(
     groups: Sequence[Group], rewards: Sequence[RewardResult], component: str
 ) -> tuple[list[Group], list[RewardResult]]:
     """The groups (and their rewards) whose responses differ in reward component ``component``: DAPO's
-    dynamic sampling filter (``cfg.filter_groups``); a group of all-equal values gives that component
-    no relative signal, and GRPO's normalisation would scale what is left of its summed reward."""
-    kept = [
-        i for i, res in enumerate(rewards) if len({r.components.get(component, 0.0) for r in res.rewards}) > 1
-    ]
+    dynamic sampling filter (``cfg.filter_groups``, loom.batching.differs)."""
+    kept = [i for i, res in enumerate(rewards) if differs(res, component)]
     return [groups[i] for i in kept], [rewards[i] for i in kept]
 
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from loom.batching import TOTAL as TOTAL_REWARD
 from loom.contracts.estimators import check_estimator_params
 from loom.contracts.wire import (
     Contract,
@@ -256,6 +257,13 @@ class RunRequest(Contract):
     loss: LossSpec = Field(default_factory=LossSpec)
     schedule: Schedule = Field(default_factory=Schedule)
     reflect: bool = False
+    filter_groups: str | None = Field(
+        default=None,
+        max_length=64,
+        description="DAPO's dynamic sampling (verl's algorithm.filter_groups): leave out of each update "
+        "the groups whose reward component of this name (one of reward.components, or 'reward' for "
+        "the summed total) is the same for every response; None trains every group",
+    )
     initial_policy_version: int = Field(default=0, ge=0, le=MAX_VERSION)
     trackers: list[TrackerSpec] | None = Field(
         default=None,
@@ -282,6 +290,20 @@ class RunRequest(Contract):
     @classmethod
     def _known_estimator_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         check_estimator_params(info.data.get("estimator", "grpo"), v)
+        return v
+
+    @field_validator("filter_groups")
+    @classmethod
+    def _filter_names_a_component(cls, v: str | None, info: ValidationInfo) -> str | None:
+        reward = info.data.get("reward")
+        if v is None or reward is None:  # no filter, or the reward spec already failed validation
+            return v
+        names = [c.name for c in reward.components]
+        if v != TOTAL_REWARD and v not in names:
+            raise ValueError(
+                f"{v!r} is neither a reward component of this run ({', '.join(names)}) "
+                f"nor {TOTAL_REWARD!r} (the summed reward)"
+            )
         return v
 
 

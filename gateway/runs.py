@@ -35,9 +35,9 @@ from gateway.pipeline import Cancelled, Collected, Stages, collect
 from gateway.state import GatewayState
 from gateway.stepmetrics import has_signal, step_metrics, step_samples
 from gateway.trackers import Trackers, resolve
-from loom.batching import next_batch_size
+from loom.batching import differs, next_batch_size
 from loom.contracts.settings import get_settings
-from loom.contracts.wire import RolloutRequest, TrainBatch
+from loom.contracts.wire import Group, RewardResult, RolloutRequest, TrainBatch
 
 log = logging.getLogger("loom.gateway.runs")
 
@@ -183,11 +183,21 @@ class RunLoop:
         )
         return Generated(step, batch_size, gen_version, collected)
 
+    def trained_groups(self, gen: Generated) -> list[tuple[Group, RewardResult]]:
+        """The groups step ``gen.step`` trains on: every kept group, or with ``filter_groups`` those
+        whose responses differ in that reward component (DAPO's dynamic sampling, docs/algorithms.md
+        §5.3)."""
+        kept = [g for g in gen.collected.groups if g is not None]
+        if self.req.filter_groups is None:
+            return kept
+        return [(g, r) for g, r in kept if differs(r, self.req.filter_groups)]
+
     async def train(self, gen: Generated, version: int) -> tuple[int, dict[str, float]]:
         """Train step ``gen.step``; returns the new policy version and the learner's metrics."""
-        kept = [g for g in gen.collected.groups if g is not None]
-        if not kept:  # every prompt dropped: no update, the policy stays
-            return version, {"skipped_update": 1.0}
+        kept = self.trained_groups(gen)
+        counted = {"trained_groups": float(len(kept))}
+        if not kept:  # every prompt dropped (or filtered out): no update, the policy stays
+            return version, {"skipped_update": 1.0, **counted}
         # the adaptive-sampling threshold stays in the run's config (``adaptive.threshold``) and in each
         # group's pool statistics (``n_positive``); no estimator reads it, so the batch does not carry it
         params = dict(self.req.estimator_params)
@@ -204,7 +214,7 @@ class RunLoop:
         result = await self.stages.train(f"{self.run_id}.train.s{gen.step}", batch)
         metrics = {f"learner/{k}": float(v) for k, v in result.metrics.items()}
         metrics["train_tokens"] = float(result.n_tokens)
-        return result.policy_version, metrics
+        return result.policy_version, {**metrics, **counted}
 
     # ------------------------------------------------------------------------------------------ loop
     async def run(self) -> str:
@@ -293,8 +303,8 @@ class RunLoop:
         version, learner_metrics = await self.train(gen, at.version)
         seconds = time.perf_counter() - t0
         next_batch = at.batch
-        if sched.adaptive_batch:
-            signal = sum(1 for g in gen.collected.groups if g is not None and has_signal(*g))
+        if sched.adaptive_batch:  # B''_m: the groups with a signal among those the step trains
+            signal = sum(1 for g in self.trained_groups(gen) if has_signal(*g))
             next_batch = next_batch_size(
                 gen.batch_size,
                 sched.target_groups or sched.batch_size,

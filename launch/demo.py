@@ -59,6 +59,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="truncated importance sampling for the rollout-train mismatch (docs/algorithms.md §5.2)",
     )
     p.add_argument("--tis-cap", type=float, default=2.0, help="C, the TIS truncation cap")
+    p.add_argument(
+        "--filter-groups",
+        metavar="COMPONENT",
+        default=None,
+        help="train only the groups whose reward COMPONENT (e.g. accuracy) differs across the responses "
+        "(DAPO's dynamic sampling; the run's filter_groups, docs/algorithms.md §5.3)",
+    )
     p.add_argument("--temperature", type=float, default=1.3)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--staleness", type=int, default=1, help="0 = synchronous; 1 = one-step off-policy")
@@ -118,6 +125,8 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
         },
     }
+    if args.filter_groups:
+        body["filter_groups"] = args.filter_groups
     if args.tracker:
         body["trackers"] = [{"name": name} for name in dict.fromkeys(args.tracker)]
     return body

@@ -1,10 +1,33 @@
-"""Adaptive batch size (AttnRL §3.3 eq. 10; docs/algorithms.md §5.3). Pure.
+"""Adaptive batch size (AttnRL §3.3 eq. 10; docs/algorithms.md §5.3) and DAPO's group filter. Pure.
 
 One rule for both callers: the gateway, which sizes the next step's batch, and the learner, which
-reports the size its valid groups call for (the ``next_batch_size`` metric).
+reports the size its valid groups call for (the ``next_batch_size`` metric). The group filter
+(:func:`differs`) is the gateway run loop's ``filter_groups`` and the RL benches' ``--filter-groups``.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loom.contracts.wire import RewardResult
+
+TOTAL = "reward"  # the name under which :func:`differs` reads the summed reward
+
+
+def differs(result: RewardResult, component: str) -> bool:
+    """Whether the group's responses differ in reward ``component`` (``"reward"``: the summed total).
+
+    DAPO's dynamic sampling (verl's ``algorithm.filter_groups``) keeps only such groups: a group whose
+    accuracy is the same for every response carries no relative signal on it, and GRPO's normalisation
+    would scale up whatever else is left of its summed reward (length, format) into full-size
+    advantages. A missing component reads 0, so a group that lacks it everywhere is uniform.
+    """
+    if component == TOTAL:
+        values = {r.total for r in result.rewards}
+    else:
+        values = {r.components.get(component, 0.0) for r in result.rewards}
+    return len(values) > 1
 
 
 def next_batch_size(

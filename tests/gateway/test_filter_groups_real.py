@@ -1,0 +1,101 @@
+"""A run with ``filter_groups`` (DAPO's dynamic sampling, docs/algorithms.md §5.3) on the REAL services:
+``loom worker rollout`` (torch engine, tiny model), ``loom worker reward`` and ``loom worker learner``.
+The reward is accuracy + a length term, so a group whose accuracy is the same for every response
+still has a non-zero summed-reward advantage and would be trained without the filter; with
+``filter_groups: accuracy`` each step trains exactly the groups whose accuracy differs, a step with
+none trains nothing, and the policy version moves only on the steps that trained."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.state import GatewayState
+from loom.tiny.tasks import make_problems
+from loom.tiny.traces import plain_prompt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import API_KEYS, RUNS_KEY, GatewayProcess, free_port, trained_steps  # noqa: E402
+
+STEPS = 3
+BATCH = 4  # <= gateway.runs.SAMPLE_GROUPS: every group of every step is stored and can be checked
+
+
+def _dataset() -> str:
+    """Arithmetic the tiny model solves some of the time, and the same prompts with a label no answer
+    matches (their accuracy is 0 for every response: a uniform group in every step that draws one)."""
+    rows = []
+    for p in make_problems("arith", 6, seed=11):
+        rows.append({"prompt": plain_prompt(p), "answer": p.gold})
+        rows.append({"prompt": plain_prompt(p), "answer": "no number is this"})
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+RUN = {
+    "run_key": "filter-real",
+    "dataset": {"jsonl": _dataset()},
+    "sampling": {"n": 4, "max_tokens": 32, "temperature": 1.3},
+    "reward": {"components": [{"name": "accuracy", "weight": 1.0}, {"name": "length_kimi", "weight": 0.5}]},
+    "filter_groups": "accuracy",
+    "estimator": "grpo",
+    "loss": {"lr": 1e-4},
+    "schedule": {"steps": STEPS, "batch_size": BATCH, "staleness": 0},
+}
+
+
+def _differs(sample: dict[str, Any], component: str) -> bool:
+    return len({r["components"].get(component, 0.0) for r in sample["rewards"]["rewards"]}) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
+def test_a_filtered_run_trains_exactly_the_groups_whose_accuracy_differs(
+    broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
+    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
+    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
+    try:
+        gw.start()
+        for w in workers:
+            w.wait_ready()
+        created = gw.post("/v1/runs", RUNS_KEY, RUN)
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        deadline = time.monotonic() + 300
+        while (view := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["status"] not in (
+            "succeeded",
+            "failed",
+        ):
+            assert time.monotonic() < deadline, view
+            time.sleep(0.2)
+        assert view["status"] == "succeeded", (view, gw.log_path.read_text()[-3000:])
+        metrics = gw.get(f"/v1/runs/{run_id}/metrics", RUNS_KEY).json()
+    finally:
+        gw.kill()
+
+    samples = GatewayState(tmp_path / "loom-data" / "gateway.sqlite").runs.samples(run_id)
+    uniform_with_signal = 0
+    for m in metrics:
+        groups = [s for s in samples if s["step"] == m["step"]]
+        assert len(groups) == BATCH, groups  # every group of the step is stored
+        differing = [g for g in groups if _differs(g, "accuracy")]
+        assert m["trained_groups"] == len(differing), (m, groups)
+        # the groups left out had a summed-reward signal (length): the filter, not GRPO, removed them
+        uniform_with_signal += sum(
+            1
+            for g in groups
+            if not _differs(g, "accuracy") and len({r["total"] for r in g["rewards"]["rewards"]}) > 1
+        )
+        assert (m.get("skipped_update", 0.0) == 1.0) == (not differing), m
+    assert uniform_with_signal > 0, (
+        "no uniform-accuracy group had a length signal: the test would show nothing"
+    )
+    trained = trained_steps(metrics)  # the version moves by one on each trained step, not otherwise
+    assert view["policy_version"] == len(trained)
