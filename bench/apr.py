@@ -21,6 +21,11 @@ of ``loom.search.traces.spawn_trace``, so one stage's errors do not reach the ne
 block exactly as in the trace; each child's returned message (a child whose pair leads to a solution
 must return it, the others ``No solution``); the parent's boxed answer read off the gold join block.
 
+Then the same problems' gold traces (``gold_paths``): the tokens a model that wrote them exactly would
+put on each path, serial (the plain trace) against spawn (the parent's tokens plus its longest child's),
+and spawn with every ``<Start Sub Search ...>`` line's syntax counted as one token. ``--gold-only``
+prints this table alone (no model is run).
+
 Usage: ``python bench/apr.py [--problems 40] [--serial-budgets 32,48,64,96,128,192,256,400]
 [--child-budgets 16,24,32,48,96]`` (or ``loom bench apr``).
 """
@@ -68,8 +73,19 @@ def main() -> None:
     p.add_argument("--child-budgets", default="16,24,32,48,96")
     p.add_argument("--model", default="search", help="a built-in model name or a checkpoint directory")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks/apr.md and apr.png")
+    p.add_argument("--gold-only", action="store_true", help="gold traces' path lengths only")
     a = p.parse_args()
     configure_process()
+    if a.gold_only:
+        from transformers import AutoTokenizer
+
+        from loom.models import resolve_model_path
+        from loom.search import search_problems
+        from loom.tiny import HELDOUT_SEED
+
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(a.model))
+        gold_paths(tok, search_problems("countdown", a.problems, HELDOUT_SEED, "test"))
+        return
     from loom.answers import last_boxed
     from loom.contracts.modes import parse_mode_params
     from loom.models import resolve_model_path
@@ -138,7 +154,7 @@ def main() -> None:
         )
         print(line)
         table.append(f"- {line.strip()}")
-    table += ["", *stages(engine, tok, problems)]
+    table += ["", *stages(engine, tok, problems), "", *gold_paths(tok, problems)]
     if a.record:
         from bench.report import write
 
@@ -200,6 +216,44 @@ def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
     print("\nstage by stage, each on its gold input:")
     for name, k, m in rows:
         print(f"  {name:58s} {k:3d}/{m:3d} = {k / max(1, m):.3f}")
+    return lines
+
+
+def gold_paths(tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
+    """Path lengths of the gold traces (what a model writing them exactly would generate): a table
+    (markdown lines), also printed."""
+    from loom.formats import DEFAULT_SPAWN
+    from loom.search.traces import plain_trace, spawn_trace
+
+    def n(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    syntax = n(DEFAULT_SPAWN.spawn_child.format(i=0, node=0))
+    serial, parent, child, critical, compact = [], [], [], [], []
+    for prob in problems:
+        serial.append(sum(n(p.text) for p in plain_trace(prob) if p.train))
+        gold = spawn_trace(prob)
+        mine = sum(n(p.text) for p in gold.parent if p.train)
+        longest = max(sum(n(p.text) for p in c if p.train) for c in gold.children)
+        parent.append(mine)
+        child.append(longest)
+        critical.append(mine + longest)
+        compact.append(mine + longest - (syntax - 1) * len(gold.children))
+    rows = [
+        ("serial search (the plain trace)", serial),
+        ("spawn: the parent's tokens", parent),
+        ("spawn: the longest child's tokens", child),
+        ("spawn: critical path (parent + longest child)", critical),
+        (f"spawn: critical path, each child's {syntax}-token spawn syntax as 1 token", compact),
+    ]
+    lines = [
+        f"| gold traces ({len(problems)} problems): tokens on the path | mean | min | max |",
+        "|---|---|---|---|",
+        *(f"| {name} | {statistics.fmean(v):.1f} | {min(v)} | {max(v)} |" for name, v in rows),
+    ]
+    print("\ngold traces, tokens on the path:")
+    for name, v in rows:
+        print(f"  {name:70s} mean {statistics.fmean(v):6.1f}  min {min(v):4d}  max {max(v):4d}")
     return lines
 
 
