@@ -303,9 +303,10 @@ def dataset_root(data_dir: Path | None) -> Path:
     return Path(data_dir) / "datasets"
 
 
-def step_indices(n_items: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """The dataset rows of ``step``: a pure function of (seed, step), so a resumed run draws the same."""
-    rng = random.Random(f"{seed}:{step}")
+def step_indices(n_items: int, batch_size: int, seed: int, step: int, draw: int = 0) -> list[int]:
+    """The dataset rows of ``step``: a pure function of (seed, step), so a resumed run draws the same.
+    ``draw`` > 0: the step's further batches (a run's ``filter_max_batches``), each its own draw."""
+    rng = random.Random(f"{seed}:{step}" if draw == 0 else f"{seed}:{step}:{draw}")
     if batch_size <= n_items:
         return rng.sample(range(n_items), batch_size)
     return [rng.randrange(n_items) for _ in range(batch_size)]

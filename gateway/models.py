@@ -264,6 +264,14 @@ class RunRequest(Contract):
         "the groups whose reward component of this name (one of reward.components, or 'reward' for "
         "the summed total) is the same for every response; None trains every group",
     )
+    filter_max_batches: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="with filter_groups: batches of prompts a step may draw until batch_size groups pass "
+        "the filter (DAPO's re-sampling, verl's max_num_gen_batches); the step trains on at most batch_size "
+        "of them, or on fewer when the last batch is drawn; 1 = no further batch",
+    )
     initial_policy_version: int = Field(default=0, ge=0, le=MAX_VERSION)
     trackers: list[TrackerSpec] | None = Field(
         default=None,
@@ -304,6 +312,13 @@ class RunRequest(Contract):
                 f"{v!r} is neither a reward component of this run ({', '.join(names)}) "
                 f"nor {TOTAL_REWARD!r} (the summed reward)"
             )
+        return v
+
+    @field_validator("filter_max_batches")
+    @classmethod
+    def _batches_need_a_filter(cls, v: int, info: ValidationInfo) -> int:
+        if v > 1 and info.data.get("filter_groups") is None:
+            raise ValueError("further batches are drawn only for a filter: set filter_groups")
         return v
 
 

@@ -115,6 +115,19 @@ def record_metrics(at: Position, gen: Generated, trained: Trained) -> dict[str, 
     }
 
 
+def merge_collected(a: Collected, b: Collected) -> Collected:
+    """Two batches of one step as one: their groups in order, their counters summed (the rounds used:
+    the larger; samples per prompt: recomputed)."""
+    counters = dict(a.counters)
+    for k, v in b.counters.items():
+        counters[k] = (
+            max(counters.get(k, 0.0), v) if k == "adaptive_rounds_used" else counters.get(k, 0.0) + v
+        )
+    if counters.get("adaptive_prompts"):
+        counters["adaptive_samples_per_prompt"] = counters["adaptive_samples"] / counters["adaptive_prompts"]
+    return Collected([*a.groups, *b.groups], counters, [*a.sampled, *b.sampled], a.seconds + b.seconds)
+
+
 def adaptive_config(req: RunRequest | Any) -> AdaptiveConfig | None:
     a = req.adaptive
     if a is None:
@@ -167,30 +180,44 @@ class RunLoop:
 
     # ---------------------------------------------------------------------------------------- stages
     async def generate(self, step: int, batch_size: int, gen_version: int) -> Generated:
+        """Step ``step``'s scored groups: one batch of prompts, or with ``filter_groups`` further
+        batches (up to ``filter_max_batches``) until ``batch_size`` groups pass the filter. Every
+        batch's rows and task keys are fixed by (seed, step, batch), so a resumed step re-walks them."""
         batch_size, gen_version = await asyncio.to_thread(
             self.state.runs.plan, self.run_id, step, batch_size, gen_version
         )
-        rows = step_indices(len(self.dataset), batch_size, self.req.schedule.seed, step)
+        collected = await self._draw(step, 0, batch_size, gen_version)
+        draws = 1
+        while draws < self.req.filter_max_batches and len(self._passing(collected)) < batch_size:
+            collected = merge_collected(collected, await self._draw(step, draws, batch_size, gen_version))
+            draws += 1
+        collected.counters["gen_batches"] = float(draws)
+        return Generated(step, batch_size, gen_version, collected)
+
+    async def _draw(self, step: int, draw: int, batch_size: int, gen_version: int) -> Collected:
+        rows = step_indices(len(self.dataset), batch_size, self.req.schedule.seed, step, draw)
         requests = [to_request(self.dataset[i], self.req) for i in rows]
-        collected = await collect(
+        return await collect(
             self.stages,
-            f"{self.run_id}.s{step}",
+            f"{self.run_id}.s{step}" + (f".b{draw}" if draw else ""),
             requests,
             self.req.reward,
             adaptive=self.adaptive,
             policy_version=gen_version,
             reflect=self.req.reflect,
         )
-        return Generated(step, batch_size, gen_version, collected)
 
-    def trained_groups(self, gen: Generated) -> list[tuple[Group, RewardResult]]:
-        """The groups step ``gen.step`` trains on: every kept group, or with ``filter_groups`` those
-        whose responses differ in that reward component (DAPO's dynamic sampling, docs/algorithms.md
-        §5.3)."""
-        kept = [g for g in gen.collected.groups if g is not None]
+    def _passing(self, collected: Collected) -> list[tuple[Group, RewardResult]]:
+        kept = [g for g in collected.groups if g is not None]
         if self.req.filter_groups is None:
             return kept
         return [(g, r) for g, r in kept if differs(r, self.req.filter_groups)]
+
+    def trained_groups(self, gen: Generated) -> list[tuple[Group, RewardResult]]:
+        """The groups step ``gen.step`` trains on: every kept group, or with ``filter_groups`` the
+        first ``batch_size`` of those whose responses differ in that reward component (DAPO's dynamic
+        sampling, docs/algorithms.md §5.3)."""
+        return self._passing(gen.collected)[: gen.batch_size]
 
     async def train(self, gen: Generated, version: int) -> tuple[int, dict[str, float]]:
         """Train step ``gen.step``; returns the new policy version and the learner's metrics."""

@@ -218,6 +218,8 @@ def test_work_that_would_fail_in_every_worker_is_422_at_submission(client: TestC
         ({**run, "loss": {"lr": 1e300}}, ["body", "loss", "lr"]),
         ({**run, "estimator": "hrpo", "estimator_params": {"betta": 0.1}}, ["body", "estimator_params"]),
         ({**run, "filter_groups": "length"}, ["body", "filter_groups"]),  # not one of the run's components
+        ({**run, "filter_max_batches": 4}, ["body", "filter_max_batches"]),  # no filter to refill for
+        ({**run, "filter_groups": "accuracy", "filter_max_batches": 17}, ["body", "filter_max_batches"]),
     ]
     for body, loc in cases:
         r = client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))

@@ -3,7 +3,8 @@
 The reward is accuracy + a length term, so a group whose accuracy is the same for every response
 still has a non-zero summed-reward advantage and would be trained without the filter; with
 ``filter_groups: accuracy`` each step trains exactly the groups whose accuracy differs, a step with
-none trains nothing, and the policy version moves only on the steps that trained."""
+none trains nothing, and the policy version moves only on the steps that trained. With
+``filter_max_batches`` 2 a step whose first batch has too few such groups draws a second batch."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import API_KEYS, RUNS_KEY, GatewayProcess, free_port, trained_steps  # noqa: E402
 
 STEPS = 3
-BATCH = 4  # <= gateway.runs.SAMPLE_GROUPS: every group of every step is stored and can be checked
 
 
 def _dataset() -> str:
@@ -45,7 +45,6 @@ RUN = {
     "filter_groups": "accuracy",
     "estimator": "grpo",
     "loss": {"lr": 1e-4},
-    "schedule": {"steps": STEPS, "batch_size": BATCH, "staleness": 0},
 }
 
 
@@ -55,9 +54,17 @@ def _differs(sample: dict[str, Any], component: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
+@pytest.mark.parametrize("batch,max_batches", [(4, 1), (2, 2)])  # batch x max_batches <= SAMPLE_GROUPS
 def test_a_filtered_run_trains_exactly_the_groups_whose_accuracy_differs(
-    broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path
+    broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path, batch: int, max_batches: int
 ) -> None:
+    """Every group a step generates is stored (gateway.runs.SAMPLE_GROUPS = 4) and checked."""
+    run = {
+        **RUN,
+        "run_key": f"filter-{batch}-{max_batches}",
+        "filter_max_batches": max_batches,
+        "schedule": {"steps": STEPS, "batch_size": batch, "staleness": 0},
+    }
     broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
     workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
     gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
@@ -65,7 +72,7 @@ def test_a_filtered_run_trains_exactly_the_groups_whose_accuracy_differs(
         gw.start()
         for w in workers:
             w.wait_ready()
-        created = gw.post("/v1/runs", RUNS_KEY, RUN)
+        created = gw.post("/v1/runs", RUNS_KEY, run)
         assert created.status_code == 201, created.text
         run_id = created.json()["id"]
         deadline = time.monotonic() + 300
@@ -84,9 +91,12 @@ def test_a_filtered_run_trains_exactly_the_groups_whose_accuracy_differs(
     uniform_with_signal = 0
     for m in metrics:
         groups = [s for s in samples if s["step"] == m["step"]]
-        assert len(groups) == BATCH, groups  # every group of the step is stored
+        first = [g for g in groups if ".b1." not in g["group_id"]]
+        passing = [g for g in first if _differs(g, "accuracy")]
+        drawn = 1 if len(passing) >= batch else max_batches
+        assert m["gen_batches"] == drawn and len(groups) == batch * drawn, (m, groups)
         differing = [g for g in groups if _differs(g, "accuracy")]
-        assert m["trained_groups"] == len(differing), (m, groups)
+        assert m["trained_groups"] == min(batch, len(differing)), (m, groups)
         # the groups left out had a summed-reward signal (length): the filter, not GRPO, removed them
         uniform_with_signal += sum(
             1

@@ -106,3 +106,32 @@ def test_a_step_whose_groups_are_all_filtered_out_trains_nothing(tmp_path: Path)
     # the same groups filtered on the summed reward (which the length term makes differ) are trained
     stages, metrics = _run(tmp_path / "total", Stages(accuracy_signal=False), filter_groups="reward")
     assert [len(b.groups) for b in stages.batches] == [4, 4]
+
+
+def test_further_batches_are_drawn_until_the_batch_is_full(tmp_path: Path) -> None:
+    """filter_max_batches (DAPO's re-sampling): 2 of each batch's 4 groups pass, so each step draws a
+    second batch of other rows and trains 4 groups; keys name the batch, so a resumed step re-walks it."""
+    stages, metrics = _run(tmp_path, filter_groups="accuracy", filter_max_batches=3)
+    assert [len(b.groups) for b in stages.batches] == [4, 4]
+    assert [m["gen_batches"] for m in metrics] == [2.0, 2.0]
+    assert [m["trained_groups"] for m in metrics] == [4.0, 4.0]
+    first = [g.id for g in stages.batches[0].groups]
+    assert sum(".s0.b1." in gid for gid in first) == 2 and sum(".s0.p" in gid for gid in first) == 2
+    assert [m["next_batch_size"] for m in metrics] == [4, 4]  # B'' = 4 trained groups of the wanted 4
+
+
+def test_a_step_stops_drawing_at_filter_max_batches(tmp_path: Path) -> None:
+    stages, metrics = _run(
+        tmp_path, Stages(accuracy_signal=False), filter_groups="accuracy", filter_max_batches=3
+    )
+    assert stages.batches == []
+    assert metrics[0]["gen_batches"] == 3.0 and metrics[0]["adaptive_prompts"] == 12.0  # 3 batches of 4 rows
+    assert metrics[0]["adaptive_samples_per_prompt"] == 4.0
+
+
+def test_further_batches_draw_other_rows() -> None:
+    from gateway.datasets import step_indices
+
+    assert step_indices(100, 8, 0, 3) == step_indices(100, 8, 0, 3, 0)  # the first batch as before
+    assert step_indices(100, 8, 0, 3, 1) != step_indices(100, 8, 0, 3)
+    assert step_indices(100, 8, 0, 3, 1) == step_indices(100, 8, 0, 3, 1)  # deterministic for a resume
