@@ -4,7 +4,8 @@ A key's queued and running work holds at most ``jobs`` jobs and ``runs`` runs, a
 ``samples`` completions and ``tokens`` completion tokens (samples x ``max_tokens``) in flight. A job
 costs every sample it asks for (prompts x n; with adaptive sampling prompts x M x R, its worst case);
 a run costs the samples of the steps it may generate at once ((staleness + 1) x its largest batch x
-samples per prompt), and its whole length is bounded on its own by ``run_samples``.
+samples per prompt), and its whole length (x ``filter_max_batches``, the batches a filtered step may
+draw) is bounded on its own by ``run_samples``.
 
 A submission that could never fit (over a limit on its own) is a 422 naming the limit; one that fits
 alone but not beside the key's other work is a 429 with Retry-After: it can be sent again once some of
@@ -106,7 +107,10 @@ def run_cost(req: Any) -> tuple[Cost, int]:
     largest = max(sched.batch_size, sched.max_batch) if sched.adaptive_batch else sched.batch_size
     per_step = largest * samples_per_prompt(req)
     samples = (sched.staleness + 1) * per_step
-    return Cost(samples, samples * int(req.sampling.max_tokens)), sched.steps * per_step
+    # a filtered step may draw up to filter_max_batches batches, one after another: its whole length
+    # counts them all, what it generates at once one
+    batches = int(getattr(req, "filter_max_batches", 1))
+    return Cost(samples, samples * int(req.sampling.max_tokens)), sched.steps * per_step * batches
 
 
 def too_long(total_samples: int, quotas: Quotas) -> QuotaExceeded | None:
@@ -119,7 +123,8 @@ def too_long(total_samples: int, quotas: Quotas) -> QuotaExceeded | None:
         quotas.run_samples,
         total_samples,
         0,
-        f"the run asks for {total_samples} samples over its steps (steps x batch x samples per prompt); "
+        f"the run asks for {total_samples} samples over its steps (steps x batch x samples per prompt "
+        "x filter_max_batches); "
         f"the limit is {quotas.run_samples} ({SETTING['run_samples']})",
     )
 

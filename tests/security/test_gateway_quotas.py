@@ -73,6 +73,16 @@ def test_the_issues_hostile_job_and_run_are_422_naming_the_quota(client: TestCli
     assert r.status_code == 422 and r.json()["quota"] == "run_samples"
     run["schedule"] = {"steps": 10_000, "batch_size": 256}
     assert client.post("/v1/runs", json=run, headers=auth(RUNS_KEY)).status_code == 201
+    # a filtered step may draw 16 batches: 60,000 steps fit once (123M samples), not 16 times (1.97G)
+    run = {**run, "run_key": "filtered", "schedule": {"steps": 60_000, "batch_size": 256}}
+    run |= {"filter_groups": "accuracy", "filter_max_batches": 16}
+    r = client.post("/v1/runs", json=run, headers=auth(RUNS_KEY))
+    assert r.status_code == 422 and r.json()["quota"] == "run_samples", r.text
+    assert r.json()["requested"] == 60_000 * 256 * 8 * 16
+    assert (
+        client.post("/v1/runs", json={**run, "filter_max_batches": 1}, headers=auth(RUNS_KEY)).status_code
+        == 201
+    )
 
 
 def test_work_beside_the_keys_other_work_is_429_until_some_ends(tmp_path: Path) -> None:
