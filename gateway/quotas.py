@@ -109,8 +109,9 @@ def run_cost(req: Any) -> tuple[Cost, int]:
     samples = (sched.staleness + 1) * per_step
     # a filtered step may draw up to filter_max_batches batches, one after another: its whole length
     # counts them all, what it generates at once one
-    batches = int(getattr(req, "filter_max_batches", 1))
-    return Cost(samples, samples * int(req.sampling.max_tokens)), sched.steps * per_step * batches
+    return Cost(
+        samples, samples * int(req.sampling.max_tokens)
+    ), sched.steps * per_step * req.filter_max_batches
 
 
 def too_long(total_samples: int, quotas: Quotas) -> QuotaExceeded | None:

@@ -219,9 +219,11 @@ class RunLoop:
         sampling, docs/algorithms.md §5.3)."""
         return self._passing(gen.collected)[: gen.batch_size]
 
-    async def train(self, gen: Generated, version: int) -> tuple[int, dict[str, float]]:
-        """Train step ``gen.step``; returns the new policy version and the learner's metrics."""
-        kept = self.trained_groups(gen)
+    async def train(
+        self, gen: Generated, version: int, kept: list[tuple[Group, RewardResult]]
+    ) -> tuple[int, dict[str, float]]:
+        """Train step ``gen.step`` on ``kept`` (:meth:`trained_groups`); returns the new policy version
+        and the learner's metrics."""
         counted = {"trained_groups": float(len(kept))}
         if not kept:  # every prompt dropped (or filtered out): no update, the policy stays
             return version, {"skipped_update": 1.0, **counted}
@@ -326,12 +328,13 @@ class RunLoop:
         staleness = at.version - gen.gen_version
         if staleness > sched.staleness:  # cannot happen by construction; refuse rather than train
             raise RuntimeError(f"step {at.step}: staleness {staleness} > bound {sched.staleness}")
+        kept = self.trained_groups(gen)
         t0 = time.perf_counter()
-        version, learner_metrics = await self.train(gen, at.version)
+        version, learner_metrics = await self.train(gen, at.version, kept)
         seconds = time.perf_counter() - t0
         next_batch = at.batch
         if sched.adaptive_batch:  # B''_m: the groups with a signal among those the step trains
-            signal = sum(1 for g in self.trained_groups(gen) if has_signal(*g))
+            signal = sum(1 for g in kept if has_signal(*g))
             next_batch = next_batch_size(
                 gen.batch_size,
                 sched.target_groups or sched.batch_size,
