@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,42 @@ class GatewayProcess:
 
     def post(self, path: str, key: str, body: Any) -> httpx.Response:
         return httpx.post(self.url + path, headers=auth(key), json=body, timeout=10.0)
+
+
+@contextmanager
+def real_services(
+    broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path
+) -> Iterator[GatewayProcess]:
+    """A started gateway process beside the REAL rollout, reward and learner workers (``loom worker``,
+    the conftest's ``loom_worker`` fixture) on ``broker_env``, all ready; the gateway is killed at the
+    end (the workers by their fixture)."""
+    broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
+    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
+    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
+    try:
+        gw.start()
+        for w in workers:
+            w.wait_ready()
+        yield gw
+    finally:
+        gw.kill()
+
+
+def start_run(gw: GatewayProcess, body: dict[str, Any]) -> str:
+    """POST ``body`` as a new run (201); its id."""
+    created = gw.post("/v1/runs", RUNS_KEY, body)
+    assert created.status_code == 201, created.text
+    return str(created.json()["id"])
+
+
+def wait_run_succeeded(gw: GatewayProcess, run_id: str, timeout: float) -> dict[str, Any]:
+    """The run's view once it has ended, which must be ``succeeded`` (else the gateway's log tail)."""
+    deadline = time.monotonic() + timeout
+    while (view := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, f"timed out waiting for the run to finish: {view}"
+        time.sleep(0.1)
+    assert view["status"] == "succeeded", (view, gw.log_path.read_text()[-3000:])
+    return dict(view)
 
 
 def start_stage_workers(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from loom.tiny.tasks import make_problems
 from loom.tiny.traces import plain_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, RUNS_KEY, GatewayProcess, free_port, trained_steps  # noqa: E402
+from helpers import RUNS_KEY, real_services, start_run, trained_steps, wait_run_succeeded  # noqa: E402
 
 STEPS = 3
 
@@ -65,27 +64,10 @@ def test_a_filtered_run_trains_exactly_the_groups_whose_accuracy_differs(
         "filter_max_batches": max_batches,
         "schedule": {"steps": STEPS, "batch_size": batch, "staleness": 0},
     }
-    broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
-    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
-    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
-    try:
-        gw.start()
-        for w in workers:
-            w.wait_ready()
-        created = gw.post("/v1/runs", RUNS_KEY, run)
-        assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
-        deadline = time.monotonic() + 300
-        while (view := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["status"] not in (
-            "succeeded",
-            "failed",
-        ):
-            assert time.monotonic() < deadline, view
-            time.sleep(0.2)
-        assert view["status"] == "succeeded", (view, gw.log_path.read_text()[-3000:])
+    with real_services(broker_env, loom_worker, tmp_path) as gw:
+        run_id = start_run(gw, run)
+        view = wait_run_succeeded(gw, run_id, 300)
         metrics = gw.get(f"/v1/runs/{run_id}/metrics", RUNS_KEY).json()
-    finally:
-        gw.kill()
 
     samples = GatewayState(tmp_path / "loom-data" / "gateway.sqlite").runs.samples(run_id)
     uniform_with_signal = 0

@@ -17,7 +17,7 @@ import pytest
 from loom.store import PolicyStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, RUNS_KEY, GatewayProcess, free_port, trained_steps  # noqa: E402
+from helpers import RUNS_KEY, real_services, start_run, trained_steps, wait_run_succeeded  # noqa: E402
 
 STEPS = 4
 RUN = {
@@ -48,16 +48,8 @@ def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 def test_killed_gateway_resumes_a_run_of_real_services(
     broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path
 ) -> None:
-    broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
-    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
-    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
-    try:
-        gw.start()
-        for w in workers:
-            w.wait_ready()
-        created = gw.post("/v1/runs", RUNS_KEY, RUN)
-        assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
+    with real_services(broker_env, loom_worker, tmp_path) as gw:
+        run_id = start_run(gw, RUN)
         seen = _wait(
             lambda: (v := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["completed_steps"] >= 1 and v,
             120,
@@ -69,18 +61,8 @@ def test_killed_gateway_resumes_a_run_of_real_services(
         gw.start()
         again = gw.post("/v1/runs", RUNS_KEY, RUN)  # idempotent by run_key: the same run, resumed
         assert again.status_code == 200 and again.json()["id"] == run_id
-        view = _wait(
-            lambda: (
-                (v := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["status"] in ("succeeded", "failed")
-                and v
-            ),
-            120,
-            "the run to finish",
-        )
-        assert view["status"] == "succeeded", (view, gw.log_path.read_text()[-3000:])
+        view = wait_run_succeeded(gw, run_id, 120)
         metrics = gw.get(f"/v1/runs/{run_id}/metrics", RUNS_KEY).json()
-    finally:
-        gw.kill()
 
     # every step exactly once, in order: none repeated, none skipped across the restart
     assert [m["step"] for m in metrics] == list(range(STEPS))

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
-from helpers import API_KEYS, RUNS_KEY, GatewayProcess, free_port  # noqa: E402
+from helpers import RUNS_KEY, real_services, start_run, wait_run_succeeded  # noqa: E402
 from readers import mlflow_series, tensorboard_scalars, tensorboard_texts, wandb_history  # noqa: E402
 
 STEPS = 2
@@ -57,25 +57,9 @@ def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 def test_a_real_run_fills_tensorboard_mlflow_and_wandb_with_its_metrics(
     broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path
 ) -> None:
-    broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
-    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
-    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
-    try:
-        gw.start()
-        for w in workers:
-            w.wait_ready()
-        created = gw.post("/v1/runs", RUNS_KEY, RUN)
-        assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
-        view = _wait(
-            lambda: (
-                (v := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["status"] in ("succeeded", "failed")
-                and v
-            ),
-            240,
-            "the run to finish",
-        )
-        assert view["status"] == "succeeded", (view, gw.log_path.read_text()[-3000:])
+    with real_services(broker_env, loom_worker, tmp_path) as gw:
+        run_id = start_run(gw, RUN)
+        wait_run_succeeded(gw, run_id, 240)
         metrics = gw.get(f"/v1/runs/{run_id}/metrics", RUNS_KEY).json()
         run_dir = tmp_path / "loom-data" / "runs" / run_id / "trackers"
         # the trackers close after the run's status is recorded: W&B's offline file is complete then
@@ -84,8 +68,6 @@ def test_a_real_run_fills_tensorboard_mlflow_and_wandb_with_its_metrics(
             60,
             "W&B history",
         )
-    finally:
-        gw.kill()
 
     assert [m["step"] for m in metrics] == list(range(STEPS))
     assert any("learner/loss" in m for m in metrics), ("no step trained", metrics)
