@@ -23,8 +23,10 @@ must return it, the others ``No solution``); the parent's boxed answer read off 
 
 Then the same problems' gold traces (``gold_paths``): the tokens a model that wrote them exactly would
 put on each path, serial (the plain trace) against spawn (the parent's tokens plus its longest child's),
-and spawn with every ``<Start Sub Search ...>`` line's syntax counted as one token. ``--gold-only``
-prints this table alone (no model is run).
+and spawn with every ``<Start Sub Search ...>`` line's syntax counted as one token, then such a model's
+accuracy under a budget on the path. ``--gold-only`` prints these tables alone (no model is run);
+``--gold-only --numbers 4`` the same for four-number Countdown (loom/search/deep.py; spawn by pair and
+by first move), which no shipped model writes yet.
 
 Usage: ``python bench/apr.py [--problems 40] [--serial-budgets 32,48,64,96,128,192,256,400]
 [--child-budgets 16,24,32,48,96]`` (or ``loom bench apr``).
@@ -74,6 +76,9 @@ def main() -> None:
     p.add_argument("--model", default="search", help="a built-in model name or a checkpoint directory")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks/apr.md and apr.png")
     p.add_argument("--gold-only", action="store_true", help="gold traces' path lengths only")
+    p.add_argument(
+        "--numbers", type=int, default=3, choices=(3, 4), help="--gold-only: Countdown with 3 or 4 numbers"
+    )
     a = p.parse_args()
     configure_process()
     if a.gold_only:
@@ -84,7 +89,12 @@ def main() -> None:
         from loom.tiny import HELDOUT_SEED
 
         tok = AutoTokenizer.from_pretrained(resolve_model_path(a.model))
-        gold_paths(tok, search_problems("countdown", a.problems, HELDOUT_SEED, "test"))
+        if a.numbers == 3:
+            gold_paths(tok, search_problems("countdown", a.problems, HELDOUT_SEED, "test"))
+        else:
+            from loom.search.deep import deep_problems
+
+            gold_paths(tok, deep_problems(a.problems, HELDOUT_SEED, "test"), numbers=4)
         return
     from loom.answers import last_boxed
     from loom.contracts.modes import parse_mode_params
@@ -219,41 +229,118 @@ def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
     return lines
 
 
-def gold_paths(tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
-    """Path lengths of the gold traces (what a model writing them exactly would generate): a table
-    (markdown lines), also printed."""
+@dataclass
+class GoldPaths:
+    """Per problem, the trained tokens of a gold trace's paths."""
+
+    serial: list[int] = field(default_factory=list)  # the plain trace's completion
+    positions: list[int] = field(default_factory=list)  # the plain trace's prompt + completion
+    parent: list[int] = field(default_factory=list)  # the spawn parent's own tokens (spawn block, answer)
+    longest: list[int] = field(default_factory=list)  # the longest child's
+    solving: list[int] = field(default_factory=list)  # the shortest child that returns a solution
+    children: list[int] = field(default_factory=list)
+
+
+def measure_gold(tok, problems, plain, spawn) -> GoldPaths:  # type: ignore[no-untyped-def]
+    """``plain(problem)`` -> pieces, ``spawn(problem)`` -> SpawnTrace: the tokens on each path."""
     from loom.formats import DEFAULT_SPAWN
-    from loom.search.traces import plain_trace, spawn_trace
 
-    def n(text: str) -> int:
-        return len(tok.encode(text, add_special_tokens=False))
+    def n(pieces) -> int:  # type: ignore[no-untyped-def]
+        return sum(len(tok.encode(p.text, add_special_tokens=False)) for p in pieces if p.train)
 
-    syntax = n(DEFAULT_SPAWN.spawn_child.format(i=0, node=0))
-    serial, parent, child, critical, compact = [], [], [], [], []
+    g = GoldPaths()
     for prob in problems:
-        serial.append(sum(n(p.text) for p in plain_trace(prob) if p.train))
-        gold = spawn_trace(prob)
-        mine = sum(n(p.text) for p in gold.parent if p.train)
-        longest = max(sum(n(p.text) for p in c if p.train) for c in gold.children)
-        parent.append(mine)
-        child.append(longest)
-        critical.append(mine + longest)
-        compact.append(mine + longest - (syntax - 1) * len(gold.children))
-    rows = [
-        ("serial search (the plain trace)", serial),
-        ("spawn: the parent's tokens", parent),
-        ("spawn: the longest child's tokens", child),
-        ("spawn: critical path (parent + longest child)", critical),
-        (f"spawn: critical path, each child's {syntax}-token spawn syntax as 1 token", compact),
-    ]
+        trace = plain(prob)
+        g.serial.append(n(trace))
+        g.positions.append(sum(len(tok.encode(p.text, add_special_tokens=False)) for p in trace))
+        gold = spawn(prob)
+        lengths = [n(c) for c in gold.children]
+        g.parent.append(n(gold.parent))
+        g.longest.append(max(lengths))
+        g.solving.append(
+            min(k for k, m in zip(lengths, gold.messages, strict=True) if m != DEFAULT_SPAWN.no_solution)
+        )
+        g.children.append(len(lengths))
+    return g
+
+
+def gold_paths(tok, problems, numbers: int = 3) -> list[str]:  # type: ignore[no-untyped-def]
+    """Path lengths of the gold traces (what a model writing them exactly would generate): a table
+    (markdown lines), also printed. ``numbers`` 3: loom.search.traces (the search model's); 4:
+    loom.search.deep, spawn by pair and by first move, with the accuracy of such a model under a
+    budget on the path."""
+    from loom.formats import DEFAULT_SPAWN
+
+    syntax = len(tok.encode(DEFAULT_SPAWN.spawn_child.format(i=0, node=0), add_special_tokens=False))
+    if numbers == 3:
+        from loom.search.traces import plain_trace, spawn_trace
+
+        spawns = {"": measure_gold(tok, problems, plain_trace, spawn_trace)}
+    else:
+        from loom.search import deep
+
+        spawns = {
+            f" ({by})": measure_gold(
+                tok, problems, deep.plain_trace, lambda p, by=by: deep.spawn_trace(p, by=by)
+            )
+            for by in ("pair", "move")
+        }
+    first = next(iter(spawns.values()))
+    rows: list[tuple[str, list[int]]] = [("serial search (the plain trace)", first.serial)]
+    if numbers != 3:
+        rows.append(("serial search: positions (prompt + trace)", first.positions))
+    for by, g in spawns.items():
+        critical = [a + b for a, b in zip(g.parent, g.longest, strict=True)]
+        rows += [
+            (f"spawn{by}: children", g.children),
+            (f"spawn{by}: the parent's tokens", g.parent),
+            (f"spawn{by}: the longest child's tokens", g.longest),
+            (f"spawn{by}: critical path (parent + longest child)", critical),
+            (
+                f"spawn{by}: critical path, each child's {syntax}-token spawn syntax as 1 token",
+                [c - (syntax - 1) * k for c, k in zip(critical, g.children, strict=True)],
+            ),
+        ]
+    if numbers == 3:
+        rows = [r for r in rows if not r[0].endswith("children")]
     lines = [
-        f"| gold traces ({len(problems)} problems): tokens on the path | mean | min | max |",
+        f"| gold traces ({len(problems)} problems, {numbers} numbers): tokens on the path"
+        " | mean | min | max |",
         "|---|---|---|---|",
         *(f"| {name} | {statistics.fmean(v):.1f} | {min(v)} | {max(v)} |" for name, v in rows),
     ]
-    print("\ngold traces, tokens on the path:")
+    print(f"\ngold traces ({numbers} numbers), tokens on the path:")
     for name, v in rows:
-        print(f"  {name:70s} mean {statistics.fmean(v):6.1f}  min {min(v):4d}  max {max(v):4d}")
+        print(f"  {name:72s} mean {statistics.fmean(v):6.1f}  min {min(v):4d}  max {max(v):4d}")
+    return lines + ["", *gold_budgets(first.serial, spawns)]
+
+
+def gold_budgets(serial: list[int], spawns: dict[str, GoldPaths]) -> list[str]:
+    """Accuracy of a model writing the gold traces exactly under a budget L on the path, and the mean
+    tokens it then puts on the path: serial search solves a problem when its trace fits in L (path
+    min(L, trace)); spawn/join when its parent's tokens plus its shortest solving child's fit, the
+    children cut at L minus the parent's tokens (path min(L, parent + longest child))."""
+    top = max(
+        max(serial), *(max(p + s for p, s in zip(g.parent, g.solving, strict=True)) for g in spawns.values())
+    )
+    budgets = sorted({b for b in (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048) if b < top} | {top})
+    head = ["budget L on the path", "serial", *(f"spawn{by}" for by in spawns)]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    print("\naccuracy (mean tokens on the path) of a gold-writing model under a budget on the path:")
+    for b in budgets:
+        cells = [(statistics.fmean(s <= b for s in serial), statistics.fmean(min(b, s) for s in serial))]
+        for g in spawns.values():
+            solved = statistics.fmean(p + s <= b for p, s in zip(g.parent, g.solving, strict=True))
+            path = statistics.fmean(min(b, p + k) for p, k in zip(g.parent, g.longest, strict=True))
+            cells.append((solved, path))
+        lines.append(f"| {b} | " + " | ".join(f"{a:.3f} ({t:.0f})" for a, t in cells) + " |")
+        print(
+            f"  L {b:5d}  "
+            + "  ".join(f"{h} {a:.3f} ({t:.0f})" for h, (a, t) in zip(head[1:], cells, strict=True))
+        )
     return lines
 
 

@@ -16,7 +16,9 @@ def test_gold_paths_count_the_trained_tokens_of_each_path():
     tok = AutoTokenizer.from_pretrained(resolve_model_path("search"))
     problems = search_problems("countdown", 6, HELDOUT_SEED, "test")
     lines = bench("apr").gold_paths(tok, problems)
-    means = {line.split(" | ")[0].lstrip("| "): float(line.split(" | ")[1]) for line in lines[2:]}
+    means = {
+        line.split(" | ")[0].lstrip("| "): float(line.split(" | ")[1]) for line in lines[2 : lines.index("")]
+    }
 
     def n(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))
