@@ -10,6 +10,7 @@ loom train-tiny              reproduce the built-in tiny model
 loom train-search            reproduce the built-in search model (Countdown search traces)
 loom train-stream            reproduce the built-in stream model (the search model, wasteful reading)
 loom train-reflect           reproduce the built-in reflect model (the search model, reflecting mid-reasoning)
+loom train-deep              train the four-number search model (APR's search; not shipped yet)
 loom bench NAME              run a benchmark from bench/
 """
 
@@ -36,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-search": ("loom.search.train:main", "reproduce the built-in search model"),
     "train-stream": ("loom.search.stream:main", "reproduce the built-in stream model"),
     "train-reflect": ("loom.search.reflect:main", "reproduce the built-in reflect model"),
+    "train-deep": ("loom.search.deep_train:main", "train the four-number search model (not shipped yet)"),
     "bench": ("launch.cli:bench_main", "run a benchmark from bench/"),
 }
 

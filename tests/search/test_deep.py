@@ -95,3 +95,34 @@ def test_gold_table_for_four_numbers_counts_the_traces():
     assert [float(v.split()[0]) for v in last[1:]] == [1.0, 1.0, 1.0]
     # ... and serial search's mean path there is its whole trace (the budget cuts none)
     assert abs(float(last[1].split()[1].strip("()")) - means["serial search (the plain trace)"]) <= 0.55
+
+
+@pytest.mark.slow
+def test_train_deep_widens_the_positions_and_writes_a_checkpoint(tmp_path):
+    import json
+
+    from loom.runtime import configure_process
+    from loom.search import SEARCH_CHECKPOINT_DIR
+    from loom.search.deep_train import DeepTrainConfig, build_sequences, heldout, main, model_card, train
+    from loom.tiny import load_model, load_tokenizer
+    from loom.tiny.evaluate import Budgets
+
+    configure_process()
+    cfg = DeepTrainConfig(steps=2, warmup=1, train_problems=4, keep_problems=3, batch_size=2, eval_problems=2)
+    card = train(cfg, SEARCH_CHECKPOINT_DIR, tmp_path / "a", evaluate_after=False)
+    seqs = build_sequences(deep_problems(4, 0, "train"), [])
+    assert card["max_positions"] == 2048 and card["final_loss"] > 0
+    # per four-number problem its serial search, a spawn parent and one child per first move
+    assert len(seqs) == sum(2 + len(deep_moves(p.numbers)) for p in deep_problems(4, 0, "train"))
+    assert card["sequences"] == len(seqs) + 3 * (1 + 1 + 3)  # three-number: plain, parent, 3 children
+    saved = json.loads((tmp_path / "a" / "card.json").read_text())
+    assert model_card(saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
+    model, tok = load_model(tmp_path / "a"), load_tokenizer(tmp_path / "a")
+    assert model.config.max_position_embeddings == 2048
+    assert tok.get_vocab() == load_tokenizer(SEARCH_CHECKPOINT_DIR).get_vocab()
+    small = Budgets(plain=16, spawn_head=16, child=8, join_answer=8)
+    got = heldout(model, tok, 2, small)
+    assert set(got) == {"plain", "spawn"} and all(r.total == 2 for r in got.values())
+    argv = ["--init", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--steps", "1", "--batch-size", "2"]
+    assert main([*argv, "--train-problems", "2", "--keep-problems", "1", "--no-eval"]) == 0
+    assert json.loads((tmp_path / "b" / "card.json").read_text())["init"] == str(tmp_path / "a")

@@ -1,0 +1,149 @@
+"""``loom train-deep``: the search model fine-tuned on four-number Countdown (loom/search/deep.py), the
+model issue 38's APR item needs; not trained or shipped yet (docs/models.md says why).
+
+It starts from the search checkpoint (``--init``; its tokenizer unchanged), widens the positions to
+:data:`MAX_POSITIONS` (Llama's rotary positions need no new weights) and trains one phase on, per
+four-number problem, the serial two-level search (cut at ``max_len``: a search longer than the window
+is what serial search cannot hold, APR's context argument) and the spawn trace with one child per
+first move (the parent and every child), mixed with the search model's three-number plain and spawn
+traces so those skills are kept. Held-out greedy accuracy is measured on four-number problems, plain
+and spawn (the children of a spawn run one by one here; ``bench/apr.py --numbers 4`` runs them as
+spawn mode does).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from loom.runtime import configure_process
+from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, deep_problems
+from loom.search.deep import plain_trace as deep_plain
+from loom.search.deep import spawn_trace as deep_spawn
+from loom.search.tasks import search_problems
+from loom.search.traces import build_trace
+from loom.search.train import MODEL
+from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_spawn
+from loom.tiny.tasks import HELDOUT_SEED, Problem
+from loom.tiny.traces import Piece
+from loom.tiny.train import TrainConfig
+
+DEEP_CHECKPOINT_DIR = Path(__file__).resolve().parent / "deep_checkpoint"
+MAX_POSITIONS = 2048
+# a parent's spawn block runs to about 800 tokens (22 first moves), a child's search to about 380
+BUDGETS = Budgets(plain=MAX_POSITIONS - 40, spawn_head=960, child=420, join_answer=60)
+
+
+@dataclass
+class DeepTrainConfig(TrainConfig):
+    steps: int = 600
+    batch_size: int = 16
+    lr: float = 5e-4
+    warmup: int = 20
+    train_problems: int = 2000  # four-number problems
+    keep_problems: int = 500  # three-number problems, plain and spawn
+    eval_problems: int = 40
+    max_len: int = MAX_POSITIONS
+
+
+def build_sequences(deep: list[Problem], three: list[Problem]) -> list[list[Piece]]:
+    seqs: list[list[Piece]] = []
+    for p in deep:
+        seqs.append(deep_plain(p))
+        t = deep_spawn(p, by="move")
+        seqs.extend([t.parent, *t.children])
+    for p in three:
+        seqs.extend(build_trace(p, "plain"))
+        seqs.extend(build_trace(p, "spawn"))
+    return seqs
+
+
+def heldout(model, tok, n: int, budgets: Budgets = BUDGETS) -> dict[str, FormatResult]:  # type: ignore[no-untyped-def]
+    """Greedy held-out accuracy on four-number problems, serial (plain) and spawn."""
+    problems = deep_problems(n, HELDOUT_SEED, "test")
+    return {
+        "plain": eval_plain(model, tok, problems, b=budgets),
+        "spawn": eval_spawn(model, tok, problems, budgets),
+    }
+
+
+def train(cfg: DeepTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
+    from loom.tiny import load_model, load_tokenizer
+    from loom.tiny.train import device_name, encode, fit, record_heldout, run_facts, write_checkpoint
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    deep = deep_problems(cfg.train_problems, seed=cfg.seed, split="train")
+    three = search_problems("countdown", cfg.keep_problems, seed=cfg.seed, split="train")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok, model = load_tokenizer(init), load_model(init)
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, cfg.max_len)
+    tok.model_max_length = model.config.max_position_embeddings
+    model.to(device)  # type: ignore[arg-type]
+    seqs = build_sequences(deep, three)
+    data = encode(seqs, tok, cfg.max_len)
+    cut = sum(len(ids) == cfg.max_len for ids, _ in data)
+    losses, secs = fit(model, tok, data, cfg, True, "train-deep")
+    model.to("cpu")  # type: ignore[arg-type]
+    card: dict = {
+        "config": asdict(cfg),
+        "init": str(init),
+        "model": asdict(replace(MODEL, max_positions=model.config.max_position_embeddings)),
+        "max_positions": model.config.max_position_embeddings,
+        "problems": {"countdown": {**DEEP_KNOBS, "max_solving_first_moves": DEEP_MAX_SOLVING}},
+        "sequences": len(seqs),
+        "sequences_cut_at_max_len": cut,
+        "device": device_name(device),
+        **run_facts(model, tok, losses, secs),
+        "loss_every_50": [round(x, 4) for x in losses[::50]],
+    }
+    if evaluate_after:
+        record_heldout(card, lambda: heldout(model, tok, cfg.eval_problems))
+    if out_dir is not None:
+        write_checkpoint(model, tok, out_dir, card, model_card(card))
+    return card
+
+
+def model_card(card: dict) -> str:
+    from loom.tiny.train import card_markdown
+
+    cfg = card["config"]
+    about = [
+        "The search model fine-tuned by `loom train-deep` on four-number Countdown (loom/search/deep.py):",
+        "serial two-level search and spawn/join with one child per first move, mixed with three-number",
+        f"plain and spawn traces; {card['max_positions']} positions. Reproduce with",
+        f"`loom train-deep --seed {cfg['seed']} --steps {cfg['steps']} --lr {cfg['lr']}`.",
+    ]
+    data = [
+        f"- {card['sequences']} sequences, {card['sequences_cut_at_max_len']} cut at {cfg['max_len']} tokens;"
+        f" problems {card['problems']}"
+    ]
+    trained_on = f"{card['device']}, {card['torch_threads']} torch thread(s)"
+    return card_markdown(card, "Loom deep-search model", about, data, trained_on, "Held-out greedy accuracy")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from loom.search import SEARCH_CHECKPOINT_DIR
+    from loom.tiny.train import print_card, shared_config, training_parser
+
+    d = DeepTrainConfig()
+    p = training_parser("loom train-deep", "train the four-number search model (not shipped yet)", d)
+    p.add_argument("--train-problems", type=int, default=d.train_problems, help="four-number problems")
+    p.add_argument("--keep-problems", type=int, default=d.keep_problems, help="three-number problems")
+    p.add_argument("--init", type=Path, default=SEARCH_CHECKPOINT_DIR, help="default: the search model")
+    args = p.parse_args(argv)
+    configure_process()
+    cfg = DeepTrainConfig(
+        **shared_config(args), train_problems=args.train_problems, keep_problems=args.keep_problems
+    )
+    card = train(cfg, args.init, args.out or DEEP_CHECKPOINT_DIR, evaluate_after=not args.no_eval)
+    print_card(card)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
