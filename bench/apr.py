@@ -4,7 +4,9 @@ against serial search, on the search model (loom/search), side by side in one ru
 Workload: held-out Countdown search problems (``loom.search.search_problems``, the model's own
 distribution), greedy decoding on the in-process torch engine.
   serial   the plain format (one search written out move by move), ``max_tokens`` = L for each L in
-           ``--serial-budgets``: every token is on the critical path (sequential = total).
+           ``--serial-budgets``: every token is on the critical path (sequential = total). Greedy, so
+           each problem is generated once at the largest L and read at each smaller L from its first
+           L tokens.
   spawn    the spawn format through spawn mode (rollout_svc.modes.spawn): the parent spawns one child
            per pair of numbers, the children search in parallel, the parent answers after the join;
            ``child_max_tokens`` = C for each C in ``--child-budgets``. Sequential tokens = the parent's
@@ -27,6 +29,10 @@ and spawn with every ``<Start Sub Search ...>`` line's syntax counted as one tok
 accuracy under a budget on the path. ``--gold-only`` prints these tables alone (no model is run);
 ``--gold-only --numbers 4`` the same for four-number Countdown (loom/search/deep.py; spawn by pair and
 by first move), which no shipped model writes yet.
+
+``--numbers 4`` runs all of this on four-number problems (loom/search/deep.py) for a model trained by
+``loom train-deep`` (``--model DIR``), spawn mode allowed 32 children; the stage-by-stage check is left
+out there (some 580 children one by one) and ``--record`` writes docs/benchmarks/apr-deep.md.
 
 Usage: ``python bench/apr.py [--problems 40] [--serial-budgets 32,48,64,96,128,192,256,400]
 [--child-budgets 16,24,32,48,96]`` (or ``loom bench apr``).
@@ -77,7 +83,11 @@ def main() -> None:
     p.add_argument("--record", action="store_true", help="write docs/benchmarks/apr.md and apr.png")
     p.add_argument("--gold-only", action="store_true", help="gold traces' path lengths only")
     p.add_argument(
-        "--numbers", type=int, default=3, choices=(3, 4), help="--gold-only: Countdown with 3 or 4 numbers"
+        "--numbers",
+        type=int,
+        default=3,
+        choices=(3, 4),
+        help="Countdown with 3 or 4 numbers (4: --record writes apr-deep.md)",
     )
     a = p.parse_args()
     configure_process()
@@ -106,20 +116,30 @@ def main() -> None:
 
     engine = TorchEngine(resolve_model_path(a.model), cache_entries=256)
     tok = engine.tokenizer
-    problems = search_problems("countdown", a.problems, HELDOUT_SEED, "test")
-    greedy = SamplingParams(temperature=0.0, n=1, max_tokens=512)
+    if a.numbers == 3:
+        problems = search_problems("countdown", a.problems, HELDOUT_SEED, "test")
+    else:
+        from loom.search.deep import deep_problems
 
+        problems = deep_problems(a.problems, HELDOUT_SEED, "test")
+    greedy = SamplingParams(temperature=0.0, n=1, max_tokens=512 if a.numbers == 3 else 1400)
+
+    # greedy decoding: the completion under budget L is the first L tokens of the one under the
+    # largest budget, so each problem is generated once
+    budgets = [int(x) for x in a.serial_budgets.split(",")]
+    longest = []
+    for prob in problems:
+        ids = tok.encode(plain_prompt(prob), add_special_tokens=False)
+        (out,) = asyncio.run(engine.generate(ids, greedy.model_copy(update={"max_tokens": max(budgets)})))
+        longest.append(list(out.token_ids))
     rows: list[Row] = []
-    for budget in [int(x) for x in a.serial_budgets.split(",")]:
+    for budget in budgets:
         row = Row(f"serial L={budget}")
-        params = greedy.model_copy(update={"max_tokens": budget})
-        for prob in problems:
-            ids = tok.encode(plain_prompt(prob), add_special_tokens=False)
-            (out,) = asyncio.run(engine.generate(ids, params))
-            text = tok.decode(out.token_ids)
+        for prob, out_ids in zip(problems, longest, strict=True):
+            text = tok.decode(out_ids[:budget])
             row.correct.append(prob.verify(last_boxed(text) if "</think>" in text else None))
-            row.sequential.append(len(out.token_ids))
-            row.total.append(len(out.token_ids))
+            row.sequential.append(min(budget, len(out_ids)))
+            row.total.append(min(budget, len(out_ids)))
         rows.append(row)
         print(f"{row.name:16s} accuracy {row.accuracy:.3f}  sequential {row.seq:6.1f}  total {row.tot:6.1f}")
 
@@ -131,7 +151,9 @@ def main() -> None:
                 mode="spawn",
                 prompt=spawn_prompt(prob),
                 sampling=greedy,
-                mode_params={"child_max_tokens": child},
+                mode_params={"child_max_tokens": child}
+                if a.numbers == 3
+                else {"child_max_tokens": child, "max_children": 32, "max_total_tokens": 32 * child + 1024},
             )
             ids = tok.encode(req.prompt, add_special_tokens=False)
             group = asyncio.run(spawn(req, ids, "apr", engine, tok, parse_mode_params(req)))
@@ -164,7 +186,9 @@ def main() -> None:
         )
         print(line)
         table.append(f"- {line.strip()}")
-    table += ["", *stages(engine, tok, problems), "", *gold_paths(tok, problems)]
+    if a.numbers == 3:  # (four numbers: some 580 children one by one, too slow for this VM)
+        table += ["", *stages(engine, tok, problems)]
+    table += ["", *gold_paths(tok, problems, a.numbers)]
     if a.record:
         from bench.report import write
 
@@ -178,7 +202,7 @@ def main() -> None:
             ax.legend()
 
         path = write(
-            "apr",
+            "apr" if a.numbers == 3 else "apr-deep",
             f"APR: spawn/join vs serial search ({a.model} model, {len(problems)} problems)",
             table,
             plot=plot,
