@@ -41,7 +41,8 @@ BUDGETS = Budgets(plain=MAX_POSITIONS - 40, spawn_head=960, child=420, join_answ
 @dataclass
 class DeepTrainConfig(TrainConfig):
     steps: int = 600
-    batch_size: int = 16
+    # batch 16 of up to 2048 tokens grew to 17.7 GB on CPU and was OOM-killed beside CI (2026-11-28)
+    batch_size: int = 8
     lr: float = 5e-4
     warmup: int = 20
     train_problems: int = 2000  # four-number problems
