@@ -269,14 +269,16 @@ def measure_gold(tok, problems, plain, spawn) -> GoldPaths:  # type: ignore[no-u
     """``plain(problem)`` -> pieces, ``spawn(problem)`` -> SpawnTrace: the tokens on each path."""
     from loom.formats import DEFAULT_SPAWN
 
-    def n(pieces) -> int:  # type: ignore[no-untyped-def]
-        return sum(len(tok.encode(p.text, add_special_tokens=False)) for p in pieces if p.train)
+    def n(pieces, trained_only: bool = True) -> int:  # type: ignore[no-untyped-def]
+        return sum(
+            len(tok.encode(p.text, add_special_tokens=False)) for p in pieces if p.train or not trained_only
+        )
 
     g = GoldPaths()
     for prob in problems:
         trace = plain(prob)
         g.serial.append(n(trace))
-        g.positions.append(sum(len(tok.encode(p.text, add_special_tokens=False)) for p in trace))
+        g.positions.append(n(trace, trained_only=False))
         gold = spawn(prob)
         lengths = [n(c) for c in gold.children]
         g.parent.append(n(gold.parent))

@@ -154,7 +154,7 @@ def train(cfg: ReflectTrainConfig, init: Path, out_dir: Path | None, evaluate_af
     from loom.search import SEARCH_CHECKPOINT_DIR
     from loom.search.train import MODEL
     from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.train import device_name, encode, fit, record_heldout, run_facts, write_checkpoint
+    from loom.tiny.train import device_name, encode, finish_finetune, fit
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -176,14 +176,9 @@ def train(cfg: ReflectTrainConfig, init: Path, out_dir: Path | None, evaluate_af
         "backtrack_word": BACKTRACK_WORD,
         "mistake": cfg.mistake,
         "device": device_name(device),
-        **run_facts(model, tok, losses, secs),
-        "loss_every_50": [round(x, 4) for x in losses[::50]],
     }
-    if evaluate_after:
-        record_heldout(card, lambda: heldout(model, tok, cfg.eval_problems))
-    if out_dir is not None:
-        write_checkpoint(model, tok, out_dir, card, model_card(card))
-    return card
+    evaluate = (lambda: heldout(model, tok, cfg.eval_problems)) if evaluate_after else None
+    return finish_finetune(card, model, tok, losses, secs, evaluate, out_dir, model_card)
 
 
 def model_card(card: dict) -> str:

@@ -208,6 +208,28 @@ def record_heldout(card: dict, evaluate: Callable[[], dict[str, FormatResult]]) 
     card["samples"] = {fmt: r.sample for fmt, r in results.items()}
 
 
+def finish_finetune(  # type: ignore[no-untyped-def]
+    card: dict,
+    model,
+    tok,
+    losses: list[float],
+    seconds: float,
+    heldout: Callable[[], dict[str, FormatResult]] | None,
+    out_dir: Path | None,
+    card_md: Callable[[dict], str],
+) -> dict:
+    """The end the fine-tune recipes share (loom/search/stream.py, reflect.py, deep_train.py): the run's
+    facts and its loss every 50 steps on ``card``, the held-out evaluation when ``heldout`` is given,
+    the checkpoint with ``card_md(card)`` when ``out_dir`` is."""
+    card.update(run_facts(model, tok, losses, seconds))
+    card["loss_every_50"] = [round(x, 4) for x in losses[::50]]
+    if heldout is not None:
+        record_heldout(card, heldout)
+    if out_dir is not None:
+        write_checkpoint(model, tok, out_dir, card, card_md(card))
+    return card
+
+
 def card_markdown(
     card: dict, title: str, about: list[str], data: list[str], trained_on: str, heldout: str
 ) -> str:
