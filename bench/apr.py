@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,6 +90,8 @@ def main() -> None:
         choices=(3, 4),
         help="Countdown with 3 or 4 numbers (4: --record writes apr-deep.md)",
     )
+    p.add_argument("--skip", type=int, default=0, help="skip this many held-out problems first")
+    p.add_argument("--json", type=Path, default=None, help="write every row's per-problem results here")
     a = p.parse_args()
     configure_process()
     if a.gold_only:
@@ -117,11 +120,12 @@ def main() -> None:
     engine = TorchEngine(resolve_model_path(a.model), cache_entries=256)
     tok = engine.tokenizer
     if a.numbers == 3:
-        problems = search_problems("countdown", a.problems, HELDOUT_SEED, "test")
+        problems = search_problems("countdown", a.skip + a.problems, HELDOUT_SEED, "test")
     else:
         from loom.search.deep import deep_problems
 
-        problems = deep_problems(a.problems, HELDOUT_SEED, "test")
+        problems = deep_problems(a.skip + a.problems, HELDOUT_SEED, "test")
+    problems = problems[a.skip :]
     greedy = SamplingParams(temperature=0.0, n=1, max_tokens=512 if a.numbers == 3 else 1400)
 
     # greedy decoding: the completion under budget L is the first L tokens of the one under the
@@ -186,6 +190,16 @@ def main() -> None:
         )
         print(line)
         table.append(f"- {line.strip()}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        facts = {
+            "model": a.model,
+            "numbers": a.numbers,
+            "skip": a.skip,
+            "problems": [q.text for q in problems],
+        }
+
+        a.json.write_text(json.dumps({**facts, "rows": [asdict(r) for r in [*rows, *spawn_rows]]}, indent=1))
     if a.numbers == 3:  # (four numbers: some 580 children one by one, too slow for this VM)
         table += ["", *stages(engine, tok, problems)]
     table += ["", *gold_paths(tok, problems, a.numbers)]

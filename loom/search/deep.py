@@ -3,15 +3,23 @@ pay, written in the three-number model's line format (loom/search/traces.py) one
 No shipped model writes them yet; ``bench/apr.py --gold-only --numbers 4`` measures their path
 lengths (docs/benchmarks/apr.md) so the format is settled before a model is trained on it.
 
-Serial search: one line per first move (the move and the three numbers left, larger first), then the
-three-number search of those three, line by line as in loom/search/traces.py, until one finishes::
+The four numbers are written larger first and the first moves taken in that order (pairs
+(0,1), (0,2), ... of the sorted pool, each operation once per distinct pair of values), the order
+the three-number search uses on its own sorted pools. Serial search: one line per first move, marked
+``>`` (the move and the three numbers left, larger first), then the three-number search of those
+three, line by line as in loom/search/traces.py, until one finishes::
 
     <think> 24:[8,5,3,2]
-    8+5=13 [13,3,2]
+    > 8+5=13 [13,3,2]
     13+3=16 [16,2] 18 14 32 8 24? no
     ...
-    8*3=24 [24,5,2]
+    > 8*3=24 [24,5,2]
     ...
+
+The order and the marker came from the first model trained on these traces (docs/models.md): with
+the problem's own order of numbers and unmarked first-move lines, its greedy searches ran each
+three-number search exactly but went wrong at the step from one pair to the next (the next pair of
+the unsorted pool, or a sub-search line copied as if it were the last first move).
 
 Spawn, two ways (``by``):
 
@@ -64,17 +72,23 @@ class DeepMove:
     @property
     def line(self) -> str:
         a, b, c = self.rest
-        return f"{self.step} [{a},{b},{c}]"
+        return f"{FIRST} {self.step} [{a},{b},{c}]"
 
 
 PAIRS4 = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+FIRST = ">"  # marks a serial search's first-move line
+
+
+def larger_first(numbers: tuple[int, ...] | list[int]) -> list[int]:
+    return sorted(numbers, reverse=True)
 
 
 def deep_moves(
     pool: tuple[int, ...] | list[int], pairs: list[tuple[int, int]] | None = None
 ) -> list[DeepMove]:
     """Every first move on a pool of four (x >= y, one per distinct (x, op, y)), optionally only on
-    the index ``pairs``."""
+    the index ``pairs`` of the pool larger first."""
+    pool = larger_first(pool)
     out, seen = [], set()
     for i, j in pairs if pairs is not None else PAIRS4:
         x, y = max(pool[i], pool[j]), min(pool[i], pool[j])
@@ -145,7 +159,7 @@ def plain_trace(problem: Problem, variant: int = 0, style: Style = FIXED) -> lis
     lines, solution = deep_search(problem.target, order, rng, style)
     if solution is None:
         raise ValueError(f"{problem.text}: no solution (not a generated problem?)")
-    body = "\n".join([_state(problem.target, problem.numbers), *lines])
+    body = "\n".join([_state(problem.target, larger_first(problem.numbers)), *lines])
     return [
         Piece(plain_prompt(problem), False),
         Piece(f"<think> {body}\n</think> {boxed(expression_from_steps(solution))}", True),
@@ -167,7 +181,7 @@ def spawn_trace(
     first child that returned a solution."""
     assert problem.kind == "countdown" and len(problem.numbers) == 4
     rng = _rng(problem, variant)
-    pool, target = problem.numbers, problem.target
+    pool, target = larger_first(problem.numbers), problem.target
     jobs: list[tuple[str, list[DeepMove]]] = []
     if by == "pair":
         pairs = list(PAIRS4)

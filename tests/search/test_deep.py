@@ -32,6 +32,9 @@ def test_first_moves_cover_every_pair_once_and_leave_three_numbers():
     assert not any(m.op == "/" and m.x % m.y for m in deep_moves((2, 3, 5, 8)))
     assert {(m.x, m.y) for m in deep_moves((2, 3, 5, 8))} == {(3, 2), (5, 2), (8, 2), (5, 3), (8, 3), (8, 5)}
     assert len(deep_moves((4, 4, 4, 4))) == 4  # one pair value, + - * / once each
+    # in the order of the pool larger first, whatever order the problem gives
+    pairs = [(m.x, m.y) for m in deep_moves((4, 5, 7, 4))]
+    assert pairs == sorted(pairs, reverse=True) and pairs == [(m.x, m.y) for m in deep_moves((7, 5, 4, 4))]
 
 
 def test_the_search_is_complete_and_stops_at_the_first_solution():
@@ -41,7 +44,8 @@ def test_the_search_is_complete_and_stops_at_the_first_solution():
     assert lines[-1].endswith(solution[-1])  # the last line says yes with the finishing step
     assert sum(line.endswith(" yes " + solution[-1]) for line in lines) == 1
     firsts = [line for line in lines if line.count(",") == 2]  # a first move: three numbers left
-    assert firsts[-1].startswith(solution[0])
+    assert firsts == [line for line in lines if line.startswith("> ")]  # marked, and only they
+    assert firsts[-1].startswith("> " + solution[0])
     assert deep_search(997, deep_moves(numbers), random.Random(0))[1] is None
 
 
@@ -98,7 +102,7 @@ def test_gold_table_for_four_numbers_counts_the_traces():
 
 
 @pytest.mark.slow
-def test_train_deep_widens_the_positions_and_writes_a_checkpoint(tmp_path):
+def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_path):
     import json
 
     from loom.runtime import configure_process
@@ -111,18 +115,29 @@ def test_train_deep_widens_the_positions_and_writes_a_checkpoint(tmp_path):
     cfg = DeepTrainConfig(steps=2, warmup=1, train_problems=4, keep_problems=3, batch_size=2, eval_problems=2)
     card = train(cfg, SEARCH_CHECKPOINT_DIR, tmp_path / "a", evaluate_after=False)
     seqs = build_sequences(deep_problems(4, 0, "train"), [])
-    assert card["max_positions"] == 2048 and card["final_loss"] > 0
+    assert card["max_positions"] == 1024 and card["final_loss"] > 0
     # per four-number problem its serial search, a spawn parent and one child per first move
     assert len(seqs) == sum(2 + len(deep_moves(p.numbers)) for p in deep_problems(4, 0, "train"))
-    assert card["sequences"] == len(seqs) + 3 * (1 + 1 + 3)  # three-number: plain, parent, 3 children
+    kept = build_sequences(deep_problems(4, 0, "train"), [], cfg.child_keep)
+    assert card["sequences"] == len(kept) + 3 * (1 + 1 + 3)  # three-number: plain, parent, 3 children
+    # children that found nothing are thinned at child_keep; those that found a solution all stay
+    thin = build_sequences(deep_problems(40, 0, "train"), [], child_keep=0.25)
+    full = build_sequences(deep_problems(40, 0, "train"), [])
+    solving = [s for s in full if s[-1].text.split("</think>")[-1].strip() != DEFAULT_SPAWN.no_solution]
+    assert len(solving) < len(thin) < len(full)
+    assert all(s in thin for s in solving)
     saved = json.loads((tmp_path / "a" / "card.json").read_text())
     assert model_card(saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
     model, tok = load_model(tmp_path / "a"), load_tokenizer(tmp_path / "a")
-    assert model.config.max_position_embeddings == 2048
+    assert model.config.max_position_embeddings == 1024
+    assert model.config._attn_implementation == "eager"  # trained with SDPA, loaded as load_model gives it
     assert tok.get_vocab() == load_tokenizer(SEARCH_CHECKPOINT_DIR).get_vocab()
     small = Budgets(plain=16, spawn_head=16, child=8, join_answer=8)
     got = heldout(model, tok, 2, small)
     assert set(got) == {"plain", "spawn"} and all(r.total == 2 for r in got.values())
     argv = ["--init", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--steps", "1", "--batch-size", "2"]
-    assert main([*argv, "--train-problems", "2", "--keep-problems", "1", "--no-eval"]) == 0
-    assert json.loads((tmp_path / "b" / "card.json").read_text())["init"] == str(tmp_path / "a")
+    argv += ["--train-problems", "2", "--keep-problems", "1", "--no-eval", "--max-len", "2048"]
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "b" / "card.json").read_text())
+    assert saved["init"] == str(tmp_path / "a") and saved["max_positions"] == 2048
+    assert load_model(tmp_path / "b").config.max_position_embeddings == 2048
