@@ -198,7 +198,6 @@ def main() -> None:
             "skip": a.skip,
             "problems": [q.text for q in problems],
         }
-
         a.json.write_text(json.dumps({**facts, "rows": [asdict(r) for r in [*rows, *spawn_rows]]}, indent=1))
     if a.numbers == 3:  # (four numbers: some 580 children one by one, too slow for this VM)
         table += ["", *stages(engine, tok, problems)]

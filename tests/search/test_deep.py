@@ -5,6 +5,7 @@ and bench/apr.py's gold table for four numbers counts what the traces hold."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -110,6 +111,7 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     from loom.search.deep_train import DeepTrainConfig, build_sequences, heldout, main, model_card, train
     from loom.tiny import load_model, load_tokenizer
     from loom.tiny.evaluate import Budgets
+    from loom.tiny.train import encode, fit
 
     configure_process()
     cfg = DeepTrainConfig(steps=2, warmup=1, train_problems=4, keep_problems=3, batch_size=2, eval_problems=2)
@@ -130,7 +132,9 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     assert model_card(saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
     model, tok = load_model(tmp_path / "a"), load_tokenizer(tmp_path / "a")
     assert model.config.max_position_embeddings == 1024
-    assert model.config._attn_implementation == "eager"  # trained with SDPA, loaded as load_model gives it
+    # fit trains with SDPA and hands the model back with the attention it came with
+    fit(model, tok, encode(seqs[:2], tok, 64), replace(cfg, steps=1), False, "one step")
+    assert model.config._attn_implementation == "eager"
     assert tok.get_vocab() == load_tokenizer(SEARCH_CHECKPOINT_DIR).get_vocab()
     small = Budgets(plain=16, spawn_head=16, child=8, join_answer=8)
     got = heldout(model, tok, 2, small)
