@@ -42,12 +42,12 @@ from loom.formats import DEFAULT_SPAWN, SpawnSyntax
 from loom.search.traces import FIXED, OPS, Style, moves, search
 from loom.tiny.tasks import Problem, Split, _apply, make_problems
 from loom.tiny.traces import (
+    _STEP,
     Piece,
     SpawnTrace,
     _state,
     boxed,
     child_prompt,
-    expression_from_steps,
     plain_prompt,
     spawn_parent,
 )
@@ -97,10 +97,51 @@ def deep_moves(
             r = _apply(x, op, y)
             if r is None or (x, op, y) in seen:
                 continue
-            seen.add((x, op, y))
             a, b, c = sorted([r, *left], reverse=True)
+            if (a, b, c) in seen:  # a state an earlier move reached (9*1 and 9/1): searched once
+                continue
+            seen.update({(x, op, y), (a, b, c)})
             out.append(DeepMove(x, op, y, r, (a, b, c)))
     return out
+
+
+def substitution_chain(steps: list[str]) -> list[str]:
+    """The solution's expression built one substitution at a time, from the last step back:
+    ``["7+4=11", "5*4=20", "20+11=31"]`` -> ``["20+11", "(5*4)+11", "(5*4)+(7+4)"]``; the last is
+    ``expression_from_steps(steps)``. Each line copies the one before with one number replaced by the
+    step that made it, which a small model does reliably where writing the whole expression at once
+    went wrong (docs/models.md)."""
+    nodes: list[tuple[tuple[str, int], str, tuple[str, int], int]] = []
+    made: dict[int, list[int]] = {}  # result -> the steps that made it, latest last
+    for k, step in enumerate(steps):
+        m = _STEP.match(step.strip())
+        if not m:
+            raise ValueError(f"bad step {step!r}")
+        x, op, y, r = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
+        left = ("step", made[x].pop()) if made.get(x) else ("num", x)
+        right = ("step", made[y].pop()) if made.get(y) else ("num", y)
+        nodes.append((left, op, right, r))
+        made.setdefault(r, []).append(k)
+
+    def render(ref: tuple[str, int], open_: set[int], top: bool = False) -> str:
+        kind, v = ref
+        if kind == "num":
+            return str(v)
+        left, op, right, r = nodes[v]
+        if v not in open_:
+            return str(r)
+        inner = f"{render(left, open_)}{op}{render(right, open_)}"
+        return inner if top else f"({inner})"
+
+    last = len(steps) - 1
+    return [render(("step", last), set(range(k, last + 1)), top=True) for k in range(last, -1, -1)]
+
+
+def answer_text(steps: list[str]) -> str:
+    """A four-number trace's ending: the solution's steps on one line, its expression built by
+    substitution on the next, then the boxed answer."""
+    chain = substitution_chain(steps)
+    return f"{' '.join(steps)}\n{' = '.join(chain)}\n</think> {boxed(chain[-1])}"
 
 
 def sub_search(
@@ -160,10 +201,7 @@ def plain_trace(problem: Problem, variant: int = 0, style: Style = FIXED) -> lis
     if solution is None:
         raise ValueError(f"{problem.text}: no solution (not a generated problem?)")
     body = "\n".join([_state(problem.target, larger_first(problem.numbers)), *lines])
-    return [
-        Piece(plain_prompt(problem), False),
-        Piece(f"<think> {body}\n</think> {boxed(expression_from_steps(solution))}", True),
-    ]
+    return [Piece(plain_prompt(problem), False), Piece(f"<think> {body}\n{answer_text(solution)}", True)]
 
 
 def _child(message: str, lines: list[str], ret: str) -> list[Piece]:
@@ -214,4 +252,5 @@ def spawn_trace(
     if solution is None:
         raise ValueError(f"{problem.text}: no child found a solution")
     parent = spawn_parent(problem, pool, spawn_lines, messages, solution, syntax)
+    parent[-1] = Piece(answer_text(solution), True)
     return SpawnTrace(parent=parent, children=children, messages=messages)

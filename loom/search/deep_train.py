@@ -23,15 +23,15 @@ import torch
 
 from loom.formats import DEFAULT_SPAWN
 from loom.runtime import configure_process
-from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, deep_problems
+from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, deep_moves, deep_problems
 from loom.search.deep import plain_trace as deep_plain
 from loom.search.deep import spawn_trace as deep_spawn
 from loom.search.tasks import search_problems
-from loom.search.traces import build_trace
+from loom.search.traces import OPS, build_trace
 from loom.search.train import MODEL
 from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_spawn
-from loom.tiny.tasks import HELDOUT_SEED, Problem
-from loom.tiny.traces import Piece
+from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
+from loom.tiny.traces import Piece, join_block
 from loom.tiny.train import TrainConfig
 
 DEEP_CHECKPOINT_DIR = Path(__file__).resolve().parent / "deep_checkpoint"
@@ -42,7 +42,7 @@ MAX_POSITIONS = 1024
 
 
 def budgets(positions: int) -> Budgets:
-    return Budgets(plain=positions - 40, spawn_head=min(960, positions - 64), child=420, join_answer=60)
+    return Budgets(plain=positions - 40, spawn_head=min(960, positions - 64), child=420, join_answer=120)
 
 
 @dataclass
@@ -59,10 +59,42 @@ class DeepTrainConfig(TrainConfig):
     # children whose sub-search finds nothing, kept at this rate: at 1.0 children are 90 % of the
     # sequences and a parent's spawn block (the new skill) came up once in 22 draws
     child_keep: float = 0.25
+    # parents whose join block carries one decoy (a child's slip: a solution that misses the target)
+    decoys: float = 0.5
 
 
-def build_sequences(deep: list[Problem], three: list[Problem], child_keep: float = 1.0) -> list[list[Piece]]:
-    """Per four-number problem its serial search, its spawn parent, every child that returned a
+def decoy(problem: Problem, messages: list[str], rng: random.Random) -> list[str] | None:
+    """``messages`` with one ``No solution`` before the first solution replaced by a wrong one: the
+    child's first move and two steps on what it leaves that end off the target, the slip a trained
+    child makes (``72-1=71`` returned for 51); None where no such child or steps exist."""
+    moves = deep_moves(problem.numbers)
+    first = next(i for i, m in enumerate(messages) if m != DEFAULT_SPAWN.no_solution)
+    for i in rng.sample(range(first), first):
+        m = moves[i]
+        a, b, c = m.rest
+        options = []
+        for x, y, z in ((a, b, c), (a, c, b), (b, c, a)):
+            for op1 in OPS:
+                r1 = _apply(x, op1, y)
+                if r1 is None:
+                    continue
+                for op2 in OPS:
+                    u, v = max(r1, z), min(r1, z)
+                    r2 = _apply(u, op2, v)
+                    if r2 is not None and r2 != problem.target:
+                        options.append([m.step, f"{x}{op1}{y}={r1}", f"{u}{op2}{v}={r2}"])
+        if options:
+            out = list(messages)
+            out[i] = " ".join(rng.choice(options))
+            return out
+    return None
+
+
+def build_sequences(
+    deep: list[Problem], three: list[Problem], child_keep: float = 1.0, decoys: float = 0.0
+) -> list[list[Piece]]:
+    """Per four-number problem its serial search, its spawn parent (with probability ``decoys`` one
+    decoy in its join block, :func:`decoy`; the trained answer unchanged), every child that returned a
     solution and each other child with probability ``child_keep`` (seeded by the problem); three-number
     plain and spawn traces of ``three``."""
     seqs: list[list[Piece]] = []
@@ -72,7 +104,10 @@ def build_sequences(deep: list[Problem], three: list[Problem], child_keep: float
         rng = random.Random(f"{p.key}/keep")
         pairs = zip(t.children, t.messages, strict=True)
         kept = [c for c, m in pairs if m != DEFAULT_SPAWN.no_solution or rng.random() < child_keep]
-        seqs.extend([t.parent, *kept])
+        parent = list(t.parent)
+        if rng.random() < decoys and (messages := decoy(p, t.messages, rng)) is not None:
+            parent[2] = Piece(join_block(messages, DEFAULT_SPAWN), False)
+        seqs.extend([parent, *kept])
     for p in three:
         seqs.extend(build_trace(p, "plain"))
         seqs.extend(build_trace(p, "spawn"))
@@ -99,7 +134,7 @@ def train(cfg: DeepTrainConfig, init: Path, out_dir: Path | None, evaluate_after
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, cfg.max_len)
     tok.model_max_length = model.config.max_position_embeddings
     model.to(device)  # type: ignore[arg-type]
-    seqs = build_sequences(deep, three, cfg.child_keep)
+    seqs = build_sequences(deep, three, cfg.child_keep, cfg.decoys)
     data = encode(seqs, tok, cfg.max_len)
     cut = sum(len(ids) == cfg.max_len for ids, _ in data)
     losses, secs = fit(model, tok, data, cfg, True, "train-deep")
@@ -146,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep-problems", type=int, default=d.keep_problems, help="three-number problems")
     p.add_argument("--max-len", type=int, default=d.max_len, help="positions (serial search cut at it)")
     p.add_argument("--child-keep", type=float, default=d.child_keep, help="kept rate, no-solution children")
+    p.add_argument("--decoys", type=float, default=d.decoys, help="rate of parents with a decoy message")
     p.add_argument("--init", type=Path, default=SEARCH_CHECKPOINT_DIR, help="default: the search model")
     args = p.parse_args(argv)
     configure_process()
@@ -154,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         train_problems=args.train_problems,
         keep_problems=args.keep_problems,
         child_keep=args.child_keep,
+        decoys=args.decoys,
         max_len=args.max_len,
     )
     card = train(cfg, args.init, args.out or DEEP_CHECKPOINT_DIR, evaluate_after=not args.no_eval)

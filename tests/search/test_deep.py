@@ -13,15 +13,18 @@ from loom.answers import last_boxed
 from loom.exact import check_countdown
 from loom.formats import DEFAULT_SPAWN
 from loom.search.deep import (
+    answer_text,
     deep_moves,
     deep_problems,
     deep_search,
     plain_trace,
     solving_first_moves,
     spawn_trace,
+    substitution_chain,
 )
 from loom.tiny import HELDOUT_SEED, is_held_out, parse_spawn
-from loom.tiny.traces import join_block, trace_text
+from loom.tiny.tasks import _apply
+from loom.tiny.traces import _STEP, expression_from_steps, join_block, trace_text
 
 PROBLEMS = deep_problems(30, seed=3, split="train")
 
@@ -75,6 +78,73 @@ def test_serial_and_spawn_traces_answer_exactly(problem):
         for m in solved:  # each returned solution is three steps that reach the target
             assert len(m.split()) == 3 and m.split()[-1].endswith(f"={problem.target}")
         assert check_countdown(last_boxed(t.parent[3].text) or "", list(problem.numbers), problem.target)
+
+
+def test_first_moves_reaching_the_same_three_numbers_are_searched_once():
+    got = deep_moves((9, 5, 3, 1))
+    assert len({m.rest for m in got}) == len(got)
+    # 9*1 and 9/1 both leave [9,5,3], as do 5*1, 5/1, 3*1, 3/1: the first of them stays
+    assert [m.step for m in got if m.rest == (9, 5, 3)] == ["9*1=9"]
+    assert "9/1=9" not in [m.step for m in got] and "3+1=4" in [m.step for m in got]
+
+
+@pytest.mark.parametrize(
+    "steps, chain",
+    [
+        (["7+4=11", "5*4=20", "20+11=31"], ["20+11", "(5*4)+11", "(5*4)+(7+4)"]),
+        (["9-3=6", "6*5=30", "30+1=31"], ["30+1", "(6*5)+1", "((9-3)*5)+1"]),
+        (["2+2=4", "4*4=16", "16-4=12"], ["16-4", "(4*4)-4", "((2+2)*4)-4"]),  # 4: a number and a result
+    ],
+)
+def test_the_answer_is_built_one_substitution_at_a_time(steps, chain):
+    assert substitution_chain(steps) == chain
+    assert chain[-1] == expression_from_steps(steps)
+    assert answer_text(steps) == f"{' '.join(steps)}\n{' = '.join(chain)}\n</think> \\boxed{{{chain[-1]}}}"
+
+
+@pytest.mark.parametrize("problem", PROBLEMS[:12], ids=lambda p: p.text)
+def test_both_traces_end_in_the_substitution_chain_of_their_solution(problem):
+    serial = plain_trace(problem)[1].text
+    parent = spawn_trace(problem, by="move").parent[-1].text
+    for text in (serial, parent):
+        steps_line, chain_line, answer = text.split("\n")[-3:]
+        chain = chain_line.split(" = ")
+        assert chain == substitution_chain(steps_line.split()) and answer.endswith(f"{{{chain[-1]}}}")
+        assert check_countdown(chain[-1], list(problem.numbers), problem.target)
+        for before, after in zip(chain, chain[1:], strict=False):  # one number replaced by a (step)
+            assert len(after) > len(before) and after.count("(") == before.count("(") + 1
+    # the serial search's steps are its marked first move, the sub-search's move and its last line's
+    assert serial.split("\n")[-4].endswith("yes " + serial.split("\n")[-3].split()[-1])
+
+
+def test_decoys_are_slips_before_the_first_solution_and_leave_the_answer():
+    from loom.search.deep_train import build_sequences, decoy
+
+    problems = deep_problems(40, 0, "train")
+    placed = 0
+    for p in problems:
+        t = spawn_trace(p, by="move")
+        got = decoy(p, t.messages, random.Random(p.key))
+        first = next(i for i, m in enumerate(t.messages) if m != DEFAULT_SPAWN.no_solution)
+        if got is None:
+            assert first == 0
+            continue
+        placed += 1
+        (i,) = [k for k, (a, b) in enumerate(zip(got, t.messages, strict=True)) if a != b]
+        assert i < first and t.messages[i] == DEFAULT_SPAWN.no_solution
+        steps = got[i].split()
+        assert len(steps) == 3 and steps[0] == deep_moves(p.numbers)[i].step
+        assert not steps[-1].endswith(f"={p.target}")
+        for step in steps:  # each step is true arithmetic: a slip of the search, not garbage
+            x, op, y, r = _STEP.match(step).groups()  # type: ignore[union-attr]
+            assert _apply(int(x), op, int(y)) == int(r)
+    assert placed >= 20
+    # in training a parent's join block carries it at the given rate; the trained pieces are the trace's
+    with_decoys = build_sequences(problems[:10], [], decoys=1.0)
+    plain = build_sequences(problems[:10], [])
+    assert len(with_decoys) == len(plain)
+    changed = [(a, b) for a, b in zip(with_decoys, plain, strict=True) if a != b]
+    assert changed and all(a[2] != b[2] and [a[1], a[3]] == [b[1], b[3]] for a, b in changed)
 
 
 def test_gold_table_for_four_numbers_counts_the_traces():
