@@ -16,6 +16,15 @@ three, line by line as in loom/search/traces.py, until one finishes::
     > 8*3=24 [24,5,2]
     ...
 
+A first move whose three numbers an earlier move already left (``9*1`` and ``9/1`` both leave
+``[9,5,3]``) is skipped: each state is searched once. The trace ends in the solution's three steps on
+one line and its expression built one substitution at a time (:func:`substitution_chain`), then the
+boxed answer::
+
+    7+4=11 5*4=20 20+11=31
+    20+11 = (5*4)+11 = (5*4)+(7+4)
+    </think> \\boxed{(5*4)+(7+4)}
+
 The order and the marker came from the first model trained on these traces (docs/models.md): with
 the problem's own order of numbers and unmarked first-move lines, its greedy searches ran each
 three-number search exactly but went wrong at the step from one pair to the next (the next pair of
@@ -29,7 +38,9 @@ Spawn, two ways (``by``):
   move leaves, and returns the move and the two steps.
 
 The parent's spawn block and join block are the three-number model's (loom/tiny/traces.py
-``spawn_parent``).
+``spawn_parent``); its answer is the serial trace's ending above, from the first child that returned
+a solution. The substitution chain came from the second model: it ran whole searches exactly and then
+boxed a wrong expression for the steps it had found.
 """
 
 from __future__ import annotations

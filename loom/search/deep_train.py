@@ -7,9 +7,11 @@ weights) and trains one phase on, per four-number problem, the serial two-level 
 ``max_len``: a search longer than the window is what serial search cannot hold, APR's context
 argument) and the spawn trace with one child per first move (the parent, every child that returned a
 solution and ``child_keep`` of the others), mixed with the search model's three-number plain and spawn
-traces so those skills are kept. Held-out greedy accuracy is measured on four-number problems, plain
-and spawn (the children of a spawn run one by one here; ``bench/apr.py --numbers 4`` runs them as
-spawn mode does).
+traces so those skills are kept. Half the parents (``decoys``) see one decoy in their join block, a
+wrong solution where a child found none, and are trained to answer from the first message that
+reaches the target all the same: trained children sometimes return a slip (``72-1=71`` for 51).
+Held-out greedy accuracy is measured on four-number problems, plain and spawn (the children of a
+spawn run one by one here; ``bench/apr.py --numbers 4`` runs them as spawn mode does).
 """
 
 from __future__ import annotations
