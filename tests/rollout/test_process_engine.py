@@ -138,8 +138,12 @@ def test_a_dead_child_fails_calls_in_flight_typed_and_the_next_call_restarts_it(
     pid, restarts = own_engine.pid, own_engine.restarts
 
     async def killed_mid_call() -> None:
-        call = asyncio.ensure_future(own_engine.generate(ids, params.model_copy(update={"max_tokens": 400})))
-        await asyncio.sleep(0.05)
+        # a call that cannot end early (no EOS) and is in flight when the child dies: a fixed sleep
+        # raced a fast machine, where the call had already returned (CI, 2026-11-28)
+        long = params.model_copy(update={"max_tokens": 400, "ignore_eos": True})
+        call = asyncio.ensure_future(own_engine.generate(ids, long))
+        while not own_engine._pending:
+            await asyncio.sleep(0.001)
         os.kill(pid, signal.SIGKILL)
         await call
 
