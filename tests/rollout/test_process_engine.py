@@ -182,8 +182,10 @@ def test_a_cancelled_call_leaves_nothing_behind(own_engine: Any, arun: Any) -> N
     ids = ids_of(own_engine.tokenizer, "cancel")
 
     async def cancel_one() -> None:
-        call = asyncio.ensure_future(own_engine.generate(ids, SamplingParams(n=4, max_tokens=300, seed=1)))
-        await asyncio.sleep(0.02)
+        long = SamplingParams(n=4, max_tokens=300, seed=1, ignore_eos=True)  # cannot end before the cancel
+        call = asyncio.ensure_future(own_engine.generate(ids, long))
+        while not own_engine._pending:
+            await asyncio.sleep(0.001)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
