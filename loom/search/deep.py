@@ -18,8 +18,8 @@ three, line by line as in loom/search/traces.py, until one finishes::
 
 A first move whose three numbers an earlier move already left (``9*1`` and ``9/1`` both leave
 ``[9,5,3]``) is skipped: each state is searched once. The trace ends in the solution's three steps on
-one line and its expression built one substitution at a time (:func:`substitution_chain`), then the
-boxed answer::
+one line and its expression built one substitution at a time (``substitution_chain`` of
+loom/tiny/traces.py), then the boxed answer::
 
     7+4=11 5*4=20 20+11=31
     20+11 = (5*4)+11 = (5*4)+(7+4)
@@ -53,7 +53,6 @@ from loom.formats import DEFAULT_SPAWN, SpawnSyntax
 from loom.search.traces import FIXED, OPS, Style, moves, search
 from loom.tiny.tasks import Problem, Split, _apply, make_problems
 from loom.tiny.traces import (
-    _STEP,
     Piece,
     SpawnTrace,
     _state,
@@ -61,6 +60,7 @@ from loom.tiny.traces import (
     child_prompt,
     plain_prompt,
     spawn_parent,
+    substitution_chain,
 )
 
 DEEP_KNOBS: dict[str, object] = {"n_numbers": 4, "max_number": 9}
@@ -100,7 +100,9 @@ def deep_moves(
     """Every first move on a pool of four (x >= y, one per distinct (x, op, y)), optionally only on
     the index ``pairs`` of the pool larger first."""
     pool = larger_first(pool)
-    out, seen = [], set()
+    out: list[DeepMove] = []
+    seen: set[tuple[int, str, int]] = set()
+    states: set[tuple[int, int, int]] = set()
     for i, j in pairs if pairs is not None else PAIRS4:
         x, y = max(pool[i], pool[j]), min(pool[i], pool[j])
         left = [pool[k] for k in range(4) if k not in (i, j)]
@@ -109,43 +111,12 @@ def deep_moves(
             if r is None or (x, op, y) in seen:
                 continue
             a, b, c = sorted([r, *left], reverse=True)
-            if (a, b, c) in seen:  # a state an earlier move reached (9*1 and 9/1): searched once
+            if (a, b, c) in states:  # a state an earlier move reached (9*1 and 9/1): searched once
                 continue
-            seen.update({(x, op, y), (a, b, c)})
+            seen.add((x, op, y))
+            states.add((a, b, c))
             out.append(DeepMove(x, op, y, r, (a, b, c)))
     return out
-
-
-def substitution_chain(steps: list[str]) -> list[str]:
-    """The solution's expression built one substitution at a time, from the last step back:
-    ``["7+4=11", "5*4=20", "20+11=31"]`` -> ``["20+11", "(5*4)+11", "(5*4)+(7+4)"]``; the last is
-    ``expression_from_steps(steps)``. Each line copies the one before with one number replaced by the
-    step that made it, which a small model does reliably where writing the whole expression at once
-    went wrong (docs/models.md)."""
-    nodes: list[tuple[tuple[str, int], str, tuple[str, int], int]] = []
-    made: dict[int, list[int]] = {}  # result -> the steps that made it, latest last
-    for k, step in enumerate(steps):
-        m = _STEP.match(step.strip())
-        if not m:
-            raise ValueError(f"bad step {step!r}")
-        x, op, y, r = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
-        left = ("step", made[x].pop()) if made.get(x) else ("num", x)
-        right = ("step", made[y].pop()) if made.get(y) else ("num", y)
-        nodes.append((left, op, right, r))
-        made.setdefault(r, []).append(k)
-
-    def render(ref: tuple[str, int], open_: set[int], top: bool = False) -> str:
-        kind, v = ref
-        if kind == "num":
-            return str(v)
-        left, op, right, r = nodes[v]
-        if v not in open_:
-            return str(r)
-        inner = f"{render(left, open_)}{op}{render(right, open_)}"
-        return inner if top else f"({inner})"
-
-    last = len(steps) - 1
-    return [render(("step", last), set(range(k, last + 1)), top=True) for k in range(last, -1, -1)]
 
 
 def answer_text(steps: list[str]) -> str:
@@ -262,6 +233,5 @@ def spawn_trace(
             solution = found
     if solution is None:
         raise ValueError(f"{problem.text}: no child found a solution")
-    parent = spawn_parent(problem, pool, spawn_lines, messages, solution, syntax)
-    parent[-1] = Piece(answer_text(solution), True)
+    parent = spawn_parent(problem, pool, spawn_lines, messages, solution, syntax, answer_text(solution))
     return SpawnTrace(parent=parent, children=children, messages=messages)

@@ -331,36 +331,59 @@ def spawn_parent(
     messages: list[str],
     solution: list[str],
     syntax: SpawnSyntax,
+    answer: str | None = None,
 ) -> list[Piece]:
     """A spawn trace's parent (the tiny model's and the search model's): the prompt, the state and the
     spawn block (trained), the join block of the children's ``messages`` (inserted, not trained),
-    and the answer from the ``solution``'s steps."""
+    and the answer from the ``solution``'s steps (``answer``: the text after the join block, where a
+    format writes more than the boxed expression)."""
     block = "\n".join([syntax.spawn_open, *spawn_lines, syntax.spawn_close])
     return [
         Piece(spawn_prompt(problem), False),
         Piece(f"<think> {_state(problem.target, pool)}\n{block}", True),
         Piece(join_block(messages, syntax), False),
-        Piece(f"</think> {boxed(expression_from_steps(solution))}", True),
+        Piece(answer if answer is not None else f"</think> {boxed(expression_from_steps(solution))}", True),
     ]
 
 
 _STEP = re.compile(r"^(\d+)([-+*/])(\d+)=(\d+)$")
 
 
-def expression_from_steps(steps: list[str]) -> str:
-    """``["3*5=15", "15+7=22"]`` -> ``(3*5)+7``: each result is replaced by its sub-expression."""
-    exprs: dict[int, list[str]] = {}
-    expr = ""
+def substitution_chain(steps: list[str]) -> list[str]:
+    """The solution's expression built one substitution at a time, from the last step back:
+    ``["7+4=11", "5*4=20", "20+11=31"]`` -> ``["20+11", "(5*4)+11", "(5*4)+(7+4)"]``. A step's
+    number that an earlier step made is that step (the latest one making it), every other number is
+    itself; each line opens one more step, in parentheses unless it is the last. The four-number
+    traces write the chain out (loom/search/deep.py); :func:`expression_from_steps` is its last line."""
+    nodes: list[tuple[tuple[str, int], str, tuple[str, int], int]] = []
+    made: dict[int, list[int]] = {}  # result -> the steps that made it, latest last
     for k, step in enumerate(steps):
         m = _STEP.match(step.strip())
         if not m:
             raise ValueError(f"bad step {step!r}")
-        x, op, y, r = m.group(1), m.group(2), m.group(3), int(m.group(4))
-        ex = exprs[int(x)].pop() if exprs.get(int(x)) else x
-        ey = exprs[int(y)].pop() if exprs.get(int(y)) else y
-        expr = f"{ex}{op}{ey}"
-        exprs.setdefault(r, []).append(f"({expr})" if k < len(steps) - 1 else expr)
-    return expr
+        x, op, y, r = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
+        left = ("step", made[x].pop()) if made.get(x) else ("num", x)
+        right = ("step", made[y].pop()) if made.get(y) else ("num", y)
+        nodes.append((left, op, right, r))
+        made.setdefault(r, []).append(k)
+
+    def render(ref: tuple[str, int], opened: set[int], top: bool = False) -> str:
+        kind, v = ref
+        if kind == "num":
+            return str(v)
+        left, op, right, r = nodes[v]
+        if v not in opened:
+            return str(r)
+        inner = f"{render(left, opened)}{op}{render(right, opened)}"
+        return inner if top else f"({inner})"
+
+    last = len(steps) - 1
+    return [render(("step", last), set(range(k, last + 1)), top=True) for k in range(last, -1, -1)]
+
+
+def expression_from_steps(steps: list[str]) -> str:
+    """``["3*5=15", "15+7=22"]`` -> ``(3*5)+7``: each result is replaced by its sub-expression."""
+    return substitution_chain(steps)[-1] if steps else ""
 
 
 # ----------------------------------------------------------------------------------------- parsing
