@@ -32,7 +32,10 @@ by first move), which no shipped model writes yet.
 
 ``--numbers 4`` runs all of this on four-number problems (loom/search/deep.py) for a model trained by
 ``loom train-deep`` (``--model DIR``), spawn mode allowed 32 children; the stage-by-stage check is left
-out there (some 580 children one by one) and ``--record`` writes docs/benchmarks/apr-deep.md.
+out there (some 580 children one by one) and replaced by the same stages read off the spawn runs at
+the last child budget (the spawn block, then, where it is exact, each child's message against the gold
+trace by first move), with the parent's answer from the gold join block; ``--record`` writes
+docs/benchmarks/apr-deep.md.
 
 Usage: ``python bench/apr.py [--problems 40] [--serial-budgets 32,48,64,96,128,192,256,400]
 [--child-budgets 16,24,32,48,96]`` (or ``loom bench apr``).
@@ -148,8 +151,10 @@ def main() -> None:
         print(f"{row.name:16s} accuracy {row.accuracy:.3f}  sequential {row.seq:6.1f}  total {row.tot:6.1f}")
 
     spawn_rows: list[Row] = []
+    runs: list[tuple[str, list[str]]] = []  # per problem at the last child budget: root text, messages
     for child in [int(x) for x in a.child_budgets.split(",")]:
         row = Row(f"spawn C={child}")
+        runs = []
         for prob in problems:
             req = RolloutRequest(
                 mode="spawn",
@@ -163,6 +168,7 @@ def main() -> None:
             group = asyncio.run(spawn(req, ids, "apr", engine, tok, parse_mode_params(req)))
             root = next(t for t in group.trajectories if t.meta.get("depth") == 0)
             text = tok.decode(root.completion_ids)
+            runs.append((text, [link.message for link in group.threads or [] if link.parent == root.id]))
             row.correct.append(prob.verify(last_boxed(text) if "</think>" in text else None))
             row.sequential.append(group.meta["sequential_tokens"])
             row.total.append(group.meta["total_tokens"])
@@ -199,8 +205,10 @@ def main() -> None:
             "problems": [q.text for q in problems],
         }
         a.json.write_text(json.dumps({**facts, "rows": [asdict(r) for r in [*rows, *spawn_rows]]}, indent=1))
-    if a.numbers == 3:  # (four numbers: some 580 children one by one, too slow for this VM)
+    if a.numbers == 3:
         table += ["", *stages(engine, tok, problems)]
+    else:  # four numbers: some 580 children one by one would be too slow here; read off the spawn runs
+        table += ["", *deep_stages(engine, tok, problems, runs)]
     table += ["", *gold_paths(tok, problems, a.numbers)]
     if a.record:
         from bench.report import write
@@ -261,6 +269,52 @@ def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
         *(f"| {name} | {k} | {m} | {k / max(1, m):.3f} |" for name, k, m in rows),
     ]
     print("\nstage by stage, each on its gold input:")
+    for name, k, m in rows:
+        print(f"  {name:58s} {k:3d}/{m:3d} = {k / max(1, m):.3f}")
+    return lines
+
+
+def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-untyped-def]
+    """Four numbers, where spawn loses: the stages read off the spawn runs at the last child budget
+    (``runs``: per problem the root's text and its children's returned messages) against the gold
+    trace by first move (loom.search.deep.spawn_trace), and the parent's answer from the gold join
+    block (one greedy call each): a table (markdown lines), also printed."""
+    from loom.answers import last_boxed
+    from loom.formats import DEFAULT_SPAWN
+    from loom.search.deep import spawn_trace
+
+    block = solving = found = unsolving = declined = joined = answer = 0
+    for prob, (text, messages) in zip(problems, runs, strict=True):
+        gold = spawn_trace(prob, by="move")
+        if text.strip().startswith(gold.parent[1].text.strip()):  # children's messages comparable
+            block += 1
+            for got, want in zip(messages, gold.messages, strict=False):
+                if want == DEFAULT_SPAWN.no_solution:
+                    unsolving += 1
+                    declined += got == want
+                else:
+                    solving += 1
+                    found += got == want
+            first = next((m for m in messages if m != DEFAULT_SPAWN.no_solution), None)
+            joined += first is not None and first in gold.messages
+        context = "".join(piece.text for piece in gold.parent[:3])
+        ids = tok.encode(context, add_special_tokens=False)
+        (out,) = asyncio.run(engine.generate(ids, SamplingParams(temperature=0.0, n=1, max_tokens=120)))
+        answer += prob.verify(last_boxed(str(tok.decode(out.token_ids, skip_special_tokens=True))))
+    n = len(problems)
+    rows = [
+        ("spawn block exactly as the trace's (by first move)", block, n),
+        ("  a child whose move solves returns the gold solution", found, solving),
+        ("  a child whose move does not solve returns `No solution`", declined, unsolving),
+        ("  the first solution returned is a gold one", joined, block),
+        ("the parent's answer from the gold join block is correct", answer, n),
+    ]
+    lines = [
+        "| spawn/join stage (four numbers, greedy) | correct | of | rate |",
+        "|---|---|---|---|",
+        *(f"| {name.strip()} | {k} | {m} | {k / max(1, m):.3f} |" for name, k, m in rows),
+    ]
+    print("\nstage by stage (spawn block and children from the runs above; answer on the gold join block):")
     for name, k, m in rows:
         print(f"  {name:58s} {k:3d}/{m:3d} = {k / max(1, m):.3f}")
     return lines
