@@ -263,15 +263,19 @@ def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
         ("a child whose pair does not solve returns `No solution`", declined, unsolving),
         ("the parent's answer from the gold join block is correct", answer, n),
     ]
-    lines = [
-        "| spawn/join stage, on its gold input (greedy) | correct | of | rate |",
-        "|---|---|---|---|",
-        *(f"| {name} | {k} | {m} | {k / max(1, m):.3f} |" for name, k, m in rows),
-    ]
-    print("\nstage by stage, each on its gold input:")
+    return stage_table("spawn/join stage, on its gold input (greedy)", "each on its gold input", rows)
+
+
+def stage_table(head: str, printed: str, rows: list[tuple[str, int, int]]) -> list[str]:
+    """``rows`` (stage, correct, of) as markdown lines under ``head``; also printed after ``printed``."""
+    print(f"\nstage by stage, {printed}:")
     for name, k, m in rows:
         print(f"  {name:58s} {k:3d}/{m:3d} = {k / max(1, m):.3f}")
-    return lines
+    return [
+        f"| {head} | correct | of | rate |",
+        "|---|---|---|---|",
+        *(f"| {name.strip()} | {k} | {m} | {k / max(1, m):.3f} |" for name, k, m in rows),
+    ]
 
 
 def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-untyped-def]
@@ -309,15 +313,8 @@ def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-un
         ("  the first solution returned is a gold one", joined, block),
         ("the parent's answer from the gold join block is correct", answer, n),
     ]
-    lines = [
-        "| spawn/join stage (four numbers, greedy) | correct | of | rate |",
-        "|---|---|---|---|",
-        *(f"| {name.strip()} | {k} | {m} | {k / max(1, m):.3f} |" for name, k, m in rows),
-    ]
-    print("\nstage by stage (spawn block and children from the runs above; answer on the gold join block):")
-    for name, k, m in rows:
-        print(f"  {name:58s} {k:3d}/{m:3d} = {k / max(1, m):.3f}")
-    return lines
+    head = "spawn/join stage (four numbers, greedy)"
+    return stage_table(head, "the spawn runs above, the answer on the gold join block", rows)
 
 
 @dataclass
