@@ -237,10 +237,7 @@ def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
     from loom.search.traces import spawn_trace
 
     def greedy(text: str, max_tokens: int) -> str:
-        ids = tok.encode(text, add_special_tokens=False)
-        params = SamplingParams(temperature=0.0, n=1, max_tokens=max_tokens)
-        (out,) = asyncio.run(engine.generate(ids, params))
-        return str(tok.decode(out.token_ids, skip_special_tokens=True))
+        return greedy_text(engine, tok, text, max_tokens)
 
     head = found = solving = declined = unsolving = answer = 0
     for prob in problems:
@@ -264,6 +261,13 @@ def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
         ("the parent's answer from the gold join block is correct", answer, n),
     ]
     return stage_table("spawn/join stage, on its gold input (greedy)", "each on its gold input", rows)
+
+
+def greedy_text(engine, tok, text: str, max_tokens: int) -> str:  # type: ignore[no-untyped-def]
+    """The engine's greedy completion of ``text`` (at most ``max_tokens``), decoded."""
+    ids = tok.encode(text, add_special_tokens=False)
+    (out,) = asyncio.run(engine.generate(ids, SamplingParams(temperature=0.0, n=1, max_tokens=max_tokens)))
+    return str(tok.decode(out.token_ids, skip_special_tokens=True))
 
 
 def stage_table(head: str, printed: str, rows: list[tuple[str, int, int]]) -> list[str]:
@@ -302,9 +306,7 @@ def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-un
             first = next((m for m in messages if m != DEFAULT_SPAWN.no_solution), None)
             joined += first is not None and first in gold.messages
         context = "".join(piece.text for piece in gold.parent[:3])
-        ids = tok.encode(context, add_special_tokens=False)
-        (out,) = asyncio.run(engine.generate(ids, SamplingParams(temperature=0.0, n=1, max_tokens=120)))
-        answer += prob.verify(last_boxed(str(tok.decode(out.token_ids, skip_special_tokens=True))))
+        answer += prob.verify(last_boxed(greedy_text(engine, tok, context, 120)))
     n = len(problems)
     rows = [
         ("spawn block exactly as the trace's (by first move)", block, n),
