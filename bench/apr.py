@@ -290,8 +290,9 @@ def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-un
     from loom.answers import last_boxed
     from loom.formats import DEFAULT_SPAWN
     from loom.search.deep import spawn_trace
+    from rollout_svc.engines.base import InvalidPrompt
 
-    block = solving = found = unsolving = declined = joined = answer = 0
+    block = solving = found = unsolving = declined = joined = answer = full = 0
     for prob, (text, messages) in zip(problems, runs, strict=True):
         gold = spawn_trace(prob, by="move")
         if text.strip().startswith(gold.parent[1].text.strip()):  # children's messages comparable
@@ -306,7 +307,10 @@ def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-un
             first = next((m for m in messages if m != DEFAULT_SPAWN.no_solution), None)
             joined += first is not None and first in gold.messages
         context = "".join(piece.text for piece in gold.parent[:3])
-        answer += prob.verify(last_boxed(greedy_text(engine, tok, context, 120)))
+        try:
+            answer += prob.verify(last_boxed(greedy_text(engine, tok, context, 120)))
+        except InvalidPrompt:  # the gold join block alone fills the model's window: no answer
+            full += 1
     n = len(problems)
     rows = [
         ("spawn block exactly as the trace's (by first move)", block, n),
@@ -314,6 +318,7 @@ def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-un
         ("  a child whose move does not solve returns `No solution`", declined, unsolving),
         ("  the first solution returned is a gold one", joined, block),
         ("the parent's answer from the gold join block is correct", answer, n),
+        ("  the gold join block leaves the parent no room to answer", full, n),
     ]
     head = "spawn/join stage (four numbers, greedy)"
     return stage_table(head, "the spawn runs above, the answer on the gold join block", rows)

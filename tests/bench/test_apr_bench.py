@@ -37,27 +37,31 @@ def test_gold_paths_count_the_trained_tokens_of_each_path():
 
 def test_deep_stages_read_the_spawn_runs_against_the_gold_trace():
     """Four numbers: a run that wrote the gold spawn block counts each child's message against the gold
-    messages; a run whose spawn block differs counts none of its children."""
+    messages; a run whose spawn block differs counts none of its children; a problem whose gold join
+    block fills the model's 1024 positions (held-out problem 63: 1054 tokens) counts as not answered."""
     from loom.formats import DEFAULT_SPAWN
     from loom.search.deep import deep_problems
     from loom.search.deep import spawn_trace as deep_spawn
     from rollout_svc.engines.torch import TorchEngine
 
     engine = TorchEngine(resolve_model_path("search"))
-    problems = deep_problems(2, HELDOUT_SEED, "test")
+    held_out = deep_problems(64, HELDOUT_SEED, "test")
+    problems = [held_out[0], held_out[1], held_out[63]]
     golds = [deep_spawn(p, by="move") for p in problems]
     runs = [("".join(piece.text for piece in g.parent[1:]), list(g.messages)) for g in golds]
     # the first problem: one solving child slips; the second: its spawn block is off by one move line
     slipped = next(i for i, m in enumerate(runs[0][1]) if m != DEFAULT_SPAWN.no_solution)
     runs[0][1][slipped] = "7+4=11 5*4=20 20+11=30"
     runs[1] = (runs[1][0].replace("Node #1 ", "Node #9 ", 1), runs[1][1])
+    runs[2] = (runs[2][0].replace("Node #1 ", "Node #9 ", 1), runs[2][1])
     lines = bench("apr").deep_stages(engine, engine.tokenizer, problems, runs)
     cells = [line.split(" | ") for line in lines[2:]]
     counts = {c[0].lstrip("| "): [int(c[1]), int(c[2])] for c in cells}
     solving = sum(m != DEFAULT_SPAWN.no_solution for m in golds[0].messages)
-    assert counts["spawn block exactly as the trace's (by first move)"] == [1, 2]
+    assert counts["spawn block exactly as the trace's (by first move)"] == [1, 3]
     assert counts["a child whose move solves returns the gold solution"] == [solving - 1, solving]
     unsolving = len(golds[0].messages) - solving
     assert counts["a child whose move does not solve returns `No solution`"] == [unsolving, unsolving]
     assert counts["the first solution returned is a gold one"] == [0, 1]  # the slip comes first
-    assert counts["the parent's answer from the gold join block is correct"][1] == 2
+    assert counts["the parent's answer from the gold join block is correct"][1] == 3
+    assert counts["the gold join block leaves the parent no room to answer"] == [1, 3]
