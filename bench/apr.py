@@ -236,15 +236,14 @@ def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
     from loom.answers import last_boxed
     from loom.search.traces import spawn_trace
 
-    def greedy(text: str, max_tokens: int) -> str:
-        return greedy_text(engine, tok, text, max_tokens)
-
     head = found = solving = declined = unsolving = answer = 0
     for prob in problems:
         gold = spawn_trace(prob)
-        head += greedy(gold.parent[0].text, 160).strip().startswith(gold.parent[1].text.strip())
+        head += (
+            greedy_text(engine, tok, gold.parent[0].text, 160).strip().startswith(gold.parent[1].text.strip())
+        )
         for child, message in zip(gold.children, gold.messages, strict=True):
-            returned = greedy(child[0].text, 200).split("</think>")[-1].strip()
+            returned = greedy_text(engine, tok, child[0].text, 200).split("</think>")[-1].strip()
             if message == "No solution":
                 unsolving += 1
                 declined += returned == message
@@ -252,7 +251,7 @@ def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
                 solving += 1
                 found += returned == message
         context = "".join(piece.text for piece in gold.parent[:3])
-        answer += prob.verify(last_boxed(greedy(context, 40)))
+        answer += prob.verify(last_boxed(greedy_text(engine, tok, context, 40)))
     n = len(problems)
     rows = [
         ("spawn block exactly as the trace's", head, n),
