@@ -51,7 +51,7 @@ def test_deep_stages_read_the_spawn_runs_against_the_gold_trace():
     runs = [("".join(piece.text for piece in g.parent[1:]), list(g.messages)) for g in golds]
     # the first problem: one solving child slips; the second and third: a spawn block off by one move line
     slipped = next(i for i, m in enumerate(runs[0][1]) if m != DEFAULT_SPAWN.no_solution)
-    runs[0][1][slipped] = "7+4=11 5*4=20 20+11=30"
+    runs[0][1][slipped] = "(5*4)+(7+5)"
     runs[1] = (runs[1][0].replace("Node #1 ", "Node #9 ", 1), runs[1][1])
     runs[2] = (runs[2][0].replace("Node #1 ", "Node #9 ", 1), runs[2][1])
     lines = bench("apr").deep_stages(engine, engine.tokenizer, problems, runs)
