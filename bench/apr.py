@@ -282,18 +282,22 @@ def stage_table(head: str, printed: str, rows: list[tuple[str, int, int]]) -> li
 
 
 def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-untyped-def]
-    """Four numbers, where spawn loses: the stages read off the spawn runs at the last child budget
-    (``runs``: per problem the root's text and its children's returned messages) against the gold
-    trace by first move (loom.search.deep.spawn_trace), and the parent's answer from the gold join
-    block (one greedy call each): a table (markdown lines), also printed."""
+    """Four numbers: the stages read off the spawn runs at the last child budget (``runs``: per
+    problem the root's text and its children's returned messages) against the gold trace by first
+    move (loom.search.deep.spawn_trace), the run's own answer where some child returned a true
+    solution (a false one before it is the parent's to pass over), and the parent's answer from the
+    gold join block (one greedy call each): a table (markdown lines), also printed."""
     from loom.answers import last_boxed
     from loom.formats import DEFAULT_SPAWN
     from loom.search.deep import spawn_trace
     from rollout_svc.engines.base import InvalidPrompt
 
-    block = solving = found = unsolving = declined = joined = answer = full = 0
+    block = solving = found = unsolving = declined = joined = answer = full = returned = answered = 0
     for prob, (text, messages) in zip(problems, runs, strict=True):
         gold = spawn_trace(prob, by="move")
+        if any(m != DEFAULT_SPAWN.no_solution and prob.verify(m) for m in messages):
+            returned += 1
+            answered += prob.verify(last_boxed(text) if "</think>" in text else None)
         if text.strip().startswith(gold.parent[1].text.strip()):  # children's messages comparable
             block += 1
             for got, want in zip(messages, gold.messages, strict=False):
@@ -316,6 +320,7 @@ def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-un
         ("  a child whose move solves returns the gold solution", found, solving),
         ("  a child whose move does not solve returns `No solution`", declined, unsolving),
         ("  the first solution returned is a gold one", joined, block),
+        ("the parent's answer where a child returned a true solution", answered, returned),
         ("the parent's answer from the gold join block is correct", answer, n),
         ("  the gold join block leaves the parent no room to answer", full, n),
     ]
