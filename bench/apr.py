@@ -281,6 +281,19 @@ def stage_table(head: str, printed: str, rows: list[tuple[str, int, int]]) -> li
     ]
 
 
+def returned_expression(message: str) -> str | None:
+    """A four-number child's returned steps (``7+4=11 5*4=20 20+11=31``) as the expression they build,
+    None where they are no such steps or one is false arithmetic (``20+11=30``)."""
+    from loom.tiny.tasks import _apply
+    from loom.tiny.traces import _STEP, expression_from_steps
+
+    steps = message.split()
+    parts = [_STEP.match(step) for step in steps]
+    if not steps or any(m is None or _apply(int(m[1]), m[2], int(m[3])) != int(m[4]) for m in parts):
+        return None
+    return expression_from_steps(steps)
+
+
 def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-untyped-def]
     """Four numbers: the stages read off the spawn runs at the last child budget (``runs``: per
     problem the root's text and its children's returned messages) against the gold trace by first
@@ -295,7 +308,7 @@ def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-un
     block = solving = found = unsolving = declined = joined = answer = full = returned = answered = 0
     for prob, (text, messages) in zip(problems, runs, strict=True):
         gold = spawn_trace(prob, by="move")
-        if any(m != DEFAULT_SPAWN.no_solution and prob.verify(m) for m in messages):
+        if any(m != DEFAULT_SPAWN.no_solution and prob.verify(returned_expression(m)) for m in messages):
             returned += 1
             answered += prob.verify(last_boxed(text) if "</think>" in text else None)
         if text.strip().startswith(gold.parent[1].text.strip()):  # children's messages comparable

@@ -33,37 +33,19 @@ the unsorted pool, or a sub-search line copied as if it were the last first move
 Spawn, two ways (``by``):
 
 - ``pair``: one child per pair of numbers (six); a child tries the four operations on its pair, each
-  followed by the three-number search of what is left.
+  followed by the three-number search of what is left, and returns the three steps or ``No solution``.
 - ``move``: one child per first move (up to 24); a child runs the three-number search of what its
-  move leaves.
+  move leaves, and returns the move and the two steps.
 
-A child that finds a solution ends as serial search does, its steps on one line and the substitution
-chain on the next, and returns the chain's last line, the expression (``No solution`` otherwise). The
-parent's spawn block and join block are the three-number model's (loom/tiny/traces.py
-``spawn_parent``); its answer checks the returned expressions in order, each evaluated one innermost
-bracket at a time (:func:`evaluation_chain`), until one reaches the target, and boxes that one::
-
-    <Sub Searches Returned>
-    ...
-    <Result of Sub Search 5> (8*4)-(2+1)
-    ...
-    </Sub Searches Returned>
-    (8*4)-(2+1) = 32-(2+1) = 32-3 = 29 no
-    (5*4)+(7+4) = 20+(7+4) = 20+11 = 31 yes
-    </think> \\boxed{(5*4)+(7+4)}
-
-The substitution chain came from the second model: it ran whole searches exactly and then boxed a
-wrong expression for the steps it had found. The returned expression and its check came from the
-third and fourth (docs/benchmarks/apr.md): a parent that had to copy a returned solution's three
-steps onto its own line copied the first and then wrote steps of its own (given the gold join block
-its answer was right 23 times in 72); an expression is shorter, unlike any search line, and a parent
-that evaluates it can pass over a child's slip.
+The parent's spawn block and join block are the three-number model's (loom/tiny/traces.py
+``spawn_parent``); its answer is the serial trace's ending above, from the first child that returned
+a solution. The substitution chain came from the second model: it ran whole searches exactly and then
+boxed a wrong expression for the steps it had found.
 """
 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -144,49 +126,6 @@ def answer_text(steps: list[str]) -> str:
     return f"{' '.join(steps)}\n{' = '.join(chain)}\n</think> {boxed(chain[-1])}"
 
 
-_INNER = re.compile(r"\((\d+)([-+*/])(\d+)\)")
-_TOP = re.compile(r"^(\d+)([-+*/])(\d+)$")
-
-
-def evaluation_chain(expression: str) -> list[str]:
-    """``expression`` evaluated one bracket at a time, leftmost innermost first, to its value:
-    ``"(5*4)+(7+4)"`` -> ``["(5*4)+(7+4)", "20+(7+4)", "20+11", "31"]``. ValueError where a step is
-    not whole-number arithmetic (a division with a remainder) or the text is no such expression."""
-    chain = [expression]
-    while not chain[-1].isdigit():
-        e = chain[-1]
-        m = _INNER.search(e) or _TOP.match(e)
-        if m is None:
-            raise ValueError(f"not a Countdown expression: {expression!r}")
-        r = _apply(int(m.group(1)), m.group(2), int(m.group(3)))
-        if r is None:
-            raise ValueError(f"{m.group(0)!r} is not whole-number arithmetic in {expression!r}")
-        chain.append(e[: m.start()] + str(r) + e[m.end() :])
-    return chain
-
-
-def parent_answer(messages: list[str], target: int, no_solution: str = DEFAULT_SPAWN.no_solution) -> str:
-    """A spawn parent's answer: each returned expression in order evaluated (:func:`evaluation_chain`)
-    and marked ``no`` until one reaches ``target`` (``yes``), which is boxed."""
-    checks = []
-    for m in messages:
-        if m == no_solution:
-            continue
-        chain = evaluation_chain(m)
-        hit = int(chain[-1]) == target
-        checks.append(f"{' = '.join(chain)} {'yes' if hit else 'no'}")
-        if hit:
-            return "\n".join(checks) + f"\n</think> {boxed(m)}"
-    raise ValueError(f"no returned expression reaches {target}: {messages}")
-
-
-def child_ending(steps: list[str]) -> tuple[str, str]:
-    """A solving child's last two lines (its steps, their substitution chain) and what it returns,
-    the chain's last line."""
-    chain = substitution_chain(steps)
-    return f"{' '.join(steps)}\n{' = '.join(chain)}", chain[-1]
-
-
 def sub_search(
     target: int, m: DeepMove, rng: random.Random, style: Style = FIXED
 ) -> tuple[list[str], list[str] | None]:
@@ -259,7 +198,7 @@ def spawn_trace(
     style: Style = FIXED,
 ) -> SpawnTrace:
     """One child per pair (``by="pair"``) or per first move (``by="move"``); the parent answers from the
-    first returned expression that reaches the target (:func:`parent_answer`)."""
+    first child that returned a solution."""
     assert problem.kind == "countdown" and len(problem.numbers) == 4
     rng = _rng(problem, variant)
     pool, target = larger_first(problem.numbers), problem.target
@@ -279,7 +218,7 @@ def spawn_trace(
         if style.shuffle:
             rng.shuffle(order)
         jobs = [(f"{m.step} {_state(target, m.rest)}", [m]) for m in order]
-    spawn_lines, children, messages = [], [], []
+    spawn_lines, children, messages, solution = [], [], [], None
     for i, (message, ms) in enumerate(jobs):
         spawn_lines.append(syntax.spawn_child.format(i=i, node=i) + " " + message)
         if by == "pair":
@@ -287,14 +226,12 @@ def spawn_trace(
         else:
             lines, two = sub_search(target, ms[0], rng, style)
             found = [ms[0].step, *two] if two is not None else None
-        ret = syntax.no_solution
-        if found is not None:
-            ending, ret = child_ending(found)
-            lines = [*lines, ending]
+        ret = " ".join(found) if found else syntax.no_solution
         children.append(_child(message, lines, ret))
         messages.append(ret)
-    if all(m == syntax.no_solution for m in messages):
+        if solution is None and found is not None:
+            solution = found
+    if solution is None:
         raise ValueError(f"{problem.text}: no child found a solution")
-    answer = parent_answer(messages, target, syntax.no_solution)
-    parent = spawn_parent(problem, pool, spawn_lines, messages, [], syntax, answer)
+    parent = spawn_parent(problem, pool, spawn_lines, messages, solution, syntax, answer_text(solution))
     return SpawnTrace(parent=parent, children=children, messages=messages)

@@ -8,9 +8,8 @@ weights) and trains one phase on, per four-number problem, the serial two-level 
 argument) and the spawn trace with one child per first move (the parent, every child that returned a
 solution and ``child_keep`` of the others), mixed with the search model's three-number plain and spawn
 traces so those skills are kept. Half the parents (``decoys``) see one decoy in their join block, a
-wrong expression where a child found none, and are trained to evaluate it, mark it ``no`` and answer
-from the first expression that reaches the target: trained children sometimes return a slip
-(``72-1=71`` for 51).
+wrong solution where a child found none, and are trained to answer from the first message that
+reaches the target all the same: trained children sometimes return a slip (``72-1=71`` for 51).
 Held-out greedy accuracy is measured on four-number problems, plain and spawn (the children of a
 spawn run one by one here; ``bench/apr.py --numbers 4`` runs them as spawn mode does).
 """
@@ -26,7 +25,7 @@ import torch
 
 from loom.formats import DEFAULT_SPAWN
 from loom.runtime import configure_process
-from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, deep_moves, deep_problems, parent_answer
+from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, deep_moves, deep_problems
 from loom.search.deep import plain_trace as deep_plain
 from loom.search.deep import spawn_trace as deep_spawn
 from loom.search.tasks import search_problems
@@ -34,7 +33,7 @@ from loom.search.traces import OPS, build_trace
 from loom.search.train import MODEL
 from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_spawn
 from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
-from loom.tiny.traces import Piece, expression_from_steps, join_block
+from loom.tiny.traces import Piece, join_block
 from loom.tiny.train import TrainConfig
 
 DEEP_CHECKPOINT_DIR = Path(__file__).resolve().parent / "deep_checkpoint"
@@ -68,8 +67,8 @@ class DeepTrainConfig(TrainConfig):
 
 def decoy(problem: Problem, messages: list[str], rng: random.Random) -> list[str] | None:
     """``messages`` with one ``No solution`` before the first solution replaced by a wrong one: the
-    expression of the child's first move and two steps on what it leaves that end off the target, the
-    slip a trained child makes (``72-1=71`` returned for 51); None where no such child or steps exist."""
+    child's first move and two steps on what it leaves that end off the target, the slip a trained
+    child makes (``72-1=71`` returned for 51); None where no such child or steps exist."""
     moves = deep_moves(problem.numbers)
     first = next(i for i, m in enumerate(messages) if m != DEFAULT_SPAWN.no_solution)
     for i in rng.sample(range(first), first):
@@ -88,7 +87,7 @@ def decoy(problem: Problem, messages: list[str], rng: random.Random) -> list[str
                         options.append([m.step, f"{x}{op1}{y}={r1}", f"{u}{op2}{v}={r2}"])
         if options:
             out = list(messages)
-            out[i] = expression_from_steps(rng.choice(options))
+            out[i] = " ".join(rng.choice(options))
             return out
     return None
 
@@ -97,7 +96,7 @@ def build_sequences(
     deep: list[Problem], three: list[Problem], child_keep: float = 1.0, decoys: float = 0.0
 ) -> list[list[Piece]]:
     """Per four-number problem its serial search, its spawn parent (with probability ``decoys`` one
-    decoy in its join block, :func:`decoy`, and the answer that checks it first), every child that returned a
+    decoy in its join block, :func:`decoy`; the trained answer unchanged), every child that returned a
     solution and each other child with probability ``child_keep`` (seeded by the problem); three-number
     plain and spawn traces of ``three``."""
     seqs: list[list[Piece]] = []
@@ -110,7 +109,6 @@ def build_sequences(
         parent = list(t.parent)
         if rng.random() < decoys and (messages := decoy(p, t.messages, rng)) is not None:
             parent[2] = Piece(join_block(messages, DEFAULT_SPAWN), False)
-            parent[3] = Piece(parent_answer(messages, p.target), True)
         seqs.extend([parent, *kept])
     for p in three:
         seqs.extend(build_trace(p, "plain"))

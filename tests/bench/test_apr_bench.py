@@ -51,11 +51,12 @@ def test_deep_stages_read_the_spawn_runs_against_the_gold_trace():
     runs = [("".join(piece.text for piece in g.parent[1:]), list(g.messages)) for g in golds]
     # the first problem: one solving child slips; the second and third: a spawn block off by one move line
     slipped = next(i for i, m in enumerate(runs[0][1]) if m != DEFAULT_SPAWN.no_solution)
-    runs[0][1][slipped] = "(5*4)+(7+5)"
+    runs[0][1][slipped] = "7+4=11 5*4=20 20+11=30"
     wrong = runs[1][0].replace("Node #1 ", "Node #9 ", 1).replace("\\boxed{", "\\boxed{0*", 1)  # no 0 to use
     runs[1] = (wrong, runs[1][1])
     runs[2] = (runs[2][0].replace("Node #1 ", "Node #9 ", 1), runs[2][1])
-    lines = bench("apr").deep_stages(engine, engine.tokenizer, problems, runs)
+    apr = bench("apr")
+    lines = apr.deep_stages(engine, engine.tokenizer, problems, runs)
     cells = [line.split(" | ") for line in lines[2:]]
     counts = {c[0].lstrip("| "): [int(c[1]), int(c[2])] for c in cells}
     solving = sum(m != DEFAULT_SPAWN.no_solution for m in golds[0].messages)
@@ -66,6 +67,9 @@ def test_deep_stages_read_the_spawn_runs_against_the_gold_trace():
     assert counts["the first solution returned is a gold one"] == [0, 1]  # the slip comes first
     # the run's own answer where a child returned a true solution: the second run boxed a wrong one
     true_first = solving - 1  # the first problem's other solving child, if any, returns a true one
+    assert apr.returned_expression("7+4=11 5*4=20 20+11=31") == "(5*4)+(7+4)"
+    assert apr.returned_expression("7+4=11 5*4=20 20+11=30") is None  # false arithmetic: no solution
+    assert apr.returned_expression("No solution") is None
     got = counts["the parent's answer where a child returned a true solution"]
     assert got == [1 + true_first, 2 + true_first]
     assert counts["the parent's answer from the gold join block is correct"][1] == 3

@@ -5,7 +5,6 @@ and bench/apr.py's gold table for four numbers counts what the traces hold."""
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import replace
 
 import pytest
@@ -18,15 +17,14 @@ from loom.search.deep import (
     deep_moves,
     deep_problems,
     deep_search,
-    evaluation_chain,
-    parent_answer,
     plain_trace,
     solving_first_moves,
     spawn_trace,
     substitution_chain,
 )
 from loom.tiny import HELDOUT_SEED, is_held_out, parse_spawn
-from loom.tiny.traces import expression_from_steps, join_block, trace_text
+from loom.tiny.tasks import _apply
+from loom.tiny.traces import _STEP, expression_from_steps, join_block, trace_text
 
 PROBLEMS = deep_problems(30, seed=3, split="train")
 
@@ -77,8 +75,8 @@ def test_serial_and_spawn_traces_answer_exactly(problem):
         assert t.parent[2].text == join_block(t.messages, DEFAULT_SPAWN)
         solved = [m for m in t.messages if m != DEFAULT_SPAWN.no_solution]
         assert 1 <= len(solved) <= 2 if by == "move" else len(solved) >= 1
-        for m in solved:  # each returned solution is an expression of the four numbers that reaches it
-            assert check_countdown(m, list(problem.numbers), problem.target)
+        for m in solved:  # each returned solution is three steps that reach the target
+            assert len(m.split()) == 3 and m.split()[-1].endswith(f"={problem.target}")
         assert check_countdown(last_boxed(t.parent[3].text) or "", list(problem.numbers), problem.target)
 
 
@@ -105,65 +103,18 @@ def test_the_answer_is_built_one_substitution_at_a_time(steps, chain):
 
 
 @pytest.mark.parametrize("problem", PROBLEMS[:12], ids=lambda p: p.text)
-def test_serial_search_and_solving_children_end_in_the_substitution_chain(problem):
+def test_both_traces_end_in_the_substitution_chain_of_their_solution(problem):
     serial = plain_trace(problem)[1].text
-    steps_line, chain_line, answer = serial.split("\n")[-3:]
-    chain = chain_line.split(" = ")
-    assert chain == substitution_chain(steps_line.split()) and answer.endswith(f"{{{chain[-1]}}}")
-    assert check_countdown(chain[-1], list(problem.numbers), problem.target)
-    for before, after in zip(chain, chain[1:], strict=False):  # one number replaced by a (step)
-        assert len(after) > len(before) and after.count("(") == before.count("(") + 1
+    parent = spawn_trace(problem, by="move").parent[-1].text
+    for text in (serial, parent):
+        steps_line, chain_line, answer = text.split("\n")[-3:]
+        chain = chain_line.split(" = ")
+        assert chain == substitution_chain(steps_line.split()) and answer.endswith(f"{{{chain[-1]}}}")
+        assert check_countdown(chain[-1], list(problem.numbers), problem.target)
+        for before, after in zip(chain, chain[1:], strict=False):  # one number replaced by a (step)
+            assert len(after) > len(before) and after.count("(") == before.count("(") + 1
     # the serial search's steps are its marked first move, the sub-search's move and its last line's
     assert serial.split("\n")[-4].endswith("yes " + serial.split("\n")[-3].split()[-1])
-    t = spawn_trace(problem, by="move")
-    for child, message in zip(t.children, t.messages, strict=True):
-        if message == DEFAULT_SPAWN.no_solution:
-            assert child[1].text.endswith("? no </think> No solution")  # the search, no chain
-            continue
-        steps_line, last = child[1].text.split("\n")[-2:]
-        chain_line, returned = last.split(" </think> ")
-        # the child's message: its move (its prompt's first step) and the two steps found, as an expression
-        assert steps_line.split()[0] == child[0].text.removeprefix("[child] ").split()[0]
-        assert chain_line.split(" = ") == substitution_chain(steps_line.split())
-        assert returned == message == chain_line.split(" = ")[-1]
-
-
-@pytest.mark.parametrize(
-    "expression, chain",
-    [
-        ("(5*4)+(7+4)", ["(5*4)+(7+4)", "20+(7+4)", "20+11", "31"]),  # leftmost innermost bracket first
-        ("((9-3)*5)+1", ["((9-3)*5)+1", "(6*5)+1", "30+1", "31"]),
-        ("7+((9-7)-2)", ["7+((9-7)-2)", "7+(2-2)", "7+0", "7"]),
-        ("8/4", ["8/4", "2"]),
-        ("12", ["12"]),
-    ],
-)
-def test_an_expression_is_evaluated_one_bracket_at_a_time(expression, chain):
-    assert evaluation_chain(expression) == chain
-
-
-@pytest.mark.parametrize("bad", ["(7/2)+1", "7+", "(5*4)+x", ""])
-def test_what_is_no_whole_number_expression_is_refused(bad):
-    with pytest.raises(ValueError):
-        evaluation_chain(bad)
-
-
-def test_the_parent_checks_each_returned_expression_until_one_reaches_the_target():
-    no = DEFAULT_SPAWN.no_solution
-    got = parent_answer([no, "(8*4)-(2+1)", no, "(5*4)+(7+4)", "(7*4)+3"], 31)
-    assert got.split("\n") == [
-        "(8*4)-(2+1) = 32-(2+1) = 32-3 = 29 no",
-        "(5*4)+(7+4) = 20+(7+4) = 20+11 = 31 yes",  # the first that reaches 31 is boxed, the next unread
-        "</think> \\boxed{(5*4)+(7+4)}",
-    ]
-    with pytest.raises(ValueError):
-        parent_answer([no, "(8*4)-(2+1)"], 31)
-    for problem in PROBLEMS[
-        :12
-    ]:  # in the traces: the answer is the parent's last piece, after the join block
-        t = spawn_trace(problem, by="move")
-        assert t.parent[3].text == parent_answer(t.messages, problem.target) and t.parent[3].train
-        assert t.parent[3].text.split("\n")[0].endswith(" yes")
 
 
 def test_decoys_are_slips_before_the_first_solution_and_leave_the_answer():
@@ -181,21 +132,19 @@ def test_decoys_are_slips_before_the_first_solution_and_leave_the_answer():
         placed += 1
         (i,) = [k for k, (a, b) in enumerate(zip(got, t.messages, strict=True)) if a != b]
         assert i < first and t.messages[i] == DEFAULT_SPAWN.no_solution
-        m = deep_moves(p.numbers)[i]
-        assert f"{m.x}{m.op}{m.y}" in got[i]  # the child's own move, then two steps on what it leaves
-        assert sorted(int(n) for n in re.findall(r"\d+", got[i])) == sorted(p.numbers)
-        # true arithmetic (a slip of the search, not garbage) that ends off the target
-        assert evaluation_chain(got[i])[-1] != str(p.target) and got[i].count("(") == 2
+        steps = got[i].split()
+        assert len(steps) == 3 and steps[0] == deep_moves(p.numbers)[i].step
+        assert not steps[-1].endswith(f"={p.target}")
+        for step in steps:  # each step is true arithmetic: a slip of the search, not garbage
+            x, op, y, r = _STEP.match(step).groups()  # type: ignore[union-attr]
+            assert _apply(int(x), op, int(y)) == int(r)
     assert placed >= 20
     # in training a parent's join block carries it at the given rate; the trained pieces are the trace's
     with_decoys = build_sequences(problems[:10], [], decoys=1.0)
     plain = build_sequences(problems[:10], [])
     assert len(with_decoys) == len(plain)
     changed = [(a, b) for a, b in zip(with_decoys, plain, strict=True) if a != b]
-    assert changed and all(a[2] != b[2] and a[1] == b[1] for a, b in changed)
-    for a, b in changed:  # the trained answer checks the decoy first, then answers as before
-        first, *rest = a[3].text.split("\n")
-        assert first.endswith(" no") and rest == b[3].text.split("\n") and a[3].train
+    assert changed and all(a[2] != b[2] and [a[1], a[3]] == [b[1], b[3]] for a, b in changed)
 
 
 def test_gold_table_for_four_numbers_counts_the_traces():
