@@ -25,7 +25,7 @@ import torch
 
 from loom.formats import DEFAULT_SPAWN
 from loom.runtime import configure_process
-from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, deep_moves, deep_problems
+from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, answer_text, deep_moves, deep_problems
 from loom.search.deep import plain_trace as deep_plain
 from loom.search.deep import spawn_trace as deep_spawn
 from loom.search.tasks import search_problems
@@ -33,7 +33,7 @@ from loom.search.traces import OPS, build_trace
 from loom.search.train import MODEL
 from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_spawn
 from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
-from loom.tiny.traces import Piece, join_block
+from loom.tiny.traces import Piece, SpawnTrace, join_block
 from loom.tiny.train import TrainConfig
 
 DEEP_CHECKPOINT_DIR = Path(__file__).resolve().parent / "deep_checkpoint"
@@ -63,42 +63,87 @@ class DeepTrainConfig(TrainConfig):
     child_keep: float = 0.25
     # parents whose join block carries one decoy (a child's slip: a solution that misses the target)
     decoys: float = 0.5
+    # extra parents per problem whose join block differs from the trace's (:func:`parent_variants`)
+    parent_variants: int = 0
+
+
+def completions(problem: Problem, move_index: int, hit: bool) -> list[list[str]]:
+    """Messages a child of first move ``move_index`` could return: the move and two steps on the three
+    numbers it leaves (larger number first, as the three-number search writes them) that end on the
+    target (``hit``) or off it (a slip)."""
+    m = deep_moves(problem.numbers)[move_index]
+    a, b, c = m.rest
+    out = []
+    for x, y, z in ((a, b, c), (a, c, b), (b, c, a)):
+        for op1 in OPS:
+            r1 = _apply(x, op1, y)
+            if r1 is None:
+                continue
+            for op2 in OPS:
+                u, v = max(r1, z), min(r1, z)
+                r2 = _apply(u, op2, v)
+                if r2 is not None and (r2 == problem.target) == hit:
+                    out.append([m.step, f"{x}{op1}{y}={r1}", f"{u}{op2}{v}={r2}"])
+    return out
 
 
 def decoy(problem: Problem, messages: list[str], rng: random.Random) -> list[str] | None:
     """``messages`` with one ``No solution`` before the first solution replaced by a wrong one: the
     child's first move and two steps on what it leaves that end off the target, the slip a trained
     child makes (``72-1=71`` returned for 51); None where no such child or steps exist."""
-    moves = deep_moves(problem.numbers)
     first = next(i for i, m in enumerate(messages) if m != DEFAULT_SPAWN.no_solution)
     for i in rng.sample(range(first), first):
-        m = moves[i]
-        a, b, c = m.rest
-        options = []
-        for x, y, z in ((a, b, c), (a, c, b), (b, c, a)):
-            for op1 in OPS:
-                r1 = _apply(x, op1, y)
-                if r1 is None:
-                    continue
-                for op2 in OPS:
-                    u, v = max(r1, z), min(r1, z)
-                    r2 = _apply(u, op2, v)
-                    if r2 is not None and r2 != problem.target:
-                        options.append([m.step, f"{x}{op1}{y}={r1}", f"{u}{op2}{v}={r2}"])
-        if options:
+        if options := completions(problem, i, hit=False):
             out = list(messages)
             out[i] = " ".join(rng.choice(options))
             return out
     return None
 
 
+def parent_variants(problem: Problem, t: SpawnTrace, k: int, rng: random.Random) -> list[list[Piece]]:
+    """``k`` more parents of ``t`` whose join block is not the trace's and whose answer therefore is
+    not the serial trace's: each solving child returns a solution drawn from all its move's true ones,
+    the first solving child (where another follows) returns ``No solution`` one time in three, and
+    up to two decoys (:func:`decoy`) come before the first solution. Their prompt and spawn block are
+    not trained again; only the answer is. The fifth four-number model's parent wrote answers of its
+    own rather than the join block's (docs/benchmarks/apr.md): with one join block per problem the
+    answer is learnt as much from the problem (whose serial trace ends in the same solution) as from
+    the join block; here only the join block tells."""
+    out: list[list[Piece]] = []
+    for _ in range(k):
+        messages = list(t.messages)
+        solving = [i for i, m in enumerate(messages) if m != DEFAULT_SPAWN.no_solution]
+        for i in solving:
+            messages[i] = " ".join(rng.choice(completions(problem, i, hit=True)))
+        if len(solving) > 1 and rng.random() < 1 / 3:
+            messages[solving[0]] = DEFAULT_SPAWN.no_solution
+        for _ in range(rng.randint(0, 2)):
+            messages = decoy(problem, messages, rng) or messages
+        first = next(m for m in messages if m.endswith(f"={problem.target}"))
+        prompt, head, _, _ = t.parent
+        out.append(
+            [
+                prompt,
+                Piece(head.text, False),
+                Piece(join_block(messages, DEFAULT_SPAWN), False),
+                Piece(answer_text(first.split()), True),
+            ]
+        )
+    return out
+
+
 def build_sequences(
-    deep: list[Problem], three: list[Problem], child_keep: float = 1.0, decoys: float = 0.0
+    deep: list[Problem],
+    three: list[Problem],
+    child_keep: float = 1.0,
+    decoys: float = 0.0,
+    variants: int = 0,
 ) -> list[list[Piece]]:
     """Per four-number problem its serial search, its spawn parent (with probability ``decoys`` one
     decoy in its join block, :func:`decoy`; the trained answer unchanged), every child that returned a
-    solution and each other child with probability ``child_keep`` (seeded by the problem); three-number
-    plain and spawn traces of ``three``."""
+    solution and each other child with probability ``child_keep`` (seeded by the problem), and
+    ``variants`` more parents with other join blocks (:func:`parent_variants`); three-number plain and
+    spawn traces of ``three``."""
     seqs: list[list[Piece]] = []
     for p in deep:
         seqs.append(deep_plain(p))
@@ -109,7 +154,7 @@ def build_sequences(
         parent = list(t.parent)
         if rng.random() < decoys and (messages := decoy(p, t.messages, rng)) is not None:
             parent[2] = Piece(join_block(messages, DEFAULT_SPAWN), False)
-        seqs.extend([parent, *kept])
+        seqs.extend([parent, *kept, *parent_variants(p, t, variants, rng)])
     for p in three:
         seqs.extend(build_trace(p, "plain"))
         seqs.extend(build_trace(p, "spawn"))
@@ -136,7 +181,7 @@ def train(cfg: DeepTrainConfig, init: Path, out_dir: Path | None, evaluate_after
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, cfg.max_len)
     tok.model_max_length = model.config.max_position_embeddings
     model.to(device)  # type: ignore[arg-type]
-    seqs = build_sequences(deep, three, cfg.child_keep, cfg.decoys)
+    seqs = build_sequences(deep, three, cfg.child_keep, cfg.decoys, cfg.parent_variants)
     data = encode(seqs, tok, cfg.max_len)
     cut = sum(len(ids) == cfg.max_len for ids, _ in data)
     losses, secs = fit(model, tok, data, cfg, True, "train-deep")
@@ -184,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=d.max_len, help="positions (serial search cut at it)")
     p.add_argument("--child-keep", type=float, default=d.child_keep, help="kept rate, no-solution children")
     p.add_argument("--decoys", type=float, default=d.decoys, help="rate of parents with a decoy message")
+    p.add_argument("--parent-variants", type=int, default=d.parent_variants, help="more parents per problem")
     p.add_argument("--init", type=Path, default=SEARCH_CHECKPOINT_DIR, help="default: the search model")
     args = p.parse_args(argv)
     configure_process()
@@ -193,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep_problems=args.keep_problems,
         child_keep=args.child_keep,
         decoys=args.decoys,
+        parent_variants=args.parent_variants,
         max_len=args.max_len,
     )
     card = train(cfg, args.init, args.out or DEEP_CHECKPOINT_DIR, evaluate_after=not args.no_eval)

@@ -147,6 +147,35 @@ def test_decoys_are_slips_before_the_first_solution_and_leave_the_answer():
     assert changed and all(a[2] != b[2] and [a[1], a[3]] == [b[1], b[3]] for a, b in changed)
 
 
+def test_parent_variants_answer_from_their_own_join_block():
+    """The extra parents see other true solutions, failed solving children and decoys; only their
+    answer is trained, and it is the first message in their join block that reaches the target."""
+    from loom.search.deep_train import build_sequences, completions, parent_variants
+
+    problems = deep_problems(40, 0, "train")
+    differs = 0
+    for p in problems:
+        t = spawn_trace(p, by="move")
+        for i, m in enumerate(t.messages):  # a child's true solution is one of its move's completions
+            hits = [" ".join(c) for c in completions(p, i, hit=True)]
+            assert (m in hits) if m != DEFAULT_SPAWN.no_solution else not hits
+        for v in parent_variants(p, t, 3, random.Random(p.key)):
+            assert [x.train for x in v] == [False, False, False, True]
+            assert v[:2] == [t.parent[0], replace(t.parent[1], train=False)]
+            lines = v[2].text.splitlines()
+            messages = [line.split("> ", 1)[1] for line in lines if line.startswith("<Result")]
+            assert len(messages) == len(t.messages)
+            first = next(m for m in messages if m.endswith(f"={p.target}"))
+            assert v[3].text == answer_text(first.split())
+            assert check_countdown(last_boxed(v[3].text) or "", p.numbers, p.target)
+            for m, gold in zip(messages, t.messages, strict=True):  # only the children's messages move
+                assert m == gold or m == DEFAULT_SPAWN.no_solution or len(m.split()) == 3
+            differs += v[3] != t.parent[3]
+    assert differs >= 20  # the answer is not the trace's (nor the serial search's) for many of them
+    more = build_sequences(problems[:10], [], variants=3)
+    assert len(more) == len(build_sequences(problems[:10], [])) + 30
+
+
 def test_gold_table_for_four_numbers_counts_the_traces():
     from transformers import AutoTokenizer
 
