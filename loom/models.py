@@ -1,14 +1,15 @@
 """The built-in models by name (``LOOM_MODEL``): ``tiny`` (loom/tiny, the fast model of the tests and
 the demo), ``search`` (loom/search, trained on Countdown search traces, issue 29), ``stream``
 (loom/search/stream.py: the search model fine-tuned on a wasteful streaming reading phase, issue 38)
-and ``reflect`` (loom/search/reflect.py: the search model reflecting mid-reasoning, issue 38); any
+``reflect`` (loom/search/reflect.py: the search model reflecting mid-reasoning, issue 38) and ``deep``
+(loom/search/deep_train.py: the search model on four-number Countdown, spawn/join, issue 38); any
 other value is a Hugging Face model directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-BUILTIN = ("tiny", "search", "stream", "reflect")
+BUILTIN = ("tiny", "search", "stream", "reflect", "deep")
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -30,4 +31,8 @@ def resolve_model_path(model: str | Path) -> Path:
         from loom.search import REFLECT_CHECKPOINT_DIR
 
         return Path(REFLECT_CHECKPOINT_DIR)
+    if name == "deep":
+        from loom.search import DEEP_CHECKPOINT_DIR
+
+        return Path(DEEP_CHECKPOINT_DIR)
     return Path(model)

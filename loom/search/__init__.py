@@ -23,6 +23,8 @@ SEARCH_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
 STREAM_CHECKPOINT_DIR = Path(__file__).resolve().parent / "stream_checkpoint"
 # the fourth (loom/search/reflect.py, issue 38): the search model reflecting mid-reasoning (REA-RL)
 REFLECT_CHECKPOINT_DIR = Path(__file__).resolve().parent / "reflect_checkpoint"
+# the fifth (loom/search/deep_train.py, issue 38): the search model on four-number Countdown (APR)
+DEEP_CHECKPOINT_DIR = Path(__file__).resolve().parent / "deep_checkpoint"
 
 
 def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -34,6 +36,7 @@ def load_model(path: str | Path | None = None, **kwargs: object) -> LlamaForCaus
 
 
 __all__ = [
+    "DEEP_CHECKPOINT_DIR",
     "MAX_SOLVING",
     "REFLECT_CHECKPOINT_DIR",
     "SEARCH_CHECKPOINT_DIR",

@@ -1,7 +1,8 @@
 """Four-number Countdown search traces (issue 38's APR item): a search deep enough for spawn/join to
 pay, written in the three-number model's line format (loom/search/traces.py) one level further down.
-No shipped model writes them yet; ``bench/apr.py --gold-only --numbers 4`` measures their path
-lengths (docs/benchmarks/apr.md) so the format is settled before a model is trained on it.
+The built-in model ``deep`` writes them (loom/search/deep_train.py); ``bench/apr.py --gold-only
+--numbers 4`` measures their path lengths and ``bench/apr.py --model deep --numbers 4`` the model's
+accuracy against them (docs/benchmarks/apr.md).
 
 The four numbers are written larger first and the first moves taken in that order (pairs
 (0,1), (0,2), ... of the sorted pool, each operation once per distinct pair of values), the order

@@ -1,5 +1,6 @@
 """``loom train-deep``: the search model fine-tuned on four-number Countdown (loom/search/deep.py), the
-model issue 38's APR item needs; not trained or shipped yet (docs/models.md says why).
+model issue 38's APR item needs, shipped as the built-in model ``deep`` (loom/search/deep_checkpoint;
+docs/models.md, docs/benchmarks/apr.md).
 
 It starts from the search checkpoint (``--init``; its tokenizer unchanged), keeps its 1024 positions
 (:data:`MAX_POSITIONS`; ``max_len`` above it widens them, Llama's rotary positions need no new
@@ -10,6 +11,8 @@ solution and ``child_keep`` of the others), mixed with the search model's three-
 traces so those skills are kept. Half the parents (``decoys``) see one decoy in their join block, a
 wrong solution where a child found none, and are trained to answer from the first message that
 reaches the target all the same: trained children sometimes return a slip (``72-1=71`` for 51).
+``parent_variants`` more parents per problem see join blocks of their own (:func:`parent_variants`),
+so that their answer can only be read from the join block, never recalled from the problem.
 Held-out greedy accuracy is measured on four-number problems, plain and spawn (the children of a
 spawn run one by one here; ``bench/apr.py --numbers 4`` runs them as spawn mode does).
 """
@@ -25,6 +28,7 @@ import torch
 
 from loom.formats import DEFAULT_SPAWN
 from loom.runtime import configure_process
+from loom.search import DEEP_CHECKPOINT_DIR
 from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, answer_text, deep_moves, deep_problems
 from loom.search.deep import plain_trace as deep_plain
 from loom.search.deep import spawn_trace as deep_spawn
@@ -36,7 +40,6 @@ from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
 from loom.tiny.traces import Piece, SpawnTrace, join_block
 from loom.tiny.train import TrainConfig
 
-DEEP_CHECKPOINT_DIR = Path(__file__).resolve().parent / "deep_checkpoint"
 # the search model's own window: every spawn thread fits (a parent's spawn block runs to about 800
 # tokens for 22 first moves, a child's search to about 380), serial search is cut at it about half the
 # time; ``--max-len 2048`` widens the positions (rotary: no new weights) at ~4x the cost per long batch
@@ -49,7 +52,7 @@ def budgets(positions: int) -> Budgets:
 
 @dataclass
 class DeepTrainConfig(TrainConfig):
-    steps: int = 600
+    steps: int = 7500  # the shipped checkpoint's (5979 s on the 2-core VM, 2 threads, alone)
     # batch 16 of up to 2048 tokens grew to 17.7 GB on CPU and was OOM-killed beside CI (2026-11-28)
     batch_size: int = 8
     lr: float = 5e-4
@@ -64,7 +67,7 @@ class DeepTrainConfig(TrainConfig):
     # parents whose join block carries one decoy (a child's slip: a solution that misses the target)
     decoys: float = 0.5
     # extra parents per problem whose join block differs from the trace's (:func:`parent_variants`)
-    parent_variants: int = 0
+    parent_variants: int = 3
 
 
 def completions(problem: Problem, move_index: int, hit: bool) -> list[list[str]]:
@@ -223,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loom.tiny.train import print_card, shared_config, training_parser
 
     d = DeepTrainConfig()
-    p = training_parser("loom train-deep", "train the four-number search model (not shipped yet)", d)
+    p = training_parser("loom train-deep", "train the four-number search model (the built-in `deep`)", d)
     p.add_argument("--train-problems", type=int, default=d.train_problems, help="four-number problems")
     p.add_argument("--keep-problems", type=int, default=d.keep_problems, help="three-number problems")
     p.add_argument("--max-len", type=int, default=d.max_len, help="positions (serial search cut at it)")

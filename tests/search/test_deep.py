@@ -219,7 +219,7 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     assert card["max_positions"] == 1024 and card["final_loss"] > 0
     # per four-number problem its serial search, a spawn parent and one child per first move
     assert len(seqs) == sum(2 + len(deep_moves(p.numbers)) for p in deep_problems(4, 0, "train"))
-    kept = build_sequences(deep_problems(4, 0, "train"), [], cfg.child_keep)
+    kept = build_sequences(deep_problems(4, 0, "train"), [], cfg.child_keep, variants=cfg.parent_variants)
     assert card["sequences"] == len(kept) + 3 * (1 + 1 + 3)  # three-number: plain, parent, 3 children
     # children that found nothing are thinned at child_keep; those that found a solution all stay
     thin = build_sequences(deep_problems(40, 0, "train"), [], child_keep=0.25)
@@ -244,3 +244,32 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     saved = json.loads((tmp_path / "b" / "card.json").read_text())
     assert saved["init"] == str(tmp_path / "a") and saved["max_positions"] == 2048
     assert load_model(tmp_path / "b").config.max_position_embeddings == 2048
+
+
+@pytest.mark.slow
+def test_the_shipped_deep_model_answers_from_its_join_block():
+    """The built-in ``deep`` model (loom/search/deep_checkpoint) is small, loads offline, and its
+    spawn parent reads the gold join block into a correct answer on held-out problems (54 of 72 in
+    docs/benchmarks/apr.md; a parent that wrote its own answer got 6 to 23 of 72)."""
+    import asyncio
+
+    from loom.contracts.wire import SamplingParams
+    from loom.models import resolve_model_path
+    from loom.runtime import configure_process
+    from loom.tiny import load_tokenizer
+    from rollout_svc.engines.torch import TorchEngine
+
+    configure_process()
+    path = resolve_model_path("deep")
+    assert sum(f.stat().st_size for f in path.iterdir()) < 20 * 2**20
+    engine = TorchEngine(path, cache_entries=8)
+    tok = load_tokenizer(path)
+    right = 0
+    problems = deep_problems(8, HELDOUT_SEED, "test")
+    for p in problems:
+        assert is_held_out(p)
+        gold = spawn_trace(p, by="move")
+        ids = tok.encode("".join(piece.text for piece in gold.parent[:3]), add_special_tokens=False)
+        (out,) = asyncio.run(engine.generate(ids, SamplingParams(temperature=0.0, n=1, max_tokens=120)))
+        right += check_countdown(last_boxed(tok.decode(out.token_ids)) or "", p.numbers, p.target)
+    assert right >= 4, f"{right} of {len(problems)}"

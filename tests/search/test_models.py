@@ -6,7 +6,12 @@ from pathlib import Path
 
 from loom.contracts.settings import Settings
 from loom.models import resolve_model_path
-from loom.search import REFLECT_CHECKPOINT_DIR, SEARCH_CHECKPOINT_DIR, STREAM_CHECKPOINT_DIR
+from loom.search import (
+    DEEP_CHECKPOINT_DIR,
+    REFLECT_CHECKPOINT_DIR,
+    SEARCH_CHECKPOINT_DIR,
+    STREAM_CHECKPOINT_DIR,
+)
 from loom.tiny import CHECKPOINT_DIR
 from rollout_svc.rollout import base_policy
 
@@ -16,8 +21,11 @@ def test_names_resolve_to_the_shipped_checkpoints_and_anything_else_is_a_path(tm
     assert resolve_model_path("search") == SEARCH_CHECKPOINT_DIR
     assert resolve_model_path("stream") == STREAM_CHECKPOINT_DIR
     assert resolve_model_path("reflect") == REFLECT_CHECKPOINT_DIR
+    assert resolve_model_path("deep") == DEEP_CHECKPOINT_DIR
     assert resolve_model_path(str(tmp_path)) == tmp_path
-    assert len({CHECKPOINT_DIR, SEARCH_CHECKPOINT_DIR, STREAM_CHECKPOINT_DIR, REFLECT_CHECKPOINT_DIR}) == 4
+    dirs = {CHECKPOINT_DIR, SEARCH_CHECKPOINT_DIR, STREAM_CHECKPOINT_DIR, REFLECT_CHECKPOINT_DIR}
+    dirs.add(DEEP_CHECKPOINT_DIR)
+    assert len(dirs) == 5 and all((d / "model.safetensors").is_file() for d in dirs)
 
 
 def test_the_rollout_services_base_policy_follows_loom_model(monkeypatch):
