@@ -254,11 +254,15 @@ def test_streaming_inserted_sentences_are_out_of_the_response_mask_at_the_latest
         }
         for p in problems
     ]
+    # verl's response window holds the longest streaming response: the inserted sentences (36 tokens
+    # and their markers here), four thoughts of at most segment_cap, the deep phase's max_tokens and
+    # the answer's (about 290); at 160 a perturbed policy sampled at temperature 1 overran it now and then
     w = worker(
         stack_url,
         tmp_path,
         2,
         "loom_streaming",
+        response_len=320,
         api_key=TRAINER_KEY,
         mode="streaming",
         sampling={"max_tokens": 96},
