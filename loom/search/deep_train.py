@@ -113,6 +113,7 @@ def parent_variants(problem: Problem, t: SpawnTrace, k: int, rng: random.Random)
     answer is learnt as much from the problem (whose serial trace ends in the same solution) as from
     the join block; here only the join block tells."""
     out: list[list[Piece]] = []
+    prompt, head, _, _ = t.parent
     for _ in range(k):
         messages = list(t.messages)
         solving = [i for i, m in enumerate(messages) if m != DEFAULT_SPAWN.no_solution]
@@ -123,7 +124,6 @@ def parent_variants(problem: Problem, t: SpawnTrace, k: int, rng: random.Random)
         for _ in range(rng.randint(0, 2)):
             messages = decoy(problem, messages, rng) or messages
         first = next(m for m in messages if m.endswith(f"={problem.target}"))
-        prompt, head, _, _ = t.parent
         out.append(
             [
                 prompt,
