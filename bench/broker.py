@@ -32,8 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loom.contracts.settings import Settings  # noqa: E402
-from loom.queue import make_celery, queue_name, worker_argv  # noqa: E402
+from loom.contracts.tasks import ping  # noqa: E402
+from loom.queue import make_celery, queue_name, send, worker_argv  # noqa: E402
 
+REWARD_PING = ping("reward")
 VISIBILITY_TIMEOUT = 3.0
 POLL = 0.05  # polling interval of every polling transport (same for all, so the comparison is fair)
 RESULT_POLL = 0.01  # result.get(interval=...) for polling result backends
@@ -88,7 +90,7 @@ def app_for(name: str, d: Path, namespace: str) -> Any:
 
 def worker_main(name: str, d: Path, namespace: str, node: str) -> None:
     app = app_for(name, d, namespace)
-    argv = worker_argv("reward", settings_for(name, d, namespace), concurrency=1)
+    argv = worker_argv("reward", settings_for(name, d, namespace), 1, "threads")
     app.worker_main([*argv, "-n", f"{node}@%h"])
 
 
@@ -124,14 +126,14 @@ def latency_ms(app: Any, n: int) -> list[float]:
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
-        app.send_task("reward.ping").get(timeout=30, interval=RESULT_POLL)
+        send(app, REWARD_PING).get(timeout=30, interval=RESULT_POLL)
         out.append((time.perf_counter() - t0) * 1000)
     return out
 
 
 def throughput(app: Any, n: int) -> float:
     t0 = time.perf_counter()
-    results = [app.send_task("reward.ping") for _ in range(n)]
+    results = [send(app, REWARD_PING) for _ in range(n)]
     for r in results:
         r.get(timeout=120, interval=RESULT_POLL)
     return n / (time.perf_counter() - t0)
@@ -139,7 +141,7 @@ def throughput(app: Any, n: int) -> float:
 
 def survives_kill(app: Any, name: str, d: Path, namespace: str, worker: Worker) -> tuple[bool, float]:
     task_id = uuid.uuid4().hex
-    result = app.send_task("reward.ping", kwargs={"delay": 3.0}, task_id=task_id)
+    result = send(app, REWARD_PING, delay=3.0, key=task_id)
     deadline = time.monotonic() + 30
     while app.backend.get_task_meta(task_id).get("status") != "STARTED":
         if time.monotonic() > deadline:

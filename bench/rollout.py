@@ -157,6 +157,7 @@ def run_through_queue(app: Any, requests: list[RolloutRequest]) -> tuple[float, 
     (the groups' ``generate_s``). Results are awaited the way the gateway awaits its stages
     (``gateway.pipeline.CeleryStages._result``), so the overhead measured is the one a run sees."""
     from gateway.pipeline import CeleryStages
+    from loom.contracts.tasks import GENERATE_GROUP
     from loom.queue import send
     from loom.timeline import mark
 
@@ -165,7 +166,7 @@ def run_through_queue(app: Any, requests: list[RolloutRequest]) -> tuple[float, 
     pending = []
     for r in requests:
         mark("publish", r.group_id or "")
-        pending.append(send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id))
+        pending.append(send(app, GENERATE_GROUP, r, key=r.group_id))
 
     async def wait_all() -> list[Any]:
         return list(await asyncio.gather(*(stages._result(p.id) for p in pending)))
@@ -357,9 +358,10 @@ def bench_overhead(
 
 def start_vllm(tmp: Path, model: Path, eager: bool = False) -> Any:
     """A real vLLM 0.32 server on ``model`` (rollout_svc.engines.vllm_launch; docs/vllm.md)."""
+    from rollout_svc.config import VllmSettings
     from rollout_svc.engines.vllm_launch import VLLMServer, vllm_command, vllm_env, vllm_python
 
-    python = vllm_python(get_settings().vllm_python)
+    python = vllm_python(VllmSettings().python)
     if not python.exists():
         raise SystemExit(f"no vLLM environment at {python}: run `bash deploy/vllm-setup.sh`")
     cmd = vllm_command(python, model, free_port(), served_name="tiny", eager=eager)

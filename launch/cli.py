@@ -20,7 +20,6 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from launch import SERVICE_PACKAGES
 from loom.contracts.settings import SERVICES
@@ -72,9 +71,11 @@ def api_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def learner_nproc(given: int | None, settings: Any) -> int:
+def learner_nproc(given: int | None) -> int:
     """The learner's ranks: ``--nproc`` when given, else ``LOOM_LEARNER_NPROC`` (compose and k8s set it)."""
-    return int(given) if given is not None else int(settings.learner_nproc)
+    from learner.config import LearnerSettings
+
+    return int(given) if given is not None else LearnerSettings().nproc
 
 
 def worker_main(argv: Sequence[str]) -> int:
@@ -104,13 +105,21 @@ def worker_main(argv: Sequence[str]) -> int:
     settings = get_settings()
     configure_process(settings)
     tasks = importlib.import_module(f"{SERVICE_PACKAGES[args.service]}.tasks")
+    concurrency, pool = args.concurrency or settings.worker_concurrency, "prefork"
     if args.service == "rollout":
-        from loom.queue import rollout_slots
+        from rollout_svc.config import RolloutSettings, rollout_slots
 
-        tasks.set_engine_slots(rollout_slots(settings, args.concurrency)[0])
+        rollout = RolloutSettings()
+        running, concurrency = rollout_slots(settings, rollout, args.concurrency)
+        tasks.set_engine_slots(running)
+        pool = rollout.pool
+    if args.service == "reward":
+        from loom.contracts.reward_settings import RewardSettings
+
+        pool = RewardSettings().pool
     if args.service == "learner":
-        tasks.set_nproc(learner_nproc(args.nproc, settings))
-    tasks.celery_app.worker_main(worker_argv(args.service, settings, args.concurrency) + list(extra))
+        tasks.set_nproc(learner_nproc(args.nproc))
+    tasks.celery_app.worker_main(worker_argv(args.service, settings, concurrency, pool) + list(extra))
     return 0
 
 

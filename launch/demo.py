@@ -275,10 +275,11 @@ def vllm_spec(settings: Any) -> tuple[Any, str]:
     import socket
 
     from launch.stack import ProcSpec
+    from rollout_svc.config import VllmSettings
     from rollout_svc.engines.torch import resolve_model_path
     from rollout_svc.engines.vllm_launch import vllm_command, vllm_env, vllm_python
 
-    python = vllm_python(settings.vllm_python)
+    python = vllm_python(VllmSettings().python)
     if not python.exists():
         raise SystemExit(f"no vLLM environment at {python}: run `bash deploy/vllm-setup.sh` (docs/vllm.md)")
     with socket.socket() as sock:

@@ -27,8 +27,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import Field, model_validator
 
 from learner.assign import assign_batch
+from learner.config import LearnerSettings
 from loom.contracts.settings import Settings
+from loom.contracts.tasks import SCORE_ATTENTION, TRAIN_STEP, TaskDef
 from loom.contracts.wire import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
+from loom.queue import send
 from loom.remote_store import add_store_routes
 from loom.service import create_queue_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
@@ -63,14 +66,14 @@ class AttentionScores(Contract):
     policy_version: int
 
 
-def _run(celery_app: Any, name: str, kwargs: dict[str, Any], timeout: float) -> Any:
-    result = celery_app.send_task(name, kwargs=kwargs)
+def _run(celery_app: Any, task: TaskDef, kwargs: dict[str, Any], timeout: float) -> Any:
+    result = send(celery_app, task, **kwargs)
     try:
         return result.get(timeout=timeout, interval=0.05)
     except ValueError as exc:
         raise HTTPException(422, {"error": "invalid_batch", "detail": str(exc)}) from exc
     except (TimeoutError, CeleryTimeout) as exc:  # Celery's is not the built-in one
-        detail = f"{name} took longer than {timeout} s"
+        detail = f"{task.name} took longer than {timeout} s"
         raise HTTPException(504, {"error": "timeout", "detail": detail}) from exc
 
 
@@ -82,8 +85,11 @@ def _bounded_wait(asked: float | None, default: float, bound: float, loc: tuple[
     return min(default if asked is None else asked, bound)
 
 
-def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastAPI:
-    """The learner API over ``celery_app`` (default: the learner's own app from the settings)."""
+def build_app(
+    settings: Settings | None = None, celery_app: Any = None, learner: LearnerSettings | None = None
+) -> FastAPI:
+    """The learner API over ``celery_app`` (default: the learner's own app from the settings);
+    ``learner``: its own settings (default ``LOOM_LEARNER_*``), of which the API reads the wait bound."""
     if celery_app is None:
         from learner.tasks import celery_app as default_app
 
@@ -96,6 +102,7 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
         errors=(504,),  # a step or a score that took longer than its timeout
     )
     internal = internal_route_guard(app)
+    bound = (learner or LearnerSettings()).max_wait_s
     # the internal routes: the service token, when set (docs/security-workers.md)
     internal_post = functools.partial(
         app.post, tags=["learner"], dependencies=[internal], responses=UNAUTHORIZED
@@ -108,7 +115,6 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
             None, gt=0.0, description="seconds to wait; default and maximum LOOM_LEARNER_MAX_WAIT_S"
         ),
     ) -> StepResult:
-        bound = app.state.settings.learner_max_wait_s
         wait = _bounded_wait(timeout, bound, bound, ("query", "timeout"))
         try:  # pure: rejects a batch the worker could not train on (off the event loop: trees can be big)
             await asyncio.to_thread(assign_batch, batch)
@@ -117,16 +123,15 @@ def build_app(settings: Settings | None = None, celery_app: Any = None) -> FastA
                 422, {"error": "invalid_batch", "detail": f"{type(exc).__name__}: {exc}"}
             ) from exc
         kwargs = {"batch": batch.model_dump(mode="json")}
-        body = await asyncio.to_thread(_run, celery_app, "learner.train_step", kwargs, wait)
+        body = await asyncio.to_thread(_run, celery_app, TRAIN_STEP, kwargs, wait)
         return StepResult.model_validate(body)
 
     @internal_post("/v1/score/attention", response_model=AttentionScores)
     async def score_attention(body: AttentionRequest) -> AttentionScores:
         asked = body.timeout if "timeout" in body.model_fields_set else None
-        bound = app.state.settings.learner_max_wait_s
         wait = _bounded_wait(asked, body.timeout, bound, ("body", "timeout"))
         kwargs = body.model_dump(mode="json", exclude={"timeout"})
-        out = await asyncio.to_thread(_run, celery_app, "learner.score_attention", kwargs, wait)
+        out = await asyncio.to_thread(_run, celery_app, SCORE_ATTENTION, kwargs, wait)
         return AttentionScores.model_validate(out)
 
     add_store_routes(app, internal)  # the policy store for replicas on other hosts (LOOM_POLICY_STORE_URL)

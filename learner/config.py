@@ -105,6 +105,18 @@ class LearnerSettings(BaseSettings):
     activation_checkpointing: bool = Field(
         default=False, description="recompute activations in backward: less memory, more time"
     )
+    max_wait_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="the longest a learner API request may ask to wait (train_step ?timeout=, "
+        "score/attention timeout); more is a 422",
+    )
+    nproc: int = Field(
+        default=1,
+        ge=1,
+        description="learner ranks `loom worker learner` starts when --nproc is not given (one per GPU, "
+        "NCCL; gloo on CPU)",
+    )
 
     @field_validator("lora_targets", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Attention per trajectory inside a packed row (issue 37; docs/benchmarks/learner.md, "Issue 37").
+"""Attention per trajectory inside a packed row (docs/benchmarks/learner.md).
 
 A packed row (learner/logprobs.py ``plan``) holds several trajectories one after the other. Under sdpa
 with the row's block-diagonal mask the attention still computes every row x row score and masks most

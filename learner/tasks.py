@@ -14,8 +14,9 @@ from learner.config import LearnerSettings
 from learner.distributed import RankFailure
 from learner.helper_rank import start_ranks
 from learner.train import Learner
+from loom.contracts.tasks import SCORE_ATTENTION, TRAIN_STEP
 from loom.contracts.wire import TrainBatch
-from loom.queue import make_celery
+from loom.queue import make_celery, task_of
 from loom.runtime import configure_process
 
 celery_app = make_celery("learner")
@@ -46,10 +47,10 @@ def get_learner() -> Learner:
         return _learner
 
 
-@celery_app.task(name="learner.train_step")
+@task_of(celery_app, TRAIN_STEP)
 def train_step(batch: dict[str, Any]) -> dict[str, Any]:
     """One optimizer step on ``batch`` (a TrainBatch); returns the StepResult with the new
-    PolicyVersion, which the caller broadcasts to the engines."""
+    PolicyVersion, which the next step's requests name (each replica pulls it from the store)."""
     parsed = TrainBatch.model_validate(batch)
     learner = get_learner()
     with _lock:
@@ -64,7 +65,7 @@ def train_step(batch: dict[str, Any]) -> dict[str, Any]:
     return result.model_dump(mode="json")
 
 
-@celery_app.task(name="learner.score_attention")
+@task_of(celery_app, SCORE_ATTENTION)
 def score_attention(
     token_ids: list[int], steps: list[list[int]], delta: int = 4, zero_from: int | None = None
 ) -> dict[str, Any]:

@@ -368,7 +368,7 @@ class Transport(virtual.Transport):
     # process's SQLite lock; a poll is kombu's cycle over every consumed queue, a claim statement each.
     # Before, a worker polled every 5 ms for 2 s after a delivery, else at the 50 ms idle interval: one
     # idle for longer (its queue empty while the direct leg of bench/rollout.py ran, or a trainer's
-    # step) saw the next task ~25 ms late on average (issue 37: +17 % on a quick run of 0.3 s rounds
+    # step) saw the next task ~25 ms late on average (docs/benchmarks: +17 % on a quick run of 0.3 s rounds
     # at 4 in flight on vLLM); now within ``idle_tick_max`` (idle, ~0.5 % of a core more than before
     # on the 2-core machine). An ack or reject in this process (the window has room again) ends the
     # wait at once; while the task window is full only that lets a task in, and the remote-control

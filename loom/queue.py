@@ -18,17 +18,21 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from celery import Celery, Task
 from celery.concurrency import get_implementation
 from celery.signals import worker_init
 from kombu import Exchange, Queue
+from pydantic import BaseModel
 
 from loom.contracts.settings import SERVICES, Settings, get_settings
+from loom.contracts.tasks import TaskDef, ping
 
 log = logging.getLogger("loom.queue")
+F = TypeVar("F", bound=Callable[..., Any])
 
 QUEUES: tuple[str, ...] = SERVICES  # gateway, rollout, reward, reflect, learner
 
@@ -169,8 +173,8 @@ def make_celery(service: str, settings: Settings | None = None) -> Celery:
 
 
 def _register_common_tasks(app: Celery, service: str) -> None:
-    @app.task(name=f"{service}.ping", bind=True)
-    def ping(self: Task, delay: float = 0.0) -> dict[str, Any]:
+    @task_of(app, ping(service), bind=True)
+    def liveness(self: Task, delay: float = 0.0) -> dict[str, Any]:
         """Liveness round trip through this service's queue (``delay`` <= 60 s simulates work)."""
         if delay:
             time.sleep(min(float(delay), 60.0))
@@ -203,9 +207,26 @@ def _prefetch_reduction_by_pool(sender: Any = None, **_: Any) -> None:
         sender.app.conf.worker_enable_prefetch_count_reduction = False
 
 
-def send(app: Celery, name: str, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
-    """Publish task ``name``; ``key`` is its idempotency key (becomes the task id and result key)."""
-    return app.send_task(name, args=args, kwargs=kwargs, task_id=key)
+def wire(value: Any) -> Any:
+    """A task argument as the JSON the queue carries (a contract model dumped, anything else as is)."""
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
+def send(app: Celery, task: TaskDef, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
+    """Publish ``task`` (a row of the task table, loom/contracts/tasks.py); ``key`` is its idempotency
+    key (becomes the task id and result key). Contract models among the arguments go as their JSON."""
+    return app.send_task(
+        task.name,
+        args=[wire(a) for a in args],
+        kwargs={k: wire(v) for k, v in kwargs.items()},
+        task_id=key,
+    )
+
+
+def task_of(app: Celery, task: TaskDef, **options: Any) -> Callable[[F], Any]:
+    """Register the decorated function as ``task``'s worker on ``app`` (Celery options as for
+    ``app.task``): the one place a worker names its task."""
+    return cast(Callable[[F], Any], app.task(name=task.name, **options))
 
 
 def queue_depths(app: Celery, queues: tuple[str, ...] = QUEUES) -> dict[str, int | None]:
@@ -234,33 +255,9 @@ def check_broker(app: Celery, timeout: float = 2.0) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
-def _default_concurrency(service: str, settings: Settings) -> int:
-    if service == "rollout" and settings.rollout_concurrency:
-        return settings.rollout_concurrency
-    return settings.worker_concurrency
-
-
-def rollout_slots(settings: Settings, concurrency: int | None = None) -> tuple[int, int]:
-    """(groups a rollout worker runs on its engine at once, its Celery pool size). On the threads pool
-    with an engine server (``LOOM_ENGINE_URL``: vLLM, ``loom engine``), the pool holds
-    ``rollout_ready`` more tasks (default: as many again) that wait at the engine's door
-    (``rollout_svc.tasks.on_engine``): a finished group's slot is taken at once by a group already
-    received, validated and marked started, instead of after the result store, the ack and the next
-    delivery. The same for the torch engine in its own process (``LOOM_ENGINE_PROCESS``, the default).
-    Not for a torch engine inside the worker: the worker's own work shares its GIL, so doing it ahead
-    slows the engine as much as it saves (measured: bench/rollout.py). Prefork children each run one
-    group."""
-    running = concurrency or _default_concurrency("rollout", settings)
-    if settings.rollout_pool != "threads":
-        return running, running
-    ready = settings.rollout_ready
-    if ready < 0:
-        elsewhere = settings.engine == "vllm" or bool(settings.engine_url) or settings.engine_process
-        ready = running if elsewhere else 0
-    return running, running + ready
-
-
-def worker_argv(service: str, settings: Settings, concurrency: int | None = None) -> list[str]:
+def worker_argv(service: str, settings: Settings, concurrency: int, pool: str = "prefork") -> list[str]:
+    """The ``celery worker`` arguments of ``service``: its queue, ``concurrency`` tasks at once on
+    ``pool``. The role decides both (its own settings: ``launch/cli.py`` ``worker_main``)."""
     return [
         "worker",
         "-Q",
@@ -268,13 +265,9 @@ def worker_argv(service: str, settings: Settings, concurrency: int | None = None
         "-n",
         f"{service}-{os.getpid()}@{socket.gethostname()}",
         "-c",
-        str(
-            rollout_slots(settings, concurrency)[1]
-            if service == "rollout"
-            else concurrency or _default_concurrency(service, settings)
-        ),
+        str(concurrency),
         "--pool",
-        {"rollout": settings.rollout_pool, "reward": settings.reward_pool}.get(service, "prefork"),
+        pool,
         "-l",
         "INFO",
         "--without-gossip",

@@ -436,7 +436,10 @@ def add_ping_route(app: FastAPI, celery_app: Any, services: tuple[str, ...]) -> 
 
     def _one(name: str, body: PingRequest) -> dict[str, Any]:
         t0 = time.perf_counter()
-        result = celery_app.send_task(f"{name}.ping", kwargs={"delay": body.delay})
+        from loom.contracts.tasks import ping
+        from loom.queue import send
+
+        result = send(celery_app, ping(name), delay=body.delay)
         try:
             value = result.get(timeout=body.timeout, interval=0.05)
             return {"ok": True, "seconds": round(time.perf_counter() - t0, 4), "worker": value}

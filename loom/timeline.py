@@ -1,4 +1,4 @@
-"""An opt-in timeline of work through the queue path (issues 34 and 37: where a job's time goes).
+"""An opt-in timeline of work through the queue path: where a job's time goes.
 
 With ``LOOM_TIMELINE=<file>`` in its environment, every Loom process appends one JSON line per mark
 to that file: ``{"t": <time.time()>, "pid": ..., "event": ..., "key": ..., **extra}``. Without it a

@@ -28,8 +28,9 @@ from typing import Any
 from celery import Celery, Task, states
 from celery.result import AsyncResult
 
+from loom.contracts.tasks import MATCH_TEXTS, SCORE_GROUP, SCORE_GROUPS
 from loom.contracts.wire import Group, RewardSpec
-from loom.queue import make_celery, send
+from loom.queue import make_celery, send, task_of
 from loom.results import stored_metas
 from loom.timeline import mark
 
@@ -59,7 +60,7 @@ def _parsed(group: dict[str, Any], spec: dict[str, Any] | None) -> tuple[Group, 
     return Group.model_validate(group), s
 
 
-@celery_app.task(name="reward.score_group")
+@task_of(celery_app, SCORE_GROUP)
 def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
     """Score one group: ``Group`` and ``RewardSpec`` as JSON in, ``RewardResult`` as JSON out."""
     from reward_svc.core import score_group
@@ -71,7 +72,7 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
     return out
 
 
-@celery_app.task(name="reward.score_groups", bind=True, ignore_result=True)
+@task_of(celery_app, SCORE_GROUPS, bind=True, ignore_result=True)
 def score_groups_task(self: Task, members: list[list[Any]]) -> dict[str, int]:
     """Score each ``[key, group, spec]`` of ``members``; its ``RewardResult`` (or failure) is stored
     under ``key``. Returns how many were scored and skipped (not stored: the members' keys are read)."""
@@ -116,7 +117,7 @@ async def _score_members(backend: Any, members: dict[str, tuple[Any, Any]], orde
     await asyncio.gather(*(one(key) for key in order))
 
 
-@celery_app.task(name="reward.match_texts")
+@task_of(celery_app, MATCH_TEXTS)
 def match_texts_task(request: dict[str, Any]) -> dict[str, Any]:
     """Does each text state the gold answer? ``MatchRequest`` JSON in, ``MatchResponse`` JSON out."""
     from loom.contracts.rewards import check_timeout
@@ -139,10 +140,4 @@ def task_key(group: Group, spec: RewardSpec) -> str:
 def submit_group(group: Group, spec: RewardSpec | None = None, app: Celery | None = None) -> AsyncResult:
     """Publish ``reward.score_group`` keyed by group id (and spec): idempotent by group."""
     spec = spec or RewardSpec()
-    return send(
-        app or celery_app,
-        "reward.score_group",
-        group.model_dump(mode="json"),
-        spec.model_dump(mode="json"),
-        key=task_key(group, spec),
-    )
+    return send(app or celery_app, SCORE_GROUP, group, spec, key=task_key(group, spec))

@@ -1,20 +1,23 @@
 """The rollout service's own configuration: ``RolloutSettings``, read from ``LOOM_ROLLOUT_*``.
 
 A new rollout knob is one field here: the API (``rollout_svc.api``, ``app.state.rollout``) and the
-Celery task (``rollout_svc.tasks``) read it once and pass its values down (``generate_group``). Three
-kinds of rollout values stay in the shared settings (loom/contracts/settings.py), because another
-process reads them: the engine's (``LOOM_ENGINE_*``, also ``loom engine``'s), the modes' bounds
-(``LOOM_ROLLOUT_SEGMENT_CAP``, ``LOOM_ROLLOUT_READING_WPM``: the gateway checks a submission against
-them, ``ModeLimits``), and the worker's pool and slots (``LOOM_ROLLOUT_CONCURRENCY``, ``_READY``,
-``_POOL``: ``loom.queue.worker_argv`` starts every service's worker from them).
+Celery task (``rollout_svc.tasks``) and ``loom worker rollout`` (the pool and its slots) read it once
+and pass its values down (``generate_group``). Two kinds of rollout values stay in the shared settings
+(loom/contracts/settings.py), because another process reads them: the engine's (``LOOM_ENGINE_*``,
+also ``loom engine``'s) and the modes' bounds (``LOOM_ROLLOUT_SEGMENT_CAP``,
+``LOOM_ROLLOUT_READING_WPM``: the gateway checks a submission against them, ``ModeLimits``).
+``VllmSettings`` (``LOOM_VLLM_*``) are the vLLM client's and launcher's.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from loom.contracts.settings import Settings
 
 
 class RolloutSettings(BaseSettings):
@@ -33,6 +36,67 @@ class RolloutSettings(BaseSettings):
         description="the torch engine on CUDA captures its batched decode step in CUDA graphs "
         "(rollout_svc/engines/torch/decode.py); ignored on CPU",
     )
+    concurrency: int = Field(
+        default=0,
+        ge=0,
+        description="groups a rollout worker runs at once (threads pool: the torch engine batches "
+        "them); 0 = LOOM_WORKER_CONCURRENCY",
+    )
+    ready: int = Field(
+        default=-1,
+        ge=-1,
+        description="groups a threads-pool rollout worker holds ready beyond the ones on its engine: "
+        "they wait at the engine's door, so a finished group's slot is refilled at once, not after its "
+        "result store, ack and the next delivery; -1 = as many as run at once when the engine is a "
+        "server (LOOM_ENGINE_URL) or in its own process (LOOM_ENGINE_PROCESS), none for an engine "
+        "inside the worker (it shares one GIL with the engine: work done ahead only slows it down)",
+    )
+    pool: Literal["threads", "prefork"] = Field(
+        default="threads",
+        description="rollout workers' Celery pool: threads (tasks wait on an engine) or prefork",
+    )
+
+
+class VllmSettings(BaseSettings):
+    """The vLLM engine client's and launcher's knobs (``LOOM_VLLM_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LOOM_VLLM_", extra="ignore", frozen=True)
+
+    pause_mode: Literal["wait", "abort"] = Field(
+        default="wait",
+        description="vLLM policy updates: 'wait' lets in-flight requests finish on the old weights; "
+        "'abort' cuts them (the client sends them again, on the new weights)",
+    )
+    lora_keep: int = Field(
+        default=2, ge=1, description="LoRA adapters kept loaded on vLLM (the newest); older ones are unloaded"
+    )
+    python: str = Field(
+        default="",
+        description="Python of the vLLM environment (deploy/vllm-setup.sh); empty = .venv-vllm/bin/python "
+        "in the repository. Used where Loom starts vLLM itself (loom demo --engine vllm, tests, bench)",
+    )
+
+
+def rollout_slots(
+    settings: Settings, rollout: RolloutSettings, concurrency: int | None = None
+) -> tuple[int, int]:
+    """(groups a rollout worker runs on its engine at once, its Celery pool size). On the threads pool
+    with an engine server (``LOOM_ENGINE_URL``: vLLM, ``loom engine``), the pool holds
+    ``ready`` more tasks (default: as many again) that wait at the engine's door
+    (``rollout_svc.tasks.on_engine``): a finished group's slot is taken at once by a group already
+    received, validated and marked started, instead of after the result store, the ack and the next
+    delivery. The same for the torch engine in its own process (``LOOM_ENGINE_PROCESS``, the default).
+    Not for a torch engine inside the worker: the worker's own work shares its GIL, so doing it ahead
+    slows the engine as much as it saves (measured: bench/rollout.py). Prefork children each run one
+    group."""
+    running = concurrency or rollout.concurrency or settings.worker_concurrency
+    if rollout.pool != "threads":
+        return running, running
+    ready = rollout.ready
+    if ready < 0:
+        elsewhere = settings.engine == "vllm" or bool(settings.engine_url) or settings.engine_process
+        ready = running if elsewhere else 0
+    return running, running + ready
 
 
 GROUP_TIMEOUT_S: float = RolloutSettings.model_fields["group_timeout_s"].default

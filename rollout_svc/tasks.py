@@ -35,8 +35,9 @@ from typing import Any, TypeVar
 from celery import Task
 
 from loom.contracts.settings import get_settings
+from loom.contracts.tasks import GENERATE_GROUP, LOAD_POLICY
 from loom.contracts.wire import RolloutRequest
-from loom.queue import make_celery
+from loom.queue import make_celery, task_of
 from loom.timeline import mark
 from rollout_svc.config import get_rollout_settings
 from rollout_svc.engines import get_engine, get_tokenizer
@@ -84,8 +85,9 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
 
-@celery_app.task(
-    name="rollout.generate_group",
+@task_of(
+    celery_app,
+    GENERATE_GROUP,
     bind=True,
     autoretry_for=(EngineUnavailable, EngineTimeout),
     retry_backoff=1,
@@ -118,7 +120,7 @@ def generate_group_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@celery_app.task(name="rollout.load_policy", bind=True)
+@task_of(celery_app, LOAD_POLICY, bind=True)
 def load_policy_task(
     self: Task, version: int | None = None, path: str | None = None, kind: str = "full"
 ) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from loom.timeline import mark
 # An event stream checks the database's change counter (one PRAGMA) every STREAM_TICK_S after a
 # change, doubling while nothing changes up to STREAM_TICK_MAX_S, and reads its job when it moved. It
 # slept 0.2 s between checks before: a group stored waited ~0.1 s on average (up to 0.2 s) for its
-# event, 11 % of a 0.9 s TRL call (issue 34, docs/benchmarks/trl-rollout.md); now <= 16 ms, for ~60
+# event, 11 % of a 0.9 s TRL call (docs/benchmarks/trl-rollout.md); now <= 16 ms, for ~60
 # checks a second of an idle stream (~0.3 % of a core on the 2-core machine). A commit of this
 # process (the job driven here: a group stored, the job's end) also ends the wait at once
 # (``Database.watch``): the last group and the end no longer wait up to a backed-off tick each.

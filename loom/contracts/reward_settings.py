@@ -6,6 +6,7 @@ operator bound (``max_timeout_s``) without importing the reward service."""
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -14,6 +15,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class RewardSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOM_REWARD_", extra="ignore")
 
+    pool: Literal["threads", "prefork"] = Field(
+        default="threads",
+        description="reward workers' Celery pool: threads (math-verify runs in the task's own forked "
+        "verifier processes either way; prefork adds a pipe hop of the whole group per task)",
+    )
     workers: int = Field(default=2, ge=1, description="verification worker processes per API/Celery process")
     # A recycled worker loses its warm sympy / math-verify caches: on 1600 realistic items with 2
     # workers, recycling every 300 gave 0.58-0.67 of 2x one core, none 0.75-0.86 (bench/reward.py).

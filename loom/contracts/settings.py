@@ -110,30 +110,6 @@ class Settings(BaseSettings):
     # --- compute
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")
     worker_concurrency: int = Field(default=1, ge=1)
-    rollout_concurrency: int = Field(
-        default=0,
-        ge=0,
-        description="groups a rollout worker runs at once (threads pool: the torch engine batches "
-        "them); 0 = worker_concurrency",
-    )
-    rollout_ready: int = Field(
-        default=-1,
-        ge=-1,
-        description="groups a threads-pool rollout worker holds ready beyond the ones on its engine: "
-        "they wait at the engine's door, so a finished group's slot is refilled at once, not after its "
-        "result store, ack and the next delivery; -1 = as many as run at once when the engine is a "
-        "server (LOOM_ENGINE_URL) or in its own process (LOOM_ENGINE_PROCESS), none for an engine "
-        "inside the worker (it shares one GIL with the engine: work done ahead only slows it down)",
-    )
-    rollout_pool: Literal["threads", "prefork"] = Field(
-        default="threads",
-        description="rollout workers' Celery pool: threads (tasks wait on an engine) or prefork",
-    )
-    reward_pool: Literal["threads", "prefork"] = Field(
-        default="threads",
-        description="reward workers' Celery pool: threads (math-verify runs in the task's own forked "
-        "verifier processes either way; prefork adds a pipe hop of the whole group per task)",
-    )
     worker_max_tasks_per_child: int = 200
     worker_max_memory_per_child_kb: int = 2_000_000
 
@@ -155,19 +131,6 @@ class Settings(BaseSettings):
         description="behaviour log-probs the engine returns: raw (the model's) or processed (after "
         "temperature, top-k, top-p). The torch engine follows it; a vLLM server's --logprobs-mode "
         "decides for vLLM (the client reads it and reports that)",
-    )
-    vllm_pause_mode: Literal["wait", "abort"] = Field(
-        default="wait",
-        description="vLLM policy updates: 'wait' lets in-flight requests finish on the old weights; "
-        "'abort' cuts them (the client sends them again, on the new weights)",
-    )
-    vllm_lora_keep: int = Field(
-        default=2, ge=1, description="LoRA adapters kept loaded on vLLM (the newest); older ones are unloaded"
-    )
-    vllm_python: str = Field(
-        default="",
-        description="Python of the vLLM environment (deploy/vllm-setup.sh); empty = .venv-vllm/bin/python "
-        "in the repository. Used where Loom starts vLLM itself (loom demo --engine vllm, tests, bench)",
     )
     engine_process: bool = Field(
         default=True,
@@ -197,19 +160,6 @@ class Settings(BaseSettings):
         description="shared secret of the internal routes (the rollout service's /v1/policy, the "
         "learner's /v1/train_step and /v1/score/attention): when set they need 'Authorization: Bearer "
         "<token>'; `loom up` generates one per stack when unset",
-    )
-    learner_max_wait_s: float = Field(
-        default=1800.0,
-        gt=0,
-        description="the longest a learner API request may ask to wait (train_step ?timeout=, "
-        "score/attention timeout); more is a 422",
-    )
-    # the learner's own knobs (LoRA, sharding, mixed precision, ...): learner/config.py, LearnerSettings
-    learner_nproc: int = Field(
-        default=1,
-        ge=1,
-        description="learner ranks `loom worker learner` starts when --nproc is not given (one per GPU, "
-        "NCCL; gloo on CPU)",
     )
 
     @field_validator("attention_url", "policy_store_url")

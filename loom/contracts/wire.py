@@ -131,7 +131,7 @@ class EncodableText(BaseModel):
     """A model whose strings can all be encoded as UTF-8, in every field, nested dicts and lists (keys
     included) too: a 422 naming the field otherwise. JSON's ``\\ud800`` escape decodes to a lone
     surrogate, which pydantic passes in an unconstrained ``str`` field and in ``Any``; accepted, it
-    made every later answer that carried it a 500 (issue 35)."""
+    made every later answer that carried it a 500."""
 
     @model_validator(mode="after")
     def _encodable_text(self) -> Any:

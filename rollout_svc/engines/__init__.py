@@ -25,7 +25,10 @@ def make_engine(settings: Settings) -> Engine:
     if settings.engine == "vllm" or settings.engine_url:
         if not settings.engine_url:
             raise ValueError("LOOM_ENGINE=vllm needs LOOM_ENGINE_URL")
+        from rollout_svc.config import VllmSettings
         from rollout_svc.engines.vllm import VLLMEngine
+
+        vllm = VllmSettings()
 
         return VLLMEngine(
             settings.engine_url,
@@ -33,8 +36,8 @@ def make_engine(settings: Settings) -> Engine:
             retries=settings.engine_retries,
             logprobs_mode=settings.engine_logprobs_mode,
             policy_store=settings.policy_local_root,  # vLLM loads pulled versions from the cache
-            pause_mode=settings.vllm_pause_mode,
-            lora_keep=settings.vllm_lora_keep,
+            pause_mode=vllm.pause_mode,
+            lora_keep=vllm.lora_keep,
         )
     from rollout_svc.engines.torch import TorchEngine, resolve_model_path
 

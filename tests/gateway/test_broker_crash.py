@@ -173,13 +173,14 @@ def test_a_job_survives_a_result_store_crash_mid_job(private_redis, broker_env, 
 def test_a_result_finished_while_the_store_is_down_lands_when_back(private_redis, broker_env, loom_worker):
     """The worker's store of a result waits out the restart (Celery's Redis client retries the
     connection) instead of losing the result of a task whose message is acknowledged."""
+    from loom.contracts.tasks import ping
     from loom.queue import send
 
     broker_env.env["LOOM_RESULT_BACKEND"] = private_redis.url
     loom_worker("reward", broker_env)
     app = broker_env.app("gateway")
     key = "stored-after-restart"
-    send(app, "reward.ping", delay=2.0, key=key)
+    send(app, ping("reward"), delay=2.0, key=key)
     deadline = time.monotonic() + 30
     while app.AsyncResult(key).state != "STARTED" and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -10,7 +10,10 @@ import uuid
 
 import pytest
 
+from loom.contracts.tasks import ping
 from loom.queue import queue_depths, send
+
+REWARD_PING = ping("reward")
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -19,7 +22,7 @@ def test_tasks_accepted_before_a_broker_crash_run_after_its_restart(private_rabb
     app = private_rabbit.env.app("gateway")
     keys = [f"accepted-{uuid.uuid4().hex}" for _ in range(12)]
     for key in keys:  # accepted: the broker confirmed each publish; no worker is running yet
-        send(app, "reward.ping", key=key)
+        send(app, REWARD_PING, key=key)
     assert queue_depths(app, ("reward",)) == {"reward": len(keys)}
     app.close()
 
@@ -36,13 +39,13 @@ def test_tasks_accepted_before_a_broker_crash_run_after_its_restart(private_rabb
 def test_a_running_worker_and_producer_ride_out_a_broker_restart(private_rabbit, loom_worker):
     worker = loom_worker("reward", private_rabbit.env)
     app = private_rabbit.env.app("gateway")
-    assert send(app, "reward.ping").get(timeout=30, interval=0.1)["service"] == "reward"
+    assert send(app, REWARD_PING).get(timeout=30, interval=0.1)["service"] == "reward"
 
     private_rabbit.kill()
     private_rabbit.start()
     # the same producer app and the same worker process reconnect by themselves
     keys = [f"after-{uuid.uuid4().hex}" for _ in range(5)]
-    results = [send(app, "reward.ping", key=key) for key in keys]
+    results = [send(app, REWARD_PING, key=key) for key in keys]
     values = [r.get(timeout=90, interval=0.1) for r in results]
     assert [v["task_id"] for v in values] == keys
     assert worker.proc.poll() is None  # it did not exit: it reconnected
@@ -59,7 +62,7 @@ def test_a_threads_worker_busy_at_a_broker_crash_keeps_consuming_after_it(privat
     worker = loom_worker("reward", private_rabbit.env, concurrency=2)
     assert "(thread)" in worker.log_path.read_text()  # the reward service's default pool
     app = private_rabbit.env.app("gateway")
-    running = [send(app, "reward.ping", 3.0, key=f"busy-{uuid.uuid4().hex}") for _ in range(2)]
+    running = [send(app, REWARD_PING, 3.0, key=f"busy-{uuid.uuid4().hex}") for _ in range(2)]
     deadline = time.monotonic() + 30
     while worker.log_path.read_text().count("received") < 2:  # both are on the worker's threads
         assert time.monotonic() < deadline, "the worker never received the two tasks"
@@ -70,7 +73,7 @@ def test_a_threads_worker_busy_at_a_broker_crash_keeps_consuming_after_it(privat
     for r in running:  # redelivered (their acks died with the old connection) or returned from the store
         r.get(timeout=300, interval=0.1)
     keys = [f"after-{uuid.uuid4().hex}" for _ in range(30)]
-    values = [send(app, "reward.ping", key=key).get(timeout=300, interval=0.05) for key in keys]
+    values = [send(app, REWARD_PING, key=key).get(timeout=300, interval=0.05) for key in keys]
     assert [v["task_id"] for v in values] == keys
     log = worker.log_path.read_text()
     assert "Temporarily reducing the prefetch count" not in log

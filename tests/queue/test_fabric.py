@@ -14,7 +14,10 @@ from typing import Any
 import pytest
 from kombu import Exchange, Queue
 
+from loom.contracts.tasks import ping
 from loom.queue import QUEUES, queue_depths, queue_name, send
+
+REWARD_PING = ping("reward")
 
 pytestmark = pytest.mark.broker
 
@@ -47,7 +50,7 @@ def test_ping_round_trip_through_every_queue(broker_env, loom_worker):
     for worker in workers:
         worker.wait_ready()
     app = broker_env.app("gateway")
-    results = {service: send(app, f"{service}.ping") for service in QUEUES}
+    results = {service: send(app, ping(service)) for service in QUEUES}
     for service, result in results.items():
         value = result.get(timeout=30, interval=0.05)
         assert value["service"] == service
@@ -69,7 +72,7 @@ def test_kill_9_mid_task_redelivers_to_another_worker_and_records_once(broker_en
     b.wait_ready()
     app = broker_env.app("reward")
     task_id = f"group-{uuid.uuid4().hex}"
-    result = send(app, "reward.ping", delay=4.0, key=task_id)
+    result = send(app, REWARD_PING, delay=4.0, key=task_id)
     started = _wait_started(app, task_id)
     holder, other = (a, b) if started["hostname"].startswith(a.node + "@") else (b, a)
     if victim == "prefork_child":
@@ -122,7 +125,7 @@ def test_pickled_message_is_rejected_logged_and_never_executed(broker_env, loom_
             delivery_mode=2,
         )
     # a JSON task sent after it completes, so the worker has dealt with the pickled one (FIFO, prefetch 1)
-    after = send(app, "reward.ping").get(timeout=30, interval=0.05)
+    after = send(app, REWARD_PING).get(timeout=30, interval=0.05)
     assert after["service"] == "reward"
     refused = re.compile(
         r"Received invalid task message: Refusing to deserialize untrusted content of type "
@@ -142,8 +145,8 @@ def test_task_with_a_success_result_is_not_run_again(broker_env, loom_worker):
     app = broker_env.app("reward")
     task_id = f"group-{uuid.uuid4().hex}"
     app.backend.store_result(task_id, {"precomputed": True}, "SUCCESS")
-    send(app, "reward.ping", key=task_id)
-    fresh = send(app, "reward.ping").get(timeout=30, interval=0.05)  # FIFO: the first one is done too
+    send(app, REWARD_PING, key=task_id)
+    fresh = send(app, REWARD_PING).get(timeout=30, interval=0.05)  # FIFO: the first one is done too
     assert fresh["service"] == "reward"
     deadline = time.monotonic() + 10
     while f"[{task_id}] succeeded" not in worker.log() and time.monotonic() < deadline:

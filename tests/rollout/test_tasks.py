@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
+from loom.contracts.tasks import GENERATE_GROUP
 from loom.contracts.wire import Group, RolloutRequest, SamplingParams
 from loom.queue import send
 from rollout_svc.engines.torch import teacher_forced_logprobs
@@ -53,7 +54,7 @@ def test_killed_worker_mid_group_is_regenerated_and_recorded_once(
     first = loom_worker("rollout", broker_env)
     gid = f"g-kill-{uuid.uuid4().hex[:8]}"  # results outlive the test in a shared Redis: unique ids
     req = RolloutRequest(group_id=gid, prompt_ids=[1, 2, 3], sampling=SamplingParams(n=2, max_tokens=150))
-    result = send(app, "rollout.generate_group", req.model_dump(mode="json"), key=req.group_id)
+    result = send(app, GENERATE_GROUP, req, key=req.group_id)
     wait_state(result, "STARTED")
     killed = {first.pid, *first.children()}
     first.kill_group()
@@ -63,7 +64,7 @@ def test_killed_worker_mid_group_is_regenerated_and_recorded_once(
     assert group.meta["worker_pid"] not in killed
     assert all(len(t.completion_ids) == 150 for t in group.trajectories)
     # a second publication of the same group returns the recorded result instead of generating again
-    again = send(app, "rollout.generate_group", req.model_dump(mode="json"), key=req.group_id)
+    again = send(app, GENERATE_GROUP, req, key=req.group_id)
     assert Group.model_validate(again.get(timeout=30)).meta["generated_at"] == group.meta["generated_at"]
 
 
@@ -85,7 +86,7 @@ def test_a_ready_group_waits_at_the_engine_and_a_kill_loses_no_group(
         )
         for i in range(3)
     ]
-    results = [send(app, "rollout.generate_group", r.model_dump(mode="json"), key=r.group_id) for r in reqs]
+    results = [send(app, GENERATE_GROUP, r, key=r.group_id) for r in reqs]
     wait_state(results[0], "STARTED")
     wait_state(results[1], "STARTED")  # received and marked started while group 0 holds the engine
     time.sleep(0.2)
@@ -119,9 +120,7 @@ def test_worker_streaming_group_is_token_exact(
         sampling=SamplingParams(n=2, max_tokens=8, seed=3),
         mode_params={"sentences": ["one two.", "three four."], "segment_cap": 5, "answer_max_tokens": 4},
     )
-    group = Group.model_validate(
-        send(app, "rollout.generate_group", req.model_dump(mode="json")).get(timeout=90)
-    )
+    group = Group.model_validate(send(app, GENERATE_GROUP, req).get(timeout=90))
     assert group.mode == "streaming" and len(group.trajectories) == 2
     for t in group.trajectories:
         assert t.engine == "torch" and t.loss_mask is not None
@@ -163,11 +162,11 @@ def test_a_killed_engine_process_fails_the_group_typed_and_its_retry_regenerates
         )
 
     first = request(0)
-    send(app, "rollout.generate_group", first.model_dump(mode="json"), key=first.group_id).get(timeout=90)
+    send(app, GENERATE_GROUP, first, key=first.group_id).get(timeout=90)
     engine = engine_process(worker)
     engine.suspend()  # SIGSTOP: the next group's call is surely in flight when the process dies
     second = request(1)
-    result = send(app, "rollout.generate_group", second.model_dump(mode="json"), key=second.group_id)
+    result = send(app, GENERATE_GROUP, second, key=second.group_id)
     wait_state(result, "STARTED")
     time.sleep(0.3)
     os.kill(engine.pid, signal.SIGKILL)

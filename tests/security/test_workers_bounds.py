@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loom.contracts.settings import Settings
+from loom.contracts.tasks import GENERATE_GROUP
 from loom.contracts.wire import Group, RolloutRequest
 from loom.queue import send
 from rollout_svc.config import RolloutSettings
@@ -108,10 +109,11 @@ def test_a_learner_wait_above_the_operators_bound_is_a_422_before_any_queue(
     tmp_path: Path, route: str
 ) -> None:
     from learner.api import build_app
+    from learner.config import LearnerSettings
     from loom.queue import make_celery
 
-    settings = Settings(data_dir=tmp_path / "d", learner_max_wait_s=60.0)
-    app = build_app(settings, make_celery("learner", settings))
+    settings = Settings(data_dir=tmp_path / "d")
+    app = build_app(settings, make_celery("learner", settings), LearnerSettings(max_wait_s=60.0))
     with TestClient(app, raise_server_exceptions=False) as client:
         if route == "train_step":
             r = client.post("/v1/train_step", json=_batch(), params={"timeout": 61})
@@ -167,7 +169,7 @@ def test_a_scorer_that_never_answers_frees_the_slot_and_a_plain_job_completes_be
 
             def submit(gid: str, body: dict[str, Any]) -> Any:
                 request = RolloutRequest.model_validate({**body, "group_id": gid})
-                return send(app, "rollout.generate_group", request.model_dump(mode="json"), key=gid)
+                return send(app, GENERATE_GROUP, request, key=gid)
 
             stuck = submit(f"tree-{tag}", tree_request())
             deadline = time.monotonic() + 120

@@ -14,14 +14,15 @@ from gateway.config import GatewaySettings
 from launch import SERVICE_PACKAGES
 from launch.cli import COMMANDS
 from learner.config import LearnerSettings
+from loom.contracts.reward_settings import RewardSettings
 from loom.contracts.settings import SERVICES, Settings
-from rollout_svc.config import RolloutSettings
+from rollout_svc.config import RolloutSettings, VllmSettings
 
 # each role's own settings (learner/config.py, gateway/config.py, rollout_svc/config.py) are LOOM_<ROLE>_*
 # variables too
 ROLE_VARIABLES = {
     f"{role.model_config['env_prefix']}{name.upper()}"
-    for role in (LearnerSettings, GatewaySettings, RolloutSettings)
+    for role in (LearnerSettings, GatewaySettings, RolloutSettings, VllmSettings, RewardSettings)
     for name in role.model_fields
 }
 REPO = Path(__file__).resolve().parents[2]
@@ -116,12 +117,12 @@ def test_rollout_scales(loom_services: dict[str, Any]) -> None:
 
 def test_the_learner_takes_its_ranks_from_a_setting(compose: dict[str, Any]) -> None:
     """`loom worker learner` reads --nproc from LOOM_LEARNER_NPROC (launch/cli.py): one rank per GPU."""
-    from loom.contracts.settings import Settings
+    from learner.config import LearnerSettings
 
     env = _env(compose["services"]["learner"])
     assert env["LOOM_LEARNER_NPROC"] == "${LOOM_LEARNER_NPROC:-1}"
     assert env["LOOM_LEARNER_SHARDING"] == "${LOOM_LEARNER_SHARDING:-replicate}"
-    assert Settings(learner_nproc=2, learner_sharding="fsdp").learner_nproc == 2
+    assert LearnerSettings(nproc=2, sharding="fsdp").nproc == 2
     cpu = yaml.load((REPO / "deploy" / "compose.cpu.yml").read_text(), Loader=_ComposeTagLoader)
     assert _env(cpu["services"]["learner"])["LOOM_LEARNER_NPROC"] == "${LOOM_LEARNER_NPROC:-1}"
     assert _env(cpu["services"]["learner"])["LOOM_DEVICE"] == "cpu"

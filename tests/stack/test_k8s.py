@@ -18,15 +18,16 @@ import yaml
 
 from gateway.config import GatewaySettings
 from learner.config import LearnerSettings
+from loom.contracts.reward_settings import RewardSettings
 from loom.contracts.settings import SERVICES, Settings
 from loom.queue import queue_name
-from rollout_svc.config import RolloutSettings
+from rollout_svc.config import RolloutSettings, VllmSettings
 
 # each role's own settings (learner/config.py, gateway/config.py, rollout_svc/config.py) are LOOM_<ROLE>_*
 # variables too
 ROLE_VARIABLES = {
     f"{role.model_config['env_prefix']}{name.upper()}"
-    for role in (LearnerSettings, GatewaySettings, RolloutSettings)
+    for role in (LearnerSettings, GatewaySettings, RolloutSettings, VllmSettings, RewardSettings)
     for name in role.model_fields
 }
 REPO = Path(__file__).resolve().parents[2]

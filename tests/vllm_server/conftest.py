@@ -33,10 +33,10 @@ SERVED = "tiny"
 
 
 def _python() -> Path:
-    from loom.contracts.settings import Settings
+    from rollout_svc.config import VllmSettings
     from rollout_svc.engines.vllm_launch import vllm_python
 
-    return vllm_python(Settings().vllm_python)
+    return vllm_python(VllmSettings().python)
 
 
 # a test may pay for a server (re)start, which waits up to START_S for /health (minutes on a loaded

@@ -1,4 +1,4 @@
-"""The running batch's static KV cache (issue 37; docs/benchmarks/engine.md): per layer one
+"""The running batch's static KV cache (docs/benchmarks/engine.md): per layer one
 preallocated (rows, KV heads, width, head dim) buffer of keys and one of values, written in place.
 
 Rows are left-padded as before: every row's last real token sits in the column just before ``end``,

@@ -1,0 +1,78 @@
+"""The task table: every Celery task a Loom process sends to another, in one place.
+
+A task is named ``<service>.<verb>`` and routed by that prefix to the service's queue
+(``loom/queue.py``). Each row says which models its positional arguments and its result are, so a
+sender dumps and a worker parses the same types (docs/architecture.md "Contracts"); a ``None``
+argument model is a plain JSON value the worker validates itself (its model lives in the service that
+owns it, as ``reward_svc/match.py``'s ``MatchRequest``). Senders publish through
+``loom.queue.publish`` and workers register through ``loom.queue.task_of``: the names are written
+here and nowhere else (``tests/queue/test_task_table.py`` checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from loom.contracts.settings import SERVICES
+from loom.contracts.wire import (
+    Group,
+    ReflectParams,
+    RewardResult,
+    RewardSpec,
+    RolloutRequest,
+    StepResult,
+    TrainBatch,
+)
+
+
+@dataclass(frozen=True)
+class TaskDef:
+    """One task: its name, the models of its positional arguments and of its result (None: plain
+    JSON the worker validates)."""
+
+    name: str
+    args: tuple[type[BaseModel] | None, ...] = ()
+    result: type[BaseModel] | None = None
+
+    @property
+    def service(self) -> str:
+        """The service whose queue takes it (the name's prefix)."""
+        return self.name.split(".", 1)[0]
+
+    def __post_init__(self) -> None:
+        if self.service not in SERVICES:
+            raise ValueError(f"task {self.name!r}: {self.service!r} is not a service ({SERVICES})")
+
+
+GENERATE_GROUP = TaskDef("rollout.generate_group", (RolloutRequest,), Group)
+LOAD_POLICY = TaskDef("rollout.load_policy")  # keyword arguments: version, path, kind
+SCORE_GROUP = TaskDef("reward.score_group", (Group, RewardSpec), RewardResult)
+# several groups in one task, each result stored under its member's own key: [[key, group, spec], ...]
+SCORE_GROUPS = TaskDef("reward.score_groups", (None,))
+MATCH_TEXTS = TaskDef("reward.match_texts", (None,))  # reward_svc.match.MatchRequest -> MatchResponse
+REVISE_GROUP = TaskDef("reflect.revise_group", (Group, ReflectParams), Group)
+TRAIN_STEP = TaskDef("learner.train_step", (TrainBatch,), StepResult)
+SCORE_ATTENTION = TaskDef("learner.score_attention")  # keyword arguments: token_ids, steps, delta, zero_from
+
+
+def ping(service: str) -> TaskDef:
+    """Every service's liveness round trip through its own queue (``loom.queue`` registers it)."""
+    return TaskDef(f"{service}.ping")
+
+
+TASKS: dict[str, TaskDef] = {
+    t.name: t
+    for t in (
+        GENERATE_GROUP,
+        LOAD_POLICY,
+        SCORE_GROUP,
+        SCORE_GROUPS,
+        MATCH_TEXTS,
+        REVISE_GROUP,
+        TRAIN_STEP,
+        SCORE_ATTENTION,
+        *(ping(s) for s in SERVICES),
+    )
+}
