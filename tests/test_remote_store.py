@@ -1,4 +1,4 @@
-"""loom.remote_store: the learner API serves the policy store over HTTP (a real uvicorn server on
+"""loom.store.remote: the learner API serves the policy store over HTTP (a real uvicorn server on
 loopback); replicas pull versions into their own cache, checking every file's sha256."""
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import uvicorn
 from learner.api import build_app
 from loom.contracts.settings import Settings
 from loom.queue import make_celery
-from loom.remote_store import (
+from loom.store import (
     PolicyHashMismatch,
     PolicyManifestInvalid,
     PolicyPullTimeout,
+    PolicyStore,
     PolicyStoreUnreachable,
     RemotePolicyStore,
-    _checked_files,
     open_policy_store,
 )
-from loom.store import PolicyStore
+from loom.store.manifest import checked_files
 from tests.conftest import free_port
 
 
@@ -178,7 +178,7 @@ def test_a_store_that_does_not_answer_is_a_typed_error(tmp_path: Path) -> None:
 def test_a_manifest_naming_a_path_outside_its_version_is_refused(path: str) -> None:
     manifest = {"policy": {"version": 1, "path": "/x"}, "files": [{"path": path, "size": 1, "sha256": "0"}]}
     with pytest.raises(PolicyManifestInvalid):
-        _checked_files(manifest)
+        checked_files(manifest)
 
 
 def test_the_gateway_check_reads_remote_manifests_and_pulls_nothing(served: Any, tmp_path: Path) -> None:
