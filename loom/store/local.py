@@ -20,9 +20,19 @@ from typing import IO, Any, Literal
 
 from loom.contracts.policies import LEARNER_NAMESPACE, PolicyMatch, PolicyRef, is_namespace
 from loom.contracts.wire import PolicyVersion
-from loom.store import layout
 from loom.store.errors import IntegrityError, PublishNotFound
-from loom.store.layout import REGISTERED
+from loom.store.layout import (
+    REGISTERED,
+    namespace_parts,
+    namespace_root,
+    open_no_follow,
+    read_latest,
+    read_record,
+    temporary,
+    version_dir,
+    versions_in,
+    write_latest,
+)
 from loom.store.manifest import file_hashes, hash_stream, read_files, write_records
 from loom.store.reader import resolve, serving_of
 
@@ -35,7 +45,7 @@ class PolicyStore:
             raise ValueError(f"{namespace!r} is not a policy namespace name")
         self.base = Path(root)
         self.name = namespace
-        self.root = layout.namespace_root(self.base, namespace)
+        self.root = namespace_root(self.base, namespace)
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -44,20 +54,20 @@ class PolicyStore:
         return PolicyStore(self.base, create=False, namespace=name)
 
     def path_of(self, version: int) -> Path:
-        return layout.version_dir(self.root, version)
+        return version_dir(self.root, version)
 
     def versions(self) -> list[int]:
-        return layout.versions_in(self.root)
+        return versions_in(self.root)
 
     def latest(self) -> PolicyVersion | None:
-        marked = layout.read_latest(self.root)
+        marked = read_latest(self.root)
         if marked is not None:
             return self.get(marked)
         vs = self.versions()
         return self.get(vs[-1]) if vs else None
 
     def get(self, version: int) -> PolicyVersion | None:
-        return layout.read_record(self.root, version)
+        return read_record(self.root, version)
 
     def serving(self, version: int) -> PolicyVersion | None:
         """What a replica asked for ``version`` loads: that version, or the newest one above it when
@@ -94,7 +104,7 @@ class PolicyStore:
         if final.exists():
             raise FileExistsError(f"policy version {version} already exists at {final}")
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = layout.temporary(self.root, version)
+        tmp = temporary(self.root, version)
         tmp.mkdir(parents=True)
         try:
             write(tmp)
@@ -126,7 +136,7 @@ class PolicyStore:
             raise
         current = self.latest()
         if current is None or current.version <= record.version:
-            layout.write_latest(self.root, record.version)
+            write_latest(self.root, record.version)
         return record
 
     def manifest(self, version: int) -> dict[str, Any] | None:
@@ -156,8 +166,8 @@ class PolicyStore:
             top, parts = Path("/"), [*Path(record.path).parts[1:], *rel.split("/")]
         else:
             top = self.base
-            parts = [*layout.namespace_parts(self.name), f"v{version}", *rel.split("/")]
-        f = layout.open_no_follow(top, parts)
+            parts = [*namespace_parts(self.name), f"v{version}", *rel.split("/")]
+        f = open_no_follow(top, parts)
         try:
             yield f
         finally:

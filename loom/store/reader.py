@@ -34,10 +34,6 @@ class PolicyReader(Protocol):
         """This namespace's newest version; None when it holds none."""
         ...
 
-    def serving(self, version: int) -> PolicyVersion | None:
-        """``version`` or, when it is gone (pruned), the newest above it (``serving_of``)."""
-        ...
-
     def find(
         self, namespace: str | None, version: int | None, match: PolicyMatch = "at_least"
     ) -> PolicyVersion | None:

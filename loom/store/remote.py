@@ -7,6 +7,8 @@ folder renamed to ``<cache>/v<N>`` (``<cache>/ns/<name>/v<N>`` for a trainer's) 
 a crash leaves no half version. Workers on one host that want the same version take turns on a lock
 file (``<cache>/.pull-v<N>.lock``), so it is downloaded once. A pull is bounded by ``timeout_s``;
 failures are ``PolicyStoreError`` subclasses (docs/operations.md, "The policy store over HTTP").
+``open_policy_store`` picks the directory or this client from the settings, as ``policy_writer``
+(loom/store/publish.py) picks a writer.
 """
 
 from __future__ import annotations
@@ -22,18 +24,19 @@ from typing import Any
 import httpx
 
 from loom.contracts.policies import PolicyMatch, is_namespace
+from loom.contracts.settings import Settings
 from loom.contracts.wire import PolicyVersion
 from loom.service_token import service_headers
-from loom.store import layout
 from loom.store.errors import (
     PolicyHashMismatch,
     PolicyManifestInvalid,
     PolicyPullTimeout,
     PolicyStoreUnreachable,
 )
-from loom.store.layout import REGISTERED
+from loom.store.layout import REGISTERED, namespace_root, read_record, temporary, version_dir
+from loom.store.local import PolicyStore
 from loom.store.manifest import CHUNK, checked_files, write_records
-from loom.store.reader import resolve, serving_of
+from loom.store.reader import PolicyReader, resolve, serving_of
 
 
 class RemotePolicyStore:
@@ -55,7 +58,7 @@ class RemotePolicyStore:
         self.url = url.rstrip("/")
         self.cache = Path(cache)
         self.name = namespace
-        self.root = layout.namespace_root(self.cache, namespace)
+        self.root = namespace_root(self.cache, namespace)
         self.prefix = "/v1/store" if namespace is None else f"/v1/store/ns/{namespace}"
         self.timeout_s = timeout_s
         self.pull = pull
@@ -70,10 +73,10 @@ class RemotePolicyStore:
         )
 
     def path_of(self, version: int) -> Path:
-        return layout.version_dir(self.root, version)
+        return version_dir(self.root, version)
 
     def cached(self, version: int) -> PolicyVersion | None:
-        return layout.read_record(self.root, version)
+        return read_record(self.root, version)
 
     def latest(self) -> PolicyVersion | None:
         body = self._get_json(f"{self.prefix}/latest", time.monotonic() + self.timeout_s)
@@ -115,7 +118,7 @@ class RemotePolicyStore:
                 return found
             for stale in self.root.glob(f".tmp-v{version}-*"):  # a pull killed mid-way (we hold the lock)
                 shutil.rmtree(stale, ignore_errors=True)
-            tmp = layout.temporary(self.root, version)
+            tmp = temporary(self.root, version)
             try:
                 tmp.mkdir()
                 for f in files:
@@ -176,6 +179,22 @@ class RemotePolicyStore:
             return resp.json()
         except ValueError as exc:
             raise PolicyManifestInvalid(f"{url}: not JSON") from exc
+
+
+def open_policy_store(settings: Settings, *, create: bool = True) -> PolicyReader:
+    """The store this process reads: the local directory (``LOOM_POLICY_STORE``) or, with
+    ``LOOM_POLICY_STORE_URL``, the remote one cached under ``LOOM_POLICY_CACHE``. ``create=False``:
+    a reader that writes nothing (the gateway: it reads records and never pulls files)."""
+    if not settings.policy_store_url:
+        return PolicyStore(settings.policy_store_path, create=create)
+    return RemotePolicyStore(
+        settings.policy_store_url,
+        settings.policy_cache_path,
+        token=settings.service_token,
+        # a reader answers a submission: it waits for a manifest, never for a pull
+        timeout_s=settings.policy_pull_timeout_s if create else min(settings.policy_pull_timeout_s, 10.0),
+        pull=create,
+    )
 
 
 def local_meta(record: PolicyVersion) -> dict[str, Any]:

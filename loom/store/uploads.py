@@ -25,9 +25,8 @@ from typing import Any
 
 from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket, is_namespace
 from loom.contracts.wire import PolicyVersion
-from loom.store import layout
 from loom.store.errors import IntegrityError, PublishConflict, PublishError, PublishForbidden, PublishNotFound
-from loom.store.layout import REGISTERED, UPLOADS
+from loom.store.layout import REGISTERED, UPLOADS, temporary
 from loom.store.local import PolicyStore, policy_ref
 from loom.store.manifest import file_hashes, sha256_of
 
@@ -161,7 +160,7 @@ class Uploads:
         with self._locked(namespace):
             self._above_latest(ns, record["version"])
             ns.root.mkdir(parents=True, exist_ok=True)
-            tmp = layout.temporary(ns.root, record["version"], upload_id)
+            tmp = temporary(ns.root, record["version"], upload_id)
             os.rename(folder / "files", tmp)
             policy = PolicyVersion(
                 version=record["version"],
@@ -197,7 +196,7 @@ class Uploads:
         with self._locked(namespace):
             version = self._next_version(ns, req.version)
             ns.root.mkdir(parents=True, exist_ok=True)
-            tmp = layout.temporary(ns.root, version, uuid.uuid4().hex)
+            tmp = temporary(ns.root, version, uuid.uuid4().hex)
             tmp.mkdir()
             policy = PolicyVersion(
                 version=version,
