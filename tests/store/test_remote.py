@@ -205,3 +205,24 @@ def test_settings_choose_the_store(tmp_path: Path) -> None:
     assert isinstance(remote, RemotePolicyStore) and remote.root == tmp_path / "policy-cache"
     with pytest.raises(ValueError):
         Settings(policy_store_url="learner:8400")
+
+
+def test_find_and_loadable_name_the_namespace_and_pull_into_its_cache_folder(
+    served: Any, tmp_path: Path
+) -> None:
+    store, server = served
+    store.namespace("alice").publish(2, write_checkpoint(7))
+    cache = tmp_path / "cache"
+    remote = RemotePolicyStore(server.url, cache, token="s3cret")
+    mine = remote.loadable("alice", 1)  # alice has no 1: her newest above it
+    assert mine is not None and (mine.namespace, mine.version) == ("alice", 2)
+    assert mine.path == str(cache / "ns" / "alice" / "v2")
+    assert (cache / "ns" / "alice" / "v2" / "model.safetensors").read_bytes() == bytes([7]) * 300_000
+    assert remote.namespace("alice").find(None, 1, "exact") == remote.get(1)  # the learner's, by name
+    assert remote.find("alice", 1, "exact") is None and not (cache / "v2").exists()
+    reader = RemotePolicyStore(server.url, tmp_path / "gateway", token="s3cret", pull=False)
+    found = reader.find("alice", 2, "exact")  # a manifest's record: the server's path, nothing pulled
+    assert found is not None and found.path == str(store.namespace("alice").path_of(2))
+    with pytest.raises(ValueError):
+        reader.loadable("alice", 2)
+    assert not (tmp_path / "gateway").exists()
