@@ -96,10 +96,9 @@ def _seal_new(
 
 
 class Uploads:
-    """Uploads into a store's namespaces (``<root>/.uploads/<id>/``, on the store's filesystem so the
-    commit is a rename). A file arrives in parts appended at their offset (each request body stays
-    under the services' body limit); when its declared size is reached its sha256 is checked, and a
-    mismatch drops it. The commit checks every declared file is there and seals the version."""
+    """Uploads and registrations into the namespaces of ``store``'s root (``<root>/.uploads/``),
+    each version sealed by ``PolicyStore.seal``; at most ``max_bytes`` a version, an upload not
+    committed within ``ttl_s`` dropped."""
 
     def __init__(self, store: PolicyStore, *, max_bytes: int, ttl_s: float) -> None:
         self.store = store.namespace(None)
