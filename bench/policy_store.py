@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from loom.remote_store import RemotePolicyStore  # noqa: E402
-from loom.store import PolicyStore  # noqa: E402
+from loom.store import PolicyStore, RemotePolicyStore  # noqa: E402
 
 
 def serve(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -14,11 +14,11 @@ from gateway.auth import KEY_NAME
 from gateway.models import TaskItem
 from gateway.runs import to_request
 from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params
-from loom.contracts.policies import is_namespace
+from loom.contracts.policies import PolicyMatch, is_namespace
 from loom.contracts.rewards import RequestError, check_spec
 from loom.contracts.settings import Settings
 from loom.contracts.wire import PolicyVersion
-from loom.remote_store import PolicyStoreError, open_policy_store
+from loom.store import PolicyStoreError, open_policy_store
 
 MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in dataset's items differ
 # only in their sentences, so the first ones stand for the rest)
@@ -35,7 +35,7 @@ def submission_problem(
         return exc.body()
     field = "policy_version" if hasattr(req, "policy_version") else "initial_policy_version"
     namespace = getattr(req, "policy_namespace", None)
-    match = getattr(req, "policy_match", "at_least")
+    match: PolicyMatch = "exact" if getattr(req, "policy_match", None) == "exact" else "at_least"
     problem = policy_version_problem(getattr(req, field), field, settings, namespace, match)
     if problem is not None:
         return problem
@@ -67,10 +67,10 @@ def policy_version_problem(
     field: str,
     settings: Settings,
     namespace: str | None = None,
-    match: str = "at_least",
+    match: PolicyMatch = "at_least",
 ) -> dict[str, Any] | None:
-    """The 422 body when no rollout replica could serve ``version`` (``PolicyStore.serving``, as
-    ``rollout_svc.rollout.catch_up`` loads it; version 0 is the base model every engine starts from;
+    """The 422 body when no rollout replica could serve ``version`` (``PolicyReader.find``, the
+    lookup ``rollout_svc.rollout.catch_up`` loads by; version 0 is the base model every engine starts from;
     ``match`` "exact": that version itself). The gateway reads the same store as the rollout replicas:
     ``LOOM_POLICY_STORE`` (docker-compose mounts it) or, with ``LOOM_POLICY_STORE_URL``, the remote
     store's manifests (no file is pulled). A remote store that cannot answer is a 503
@@ -80,12 +80,11 @@ def policy_version_problem(
         return None
     if namespace is not None and (namespace != KEY_NAME.get() or not is_namespace(namespace)):
         return _missing(version, field, None)
-    store = open_policy_store(settings, create=False).namespace(namespace)
+    store = open_policy_store(settings, create=False)
     try:
-        found = store.get(version) if match == "exact" else store.serving(version)
-        if found is not None:
+        if store.find(namespace, version, match) is not None:
             return None
-        latest = store.latest()
+        latest = store.find(namespace, None)
     except PolicyStoreError as exc:
         raise HTTPException(503, {"error": "policy_store_unavailable", "detail": str(exc)}) from exc
     return _missing(version, field, latest)

@@ -5,7 +5,7 @@ the policy), returns schemas.
   The batch is checked here first (every trajectory has a reward, the tree/threads an estimator
   needs), so a bad batch is a 422, never a failed task.
 - ``POST /v1/score/attention``: FCI scores of a response's steps under the current policy.
-- ``GET /v1/store/...``: the policy store's versions, manifests and files (``loom.remote_store``), so
+- ``GET /v1/store/...``: the policy store's versions, manifests and files (``loom.store.routes``), so
   rollout replicas on other hosts pull each version without a shared filesystem; a trainer's under
   ``/v1/store/ns/{namespace}/...``, where the gateway also forwards its ``/v1/policies`` uploads
   (docs/interop-rollout.md).
@@ -32,9 +32,9 @@ from loom.contracts.settings import Settings
 from loom.contracts.tasks import SCORE_ATTENTION, TRAIN_STEP, TaskDef
 from loom.contracts.wire import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
 from loom.queue import send
-from loom.remote_store import add_store_routes
 from loom.service import create_queue_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
+from loom.store.routes import add_store_routes
 
 
 class AttentionRequest(Contract):

@@ -27,9 +27,9 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loom.contracts.wire import Contract, Group, RolloutRequest
-from loom.remote_store import PolicyStoreError
 from loom.service import ErrorBody, create_queue_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
+from loom.store import PolicyStoreError
 from rollout_svc.config import RolloutSettings
 from rollout_svc.engines import get_engine_async, get_tokenizer
 from rollout_svc.engines.base import (

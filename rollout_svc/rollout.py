@@ -7,21 +7,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 from loom.contracts.modes import ModeLimits, parse_mode_params
-from loom.contracts.policies import is_namespace
+from loom.contracts.policies import PolicyMatch, is_namespace
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
-from loom.remote_store import open_policy_store
-from loom.store import REGISTERED, PolicyStore, PublishError
+from loom.store import PublishError, open_policy_store
+from loom.store.layout import version_named
 from rollout_svc.config import GROUP_TIMEOUT_S
 from rollout_svc.engines.base import Engine, EngineError, PolicyLoadError, check_prompt
 from rollout_svc.modes import MODES, ModeError, run
@@ -116,7 +113,7 @@ def loop_local(store: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, T], m
 
 
 def serves(
-    engine: Engine, version: int | None, namespace: str | None = None, match: str = "at_least"
+    engine: Engine, version: int | None, namespace: str | None = None, match: PolicyMatch = "at_least"
 ) -> bool:
     """Whether the policy ``engine`` holds answers a request for ``version`` of ``namespace``: that
     version (``match`` "exact") or a newer one of the same namespace; version 0, the base model every
@@ -146,7 +143,7 @@ async def holding_policy(
     settings: Settings,
     version: int | None,
     namespace: str | None = None,
-    match: str = "at_least",
+    match: PolicyMatch = "at_least",
 ) -> AsyncIterator[None]:
     """Generate under policy ``version`` of ``namespace`` (``serves``): load it first when the engine
     holds another, and keep it until the group ends. Every replica pulls the version a request asks
@@ -185,7 +182,7 @@ async def catch_up(
     wanted: int | None,
     settings: Settings,
     namespace: str | None = None,
-    match: str = "at_least",
+    match: PolicyMatch = "at_least",
 ) -> None:
     """Load policy version ``wanted`` of ``namespace`` (``match`` "at_least": or the newest stored
     one above it) when the engine does not hold it (``holding_policy`` without the hold)."""
@@ -219,22 +216,17 @@ def stored_policy(
     ``LOOM_POLICY_STORE_URL`` the store is this replica's cache and a version is pulled on demand."""
     if namespace is not None and not is_namespace(namespace):
         raise PolicyNotFound(f"no policy namespace {namespace!r}")
-    store = open_policy_store(settings).namespace(namespace)
+    store = open_policy_store(settings)
     if path is not None:
-        root = store.root.resolve()
-        given = Path(os.path.normpath(root / path))  # lexically: ".." cannot climb out unseen
-
-        def in_store(p: Path) -> bool:
-            return p.parent == root and re.fullmatch(r"v\d+", p.name) is not None
-
-        if not in_store(given) or not in_store(given.resolve()):  # a link in the store may point out
+        named = version_named(store.namespace(namespace).root, path)
+        if named is None:
             raise PolicyPathRefused("path must be a version directory of the policy store (<store>/v<N>)")
-        if version is not None and version != int(given.name[1:]):
-            raise PolicyPathRefused(f"path is version {given.name[1:]} of the store, not {version}")
-        version = int(given.name[1:])
+        if version is not None and version != named:
+            raise PolicyPathRefused(f"path is version {named} of the store, not {version}")
+        version = named
     if version == 0:
         return base_policy(settings)
-    found = store.latest() if version is None else store.get(version)
+    found = store.find(namespace, version, "exact")
     if found is None:
         raise PolicyNotFound(
             "the policy store holds no version" if version is None else f"no policy version {version}"
@@ -242,20 +234,19 @@ def stored_policy(
     return found
 
 
-async def _load(engine: Engine, wanted: int, namespace: str | None, match: str, settings: Settings) -> None:
-    # with LOOM_POLICY_STORE_URL this pulls the version into the local cache first (off the loop)
+async def _load(
+    engine: Engine, wanted: int, namespace: str | None, match: PolicyMatch, settings: Settings
+) -> None:
     if namespace is not None and not is_namespace(namespace):
         raise ModeError(f"{namespace!r} is not a policy namespace")
     if wanted == 0:
         policy: PolicyVersion | None = base_policy(settings)
-    else:
-        store = open_policy_store(settings).namespace(namespace)
-        policy = await asyncio.to_thread(store.get if match == "exact" else store.serving, wanted)
-        if policy is not None and policy.meta.get(REGISTERED) and isinstance(store, PolicyStore):
-            try:  # a registered path stays its trainer's: read here directly, so checked here
-                await asyncio.to_thread(store.verify, policy.version)
-            except PublishError as exc:
-                raise PolicyLoadError(exc.detail) from None
+    else:  # off the loop: with LOOM_POLICY_STORE_URL this pulls the version into the local cache
+        store = open_policy_store(settings)
+        try:
+            policy = await asyncio.to_thread(store.loadable, namespace, wanted, match)
+        except PublishError as exc:  # a registered path changed since it was hashed
+            raise PolicyLoadError(exc.detail) from None
     if policy is None:
         where = "the policy store" if namespace is None else f"policy namespace {namespace!r}"
         raise ModeError(f"policy version {wanted} is not in {where}")

@@ -3,7 +3,7 @@
 Every route needs the ``policy`` scope (gateway/auth.py). A key publishes into, and sees, only its own
 namespace (named after the key): another key's version is a 404 exactly like a missing one. The store
 is the local one or, with ``LOOM_POLICY_STORE_URL``, the learner's, which these routes forward to
-(``loom.remote_store.policy_writer``).
+(``loom.store.policy_writer``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from fastapi.responses import JSONResponse
 
 from gateway.routes.deps import GatewayDep, owner
 from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket
-from loom.remote_store import policy_writer
 from loom.service import LoomRoute, error_responses
-from loom.store import PublishError, PublishNotFound
+from loom.store import PublishError, PublishNotFound, policy_writer
 
 router = APIRouter(prefix="/policies", tags=["policies"], route_class=LoomRoute)
 ANSWERS = error_responses((404, 409, 422, 503))

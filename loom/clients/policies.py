@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from loom.clients.base import ServiceClient
 from loom.contracts.policies import FILE_SUFFIXES, PolicyRef
-from loom.store import sha256_of
+from loom.store.manifest import file_hashes
 
 PART_BYTES = 8 * 1024 * 1024  # one request's body: under LOOM_MAX_BODY_BYTES (16 MiB by default)
 
@@ -40,14 +40,8 @@ class PolicyPublisher(ServiceClient):
         """Publish the checkpoint (or adapter) files under ``path``: its safetensors, configs and
         tokenizer files (other files are not part of a version). ``version`` None: the next."""
         folder = Path(path)
-        files: list[dict[str, Any]] = [
-            {"path": p.relative_to(folder).as_posix(), "size": p.stat().st_size, "sha256": sha256_of(p)}
-            for p in sorted(folder.rglob("*"))
-            if p.is_file()
-            and not p.is_symlink()
-            and p.name.endswith(FILE_SUFFIXES)
-            and not any(x.startswith(".") for x in p.relative_to(folder).parts)
-        ]
+        # the store's own hashing: what the gateway checks each arriving file against
+        files = file_hashes(folder, keep=lambda rel: rel.endswith(FILE_SUFFIXES))
         if not files:
             raise ValueError(f"{folder} holds no checkpoint file ({', '.join(FILE_SUFFIXES)})")
         declared = {"kind": kind, "version": version, "files": files, "meta": meta or {}}

@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     api_keys: str = Field(default="", description="comma-separated 'name:sha256hex' pairs for the gateway")
     # the gateway's own knobs (rate limits, quotas, run page logins, ...): gateway/config.py, GatewaySettings
     # --- the policy store's publish limits: the gateway's /v1/policies, and the store's host when the
-    # gateway forwards an upload to it (loom/remote_store.py)
+    # gateway forwards an upload to it (loom/store/publish.py)
     gateway_policy_max_bytes: int = Field(
         default=4 * 1024**3, ge=1, description="largest policy version upload, all its files together"
     )

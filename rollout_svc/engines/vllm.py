@@ -47,7 +47,7 @@ from typing import Any, Literal
 import httpx
 
 from loom.contracts.wire import PolicyVersion, SamplingParams
-from loom.store import NAMESPACES
+from loom.store.layout import NAMESPACES
 from rollout_svc.engines.base import (
     Completion,
     Engine,

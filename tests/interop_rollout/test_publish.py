@@ -16,8 +16,7 @@ import pytest
 
 from loom.clients.base import LoomHTTPError
 from loom.clients.policies import PolicyPublisher
-from loom.remote_store import PolicyHashMismatch, RemotePolicyStore
-from loom.store import PolicyStore
+from loom.store import PolicyHashMismatch, PolicyStore, RemotePolicyStore
 from tests.interop_rollout.conftest import (
     JOBS_ONLY_KEY,
     LOOM_NAMED_KEY,
@@ -383,7 +382,8 @@ def test_a_registered_version_is_pulled_over_http_and_a_changed_file_refused(
 
 def test_abandoned_uploads_expire_and_a_namespace_holds_few_open(tmp_path: Path) -> None:
     from loom.contracts.policies import UploadRequest
-    from loom.store import PublishConflict, PublishNotFound, Uploads
+    from loom.store import PublishConflict, PublishNotFound
+    from loom.store.uploads import Uploads
 
     store = PolicyStore(tmp_path / "policy")
     body = UploadRequest.model_validate(

@@ -176,7 +176,7 @@ def test_a_registered_version_is_checked_against_its_hashes_before_a_replica_loa
     """A registered path stays the trainer's: a replica reading it directly re-hashes it first, and a
     file changed since the registration is a load error, not a silently different policy."""
     from loom.contracts.policies import RegisterRequest
-    from loom.store import Uploads
+    from loom.store.uploads import Uploads
     from rollout_svc.engines.base import PolicyLoadError
 
     base, world_settings = world

@@ -1,4 +1,4 @@
-"""loom.remote_store's read routes: the learner's versions under /v1/store and a trainer's under
+"""loom.store.routes' read routes: the learner's versions under /v1/store and a trainer's under
 /v1/store/ns/{namespace} are the same three routes, each reading only its own namespace."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
 from loom.contracts.settings import Settings
-from loom.remote_store import add_store_routes
 from loom.store import PolicyStore
+from loom.store.routes import add_store_routes
 
 
 def weights(fill: int) -> Callable[[Path], None]:

@@ -1,4 +1,4 @@
-"""loom.remote_store: the learner API serves the policy store over HTTP (a real uvicorn server on
+"""loom.store.remote: the learner API serves the policy store over HTTP (a real uvicorn server on
 loopback); replicas pull versions into their own cache, checking every file's sha256."""
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import uvicorn
 from learner.api import build_app
 from loom.contracts.settings import Settings
 from loom.queue import make_celery
-from loom.remote_store import (
+from loom.store import (
     PolicyHashMismatch,
     PolicyManifestInvalid,
     PolicyPullTimeout,
+    PolicyStore,
     PolicyStoreUnreachable,
     RemotePolicyStore,
-    _checked_files,
     open_policy_store,
 )
-from loom.store import PolicyStore
+from loom.store.manifest import checked_files
 from tests.conftest import free_port
 
 
@@ -178,7 +178,7 @@ def test_a_store_that_does_not_answer_is_a_typed_error(tmp_path: Path) -> None:
 def test_a_manifest_naming_a_path_outside_its_version_is_refused(path: str) -> None:
     manifest = {"policy": {"version": 1, "path": "/x"}, "files": [{"path": path, "size": 1, "sha256": "0"}]}
     with pytest.raises(PolicyManifestInvalid):
-        _checked_files(manifest)
+        checked_files(manifest)
 
 
 def test_the_gateway_check_reads_remote_manifests_and_pulls_nothing(served: Any, tmp_path: Path) -> None:
@@ -205,3 +205,24 @@ def test_settings_choose_the_store(tmp_path: Path) -> None:
     assert isinstance(remote, RemotePolicyStore) and remote.root == tmp_path / "policy-cache"
     with pytest.raises(ValueError):
         Settings(policy_store_url="learner:8400")
+
+
+def test_find_and_loadable_name_the_namespace_and_pull_into_its_cache_folder(
+    served: Any, tmp_path: Path
+) -> None:
+    store, server = served
+    store.namespace("alice").publish(2, write_checkpoint(7))
+    cache = tmp_path / "cache"
+    remote = RemotePolicyStore(server.url, cache, token="s3cret")
+    mine = remote.loadable("alice", 1)  # alice has no 1: her newest above it
+    assert mine is not None and (mine.namespace, mine.version) == ("alice", 2)
+    assert mine.path == str(cache / "ns" / "alice" / "v2")
+    assert (cache / "ns" / "alice" / "v2" / "model.safetensors").read_bytes() == bytes([7]) * 300_000
+    assert remote.namespace("alice").find(None, 1, "exact") == remote.get(1)  # the learner's, by name
+    assert remote.find("alice", 1, "exact") is None and not (cache / "v2").exists()
+    reader = RemotePolicyStore(server.url, tmp_path / "gateway", token="s3cret", pull=False)
+    found = reader.find("alice", 2, "exact")  # a manifest's record: the server's path, nothing pulled
+    assert found is not None and found.path == str(store.namespace("alice").path_of(2))
+    with pytest.raises(ValueError):
+        reader.loadable("alice", 2)
+    assert not (tmp_path / "gateway").exists()

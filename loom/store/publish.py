@@ -1,0 +1,160 @@
+"""The writers trainers' versions are published through: into the local store, or forwarded to the
+store's host over HTTP.
+
+The gateway's ``/v1/policies`` routes (gateway/routes/policies.py) publish through ``policy_writer``:
+``LocalPolicyWriter`` when this process holds the store directory, ``RemotePolicyWriter`` with
+``LOOM_POLICY_STORE_URL``, which calls the store host's internal publishing routes
+(loom/store/routes.py, ``add_publish_routes``) with the service token. Either way a refusal is a
+``PublishError`` naming its HTTP answer (docs/interop-rollout.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket, is_namespace
+from loom.contracts.settings import Settings
+from loom.service_token import service_headers
+from loom.store.errors import (
+    IntegrityError,
+    PublishConflict,
+    PublishError,
+    PublishForbidden,
+    PublishNotFound,
+    PublishUnavailable,
+)
+from loom.store.local import PolicyStore
+from loom.store.uploads import Uploads
+
+
+class PolicyWriter(Protocol):
+    """Where a gateway's ``/v1/policies`` routes publish (``policy_writer``); errors are
+    ``PublishError``s."""
+
+    async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket: ...
+
+    async def put(
+        self, namespace: str, upload_id: str, path: str, offset: int, chunks: AsyncIterator[bytes]
+    ) -> int: ...
+
+    async def commit(self, namespace: str, upload_id: str) -> PolicyRef: ...
+
+    async def register(self, namespace: str, req: RegisterRequest) -> PolicyRef: ...
+
+    async def refs(self, namespace: str) -> list[PolicyRef]: ...
+
+
+def policy_writer(settings: Settings) -> PolicyWriter:
+    """The store this process publishes into: the local one, or the learner's over HTTP
+    (``LOOM_POLICY_STORE_URL``, the service token)."""
+    if settings.policy_store_url:
+        return RemotePolicyWriter(settings.policy_store_url, settings.service_token)
+    return LocalPolicyWriter.from_settings(settings)
+
+
+def register_roots(settings: Settings) -> list[Path]:
+    return [Path(r.strip()) for r in settings.gateway_policy_register_roots.split(",") if r.strip()]
+
+
+class LocalPolicyWriter:
+    def __init__(self, uploads: Uploads, roots: list[Path]) -> None:
+        self.uploads, self.roots = uploads, roots
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LocalPolicyWriter:
+        store = PolicyStore(settings.policy_store_path)
+        uploads = Uploads(
+            store, max_bytes=settings.gateway_policy_max_bytes, ttl_s=settings.gateway_policy_upload_ttl_s
+        )
+        return cls(uploads, register_roots(settings))
+
+    async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
+        return await asyncio.to_thread(self.uploads.declare, namespace, req)
+
+    async def put(
+        self, namespace: str, upload_id: str, path: str, offset: int, chunks: AsyncIterator[bytes]
+    ) -> int:
+        part = await asyncio.to_thread(self.uploads.part, namespace, upload_id, path, offset)
+        try:
+            async for chunk in chunks:
+                part.write(chunk)  # an IntegrityError drops the file
+        except BaseException:
+            part.abort()  # a broken part: the file starts again from 0
+            raise
+        return await asyncio.to_thread(part.finish)
+
+    async def commit(self, namespace: str, upload_id: str) -> PolicyRef:
+        return await asyncio.to_thread(self.uploads.commit, namespace, upload_id)
+
+    async def register(self, namespace: str, req: RegisterRequest) -> PolicyRef:
+        return await asyncio.to_thread(self.uploads.register, namespace, req, self.roots)
+
+    async def refs(self, namespace: str) -> list[PolicyRef]:
+        if not is_namespace(namespace):
+            return []
+        return await asyncio.to_thread(self.uploads.store.namespace(namespace).refs)
+
+
+class RemotePolicyWriter:
+    """The internal publishing routes of the store's host (``add_publish_routes``)."""
+
+    def __init__(self, url: str, token: str = "", timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.headers = service_headers(token)
+        self.timeout = httpx.Timeout(timeout_s, connect=10.0)
+
+    async def _call(self, method: str, route: str, **kw: Any) -> Any:
+        url = self.url + route
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout) as client:
+                resp = await client.request(method, url, headers=self.headers, **kw)
+        except httpx.HTTPError as exc:
+            raise PublishUnavailable(f"the policy store did not answer ({type(exc).__name__})") from exc
+        if resp.status_code >= 300:
+            try:
+                body = resp.json()
+                detail = body.get("detail", "")
+            except ValueError:
+                body, detail = {}, ""
+            kinds = {403: PublishForbidden, 404: PublishNotFound, 409: PublishConflict}
+            if resp.status_code == 422 and body.get("error") == "integrity_error":
+                raise IntegrityError(str(detail))
+            if resp.status_code in kinds or resp.status_code == 422:
+                raise kinds.get(resp.status_code, PublishError)(
+                    detail if isinstance(detail, str) else json.dumps(detail)
+                )
+            raise PublishUnavailable(f"the policy store answered {resp.status_code}")
+        return resp.json()
+
+    async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
+        body = await self._call("POST", f"/v1/store/ns/{namespace}/uploads", json=req.model_dump(mode="json"))
+        return UploadTicket.model_validate(body)
+
+    async def put(
+        self, namespace: str, upload_id: str, path: str, offset: int, chunks: AsyncIterator[bytes]
+    ) -> int:
+        route = f"/v1/store/ns/{namespace}/uploads/{upload_id}/files/{path}?offset={offset}"
+        body = await self._call("PUT", route, content=chunks)
+        return int(body["received"])
+
+    async def commit(self, namespace: str, upload_id: str) -> PolicyRef:
+        return PolicyRef.model_validate(
+            await self._call("POST", f"/v1/store/ns/{namespace}/uploads/{upload_id}/commit")
+        )
+
+    async def register(self, namespace: str, req: RegisterRequest) -> PolicyRef:
+        body = await self._call(
+            "POST", f"/v1/store/ns/{namespace}/register", json=req.model_dump(mode="json")
+        )
+        return PolicyRef.model_validate(body)
+
+    async def refs(self, namespace: str) -> list[PolicyRef]:
+        return [
+            PolicyRef.model_validate(r) for r in await self._call("GET", f"/v1/store/ns/{namespace}/refs")
+        ]
