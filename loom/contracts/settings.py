@@ -85,20 +85,6 @@ class Settings(BaseSettings):
     )
     api_keys: str = Field(default="", description="comma-separated 'name:sha256hex' pairs for the gateway")
     # the gateway's own knobs (rate limits, quotas, run page logins, ...): gateway/config.py, GatewaySettings
-    # --- the policy store's publish limits: the gateway's /v1/policies, and the store's host when the
-    # gateway forwards an upload to it (loom/store/publish.py)
-    gateway_policy_max_bytes: int = Field(
-        default=4 * 1024**3, ge=1, description="largest policy version upload, all its files together"
-    )
-    gateway_policy_register_roots: str = Field(
-        default="",
-        description="comma-separated directories (a filesystem the replicas share) under which a key with "
-        "the 'policy' scope may register a checkpoint (POST /v1/policies/register); empty: off",
-    )
-    gateway_policy_upload_ttl_s: float = Field(
-        default=3600.0, gt=0, description="an upload not committed within this many seconds is dropped"
-    )
-
     # --- experiment trackers (docs/trackers.md)
     trackers: str = Field(
         default="",

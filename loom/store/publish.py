@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket, is_namespace
 from loom.contracts.settings import Settings
@@ -31,6 +33,25 @@ from loom.store.errors import (
 )
 from loom.store.local import PolicyStore
 from loom.store.uploads import Uploads
+
+
+class PublishLimits(BaseSettings):
+    """What a publish may hold (``LOOM_GATEWAY_POLICY_*``): read where an upload lands, the gateway
+    holding the store or the store's host the gateway forwards it to, so one setting holds for both."""
+
+    model_config = SettingsConfigDict(env_prefix="LOOM_GATEWAY_POLICY_", extra="ignore", frozen=True)
+
+    max_bytes: int = Field(
+        default=4 * 1024**3, ge=1, description="largest policy version upload, all its files together"
+    )
+    register_roots: str = Field(
+        default="",
+        description="comma-separated directories (a filesystem the replicas share) under which a key with "
+        "the 'policy' scope may register a checkpoint (POST /v1/policies/register); empty: off",
+    )
+    upload_ttl_s: float = Field(
+        default=3600.0, gt=0, description="an upload not committed within this many seconds is dropped"
+    )
 
 
 class PolicyWriter(Protocol):
@@ -58,8 +79,8 @@ def policy_writer(settings: Settings) -> PolicyWriter:
     return LocalPolicyWriter.from_settings(settings)
 
 
-def register_roots(settings: Settings) -> list[Path]:
-    return [Path(r.strip()) for r in settings.gateway_policy_register_roots.split(",") if r.strip()]
+def register_roots(limits: PublishLimits) -> list[Path]:
+    return [Path(r.strip()) for r in limits.register_roots.split(",") if r.strip()]
 
 
 class LocalPolicyWriter:
@@ -67,12 +88,12 @@ class LocalPolicyWriter:
         self.uploads, self.roots = uploads, roots
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> LocalPolicyWriter:
+    def from_settings(cls, settings: Settings, limits: PublishLimits | None = None) -> LocalPolicyWriter:
+        """The writer into ``settings``' store under ``limits`` (default: ``LOOM_GATEWAY_POLICY_*``)."""
+        limits = limits or PublishLimits()
         store = PolicyStore(settings.policy_store_path)
-        uploads = Uploads(
-            store, max_bytes=settings.gateway_policy_max_bytes, ttl_s=settings.gateway_policy_upload_ttl_s
-        )
-        return cls(uploads, register_roots(settings))
+        uploads = Uploads(store, max_bytes=limits.max_bytes, ttl_s=limits.upload_ttl_s)
+        return cls(uploads, register_roots(limits))
 
     async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
         return await asyncio.to_thread(self.uploads.declare, namespace, req)

@@ -18,6 +18,7 @@ from gateway.api import build_app  # noqa: E402
 from gateway.config import GatewaySettings  # noqa: E402
 from loom.contracts.settings import Settings  # noqa: E402
 from loom.queue import make_celery  # noqa: E402
+from loom.store.publish import PublishLimits  # noqa: E402
 from rollout_svc.config import RolloutSettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +35,7 @@ def _variables(cls: type) -> set[str]:
 @pytest.mark.parametrize("role", [GatewaySettings, RolloutSettings])
 def test_every_role_variable_the_docs_and_deployments_name_is_one_setting(role: type) -> None:
     prefix = role.model_config["env_prefix"]  # type: ignore[attr-defined]
-    shared, own = _variables(Settings), _variables(role)
+    shared, own = _variables(Settings) | _variables(PublishLimits), _variables(role)  # the store's limits
     assert not shared & own, f"in two classes: {shared & own}"
     named = {v for path in NAMED_IN for v in re.findall(rf"\b{prefix}[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
     assert len(named) >= 3, named  # the pattern finds them
@@ -47,7 +48,7 @@ def test_the_gateway_takes_its_settings_from_the_environment(
     monkeypatch.setenv("LOOM_GATEWAY_RUN_LOOP", "false")
     monkeypatch.setenv("LOOM_GATEWAY_QUOTA_JOBS", "1")
     monkeypatch.setenv("LOOM_GATEWAY_POLICY_MAX_BYTES", "12345")  # the store's: shared with its host
-    assert GatewaySettings().quota_jobs == 1 and Settings().gateway_policy_max_bytes == 12345
+    assert GatewaySettings().quota_jobs == 1 and PublishLimits().max_bytes == 12345
     settings = Settings(
         data_dir=tmp_path, broker_url="embedded", result_backend="embedded", api_keys=API_KEYS
     )

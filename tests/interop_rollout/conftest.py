@@ -85,9 +85,10 @@ def start_learner_api(settings: Settings) -> Server:
 
 
 @pytest.fixture
-def gateway(tmp_path: Path) -> Iterator[tuple[Server, Settings]]:
+def gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Server, Settings]]:
     """A gateway that holds the policy store itself (no LOOM_POLICY_STORE_URL)."""
-    settings = gateway_settings(tmp_path / "gw", gateway_policy_max_bytes=2_000_000)
+    monkeypatch.setenv("LOOM_GATEWAY_POLICY_MAX_BYTES", "2000000")
+    settings = gateway_settings(tmp_path / "gw")
     with start_gateway(settings) as server:
         yield server, settings
 

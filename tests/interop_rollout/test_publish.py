@@ -206,7 +206,9 @@ def test_another_keys_versions_and_uploads_are_invisible(gateway: tuple[Server, 
     assert r.status_code == 422 and "the newest is 1" in r.text
 
 
-def test_registering_a_path_needs_an_operator_root(tmp_path: Path, checkpoint: Path) -> None:
+def test_registering_a_path_needs_an_operator_root(
+    tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import shutil
 
     shared = tmp_path / "shared"
@@ -220,7 +222,8 @@ def test_registering_a_path_needs_an_operator_root(tmp_path: Path, checkpoint: P
             headers=auth(PUBLISHER_KEY),
         )
         assert r.status_code == 403 and "LOOM_GATEWAY_POLICY_REGISTER_ROOTS" in r.json()["detail"]
-    on = gateway_settings(tmp_path / "on", gateway_policy_register_roots=str(shared))
+    monkeypatch.setenv("LOOM_GATEWAY_POLICY_REGISTER_ROOTS", str(shared))
+    on = gateway_settings(tmp_path / "on")
     (shared / "link").symlink_to(shared / "ckpt")
     (shared / "linked").mkdir()
     (shared / "linked" / "model.safetensors").symlink_to(tmp_path / "elsewhere" / "x")
@@ -352,13 +355,14 @@ def test_a_symlinked_folder_in_a_served_path_is_refused(served: Any, tmp_path: P
 
 
 def test_a_registered_version_is_pulled_over_http_and_a_changed_file_refused(
-    tmp_path: Path, checkpoint: Path
+    tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import shutil
 
     shared = tmp_path / "shared"
     shutil.copytree(checkpoint, shared / "ckpt")
-    learner = gateway_settings(tmp_path / "learner", gateway_policy_register_roots=str(shared))
+    monkeypatch.setenv("LOOM_GATEWAY_POLICY_REGISTER_ROOTS", str(shared))  # read by the store's host
+    learner = gateway_settings(tmp_path / "learner")
     with start_learner_api(learner) as store_host:
         gw = gateway_settings(tmp_path / "gw", policy_store_url=store_host.url)
         with start_gateway(gw) as server:
