@@ -33,11 +33,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("launch.cli:worker_main", "run one service's Celery worker"),
     "engine": ("rollout_svc.engines.server:main", "torch engine behind a vLLM-compatible server"),
     "demo": ("launch.demo:main", "a short RL run on the built-in tiny model"),
-    "train-tiny": ("loom.tiny.train:main", "reproduce the built-in tiny model"),
-    "train-search": ("loom.search.train:main", "reproduce the built-in search model"),
-    "train-stream": ("loom.search.stream:main", "reproduce the built-in stream model"),
-    "train-reflect": ("loom.search.reflect:main", "reproduce the built-in reflect model"),
-    "train-deep": ("loom.search.deep_train:main", "train the four-number search model (not shipped yet)"),
+    "train-tiny": ("zoo.tiny.train:main", "reproduce the built-in tiny model"),
+    "train-search": ("zoo.search.train:main", "reproduce the built-in search model"),
+    "train-stream": ("zoo.search.stream:main", "reproduce the built-in stream model"),
+    "train-reflect": ("zoo.search.reflect:main", "reproduce the built-in reflect model"),
+    "train-deep": ("zoo.search.deep_train:main", "train the four-number search model (not shipped yet)"),
     "bench": ("launch.cli:bench_main", "run a benchmark from bench/"),
 }
 

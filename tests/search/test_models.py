@@ -1,19 +1,19 @@
-"""Built-in model names (loom/models.py) resolve the same way for every service."""
+"""Built-in model names (zoo/registry.py) resolve the same way for every service."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from loom.contracts.settings import Settings
-from loom.models import resolve_model_path
-from loom.search import (
+from rollout_svc.rollout import base_policy
+from zoo.registry import resolve_model_path
+from zoo.search import (
     DEEP_CHECKPOINT_DIR,
     REFLECT_CHECKPOINT_DIR,
     SEARCH_CHECKPOINT_DIR,
     STREAM_CHECKPOINT_DIR,
 )
-from loom.tiny import CHECKPOINT_DIR
-from rollout_svc.rollout import base_policy
+from zoo.tiny import CHECKPOINT_DIR
 
 
 def test_names_resolve_to_the_shipped_checkpoints_and_anything_else_is_a_path(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""The stream model's traces (loom/search/stream.py, issue 38): a reading phase whose length varies
+"""The stream model's traces (zoo/search/stream.py, issue 38): a reading phase whose length varies
 across traces of one problem, every thought under the streaming segment cap, the search model's deep
 phase; the traces pass Loom's own stream parser and format checks; the checkpoint ships and loads."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from loom.formats import DEFAULT_MARKERS
-from loom.models import resolve_model_path
-from loom.search import STREAM_CHECKPOINT_DIR, load_tokenizer, search_problems
-from loom.search.stream import VERBOSITY, _guess, model_card, stream_trace, wasteful_units
-from loom.search.traces import stream_trace as search_stream_trace
-from loom.tiny.traces import parse_stream, split_stream_text, stream_sentences, trace_text
+from zoo.registry import resolve_model_path
+from zoo.search import STREAM_CHECKPOINT_DIR, load_tokenizer, search_problems
+from zoo.search.stream import VERBOSITY, _guess, model_card, stream_trace, wasteful_units
+from zoo.search.traces import stream_trace as search_stream_trace
+from zoo.tiny.traces import parse_stream, split_stream_text, stream_sentences, trace_text
 
 M = DEFAULT_MARKERS
 
@@ -107,8 +107,8 @@ def test_the_shipped_checkpoint_resolves_loads_and_its_card_is_written_from_card
 @pytest.mark.slow
 def test_train_stream_starts_from_the_search_model_and_writes_a_checkpoint(tmp_path: Path):
     from loom.runtime import configure_process
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.search.stream import StreamTrainConfig, main, train
+    from zoo.search import SEARCH_CHECKPOINT_DIR
+    from zoo.search.stream import StreamTrainConfig, main, train
 
     configure_process()
     cfg = StreamTrainConfig(steps=2, warmup=1, train_problems=12, batch_size=4, max_len=256, eval_problems=2)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from loom.runtime import configure_process
-from loom.search.train import SearchTrainConfig, main, train
+from zoo.search.train import SearchTrainConfig, main, train
 
 pytestmark = pytest.mark.slow
 

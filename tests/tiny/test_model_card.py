@@ -1,5 +1,5 @@
 """The checked-in MODEL_CARD.md of each built-in checkpoint is what ``model_card`` writes from its
-card.json (loom/tiny/train.py card_markdown serves both)."""
+card.json (zoo/tiny/train.py card_markdown serves both)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from loom.search.train import model_card as search_card
-from loom.tiny.train import model_card as tiny_card
+from zoo.search.train import model_card as search_card
+from zoo.tiny.train import model_card as tiny_card
 
-ROOT = Path(__file__).resolve().parents[2] / "loom"
+ROOT = Path(__file__).resolve().parents[2] / "zoo"
 
 
 @pytest.mark.parametrize(("name", "model_card"), [("tiny", tiny_card), ("search", search_card)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from loom.runtime import configure_process
-from loom.tiny.train import MIX, TrainConfig, print_card, train
+from zoo.tiny.train import MIX, TrainConfig, print_card, train
 
 
 def test_short_training_is_reproducible_with_the_same_seed(tmp_path):

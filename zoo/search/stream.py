@@ -35,17 +35,17 @@ import torch
 
 from loom.formats import DEFAULT_MARKERS, Markers
 from loom.runtime import configure_process
-from loom.search import STREAM_CHECKPOINT_DIR
-from loom.search.tasks import search_problems
-from loom.search.traces import FIXED, boxed, expression_from_steps, search_lines
-from loom.search.traces import plain_trace as search_plain_trace
-from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_stream
-from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
-from loom.tiny.traces import Piece, stream_connector
-from loom.tiny.traces import _stream_units as concise_units
-from loom.tiny.traces import plain_trace as arith_plain_trace
-from loom.tiny.traces import stream_trace as arith_stream_trace
-from loom.tiny.train import TrainConfig
+from zoo.search import STREAM_CHECKPOINT_DIR
+from zoo.search.tasks import search_problems
+from zoo.search.traces import FIXED, boxed, expression_from_steps, search_lines
+from zoo.search.traces import plain_trace as search_plain_trace
+from zoo.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_stream
+from zoo.tiny.tasks import HELDOUT_SEED, Problem, _apply
+from zoo.tiny.traces import Piece, stream_connector
+from zoo.tiny.traces import _stream_units as concise_units
+from zoo.tiny.traces import plain_trace as arith_plain_trace
+from zoo.tiny.traces import stream_trace as arith_stream_trace
+from zoo.tiny.train import TrainConfig
 
 # P(w) for w = 0..3 extras per thought: the concise form in 1 trace of 5
 VERBOSITY = (0.2, 0.3, 0.3, 0.2)
@@ -80,7 +80,7 @@ def _left(target: int, n: int) -> str:
 
 
 def wasteful_units(problem: Problem, rng: random.Random) -> list[tuple[str, str | None]]:
-    """(sentence, thought or None for skip): the sentences of ``loom.tiny.traces.stream_sentences``
+    """(sentence, thought or None for skip): the sentences of ``zoo.tiny.traces.stream_sentences``
     (the same revealed text as every model's) with thoughts of a drawn verbosity."""
     units = concise_units(problem, random.Random(problem.key))
     w = rng.choices(range(len(VERBOSITY)), weights=VERBOSITY)[0]
@@ -161,9 +161,9 @@ def heldout(model, tok, n: int) -> dict[str, FormatResult]:  # type: ignore[no-u
 
 
 def train(cfg: StreamTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.train import device_name, encode, finish_finetune, fit
+    from zoo.search import SEARCH_CHECKPOINT_DIR
+    from zoo.tiny import load_model, load_tokenizer
+    from zoo.tiny.train import device_name, encode, finish_finetune, fit
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -177,7 +177,7 @@ def train(cfg: StreamTrainConfig, init: Path, out_dir: Path | None, evaluate_aft
     seqs = build_sequences(problems, cfg.stream_variants)
     losses, secs = fit(model, tok, encode(seqs, tok, cfg.max_len), cfg, True, "train-stream")
     model.to("cpu")  # type: ignore[arg-type]
-    from loom.search.train import MODEL
+    from zoo.search.train import MODEL
 
     card: dict = {
         "config": asdict(cfg),
@@ -192,12 +192,12 @@ def train(cfg: StreamTrainConfig, init: Path, out_dir: Path | None, evaluate_aft
 
 
 def model_card(card: dict) -> str:
-    from loom.tiny.train import card_markdown
+    from zoo.tiny.train import card_markdown
 
     cfg = card["config"]
     about = [
-        "The search model (loom/search/checkpoint) fine-tuned by `loom train-stream` on streaming",
-        "traces whose reading phase is wasteful at a drawn verbosity (loom/search/stream.py), mixed",
+        "The search model (zoo/search/checkpoint) fine-tuned by `loom train-stream` on streaming",
+        "traces whose reading phase is wasteful at a drawn verbosity (zoo/search/stream.py), mixed",
         "with plain Countdown search and arithmetic. Reproduce with",
         f"`loom train-stream --seed {cfg['seed']} --steps {cfg['steps']} --lr {cfg['lr']}`.",
     ]
@@ -207,8 +207,8 @@ def model_card(card: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny.train import print_card, shared_config, training_parser
+    from zoo.search import SEARCH_CHECKPOINT_DIR
+    from zoo.tiny.train import print_card, shared_config, training_parser
 
     d = StreamTrainConfig()
     p = training_parser("loom train-stream", "reproduce the built-in stream model", d)

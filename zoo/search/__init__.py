@@ -1,7 +1,7 @@
 """Loom's second built-in model (issue 29): a small Llama trained by ``loom train-search`` on
-Countdown search traces (loom/search/traces.py) in the plain, reflect, stream and spawn formats, plus
-the tiny model's arithmetic. The prompts, markers and parsers are the tiny model's (loom.tiny), so
-every rollout mode serves either model; ``loom.tiny`` stays the fast model of the tests.
+Countdown search traces (zoo/search/traces.py) in the plain, reflect, stream and spawn formats, plus
+the tiny model's arithmetic. The prompts, markers and parsers are the tiny model's (zoo.tiny), so
+every rollout mode serves either model; ``zoo.tiny`` stays the fast model of the tests.
 
 Stable API: SEARCH_CHECKPOINT_DIR, load_model(path=None), load_tokenizer(path=None), search_problems.
 """
@@ -11,19 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loom.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems, solving_moves
-from loom.tiny import load_model as _load_model
-from loom.tiny import load_tokenizer as _load_tokenizer
+from zoo.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems, solving_moves
+from zoo.tiny import load_model as _load_model
+from zoo.tiny import load_tokenizer as _load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 SEARCH_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
-# the third built-in model (loom/search/stream.py, issue 38): the search model with a wasteful reading phase
+# the third built-in model (zoo/search/stream.py, issue 38): the search model with a wasteful reading phase
 STREAM_CHECKPOINT_DIR = Path(__file__).resolve().parent / "stream_checkpoint"
-# the fourth (loom/search/reflect.py, issue 38): the search model reflecting mid-reasoning (REA-RL)
+# the fourth (zoo/search/reflect.py, issue 38): the search model reflecting mid-reasoning (REA-RL)
 REFLECT_CHECKPOINT_DIR = Path(__file__).resolve().parent / "reflect_checkpoint"
-# the fifth (loom/search/deep_train.py, issue 38): the search model on four-number Countdown (APR)
+# the fifth (zoo/search/deep_train.py, issue 38): the search model on four-number Countdown (APR)
 DEEP_CHECKPOINT_DIR = Path(__file__).resolve().parent / "deep_checkpoint"
 
 

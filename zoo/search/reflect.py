@@ -2,7 +2,7 @@
 whose answer first appears mid-reasoning, after reflections that do work, so that REA-RL's
 truncation has overthinking to remove and its reflection reward has reflections worth keeping.
 
-The search model's reflect traces (loom/search/traces.py) state the answer right after the search
+The search model's reflect traces (zoo/search/traces.py) state the answer right after the search
 and only then re-check it, so every reflection is redundant: a gold-truncated revision keeps none and
 the length reward shortens only by dropping them (docs/benchmarks/rea-seeds.md). Real reasoning
 models reflect inside the reasoning too ("But ...", "Wait, ..."), and some of those reflections
@@ -40,16 +40,16 @@ import torch
 
 from loom.formats import FORCED_ENDING
 from loom.runtime import configure_process
-from loom.search import REFLECT_CHECKPOINT_DIR
-from loom.search.tasks import search_problems
-from loom.search.traces import FIXED, Move, expression_from_steps, moves, rechecks, search, search_line
-from loom.search.traces import plain_trace as search_plain_trace
-from loom.tiny.evaluate import Budgets, FormatResult, eval_plain
-from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
-from loom.tiny.traces import Piece, _state, boxed, reflect_prompt
-from loom.tiny.traces import plain_trace as arith_plain_trace
-from loom.tiny.traces import reflect_trace as arith_reflect_trace
-from loom.tiny.train import TrainConfig
+from zoo.search import REFLECT_CHECKPOINT_DIR
+from zoo.search.tasks import search_problems
+from zoo.search.traces import FIXED, Move, expression_from_steps, moves, rechecks, search, search_line
+from zoo.search.traces import plain_trace as search_plain_trace
+from zoo.tiny.evaluate import Budgets, FormatResult, eval_plain
+from zoo.tiny.tasks import HELDOUT_SEED, Problem, _apply
+from zoo.tiny.traces import Piece, _state, boxed, reflect_prompt
+from zoo.tiny.traces import plain_trace as arith_plain_trace
+from zoo.tiny.traces import reflect_trace as arith_reflect_trace
+from zoo.tiny.train import TrainConfig
 
 BACKTRACK_WORDS = ("But", "Alternatively")
 BACKTRACK_WORD = 0.8  # P(a line after a failed move opens with a backtracking word)
@@ -151,10 +151,10 @@ def heldout(model, tok, n: int) -> dict[str, FormatResult]:  # type: ignore[no-u
 
 
 def train(cfg: ReflectTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.search.train import MODEL
-    from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.train import device_name, encode, finish_finetune, fit
+    from zoo.search import SEARCH_CHECKPOINT_DIR
+    from zoo.search.train import MODEL
+    from zoo.tiny import load_model, load_tokenizer
+    from zoo.tiny.train import device_name, encode, finish_finetune, fit
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -182,13 +182,13 @@ def train(cfg: ReflectTrainConfig, init: Path, out_dir: Path | None, evaluate_af
 
 
 def model_card(card: dict) -> str:
-    from loom.tiny.train import card_markdown
+    from zoo.tiny.train import card_markdown
 
     cfg = card["config"]
     about = [
-        "The search model (loom/search/checkpoint) fine-tuned by `loom train-reflect` on reflect",
+        "The search model (zoo/search/checkpoint) fine-tuned by `loom train-reflect` on reflect",
         "traces whose answer first appears mid-reasoning: backtracking words in the search, then",
-        "redundant re-checks (loom/search/reflect.py), mixed with plain Countdown search and",
+        "redundant re-checks (zoo/search/reflect.py), mixed with plain Countdown search and",
         "arithmetic. Reproduce with",
         f"`loom train-reflect --seed {cfg['seed']} --steps {cfg['steps']} --lr {cfg['lr']}"
         f" --mistake {cfg['mistake']}`.",
@@ -202,8 +202,8 @@ def model_card(card: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny.train import print_card, shared_config, training_parser
+    from zoo.search import SEARCH_CHECKPOINT_DIR
+    from zoo.tiny.train import print_card, shared_config, training_parser
 
     d = ReflectTrainConfig()
     p = training_parser("loom train-reflect", "reproduce the built-in reflect model", d)

@@ -1,5 +1,5 @@
-"""``loom train-deep``: the search model fine-tuned on four-number Countdown (loom/search/deep.py), the
-model issue 38's APR item needs, shipped as the built-in model ``deep`` (loom/search/deep_checkpoint;
+"""``loom train-deep``: the search model fine-tuned on four-number Countdown (zoo/search/deep.py), the
+model issue 38's APR item needs, shipped as the built-in model ``deep`` (zoo/search/deep_checkpoint;
 docs/models.md, docs/benchmarks/apr.md).
 
 It starts from the search checkpoint (``--init``; its tokenizer unchanged), keeps its 1024 positions
@@ -28,17 +28,17 @@ import torch
 
 from loom.formats import DEFAULT_SPAWN
 from loom.runtime import configure_process
-from loom.search import DEEP_CHECKPOINT_DIR
-from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, answer_text, deep_moves, deep_problems
-from loom.search.deep import plain_trace as deep_plain
-from loom.search.deep import spawn_trace as deep_spawn
-from loom.search.tasks import search_problems
-from loom.search.traces import OPS, build_trace
-from loom.search.train import MODEL
-from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_spawn
-from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
-from loom.tiny.traces import Piece, SpawnTrace, join_block
-from loom.tiny.train import TrainConfig
+from zoo.search import DEEP_CHECKPOINT_DIR
+from zoo.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, answer_text, deep_moves, deep_problems
+from zoo.search.deep import plain_trace as deep_plain
+from zoo.search.deep import spawn_trace as deep_spawn
+from zoo.search.tasks import search_problems
+from zoo.search.traces import OPS, build_trace
+from zoo.search.train import MODEL
+from zoo.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_spawn
+from zoo.tiny.tasks import HELDOUT_SEED, Problem, _apply
+from zoo.tiny.traces import Piece, SpawnTrace, join_block
+from zoo.tiny.train import TrainConfig
 
 # the search model's own window: every spawn thread fits (a parent's spawn block runs to about 800
 # tokens for 22 first moves, a child's search to about 380), serial search is cut at it about half the
@@ -172,8 +172,8 @@ def heldout(model, tok, n: int, b: Budgets | None = None) -> dict[str, FormatRes
 
 
 def train(cfg: DeepTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
-    from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.train import device_name, encode, finish_finetune, fit
+    from zoo.tiny import load_model, load_tokenizer
+    from zoo.tiny.train import device_name, encode, finish_finetune, fit
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -204,11 +204,11 @@ def train(cfg: DeepTrainConfig, init: Path, out_dir: Path | None, evaluate_after
 
 
 def model_card(card: dict) -> str:
-    from loom.tiny.train import card_markdown
+    from zoo.tiny.train import card_markdown
 
     cfg = card["config"]
     about = [
-        "The search model fine-tuned by `loom train-deep` on four-number Countdown (loom/search/deep.py):",
+        "The search model fine-tuned by `loom train-deep` on four-number Countdown (zoo/search/deep.py):",
         "serial two-level search and spawn/join with one child per first move, mixed with three-number",
         f"plain and spawn traces; {card['max_positions']} positions. Reproduce with",
         f"`loom train-deep --seed {cfg['seed']} --steps {cfg['steps']} --lr {cfg['lr']}`.",
@@ -222,8 +222,8 @@ def model_card(card: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny.train import print_card, shared_config, training_parser
+    from zoo.search import SEARCH_CHECKPOINT_DIR
+    from zoo.tiny.train import print_card, shared_config, training_parser
 
     d = DeepTrainConfig()
     p = training_parser("loom train-deep", "train the four-number search model (the built-in `deep`)", d)

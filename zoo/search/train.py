@@ -1,9 +1,9 @@
 """``loom train-search``: reproduce the search model (issue 29) from a seed, on CPU or a GPU.
 
-Data (loom/search/traces.py): Countdown search traces in the plain (two search orders per problem),
+Data (zoo/search/traces.py): Countdown search traces in the plain (two search orders per problem),
 reflect (a long and a short re-check variant), stream and spawn (parent and its three children)
 formats, and the tiny model's arithmetic in plain and stream. Observation pieces are masked out of the
-loss; the loop, tokenizer training and checkpoint layout are the tiny model's (loom/tiny/train.py).
+loss; the loop, tokenizer training and checkpoint layout are the tiny model's (zoo/tiny/train.py).
 Writes safetensors weights, the tokenizer, MODEL_CARD.md and card.json with held-out greedy accuracy.
 """
 
@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 from loom.runtime import configure_process
-from loom.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems
-from loom.search.traces import DRAWN, FIXED, Style, build_trace
-from loom.tiny.evaluate import Budgets, FormatResult, evaluate
-from loom.tiny.model import TinyConfig, build_model
-from loom.tiny.tasks import HELDOUT_SEED, Problem
-from loom.tiny.tokenizer import train_tokenizer
-from loom.tiny.traces import Piece, trace_text
-from loom.tiny.train import (
+from zoo.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems
+from zoo.search.traces import DRAWN, FIXED, Style, build_trace
+from zoo.tiny.evaluate import Budgets, FormatResult, evaluate
+from zoo.tiny.model import TinyConfig, build_model
+from zoo.tiny.tasks import HELDOUT_SEED, Problem
+from zoo.tiny.tokenizer import train_tokenizer
+from zoo.tiny.traces import Piece, trace_text
+from zoo.tiny.train import (
     TrainConfig,
     card_markdown,
     device_name,
@@ -54,7 +54,7 @@ BUDGETS = Budgets(plain=400, reflect=480, thought=24, final=400, spawn_head=160,
 
 @dataclass
 class SearchTrainConfig(TrainConfig):
-    """Two phases: ``steps`` on searches in drawn orders (loom.search.traces.DRAWN), then
+    """Two phases: ``steps`` on searches in drawn orders (zoo.search.traces.DRAWN), then
     ``fixed_steps`` at ``fixed_lr`` on searches in the fixed order with the target echoed before each
     verdict (FIXED), which the model then writes. Measured after phase 1 alone (2026-11-24): greedy
     held-out plain accuracy 0.05: the model repeated moves it had tried and missed a target among the
@@ -91,7 +91,7 @@ def build_sequences(problems: dict[str, list[Problem]], style: Style = FIXED) ->
 
 
 def _arith(p: Problem, fmt: str) -> list[list[Piece]]:
-    from loom.search.traces import plain_trace, stream_trace
+    from zoo.search.traces import plain_trace, stream_trace
 
     return [plain_trace(p) if fmt == "plain" else stream_trace(p)]
 
@@ -129,7 +129,7 @@ def train(
         losses, secs = fit(model, tok, encode(seqs, tok, cfg.max_len), cfg, progress, "train-search 1/2")
         phases["drawn"] = _phase(cfg.steps, cfg.lr, secs, losses, len(seqs))
     else:  # earlier phases done before: ``--init DIR`` (its card.json records them)
-        from loom.tiny import load_model, load_tokenizer
+        from zoo.tiny import load_model, load_tokenizer
 
         tok, model = load_tokenizer(init), load_model(init)
         model.to(device)  # type: ignore[arg-type]
@@ -197,7 +197,7 @@ def model_card(card: dict) -> str:
     cfg = card["config"]
     about = [
         "A small Llama trained from scratch by `loom train-search` on Countdown search traces",
-        "(loom/search/traces.py: the search written out move by move, with backtracking) in the plain,",
+        "(zoo/search/traces.py: the search written out move by move, with backtracking) in the plain,",
         "reflect, stream and spawn formats, and on the tiny model's arithmetic. Reproduce with",
         f"`loom train-search --seed {cfg['seed']} --steps {cfg['steps']}"
         f" --fixed-steps {cfg['fixed_steps']} --fixed-rounds {cfg['fixed_rounds']}`.",
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     configure_process()
-    from loom.search import SEARCH_CHECKPOINT_DIR
+    from zoo.search import SEARCH_CHECKPOINT_DIR
 
     cfg = SearchTrainConfig(
         **shared_config(args),

@@ -20,13 +20,13 @@ import torch
 from tqdm import tqdm
 
 from loom.runtime import configure_process
-from loom.tiny.model import TinyConfig, build_model, n_params
-from loom.tiny.tasks import HELDOUT_SEED, Problem, tiny_problems
-from loom.tiny.tokenizer import train_tokenizer
-from loom.tiny.traces import Piece, build_trace, trace_text
+from zoo.tiny.model import TinyConfig, build_model, n_params
+from zoo.tiny.tasks import HELDOUT_SEED, Problem, tiny_problems
+from zoo.tiny.tokenizer import train_tokenizer
+from zoo.tiny.traces import Piece, build_trace, trace_text
 
 if TYPE_CHECKING:
-    from loom.tiny.evaluate import FormatResult
+    from zoo.tiny.evaluate import FormatResult
 
 # format -> kinds it is trained and evaluated on
 MIX: dict[str, tuple[str, ...]] = {
@@ -110,7 +110,7 @@ def train(cfg: TrainConfig, out_dir: Path | None, progress: bool = True, evaluat
         "losses": losses,
     }
     if evaluate_after:
-        from loom.tiny.evaluate import evaluate
+        from zoo.tiny.evaluate import evaluate
 
         record_heldout(card, lambda: evaluate(model, tok, eval_sets(cfg)))
     if out_dir is not None:
@@ -120,7 +120,7 @@ def train(cfg: TrainConfig, out_dir: Path | None, progress: bool = True, evaluat
 
 def fit(model, tok, data: list[tuple[list[int], list[int]]], cfg: TrainConfig, progress: bool, desc: str):  # type: ignore[no-untyped-def]
     """AdamW with warm-up and cosine decay on ``data`` (ids, labels), batches of similar lengths;
-    returns (per-step losses, seconds). Shared by the tiny and the search model (loom/search/train.py)."""
+    returns (per-step losses, seconds). Shared by the tiny and the search model (zoo/search/train.py)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -223,7 +223,7 @@ def finish_finetune(  # type: ignore[no-untyped-def]
     out_dir: Path | None,
     card_md: Callable[[dict], str],
 ) -> dict:
-    """The end the fine-tune recipes share (loom/search/stream.py, reflect.py, deep_train.py): the run's
+    """The end the fine-tune recipes share (zoo/search/stream.py, reflect.py, deep_train.py): the run's
     facts and its loss every 50 steps on ``card``, the held-out evaluation when ``heldout`` is given,
     the checkpoint with ``card_md(card)`` when ``out_dir`` is."""
     card.update(run_facts(model, tok, losses, seconds))
@@ -296,7 +296,7 @@ def model_card(card: dict) -> str:
     cfg = card["config"]
     about = [
         "A small Llama trained from scratch by `loom train-tiny` on Loom's synthetic tasks",
-        "(loom/tiny/tasks.py) in every trace format (loom/tiny/traces.py). Reproduce with",
+        "(zoo/tiny/tasks.py) in every trace format (zoo/tiny/traces.py). Reproduce with",
         f"`loom train-tiny --seed {cfg['seed']} --steps {cfg['steps']}`.",
     ]
     data = [f"- data mix (format: kinds): {card['mix']}; {card['sequences']} training sequences"]
@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d = TrainConfig()
     args = training_parser("loom train-tiny", "reproduce the built-in tiny model", d).parse_args(argv)
     configure_process()
-    from loom.tiny import CHECKPOINT_DIR
+    from zoo.tiny import CHECKPOINT_DIR
 
     cfg = TrainConfig(**shared_config(args))
     print_card(train(cfg, args.out or CHECKPOINT_DIR, evaluate_after=not args.no_eval))

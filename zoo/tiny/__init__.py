@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loom.tiny.tasks import HELDOUT_SEED, TINY_KNOBS, Problem, is_held_out, make_problems, tiny_problems
-from loom.tiny.traces import (
+from zoo.tiny.tasks import HELDOUT_SEED, TINY_KNOBS, Problem, is_held_out, make_problems, tiny_problems
+from zoo.tiny.traces import (
     FORMATS,
     STREAM_HEADER,
     child_message,
