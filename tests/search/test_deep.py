@@ -206,15 +206,16 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     import json
 
     from loom.runtime import configure_process
+    from zoo.recipe import encode, fit, train
+    from zoo.recipes import RECIPES, main, model_card
     from zoo.search import SEARCH_CHECKPOINT_DIR
-    from zoo.search.deep_train import DeepTrainConfig, build_sequences, heldout, main, model_card, train
+    from zoo.search.deep_train import DeepTrainConfig, build_sequences, heldout
     from zoo.tiny import load_model, load_tokenizer
     from zoo.tiny.evaluate import Budgets
-    from zoo.tiny.train import encode, fit
 
     configure_process()
     cfg = DeepTrainConfig(steps=2, warmup=1, train_problems=4, keep_problems=3, batch_size=2, eval_problems=2)
-    card = train(cfg, SEARCH_CHECKPOINT_DIR, tmp_path / "a", evaluate_after=False)
+    card = train(RECIPES["deep"], cfg, tmp_path / "a", evaluate_after=False)
     seqs = build_sequences(deep_problems(4, 0, "train"), [])
     assert card["max_positions"] == 1024 and card["final_loss"] > 0
     # per four-number problem its serial search, a spawn parent and one child per first move
@@ -228,7 +229,7 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     assert len(solving) < len(thin) < len(full)
     assert all(s in thin for s in solving)
     saved = json.loads((tmp_path / "a" / "card.json").read_text())
-    assert model_card(saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
+    assert model_card("deep", saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
     model, tok = load_model(tmp_path / "a"), load_tokenizer(tmp_path / "a")
     assert model.config.max_position_embeddings == 1024
     # fit trains with SDPA and hands the model back with the attention it came with
@@ -240,7 +241,7 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     assert set(got) == {"plain", "spawn"} and all(r.total == 2 for r in got.values())
     argv = ["--init", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--steps", "1", "--batch-size", "2"]
     argv += ["--train-problems", "2", "--keep-problems", "1", "--no-eval", "--max-len", "2048"]
-    assert main(argv) == 0
+    assert main("deep", argv) == 0
     saved = json.loads((tmp_path / "b" / "card.json").read_text())
     assert saved["init"] == str(tmp_path / "a") and saved["max_positions"] == 2048
     assert load_model(tmp_path / "b").config.max_position_embeddings == 2048

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from zoo.registry import CHECKPOINTS
 from zoo.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems, solving_moves
 from zoo.tiny import load_model as _load_model
 from zoo.tiny import load_tokenizer as _load_tokenizer
@@ -18,13 +19,12 @@ from zoo.tiny import load_tokenizer as _load_tokenizer
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-SEARCH_CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
-# the third built-in model (zoo/search/stream.py, issue 38): the search model with a wasteful reading phase
-STREAM_CHECKPOINT_DIR = Path(__file__).resolve().parent / "stream_checkpoint"
-# the fourth (zoo/search/reflect.py, issue 38): the search model reflecting mid-reasoning (REA-RL)
-REFLECT_CHECKPOINT_DIR = Path(__file__).resolve().parent / "reflect_checkpoint"
-# the fifth (zoo/search/deep_train.py, issue 38): the search model on four-number Countdown (APR)
-DEEP_CHECKPOINT_DIR = Path(__file__).resolve().parent / "deep_checkpoint"
+SEARCH_CHECKPOINT_DIR = CHECKPOINTS["search"]
+# its three fine-tunes (zoo/recipes.py): a wasteful reading phase, reflecting mid-reasoning (REA-RL),
+# four-number Countdown (APR)
+STREAM_CHECKPOINT_DIR = CHECKPOINTS["stream"]
+REFLECT_CHECKPOINT_DIR = CHECKPOINTS["reflect"]
+DEEP_CHECKPOINT_DIR = CHECKPOINTS["deep"]
 
 
 def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:

@@ -32,3 +32,8 @@ def search_problems(
         if len(kept) >= n:
             return kept[:n]
         draw = int(draw * 1.25) + 10
+
+
+def training_problems(n: int, seed: int) -> dict[str, list[Problem]]:
+    """``n`` training problems of each kind: what the search model's recipes draw first."""
+    return {k: search_problems(k, n, seed=seed, split="train") for k in ("countdown", "arith")}  # type: ignore[misc]
