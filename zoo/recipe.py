@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from loom.runtime import configure_process
+from zoo.registry import resolve_model_path
 from zoo.tiny.model import TinyConfig, build_model, model_shape, n_params
 from zoo.tiny.tokenizer import train_tokenizer
 from zoo.tiny.traces import Piece, trace_text
@@ -103,12 +104,6 @@ class Recipe:
     train: Callable[..., dict] | None = None  # a recipe of its own in place of :func:`train`
 
 
-def checkpoint_dir(name: str) -> Path:
-    from zoo.registry import resolve_model_path
-
-    return resolve_model_path(name)
-
-
 def train(
     recipe: Recipe,
     cfg: TrainConfig,
@@ -125,7 +120,8 @@ def train(
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     seqs = recipe.module.sequences(cfg)
-    init = init if init is not None else checkpoint_dir(recipe.base) if recipe.base else None
+    base = resolve_model_path(recipe.base) if recipe.base else None
+    init = init if init is not None else base
     if init is None:
         tok = train_tokenizer([trace_text(s) for s in seqs])
         model = build_model(tok, recipe.model)
@@ -143,7 +139,7 @@ def train(
     model.to("cpu")  # type: ignore[arg-type]
     card: dict = {"config": asdict(cfg)}
     if init is not None:
-        card["init"] = recipe.base if recipe.base and _same(init, checkpoint_dir(recipe.base)) else str(init)
+        card["init"] = recipe.base if base is not None and _same(init, base) else str(init)
     card.update(
         model=asdict(model_shape(model)),
         sequences=len(seqs),
@@ -391,6 +387,6 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> int:
     args = parser(recipe).parse_args(argv)
     configure_process()
     cfg = recipe.config(**{name: getattr(args, name) for name in (*SHARED, *recipe.flags)})
-    out = args.out or checkpoint_dir(recipe.name)
+    out = args.out or resolve_model_path(recipe.name)
     print_card(train(recipe, cfg, out, init=getattr(args, "init", None), evaluate_after=not args.no_eval))
     return 0

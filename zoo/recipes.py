@@ -18,9 +18,9 @@ from zoo.search import train as search
 from zoo.tiny import train as tiny
 
 
-def _row(name: str, module: object, config: type[TrainConfig], about: str, **more: object) -> Recipe:
+def _row(name: str, module: RowModule, config: type[TrainConfig], about: str, **more: object) -> Recipe:
     line = f"reproduce the built-in {name} model ({about})"
-    return Recipe(name, module, config, line, **more)  # type: ignore[arg-type]
+    return Recipe(name, module, config, line, **more)  # type: ignore[arg-type]  # more: its keyword fields
 
 
 PER_KIND = {"train_problems": "per kind"}
