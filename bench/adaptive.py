@@ -10,7 +10,7 @@ prompts and the same random stream feed every method, side by side in one run.
 Tiny model (``--tiny``, on by default): real generation with a built-in checkpoint (``--model tiny``,
 the default, or ``search``, the model trained on Countdown search traces, or a checkpoint directory)
 through the in-process torch engine (rollout_svc's TorchEngine, plain mode prompts) on the model's own
-Countdown problems (``loom.tiny.tiny_problems``; the search model's ``loom.search.search_problems``)
+Countdown problems (``zoo.tiny.tiny_problems``; the search model's ``zoo.search.search_problems``)
 at temperature 1.0, scored by the exact verifier (boxed answer after ``</think>``, loom.exact via
 ``Problem.verify``); the rounds and the down-sampling are gateway/adaptive.py's. Every method gets the
 same prompts; each (method, prompt, round) has its own sampling seed.
@@ -107,9 +107,9 @@ def tiny(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
     configure_process()
     from loom.answers import last_boxed
     from loom.contracts.wire import SamplingParams
-    from loom.models import resolve_model_path
-    from loom.tiny import plain_prompt, tiny_problems
     from rollout_svc.engines.torch import TorchEngine
+    from zoo.registry import resolve_model_path
+    from zoo.tiny import plain_prompt, tiny_problems
 
     path = resolve_model_path(args.model)
     if not (path / "config.json").exists():
@@ -117,7 +117,7 @@ def tiny(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
     engine = TorchEngine(path, cache_entries=0)
     tok = engine.tokenizer
     if args.model == "search":
-        from loom.search import search_problems
+        from zoo.search import search_problems
 
         problems = search_problems("countdown", args.tiny_prompts, seed=args.seed, split="train")
     else:

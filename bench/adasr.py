@@ -2,7 +2,7 @@
 same RL steps from the same checkpoint, side by side in one run.
 
 Rollouts: streaming mode (rollout_svc.modes.streaming, through the rollout core on the in-process torch
-engine): the Countdown problem is revealed sentence by sentence (``loom.tiny.traces.stream_sentences``),
+engine): the Countdown problem is revealed sentence by sentence (``zoo.tiny.traces.stream_sentences``),
 the model writes a thought after each (the streaming phase), then the deep phase after the connector,
 then the answer. Rewards: AdaSR's, computed by the reward core (docs/algorithms.md §1.1-1.4):
 ``accuracy``, ``format_stream``, ``format_deep``, ``length_stream``, ``length_deep``, ``efficiency``.
@@ -83,8 +83,8 @@ class StreamRequest:
         self.segment_cap, self.answer_max_tokens = segment_cap, answer_max_tokens
 
     def __call__(self, problem: Any, sampling: SamplingParams, group_id: str) -> RolloutRequest:
-        from loom.tiny import STREAM_HEADER
-        from loom.tiny.traces import stream_sentences
+        from zoo.tiny import STREAM_HEADER
+        from zoo.tiny.traces import stream_sentences
 
         label, task = rl_loop.countdown_label(problem)
         return RolloutRequest(

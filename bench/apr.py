@@ -1,7 +1,7 @@
 """APR's comparison (issue 29; APR Fig. 6): accuracy against the tokens on the critical path, spawn/join
-against serial search, on the search model (loom/search), side by side in one run.
+against serial search, on the search model (zoo/search), side by side in one run.
 
-Workload: held-out Countdown search problems (``loom.search.search_problems``, the model's own
+Workload: held-out Countdown search problems (``zoo.search.search_problems``, the model's own
 distribution), greedy decoding on the in-process torch engine.
   serial   the plain format (one search written out move by move), ``max_tokens`` = L for each L in
            ``--serial-budgets``: every token is on the critical path (sequential = total). Greedy, so
@@ -19,7 +19,7 @@ total reaches the spawn setting's total ("equal total budget"); where none reach
 latency.
 
 Then where spawn loses, stage by stage on the same problems (greedy, each stage given the gold input
-of ``loom.search.traces.spawn_trace``, so one stage's errors do not reach the next): the parent's spawn
+of ``zoo.search.traces.spawn_trace``, so one stage's errors do not reach the next): the parent's spawn
 block exactly as in the trace; each child's returned message (a child whose pair leads to a solution
 must return it, the others ``No solution``); the parent's boxed answer read off the gold join block.
 
@@ -27,10 +27,10 @@ Then the same problems' gold traces (``gold_paths``): the tokens a model that wr
 put on each path, serial (the plain trace) against spawn (the parent's tokens plus its longest child's),
 and spawn with every ``<Start Sub Search ...>`` line's syntax counted as one token, then such a model's
 accuracy under a budget on the path. ``--gold-only`` prints these tables alone (no model is run);
-``--gold-only --numbers 4`` the same for four-number Countdown (loom/search/deep.py; spawn by pair and
+``--gold-only --numbers 4`` the same for four-number Countdown (zoo/search/deep.py; spawn by pair and
 by first move), which no shipped model writes yet.
 
-``--numbers 4`` runs all of this on four-number problems (loom/search/deep.py) for a model trained by
+``--numbers 4`` runs all of this on four-number problems (zoo/search/deep.py) for a model trained by
 ``loom train-deep`` (``--model DIR``), spawn mode allowed 32 children; the stage-by-stage check is left
 out there (some 580 children one by one) and replaced by the same stages read off the spawn runs at
 the last child budget (the spawn block, then, where it is exact, each child's message against the gold
@@ -100,32 +100,32 @@ def main() -> None:
     if a.gold_only:
         from transformers import AutoTokenizer
 
-        from loom.models import resolve_model_path
-        from loom.search import search_problems
-        from loom.tiny import HELDOUT_SEED
+        from zoo.registry import resolve_model_path
+        from zoo.search import search_problems
+        from zoo.tiny import HELDOUT_SEED
 
         tok = AutoTokenizer.from_pretrained(resolve_model_path(a.model))
         if a.numbers == 3:
             gold_paths(tok, search_problems("countdown", a.problems, HELDOUT_SEED, "test"))
         else:
-            from loom.search.deep import deep_problems
+            from zoo.search.deep import deep_problems
 
             gold_paths(tok, deep_problems(a.problems, HELDOUT_SEED, "test"), numbers=4)
         return
     from loom.answers import last_boxed
     from loom.contracts.modes import parse_mode_params
-    from loom.models import resolve_model_path
-    from loom.search import search_problems
-    from loom.tiny import HELDOUT_SEED, plain_prompt, spawn_prompt
     from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.spawn import spawn
+    from zoo.registry import resolve_model_path
+    from zoo.search import search_problems
+    from zoo.tiny import HELDOUT_SEED, plain_prompt, spawn_prompt
 
     engine = TorchEngine(resolve_model_path(a.model), cache_entries=256)
     tok = engine.tokenizer
     if a.numbers == 3:
         problems = search_problems("countdown", a.skip + a.problems, HELDOUT_SEED, "test")
     else:
-        from loom.search.deep import deep_problems
+        from zoo.search.deep import deep_problems
 
         problems = deep_problems(a.skip + a.problems, HELDOUT_SEED, "test")
     problems = problems[a.skip :]
@@ -234,7 +234,7 @@ def main() -> None:
 def stages(engine, tok, problems) -> list[str]:  # type: ignore[no-untyped-def]
     """Each stage of spawn/join on its gold input: a table (markdown lines), also printed."""
     from loom.answers import last_boxed
-    from loom.search.traces import spawn_trace
+    from zoo.search.traces import spawn_trace
 
     head = found = solving = declined = unsolving = answer = 0
     for prob in problems:
@@ -284,8 +284,8 @@ def stage_table(head: str, printed: str, rows: list[tuple[str, int, int]]) -> li
 def returned_expression(message: str) -> str | None:
     """A four-number child's returned steps (``7+4=11 5*4=20 20+11=31``) as the expression they build,
     None where they are no such steps or one is false arithmetic (``20+11=30``)."""
-    from loom.tiny.tasks import _apply
-    from loom.tiny.traces import _STEP, expression_from_steps
+    from zoo.tiny.tasks import _apply
+    from zoo.tiny.traces import _STEP, expression_from_steps
 
     steps = message.split()
     parts = [_STEP.match(step) for step in steps]
@@ -297,13 +297,13 @@ def returned_expression(message: str) -> str | None:
 def deep_stages(engine, tok, problems, runs) -> list[str]:  # type: ignore[no-untyped-def]
     """Four numbers: the stages read off the spawn runs at the last child budget (``runs``: per
     problem the root's text and its children's returned messages) against the gold trace by first
-    move (loom.search.deep.spawn_trace), the run's own answer where some child returned a true
+    move (zoo.search.deep.spawn_trace), the run's own answer where some child returned a true
     solution (a false one before it is the parent's to pass over), and the parent's answer from the
     gold join block (one greedy call each): a table (markdown lines), also printed."""
     from loom.answers import last_boxed
     from loom.formats import DEFAULT_SPAWN
-    from loom.search.deep import spawn_trace
     from rollout_svc.engines.base import InvalidPrompt
+    from zoo.search.deep import spawn_trace
 
     block = solving = found = unsolving = declined = joined = answer = full = returned = answered = 0
     for prob, (text, messages) in zip(problems, runs, strict=True):
@@ -380,18 +380,18 @@ def measure_gold(tok, problems, plain, spawn) -> GoldPaths:  # type: ignore[no-u
 
 def gold_paths(tok, problems, numbers: int = 3) -> list[str]:  # type: ignore[no-untyped-def]
     """Path lengths of the gold traces (what a model writing them exactly would generate): a table
-    (markdown lines), also printed. ``numbers`` 3: loom.search.traces (the search model's); 4:
-    loom.search.deep, spawn by pair and by first move, with the accuracy of such a model under a
+    (markdown lines), also printed. ``numbers`` 3: zoo.search.traces (the search model's); 4:
+    zoo.search.deep, spawn by pair and by first move, with the accuracy of such a model under a
     budget on the path."""
     from loom.formats import DEFAULT_SPAWN
 
     syntax = len(tok.encode(DEFAULT_SPAWN.spawn_child.format(i=0, node=0), add_special_tokens=False))
     if numbers == 3:
-        from loom.search.traces import plain_trace, spawn_trace
+        from zoo.search.traces import plain_trace, spawn_trace
 
         spawns = {"": measure_gold(tok, problems, plain_trace, spawn_trace)}
     else:
-        from loom.search import deep
+        from zoo.search import deep
 
         spawns = {
             f" ({by})": measure_gold(

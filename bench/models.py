@@ -1,12 +1,12 @@
 """The two built-in models side by side (issue 29): held-out greedy accuracy per format of the tiny
-model (loom/tiny) and the search model (loom/search), each on both held-out sets:
+model (zoo/tiny) and the search model (zoo/search), each on both held-out sets:
 
   tiny set    ``tiny_problems(kind, n, HELDOUT_SEED, "test")``: arithmetic and three-number Countdown
               as the tiny model was trained on (plain/reflect/stream: both kinds; spawn: Countdown);
   search set  ``search_problems("countdown", n, HELDOUT_SEED, "test")``: Countdown with at most two
               solving first moves, the search model's distribution (every format).
 
-Greedy limits: the search model's (loom.search.train.BUDGETS) for both models on both sets, so neither
+Greedy limits: the search model's (zoo.search.train.BUDGETS) for both models on both sets, so neither
 is cut short. Also printed: mean lines of thinking of correct plain answers (the steps a tree can
 branch at) per model on the search set.
 
@@ -34,12 +34,12 @@ def main() -> None:
     a = p.parse_args()
     configure_process()
     from loom.answers import last_boxed
-    from loom.models import resolve_model_path
-    from loom.search.train import BUDGETS, eval_sets
-    from loom.tiny import HELDOUT_SEED, load_model, load_tokenizer, plain_prompt, tiny_problems
-    from loom.tiny.evaluate import evaluate, generate_batch
-    from loom.tiny.model import n_params
-    from loom.tiny.train import MIX
+    from zoo.registry import resolve_model_path
+    from zoo.search.train import BUDGETS, eval_sets
+    from zoo.tiny import HELDOUT_SEED, load_model, load_tokenizer, plain_prompt, tiny_problems
+    from zoo.tiny.evaluate import evaluate, generate_batch
+    from zoo.tiny.model import n_params
+    from zoo.tiny.train import MIX
 
     tiny_set = {
         fmt: [q for kind in kinds for q in tiny_problems(kind, a.problems, HELDOUT_SEED, "test")]  # type: ignore[arg-type]

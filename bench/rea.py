@@ -2,7 +2,7 @@
 reflection reward with gold truncation against the length reward alone, after the same RL steps from the
 same checkpoint, side by side in one run.
 
-Rollouts: the reflect format (``loom.tiny.reflect_prompt``: solve, state the answer, re-check it) in
+Rollouts: the reflect format (``zoo.tiny.reflect_prompt``: solve, state the answer, re-check it) in
 plain mode through the rollout core on the in-process torch engine, Countdown problems. Arms (rewards
 by the reward core, docs/algorithms.md §1):
 
@@ -21,7 +21,7 @@ on the first and the last step, revisions kept, and how far the weights moved. O
 search models' reflect traces the answer is stated before the first re-check, so a gold-truncated
 revision keeps no reflection and its reflection reward is -1 (D = 0), below its correct original's;
 this pushes the second arm towards longer, more reflective responses. The ``reflect`` model
-(loom/search/reflect.py) reflects inside its search before the answer, so its revisions keep those
+(zoo/search/reflect.py) reflects inside its search before the answer, so its revisions keep those
 reflections and lose only the re-checks, as REA-RL's do. REA-RL's direction:
 the length reward alone shortens responses by dropping reflection, at a cost in accuracy; with the
 reflection reward and revisions, responses are short while keeping reflection and accuracy.
@@ -89,7 +89,7 @@ def arms(
 
 
 def reflect_request(problem: Any, sampling: SamplingParams, group_id: str) -> RolloutRequest:
-    from loom.tiny import reflect_prompt
+    from zoo.tiny import reflect_prompt
 
     label, task = rl_loop.countdown_label(problem)
     return RolloutRequest(

@@ -1,6 +1,6 @@
 """Reflection truncation on an overthinking corpus (REA-RL Table 1 / Table 9 in miniature).
 
-Corpus: Loom's reflective traces of tiny-model problems (loom/tiny/traces.py ``reflect_trace``): each
+Corpus: Loom's reflective traces of tiny-model problems (zoo/tiny/traces.py ``reflect_trace``): each
 solves the problem, states the answer, then keeps re-checking ("Wait, let me check", "Alternatively",
 "But ...", "Hmm ...") 1 to 5 times (``--checks``; the tiny model was trained on 0 to 3) before
 ``</think>`` and the boxed answer; every trace is correct by construction. How much of a trace is
@@ -75,8 +75,8 @@ class BenchServices:
 
 
 def corpus(tok: Any, n: int, checks: tuple[int, int] = (1, 5)) -> list[Group]:
-    from loom.tiny import tiny_problems
-    from loom.tiny.traces import reflect_trace
+    from zoo.tiny import tiny_problems
+    from zoo.tiny.traces import reflect_trace
 
     groups = []
     for kind in ("arith", "countdown"):
@@ -197,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checks", type=int, nargs=2, default=[1, 5], help="re-checks per trace (inclusive)")
     args = ap.parse_args(argv)
     configure_process()
-    from loom.tiny import CHECKPOINT_DIR
     from reward_svc.pool import VerifierPool
     from rollout_svc.engines.torch import TorchEngine
+    from zoo.tiny import CHECKPOINT_DIR
 
     engine = TorchEngine(CHECKPOINT_DIR)
     tok = engine.tokenizer

@@ -400,13 +400,13 @@ def write_out(
 
 
 def problems_for(model: str, n: int, seed: int, split: str, kind: str = "countdown") -> list[Any]:
-    """The model's own problems: the search and stream models' Countdown (loom.search), else the
+    """The model's own problems: the search and stream models' Countdown (zoo.search), else the
     tiny model's."""
     if model in ("search", "stream", "reflect") or "search" in Path(model).parts[-3:]:
-        from loom.search import search_problems
+        from zoo.search import search_problems
 
         return search_problems(kind, n, seed, split)  # type: ignore[arg-type]
-    from loom.tiny import tiny_problems
+    from zoo.tiny import tiny_problems
 
     return tiny_problems(kind, n, seed, split)  # type: ignore[arg-type]
 
@@ -475,7 +475,7 @@ def quiet() -> None:
 
 
 def loop_config(args: Any) -> LoopConfig:
-    from loom.models import resolve_model_path
+    from zoo.registry import resolve_model_path
 
     path = resolve_model_path(args.model)
     if not (path / "config.json").exists():
@@ -553,8 +553,8 @@ def write_summary(paths: Sequence[Path], out: Path | None, name: str, against: s
 
 
 def model_name(path: str) -> str:
-    """A built-in model's name (loom.models.BUILTIN) for its checkpoint path, else the path."""
-    from loom.models import BUILTIN, resolve_model_path
+    """A built-in model's name (zoo.registry.BUILTIN) for its checkpoint path, else the path."""
+    from zoo.registry import BUILTIN, resolve_model_path
 
     for name in BUILTIN:
         if resolve_model_path(name).resolve() == Path(path).resolve():

@@ -210,7 +210,7 @@ def leg_timeline(path: Path, keys: list[str], elapsed: float) -> dict[str, Any]:
 
 
 def plain_requests(tokenizer: Any, n_groups: int, max_tokens: int) -> list[RolloutRequest]:
-    from loom.tiny import make_problems, plain_prompt
+    from zoo.tiny import make_problems, plain_prompt
 
     problems = make_problems("arith", n_groups, seed=5)
     return [
@@ -417,10 +417,10 @@ def bench_vllm_throughput(quick: bool, tmp: Path, eager: bool = False) -> dict[s
 
 
 def bench_prefill(quick: bool) -> dict[str, float]:
-    from loom.tiny import STREAM_HEADER, make_problems
-    from loom.tiny.traces import stream_sentences
     from rollout_svc.engines.torch import TorchEngine, resolve_model_path
     from rollout_svc.rollout import generate_group
+    from zoo.tiny import STREAM_HEADER, make_problems
+    from zoo.tiny.traces import stream_sentences
 
     settings = get_settings()
     path = resolve_model_path(settings.model)

@@ -3,7 +3,7 @@
 Target: wall time of a spawn rollout <= 1.5x the time of its longest dependent chain of calls, shown
 side by side with the same rollouts with their children serialized.
 
-Workload: Countdown prompts in the tiny model's spawn format (``loom.tiny.spawn_prompt``), spawn mode
+Workload: Countdown prompts in the tiny model's spawn format (``zoo.tiny.spawn_prompt``), spawn mode
 (``rollout_svc.modes.spawn``, default limits) on the in-process torch engine, one rollout at a time,
 greedy (temperature 0). Greedy because the tiny model spawns reliably there and because the chain
 replay below must reproduce the rollout token for token. Measured format validity before choosing:
@@ -127,11 +127,11 @@ def main() -> None:
     import torch
 
     from loom.contracts.modes import parse_mode_params
-    from loom.models import resolve_model_path
-    from loom.search import search_problems
-    from loom.tiny import make_problems, spawn_prompt
     from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.spawn import spawn
+    from zoo.registry import resolve_model_path
+    from zoo.search import search_problems
+    from zoo.tiny import make_problems, spawn_prompt
 
     path = resolve_model_path(a.model)
     batched = TorchEngine(path, cache_entries=64, batching=True)

@@ -12,10 +12,10 @@ import time
 import torch
 
 from loom.runtime import configure_process
-from loom.tiny import HELDOUT_SEED, load_model, load_tokenizer, plain_prompt, tiny_problems
-from loom.tiny.evaluate import evaluate
-from loom.tiny.model import n_params
-from loom.tiny.train import MIX
+from zoo.tiny import HELDOUT_SEED, load_model, load_tokenizer, plain_prompt, tiny_problems
+from zoo.tiny.evaluate import evaluate
+from zoo.tiny.model import n_params
+from zoo.tiny.train import MIX
 
 
 def tokens_per_second(model, tok, prompts: list[str], new_tokens: int, use_cache: bool) -> float:  # type: ignore[no-untyped-def]

@@ -71,11 +71,11 @@ def main() -> None:
     configure_process()
     from loom.answers import last_boxed
     from loom.contracts.modes import parse_mode_params
-    from loom.models import resolve_model_path
-    from loom.search import search_problems
-    from loom.tiny import plain_prompt, reflect_prompt, tiny_problems
     from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.modes.tree import tree
+    from zoo.registry import resolve_model_path
+    from zoo.search import search_problems
+    from zoo.tiny import plain_prompt, reflect_prompt, tiny_problems
 
     engine = TorchEngine(resolve_model_path(a.model), cache_entries=64)
     tok = engine.tokenizer

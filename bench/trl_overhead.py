@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from launch.stack import Stack
     from loom.clients.trl_rollout import LoomRolloutFunc
     from loom.contracts.settings import Settings
-    from loom.tiny import load_tokenizer, plain_prompt, tiny_problems
+    from zoo.tiny import load_tokenizer, plain_prompt, tiny_problems
 
     problems = tiny_problems("arith", args.prompts, args.seed, "train")
     texts = [plain_prompt(p) for p in problems]

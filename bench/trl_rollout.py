@@ -57,8 +57,8 @@ def _free_port() -> int:
 
 def _tasks(mode: str, problems: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """The TRL dataset rows and, per prompt, its Loom task."""
-    from loom.tiny import STREAM_HEADER, plain_prompt
-    from loom.tiny.traces import stream_sentences
+    from zoo.tiny import STREAM_HEADER, plain_prompt
+    from zoo.tiny.traces import stream_sentences
 
     if mode in ("tree", "plain"):
         rows = [{"prompt": plain_prompt(p), "answer": p.gold} for p in problems]
@@ -77,8 +77,8 @@ def _tasks(mode: str, problems: list[Any]) -> tuple[list[dict[str, Any]], dict[s
 
 
 def held_out(mode: str, model: Any, tok: Any, n: int) -> float:
-    from loom.tiny import HELDOUT_SEED, tiny_problems
-    from loom.tiny.evaluate import eval_plain, eval_stream
+    from zoo.tiny import HELDOUT_SEED, tiny_problems
+    from zoo.tiny.evaluate import eval_plain, eval_stream
 
     problems = tiny_problems("arith", n, HELDOUT_SEED, "test")
     model.eval()
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from loom.clients.trl_rollout import LoomRolloutFunc, job_reward, off_policy_calls, publish_with
     from loom.contracts.settings import Settings
     from loom.store import PolicyStore
-    from loom.tiny import load_model, load_tokenizer, tiny_problems
+    from zoo.tiny import load_model, load_tokenizer, tiny_problems
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="loom-trl-rollout-"))

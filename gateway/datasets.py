@@ -1,4 +1,4 @@
-"""Run datasets: Loom's built-in synthetic tasks (loom.tiny.tasks) or uploaded JSONL of {prompt, answer}.
+"""Run datasets: Loom's built-in synthetic tasks (zoo.tiny.tasks) or uploaded JSONL of {prompt, answer}.
 
 Uploaded JSONL is never held whole in memory: ``DatasetWriter`` takes it in chunks (the stream of
 ``POST /v1/datasets``, or a run's inline ``jsonl`` text), checks each line as it comes and writes it to
@@ -62,8 +62,8 @@ def no_dataset(dataset_id: str) -> DatasetError:
 def builtin_item(problem: Any, mode: str) -> TaskItem:
     """One synthetic problem as a run item: the tiny model's prompt for ``mode`` and an exact label
     (arithmetic: the value; Countdown: the numbers and target as JSON, as reward_svc expects)."""
-    from loom import tiny
-    from loom.tiny.traces import stream_sentences
+    from zoo import tiny
+    from zoo.tiny.traces import stream_sentences
 
     kind = BUILTIN_TASK_KIND[problem.kind]
     if problem.kind == "countdown":
@@ -277,7 +277,7 @@ def load_dataset(spec: DatasetSpec, mode: str = "plain", data_dir: Path | None =
     """The run's items. Built-in tasks come formatted for ``mode`` in the tiny model's prompt format;
     uploaded ones are read from ``<data_dir>/datasets`` (inline ``jsonl`` is stored there first)."""
     if spec.builtin is not None:
-        from loom.tiny.tasks import TINY_KNOBS, make_problems
+        from zoo.tiny.tasks import TINY_KNOBS, make_problems
 
         # Without knobs, the distribution the built-in tiny model was trained on.
         knobs = KNOBS[spec.builtin].model_validate(spec.knobs).model_dump(exclude_unset=True)

@@ -123,7 +123,7 @@ def _span(lo: int, hi: int) -> Any:
 
 
 class ArithKnobs(Contract):
-    """loom.tiny.tasks.arith_problem's settings: operand digit counts (min, max)."""
+    """zoo.tiny.tasks.arith_problem's settings: operand digit counts (min, max)."""
 
     ops: list[Literal["+", "-", "*"]] = Field(default=["+", "-", "*"], min_length=1, max_length=3)
     digits: _span(1, 9) = (2, 3)  # type: ignore[valid-type]
@@ -139,7 +139,7 @@ class ArithKnobs(Contract):
 
 
 class CountdownKnobs(Contract):
-    """loom.tiny.tasks.countdown_problem's settings."""
+    """zoo.tiny.tasks.countdown_problem's settings."""
 
     n_numbers: int = Field(default=3, ge=2, le=5)
     max_number: int = Field(default=9, ge=1, le=50)
@@ -150,7 +150,7 @@ KNOBS: dict[str, type[Contract]] = {"arith": ArithKnobs, "countdown": CountdownK
 
 
 class DatasetSpec(Contract):
-    """``builtin`` synthetic tasks (loom.tiny.tasks), a stored dataset ``id`` (``POST /v1/datasets``), or
+    """``builtin`` synthetic tasks (zoo.tiny.tasks), a stored dataset ``id`` (``POST /v1/datasets``), or
     inline ``jsonl`` text (small datasets; stored the same way at submission) of {prompt, answer}."""
 
     builtin: Literal["arith", "countdown"] | None = None

@@ -6,11 +6,8 @@ loom api SERVICE             one service's HTTP API (uvicorn, with read deadline
 loom worker SERVICE          one service's Celery worker on its own queue
 loom engine                  the torch engine behind a vLLM-compatible HTTP server
 loom demo                    a short RL run on the built-in tiny model
-loom train-tiny              reproduce the built-in tiny model
-loom train-search            reproduce the built-in search model (Countdown search traces)
-loom train-stream            reproduce the built-in stream model (the search model, wasteful reading)
-loom train-reflect           reproduce the built-in reflect model (the search model, reflecting mid-reasoning)
-loom train-deep              train the four-number search model (APR's search; not shipped yet)
+loom train-MODEL             reproduce a built-in model (tiny, search, stream, reflect, deep): its
+                             row of the recipe table, zoo/recipes.py (docs/models.md)
 loom bench NAME              run a benchmark from bench/
 """
 
@@ -23,6 +20,7 @@ from collections.abc import Sequence
 
 from launch import SERVICE_PACKAGES
 from loom.contracts.settings import SERVICES
+from zoo.registry import BUILTIN
 
 # command -> (module:function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,13 +30,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("launch.cli:worker_main", "run one service's Celery worker"),
     "engine": ("rollout_svc.engines.server:main", "torch engine behind a vLLM-compatible server"),
     "demo": ("launch.demo:main", "a short RL run on the built-in tiny model"),
-    "train-tiny": ("loom.tiny.train:main", "reproduce the built-in tiny model"),
-    "train-search": ("loom.search.train:main", "reproduce the built-in search model"),
-    "train-stream": ("loom.search.stream:main", "reproduce the built-in stream model"),
-    "train-reflect": ("loom.search.reflect:main", "reproduce the built-in reflect model"),
-    "train-deep": ("loom.search.deep_train:main", "train the four-number search model (not shipped yet)"),
     "bench": ("launch.cli:bench_main", "run a benchmark from bench/"),
 }
+# ``loom train-<name>`` for every built-in model: zoo.recipes.main(name, argv), the name's row
+TRAIN: dict[str, str] = {f"train-{name}": name for name in BUILTIN}
+COMMANDS.update(
+    {command: ("zoo.recipes:main", f"reproduce the built-in {name} model") for command, name in TRAIN.items()}
+)
 
 
 def _resolve(target: str):  # type: ignore[no-untyped-def]
@@ -148,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"loom: unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2
-    result = _resolve(COMMANDS[command][0])(rest)
+    target = _resolve(COMMANDS[command][0])
+    result = target(TRAIN[command], rest) if command in TRAIN else target(rest)
     return int(result or 0)
 
 

@@ -29,7 +29,7 @@ class LearnerSettings(BaseSettings):
 
     model: str | Path = Field(
         default_factory=lambda: _shared("model"),
-        description="'tiny' (loom.tiny.CHECKPOINT_DIR) or any HF causal-LM directory (default LOOM_MODEL)",
+        description="'tiny' (zoo.tiny.CHECKPOINT_DIR) or any HF causal-LM directory (default LOOM_MODEL)",
     )
     store: Path = Field(
         default_factory=lambda: _shared("policy_store_path"),

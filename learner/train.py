@@ -31,9 +31,9 @@ from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
 from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
-from loom.models import resolve_model_path  # re-exported: bench/learner.py names it
 from loom.store import PolicyStore
 from loom.vocab import outside_vocabulary
+from zoo.registry import resolve_model_path  # re-exported: bench/learner.py names it
 
 log = logging.getLogger("loom.learner")
 

@@ -226,7 +226,7 @@ def policy_tokenizer(cfg: ReflectSettings, settings: Settings | None = None) -> 
     with _tok_lock:
         if name not in _tokenizers:
             if name == "tiny":
-                from loom.tiny import load_tokenizer
+                from zoo.tiny import load_tokenizer
 
                 _tokenizers[name] = load_tokenizer()
             else:

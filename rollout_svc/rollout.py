@@ -200,7 +200,7 @@ class PolicyPathRefused(ValueError):
 
 def base_policy(settings: Settings) -> PolicyVersion:
     """Version 0: the model every engine starts from (``LOOM_MODEL``: ``tiny``, ``search`` or a path)."""
-    from loom.models import resolve_model_path
+    from zoo.registry import resolve_model_path
 
     return PolicyVersion(version=0, path=str(resolve_model_path(settings.model)))
 

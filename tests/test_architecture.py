@@ -1,11 +1,13 @@
 """The walls between Loom's packages, checked by walking every import with ``ast``.
 
 Rules: a service (``gateway``, ``rollout_svc``, ``reward_svc``, ``reflect_svc``, ``learner``) may import
-the shared core ``loom`` and itself, never another service; ``loom`` imports no service; neither
-imports the launcher ``launch``, which sits above them all and may import anything. Services talk to
-each other over the queues and HTTP, through the contracts in ``loom``.
+the shared core ``loom``, the built-in models ``zoo`` and itself, never another service; ``zoo`` may
+import ``loom`` and itself only; ``loom`` imports nothing of Loom's other packages (no service, not
+``zoo``: the core holds no model); none imports the launcher ``launch``, which sits above them all and
+may import anything. Services talk to each other over the queues and HTTP, through the contracts in
+``loom`` (docs/architecture.md, the walls).
 
-What counts as an import of module M (in every .py file of ``loom/`` and the five services):
+What counts as an import of module M (in every .py file of ``loom/``, ``zoo/`` and the five services):
 
 (a) ``import M`` / ``from M import x`` at any depth: module level, inside functions, classes, ``try``
     and ``if TYPE_CHECKING:`` blocks; relative imports are resolved against the file's package.
@@ -36,9 +38,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = "loom"
+ZOO = "zoo"
 LAUNCHER = "launch"
 SERVICES = ("gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner")
-FIRST_PARTY = (CORE, LAUNCHER, *SERVICES)
+FIRST_PARTY = (CORE, ZOO, LAUNCHER, *SERVICES)
 
 _IDENT = r"[A-Za-z_]\w*"
 _MODULE_STRING = re.compile(
@@ -161,11 +164,13 @@ def allowed(owner: str, imp: Import) -> bool:
         return True  # the standard library and third-party packages
     if owner == CORE:
         return target == CORE
-    return target in (CORE, owner)
+    if owner == ZOO:
+        return target in (CORE, ZOO)
+    return target in (CORE, ZOO, owner)
 
 
 def walked_files() -> Iterator[tuple[str, Path]]:
-    for owner in (CORE, *SERVICES):
+    for owner in (CORE, ZOO, *SERVICES):
         for path in sorted((ROOT / owner).rglob("*.py")):
             if "checkpoint" not in path.relative_to(ROOT).parts:
                 yield owner, path
@@ -193,16 +198,23 @@ def test_no_service_imports_another_and_the_core_imports_no_service() -> None:
 
 def test_every_package_is_walked() -> None:
     owners = {owner for owner, _ in walked_files()}
-    assert owners == {CORE, *SERVICES}
+    assert owners == {CORE, ZOO, *SERVICES}
     # a known import of each service is seen, so an empty walk cannot pass for a clean one
     gateway_api = imports_of((ROOT / "gateway" / "api.py").read_text(), "gateway.api")
     assert any(i.package == CORE for i in gateway_api)
+
+
+def test_the_core_holds_no_model_weights() -> None:
+    """The built-in models' weights are the zoo's package data (docs/models.md), none the core's."""
+    assert not [p for p in (ROOT / CORE).rglob("*") if p.suffix in (".safetensors", ".bin", ".pt")]
+    assert len(list((ROOT / ZOO).rglob("model.safetensors"))) == 5
 
 
 # --- the walker on small sources: each form is caught, so the check can fail
 
 KNOWN = {
     "loom",
+    "zoo.registry",
     "loom.contracts.settings",
     "gateway",
     "gateway.api",
@@ -282,6 +294,13 @@ def test_walker_catches_module_and_module_attr_strings() -> None:
     assert _bad("rollout_svc", src, "rollout_svc.modes") == ["gateway.api"]  # its own modules are fine
 
 
+def test_walker_catches_the_core_reaching_into_the_zoo() -> None:
+    src = "from zoo.registry import resolve_model_path\nTARGET = 'zoo.registry:resolve_model_path'\n"
+    assert _bad("loom", src, "loom.store") == ["zoo.registry", "zoo.registry"]
+    assert _bad("learner", src, "learner.train") == []  # a service may load a built-in model
+    assert _bad("zoo", "import gateway.datasets\n", "zoo.tiny.tasks") == ["gateway.datasets"]
+
+
 def test_walker_ignores_task_names_service_names_and_other_strings() -> None:
     src = (
         "send_task('learner.train_step', args=[1])\n"  # a Celery task name, no module of that name
@@ -304,6 +323,13 @@ def test_walker_ignores_task_names_service_names_and_other_strings() -> None:
         ("loom", "loom.queue", True),
         ("loom", "learner", False),
         ("loom", "launch", False),
+        ("loom", "zoo.registry", False),
+        ("zoo", "loom.formats", True),
+        ("zoo", "zoo.tiny.traces", True),
+        ("zoo", "gateway.datasets", False),
+        ("zoo", "launch.cli", False),
+        ("learner", "zoo.registry", True),
+        ("launch", "zoo.search.train", True),
         ("launch", "rollout_svc.engines.server", True),
         ("learner", "torch", True),
     ],

@@ -4,7 +4,7 @@
 # that torch. Loom's worker extension (rollout_svc/engines/vllm_worker.py) is on PYTHONPATH.
 # `vllm serve` does not work with this distribution name: the entrypoint is the API server module.
 # It needs more than Docker's 64 MB /dev/shm (`--shm-size=1g` or `ipc: host`). Measured here: built in
-# 3 min (4.3 GB); `docker run --init --shm-size=1g -v $PWD/loom/tiny/checkpoint:/model:ro
+# 3 min (4.3 GB); `docker run --init --shm-size=1g -v $PWD/zoo/tiny/checkpoint:/model:ro
 # loom/vllm-cpu:0.32.0 --model /model --served-model-name tiny --dtype float32 --max-model-len 512
 # --enforce-eager` answered /health after 30 s and served /v1/completions.
 ARG BASE_IMAGE=loom/debian:bookworm

@@ -208,7 +208,7 @@ class SpawnParams(ModeParams):
     join_child: str = DEFAULT_SPAWN.join_child
     join_close: str = DEFAULT_SPAWN.join_close
     no_solution: str = DEFAULT_SPAWN.no_solution
-    child_template: str = "[child] {message}\n"  # the tiny model's child prompt (loom.tiny.child_prompt)
+    child_template: str = "[child] {message}\n"  # the tiny model's child prompt (zoo.tiny.child_prompt)
     think_close: str = "</think>"
     max_children: int = Field(8, ge=1, le=64)
     max_depth: int = Field(1, ge=0, le=4)  # the parent is depth 0; children at max_depth may not spawn

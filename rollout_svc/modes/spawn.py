@@ -121,7 +121,7 @@ def child_message(text: str, think_close: str = "</think>", no_solution: str = "
 
 
 def join_text(messages: list[str], syntax: SpawnSyntax = DEFAULT_SPAWN) -> str:
-    """The join block appended after a spawn block (the layout of loom.tiny.traces.join_block)."""
+    """The join block appended after a spawn block (the layout of zoo.tiny.traces.join_block)."""
     lines = [syntax.join_open, *(syntax.join_child.format(i=i, message=m) for i, m in enumerate(messages))]
     return "\n" + "\n".join([*lines, syntax.join_close]) + "\n"
 

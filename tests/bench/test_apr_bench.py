@@ -3,11 +3,11 @@ would put on serial search's path and on spawn/join's critical path."""
 
 from __future__ import annotations
 
-from loom.models import resolve_model_path
-from loom.search import search_problems
-from loom.search.traces import plain_trace, spawn_trace
-from loom.tiny import HELDOUT_SEED
 from tests.bench.test_rl_benches import bench
+from zoo.registry import resolve_model_path
+from zoo.search import search_problems
+from zoo.search.traces import plain_trace, spawn_trace
+from zoo.tiny import HELDOUT_SEED
 
 
 def test_gold_paths_count_the_trained_tokens_of_each_path():
@@ -40,9 +40,9 @@ def test_deep_stages_read_the_spawn_runs_against_the_gold_trace():
     messages; a run whose spawn block differs counts none of its children; a problem whose gold join
     block fills the model's 1024 positions (held-out problem 63: 1054 tokens) counts as not answered."""
     from loom.formats import DEFAULT_SPAWN
-    from loom.search.deep import deep_problems
-    from loom.search.deep import spawn_trace as deep_spawn
     from rollout_svc.engines.torch import TorchEngine
+    from zoo.search.deep import deep_problems
+    from zoo.search.deep import spawn_trace as deep_spawn
 
     engine = TorchEngine(resolve_model_path("search"))
     held_out = deep_problems(64, HELDOUT_SEED, "test")

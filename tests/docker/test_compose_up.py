@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from gateway.keys import hash_key, new_key
-from loom.tiny import plain_prompt, tiny_problems
+from zoo.tiny import plain_prompt, tiny_problems
 
 # the first test also pays for the build and `up --wait` (module fixture); every wait is on a condition
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess, free_port, trained_steps  # noqa: E402
 
-from loom.tiny import plain_prompt, tiny_problems  # noqa: E402
+from zoo.tiny import plain_prompt, tiny_problems  # noqa: E402
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from gateway.state import GatewayState
-from loom.tiny.tasks import make_problems
-from loom.tiny.traces import plain_prompt
+from zoo.tiny.tasks import make_problems
+from zoo.tiny.traces import plain_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import RUNS_KEY, real_services, start_run, trained_steps, wait_run_succeeded  # noqa: E402

@@ -45,9 +45,9 @@ from loom.contracts.wire import (  # noqa: E402
 )
 from loom.runtime import configure_process  # noqa: E402
 from loom.store import PolicyStore  # noqa: E402
-from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems  # noqa: E402
 from rollout_svc.engines.base import Layout  # noqa: E402
 from rollout_svc.engines.torch import TorchEngine, load_model, teacher_forced_logprobs  # noqa: E402
+from zoo.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems  # noqa: E402
 
 ATOL = 2e-4
 
@@ -176,9 +176,9 @@ def test_fci_on_cuda_equals_eager_attention_and_the_cpu_scores(cpu: TorchEngine,
 def test_tree_and_spawn_modes_run_on_cuda(cpu: TorchEngine, gpu: TorchEngine) -> None:
     from loom.contracts.modes import parse_mode_params
     from loom.contracts.wire import RolloutRequest
-    from loom.tiny import spawn_prompt
     from rollout_svc.modes.spawn import spawn
     from rollout_svc.modes.tree import tree
+    from zoo.tiny import spawn_prompt
 
     problem = tiny_problems("arith", 1, seed=1)[0]
     req = RolloutRequest(

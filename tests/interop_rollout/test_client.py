@@ -20,9 +20,9 @@ from loom.clients.rollouts import AsyncRollouts, RolloutGroup, Rollouts, env_mas
 from loom.contracts.estimators import TreerlParams
 from loom.contracts.modes import ModeError, TreeParams
 from loom.contracts.wire import Segment, Trajectory
-from loom.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt, spawn_prompt
-from loom.tiny.traces import stream_sentences
 from tests.interop_rollout.loom_stack import TRAINER_KEY, LoomStack
+from zoo.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt, spawn_prompt
+from zoo.tiny.traces import stream_sentences
 
 pytestmark = pytest.mark.slow
 

@@ -41,9 +41,9 @@ from openrlhf.utils.agent import AgentExecutorBase
 
 from loom.clients.openrlhf_rollout import action_ranges
 from loom.clients.policies import PolicyPublisher
-from loom.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt, spawn_prompt
-from loom.tiny.traces import stream_sentences
 from tests.interop_rollout.loom_stack import TRAINER, TRAINER_KEY, LoomStack
+from zoo.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt, spawn_prompt
+from zoo.tiny.traces import stream_sentences
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -42,10 +42,10 @@ import torch
 from loom.answers import last_boxed
 from loom.clients.policies import PolicyPublisher
 from loom.clients.slime_rollout import LoomGenerate, from_args
-from loom.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt, spawn_prompt
-from loom.tiny.traces import stream_sentences
 from tests.interop_rollout.loom_stack import TRAINER, TRAINER_KEY, LoomStack
 from tests.interop_rollout.test_client import teacher_forced
+from zoo.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt, spawn_prompt
+from zoo.tiny.traces import stream_sentences
 
 pytestmark = pytest.mark.slow
 

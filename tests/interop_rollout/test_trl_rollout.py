@@ -28,9 +28,9 @@ from loom.clients.trl_rollout import (
 )
 from loom.contracts.wire import Group
 from loom.store import PolicyStore
-from loom.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt
-from loom.tiny.traces import stream_sentences
 from tests.interop_rollout.loom_stack import TRAINER, TRAINER_KEY, LoomStack
+from zoo.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt
+from zoo.tiny.traces import stream_sentences
 
 pytestmark = pytest.mark.slow
 

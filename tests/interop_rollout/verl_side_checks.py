@@ -41,7 +41,9 @@ from verl.utils.config import omega_conf_to_dataclass
 import loom
 from loom.clients.policies import PolicyPublisher
 from loom.clients.verl_rollout import LoomAgentLoop
-from loom.tiny import (
+from tests.interop_rollout.loom_stack import TRAINER, TRAINER_KEY
+from tests.interop_rollout.test_client import teacher_forced
+from zoo.tiny import (
     CHECKPOINT_DIR,
     STREAM_HEADER,
     load_model,
@@ -50,9 +52,7 @@ from loom.tiny import (
     plain_prompt,
     spawn_prompt,
 )
-from loom.tiny.traces import stream_sentences
-from tests.interop_rollout.loom_stack import TRAINER, TRAINER_KEY
-from tests.interop_rollout.test_client import teacher_forced
+from zoo.tiny.traces import stream_sentences
 
 STACK_URL_ENV = "LOOM_VERL_STACK_URL"
 

@@ -22,8 +22,8 @@ from loom.contracts.wire import (
     Trajectory,
     TrajectoryReward,
 )
-from loom.tiny import CHECKPOINT_DIR, make_problems, plain_prompt
 from rollout_svc.engines.torch import TorchEngine
+from zoo.tiny import CHECKPOINT_DIR, make_problems, plain_prompt
 
 T = 1.3
 

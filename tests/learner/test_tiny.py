@@ -11,7 +11,7 @@ from learner.config import LearnerSettings
 from learner.train import Learner
 from loom.contracts.wire import Group, LossSpec, RewardResult, TrainBatch, Trajectory, TrajectoryReward
 
-tiny = pytest.importorskip("loom.tiny")
+tiny = pytest.importorskip("zoo.tiny")
 if not (tiny.CHECKPOINT_DIR / "config.json").exists():
     pytest.skip("the tiny checkpoint is not built", allow_module_level=True)
 

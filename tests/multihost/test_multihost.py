@@ -350,7 +350,7 @@ def test_a_version_uploaded_through_the_gateway_is_served_by_a_rollout_host_with
     trainer's files nor the store pulls the version each job names, and the trajectories carry it,
     "exact" included. A tampered upload is refused and the versions stay as they were."""
     from gateway.keys import hash_key
-    from loom.models import resolve_model_path
+    from zoo.registry import resolve_model_path
 
     hosts = ("broker", "gateway", "rollout-a", "learner")
     dirs = {host: tmp_path / host for host in hosts}

@@ -23,7 +23,7 @@ configure_process()
 
 @pytest.fixture(scope="session")
 def tok() -> Any:
-    from loom.tiny import load_tokenizer
+    from zoo.tiny import load_tokenizer
 
     return load_tokenizer()
 
@@ -47,9 +47,9 @@ def rollout_url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
     """``loom engine``'s app serving the tiny model (vLLM's OpenAI-compatible completions)."""
-    from loom.tiny import CHECKPOINT_DIR
     from rollout_svc.engines.server import create_engine_app
     from rollout_svc.engines.torch import TorchEngine
+    from zoo.tiny import CHECKPOINT_DIR
 
     engine = TorchEngine(CHECKPOINT_DIR)
     with serve(create_engine_app(engine, "tiny", engine.tokenizer)) as url:

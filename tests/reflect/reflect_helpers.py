@@ -49,8 +49,8 @@ def trace_group(
     import random
 
     from loom.contracts.wire import Group, Trajectory
-    from loom.tiny import tiny_problems
-    from loom.tiny.traces import reflect_trace
+    from zoo.tiny import tiny_problems
+    from zoo.tiny.traces import reflect_trace
 
     p0 = tiny_problems(kind, 1, seed, "test")[0]  # type: ignore[arg-type]
     trajs = []

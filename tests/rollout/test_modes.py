@@ -146,10 +146,10 @@ def test_bad_mode_requests_name_the_problem(
 
 
 def test_streaming_on_the_shipped_tiny_checkpoint_is_token_exact(arun: Any) -> None:
-    """The built-in tiny model in its own stream format (loom/tiny): exact log-probs, typed segments."""
-    from loom.tiny import CHECKPOINT_DIR, STREAM_HEADER, make_problems
-    from loom.tiny.traces import stream_sentences
+    """The built-in tiny model in its own stream format (zoo/tiny): exact log-probs, typed segments."""
     from rollout_svc.engines.torch import TorchEngine
+    from zoo.tiny import CHECKPOINT_DIR, STREAM_HEADER, make_problems
+    from zoo.tiny.traces import stream_sentences
 
     if not (CHECKPOINT_DIR / "config.json").exists():
         pytest.skip(f"the tiny checkpoint is not built at {CHECKPOINT_DIR} (run `loom train-tiny`)")

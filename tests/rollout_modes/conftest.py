@@ -17,8 +17,8 @@ from loom.runtime import configure_process
 @pytest.fixture(scope="session")
 def tiny_engine() -> Any:
     configure_process()
-    from loom.tiny import CHECKPOINT_DIR
     from rollout_svc.engines.torch import TorchEngine
+    from zoo.tiny import CHECKPOINT_DIR
 
     return TorchEngine(CHECKPOINT_DIR, cache_entries=64, device=os.environ.get("LOOM_TEST_DEVICE", "cpu"))
 

@@ -15,9 +15,9 @@ import torch
 
 from loom.contracts.wire import SamplingParams
 from loom.formats import DEFAULT_SPAWN
-from loom.tiny import child_prompt, make_problems, spawn_prompt
 from rollout_svc.engines.base import Completion, Layout
 from rollout_svc.engines.torch import TorchEngine, teacher_forced_logprobs
+from zoo.tiny import child_prompt, make_problems, spawn_prompt
 
 ATOL = 1e-4
 TIMEOUT = 120  # seconds: a hang fails the test instead of blocking the suite

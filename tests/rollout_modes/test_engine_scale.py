@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from loom.contracts.wire import SamplingParams
-from loom.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems
 from rollout_svc.engines.base import Layout
 from rollout_svc.engines.torch import TorchEngine, teacher_forced_logprobs
 from rollout_svc.engines.torch.sampling import is_plain, sample, sample_rows
 from rollout_svc.engines.torch.scheduler import kv_bytes_per_token
+from zoo.tiny import CHECKPOINT_DIR, reflect_prompt, tiny_problems
 
 TIMEOUT = 120
 # bf16 weights and KV cache against the float32 teacher-forced pass (measured on the tiny model,

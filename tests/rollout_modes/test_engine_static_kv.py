@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from loom.contracts.wire import SamplingParams
-from loom.tiny import child_prompt, make_problems, spawn_prompt
 from rollout_svc.engines.base import Completion, Progress
 from rollout_svc.engines.torch import TorchEngine, prefix_cache, teacher_forced_logprobs
 from rollout_svc.engines.torch.kv import StaticKv, allocate, row_bucket
 from rollout_svc.engines.torch.scheduler import _fill_holes
+from zoo.tiny import child_prompt, make_problems, spawn_prompt
 
 ATOL = 1e-4
 TIMEOUT = 120

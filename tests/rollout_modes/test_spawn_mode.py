@@ -10,8 +10,6 @@ import pytest
 from loom.contracts.modes import parse_mode_params
 from loom.contracts.wire import RolloutRequest, SamplingParams
 from loom.formats import DEFAULT_SPAWN
-from loom.tiny import make_problems, spawn_prompt
-from loom.tiny.traces import spawn_trace, trace_text
 from rollout_svc.engines.torch import teacher_forced_logprobs
 from rollout_svc.modes import ModeError
 from rollout_svc.modes.spawn import (
@@ -21,6 +19,8 @@ from rollout_svc.modes.spawn import (
     parse_spawn_block,
     spawn,
 )
+from zoo.tiny import make_problems, spawn_prompt
+from zoo.tiny.traces import spawn_trace, trace_text
 
 S = DEFAULT_SPAWN
 PROBLEM = make_problems("countdown", 1, seed=1)[0]

@@ -8,9 +8,9 @@ from typing import Any
 
 from loom.contracts.modes import parse_mode_params
 from loom.contracts.wire import RolloutRequest, SamplingParams
-from loom.tiny import make_problems, spawn_prompt
 from rollout_svc.engines.torch import TorchEngine
 from rollout_svc.modes.spawn import spawn
+from zoo.tiny import make_problems, spawn_prompt
 
 PROBLEM = make_problems("countdown", 2, seed=3)[1]  # greedy: one spawn block with 3 children
 

@@ -10,13 +10,13 @@ import pytest
 from learner.estimators import treerl
 from loom.contracts.modes import parse_mode_params
 from loom.contracts.wire import RolloutRequest, SamplingParams
-from loom.tiny import make_problems, reflect_prompt
 from rollout_svc.engines.base import UnsupportedCapability
 from rollout_svc.engines.torch import teacher_forced_logprobs
 from rollout_svc.engines.vllm import VLLMEngine
 from rollout_svc.modes import MODES, ModeError
 from rollout_svc.modes.scorers import exact_reward_fn
 from rollout_svc.modes.tree import tree
+from zoo.tiny import make_problems, reflect_prompt
 
 PROBLEM = make_problems("arith", 1, seed=1)[0]
 

@@ -1,4 +1,4 @@
-"""The shipped search model (loom/search/checkpoint, issue 29) loads offline, searches in every format
+"""The shipped search model (zoo/search/checkpoint, issue 29) loads offline, searches in every format
 through the real rollout modes, and its card records held-out accuracy beside its size."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from loom.contracts.modes import parse_mode_params
 from loom.contracts.wire import RolloutRequest, SamplingParams
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN
 from loom.runtime import configure_process
-from loom.search import SEARCH_CHECKPOINT_DIR, load_model, load_tokenizer, search_problems
-from loom.search.train import BUDGETS
-from loom.tiny import HELDOUT_SEED, plain_prompt, spawn_prompt
-from loom.tiny.evaluate import eval_stream
+from zoo.search import SEARCH_CHECKPOINT_DIR, load_model, load_tokenizer, search_problems
+from zoo.search.train import BUDGETS
+from zoo.tiny import HELDOUT_SEED, plain_prompt, spawn_prompt
+from zoo.tiny.evaluate import eval_stream
 
 LINE = re.compile(r"^\d+[-+*/]\d+=\d+ \[\d+,\d+\] [\d -]+ \d+\? (no|yes \d+[-+*/]\d+=\d+)$")
 

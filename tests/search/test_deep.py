@@ -1,4 +1,4 @@
-"""Four-number Countdown traces (loom/search/deep.py): the two-level search is complete and exact, the
+"""Four-number Countdown traces (zoo/search/deep.py): the two-level search is complete and exact, the
 spawn traces (by pair, by first move) return the right solutions, parse with the tiny model's parsers,
 and bench/apr.py's gold table for four numbers counts what the traces hold."""
 
@@ -12,7 +12,7 @@ import pytest
 from loom.answers import last_boxed
 from loom.exact import check_countdown
 from loom.formats import DEFAULT_SPAWN
-from loom.search.deep import (
+from zoo.search.deep import (
     answer_text,
     deep_moves,
     deep_problems,
@@ -22,9 +22,9 @@ from loom.search.deep import (
     spawn_trace,
     substitution_chain,
 )
-from loom.tiny import HELDOUT_SEED, is_held_out, parse_spawn
-from loom.tiny.tasks import _apply
-from loom.tiny.traces import _STEP, expression_from_steps, join_block, trace_text
+from zoo.tiny import HELDOUT_SEED, is_held_out, parse_spawn
+from zoo.tiny.tasks import _apply
+from zoo.tiny.traces import _STEP, expression_from_steps, join_block, trace_text
 
 PROBLEMS = deep_problems(30, seed=3, split="train")
 
@@ -118,7 +118,7 @@ def test_both_traces_end_in_the_substitution_chain_of_their_solution(problem):
 
 
 def test_decoys_are_slips_before_the_first_solution_and_leave_the_answer():
-    from loom.search.deep_train import build_sequences, decoy
+    from zoo.search.deep_train import build_sequences, decoy
 
     problems = deep_problems(40, 0, "train")
     placed = 0
@@ -150,7 +150,7 @@ def test_decoys_are_slips_before_the_first_solution_and_leave_the_answer():
 def test_parent_variants_answer_from_their_own_join_block():
     """The extra parents see other true solutions, failed solving children and decoys; only their
     answer is trained, and it is the first message in their join block that reaches the target."""
-    from loom.search.deep_train import build_sequences, completions, parent_variants
+    from zoo.search.deep_train import build_sequences, completions, parent_variants
 
     problems = deep_problems(40, 0, "train")
     differs = 0
@@ -179,8 +179,8 @@ def test_parent_variants_answer_from_their_own_join_block():
 def test_gold_table_for_four_numbers_counts_the_traces():
     from transformers import AutoTokenizer
 
-    from loom.models import resolve_model_path
     from tests.bench.test_rl_benches import bench
+    from zoo.registry import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("search"))
     problems = PROBLEMS[:5]
@@ -206,15 +206,16 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     import json
 
     from loom.runtime import configure_process
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.search.deep_train import DeepTrainConfig, build_sequences, heldout, main, model_card, train
-    from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.evaluate import Budgets
-    from loom.tiny.train import encode, fit
+    from zoo.recipe import encode, fit, train
+    from zoo.recipes import RECIPES, main, model_card
+    from zoo.search import SEARCH_CHECKPOINT_DIR
+    from zoo.search.deep_train import DeepTrainConfig, build_sequences, heldout
+    from zoo.tiny import load_model, load_tokenizer
+    from zoo.tiny.evaluate import Budgets
 
     configure_process()
     cfg = DeepTrainConfig(steps=2, warmup=1, train_problems=4, keep_problems=3, batch_size=2, eval_problems=2)
-    card = train(cfg, SEARCH_CHECKPOINT_DIR, tmp_path / "a", evaluate_after=False)
+    card = train(RECIPES["deep"], cfg, tmp_path / "a", evaluate_after=False)
     seqs = build_sequences(deep_problems(4, 0, "train"), [])
     assert card["max_positions"] == 1024 and card["final_loss"] > 0
     # per four-number problem its serial search, a spawn parent and one child per first move
@@ -228,7 +229,7 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     assert len(solving) < len(thin) < len(full)
     assert all(s in thin for s in solving)
     saved = json.loads((tmp_path / "a" / "card.json").read_text())
-    assert model_card(saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
+    assert model_card("deep", saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
     model, tok = load_model(tmp_path / "a"), load_tokenizer(tmp_path / "a")
     assert model.config.max_position_embeddings == 1024
     # fit trains with SDPA and hands the model back with the attention it came with
@@ -240,7 +241,7 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
     assert set(got) == {"plain", "spawn"} and all(r.total == 2 for r in got.values())
     argv = ["--init", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--steps", "1", "--batch-size", "2"]
     argv += ["--train-problems", "2", "--keep-problems", "1", "--no-eval", "--max-len", "2048"]
-    assert main(argv) == 0
+    assert main("deep", argv) == 0
     saved = json.loads((tmp_path / "b" / "card.json").read_text())
     assert saved["init"] == str(tmp_path / "a") and saved["max_positions"] == 2048
     assert load_model(tmp_path / "b").config.max_position_embeddings == 2048
@@ -248,16 +249,16 @@ def test_train_deep_writes_a_checkpoint_and_widens_the_positions_on_request(tmp_
 
 @pytest.mark.slow
 def test_the_shipped_deep_model_answers_from_its_join_block():
-    """The built-in ``deep`` model (loom/search/deep_checkpoint) is small, loads offline, and its
+    """The built-in ``deep`` model (zoo/search/deep_checkpoint) is small, loads offline, and its
     spawn parent reads the gold join block into a correct answer on held-out problems (54 of 72 in
     docs/benchmarks/apr.md; a parent that wrote its own answer got 6 to 23 of 72)."""
     import asyncio
 
     from loom.contracts.wire import SamplingParams
-    from loom.models import resolve_model_path
     from loom.runtime import configure_process
-    from loom.tiny import load_tokenizer
     from rollout_svc.engines.torch import TorchEngine
+    from zoo.registry import resolve_model_path
+    from zoo.tiny import load_tokenizer
 
     configure_process()
     path = resolve_model_path("deep")

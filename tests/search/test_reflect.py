@@ -1,4 +1,4 @@
-"""The reflect model's traces (loom/search/reflect.py, issue 38): the search model's search with
+"""The reflect model's traces (zoo/search/reflect.py, issue 38): the search model's search with
 backtracking words (and, with ``mistake``, a wrong finish caught by a check), then the right answer and
 redundant re-checks; reflect_svc's chunks and gold detector cut after the right answer, keeping the
 search's reflections and removing the re-checks; the checkpoint ships and loads."""
@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 
 from loom.formats import REFLECTION_KEYWORDS
-from loom.models import resolve_model_path
-from loom.search import REFLECT_CHECKPOINT_DIR, load_tokenizer, search_problems
-from loom.search.reflect import model_card, reflect_think, reflect_trace
-from loom.search.traces import reflect_trace as search_reflect_trace
-from loom.tiny.evaluate import last_boxed
-from loom.tiny.traces import trace_text
 from reflect_svc.chunking import chunk_thinking
 from reflect_svc.detectors import detect_gold
 from reward_svc.match import MatchRequest, finish_matches, plan_matches
 from reward_svc.reflection import count_reflections
+from zoo.recipes import model_card
+from zoo.registry import resolve_model_path
+from zoo.search import REFLECT_CHECKPOINT_DIR, load_tokenizer, search_problems
+from zoo.search.reflect import reflect_think, reflect_trace
+from zoo.search.traces import reflect_trace as search_reflect_trace
+from zoo.tiny.evaluate import last_boxed
+from zoo.tiny.traces import trace_text
 
 
 def _problems(n: int = 200):
@@ -109,23 +110,24 @@ def test_the_shipped_checkpoint_resolves_loads_and_its_card_is_written_from_card
     assert size < 20 * 2**20
     card = json.loads((REFLECT_CHECKPOINT_DIR / "card.json").read_text())
     assert card["heldout"]["reflect"]["total"] >= 40 and card["heldout"]["reflect"]["accuracy"] > 0.0
-    assert model_card(card) == (REFLECT_CHECKPOINT_DIR / "MODEL_CARD.md").read_text()
+    assert model_card("reflect", card) == (REFLECT_CHECKPOINT_DIR / "MODEL_CARD.md").read_text()
     assert load_tokenizer(REFLECT_CHECKPOINT_DIR).get_vocab() == load_tokenizer().get_vocab()
 
 
 @pytest.mark.slow
 def test_train_reflect_starts_from_the_search_model_and_writes_a_checkpoint(tmp_path: Path):
     from loom.runtime import configure_process
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.search.reflect import ReflectTrainConfig, main, train
+    from zoo.recipe import train
+    from zoo.recipes import RECIPES, main
+    from zoo.search.reflect import ReflectTrainConfig
 
     configure_process()
     cfg = ReflectTrainConfig(steps=2, warmup=1, train_problems=12, batch_size=4, max_len=256, eval_problems=2)
-    card = train(cfg, SEARCH_CHECKPOINT_DIR, tmp_path / "a")
+    card = train(RECIPES["reflect"], cfg, tmp_path / "a")
     assert card["init"] == "search" and card["final_loss"] > 0 and card["sequences"] == 12 * 3 + 12 * 2
     assert set(card["heldout"]) == {"plain", "reflect"} and card["heldout"]["reflect"]["total"] == 2
     saved = json.loads((tmp_path / "a" / "card.json").read_text())
-    assert model_card(saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
+    assert model_card("reflect", saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
     argv = ["--init", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--steps", "1", "--batch-size", "2"]
-    assert main([*argv, "--train-problems", "6", "--no-eval"]) == 0
+    assert main("reflect", [*argv, "--train-problems", "6", "--no-eval"]) == 0
     assert json.loads((tmp_path / "b" / "card.json").read_text())["init"] == str(tmp_path / "a")

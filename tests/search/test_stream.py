@@ -1,4 +1,4 @@
-"""The stream model's traces (loom/search/stream.py, issue 38): a reading phase whose length varies
+"""The stream model's traces (zoo/search/stream.py, issue 38): a reading phase whose length varies
 across traces of one problem, every thought under the streaming segment cap, the search model's deep
 phase; the traces pass Loom's own stream parser and format checks; the checkpoint ships and loads."""
 
@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from loom.formats import DEFAULT_MARKERS
-from loom.models import resolve_model_path
-from loom.search import STREAM_CHECKPOINT_DIR, load_tokenizer, search_problems
-from loom.search.stream import VERBOSITY, _guess, model_card, stream_trace, wasteful_units
-from loom.search.traces import stream_trace as search_stream_trace
-from loom.tiny.traces import parse_stream, split_stream_text, stream_sentences, trace_text
+from zoo.recipes import model_card
+from zoo.registry import resolve_model_path
+from zoo.search import STREAM_CHECKPOINT_DIR, load_tokenizer, search_problems
+from zoo.search.stream import VERBOSITY, _guess, stream_trace, wasteful_units
+from zoo.search.traces import stream_trace as search_stream_trace
+from zoo.tiny.traces import parse_stream, split_stream_text, stream_sentences, trace_text
 
 M = DEFAULT_MARKERS
 
@@ -99,7 +100,7 @@ def test_the_shipped_checkpoint_resolves_loads_and_its_card_is_written_from_card
     assert size < 20 * 2**20
     card = json.loads((STREAM_CHECKPOINT_DIR / "card.json").read_text())
     assert card["heldout"]["stream"]["total"] >= 40 and card["heldout"]["stream"]["accuracy"] > 0.0
-    assert model_card(card) == (STREAM_CHECKPOINT_DIR / "MODEL_CARD.md").read_text()
+    assert model_card("stream", card) == (STREAM_CHECKPOINT_DIR / "MODEL_CARD.md").read_text()
     tok = load_tokenizer(STREAM_CHECKPOINT_DIR)
     assert tok.get_vocab() == load_tokenizer().get_vocab()  # the search model's tokenizer
 
@@ -107,19 +108,20 @@ def test_the_shipped_checkpoint_resolves_loads_and_its_card_is_written_from_card
 @pytest.mark.slow
 def test_train_stream_starts_from_the_search_model_and_writes_a_checkpoint(tmp_path: Path):
     from loom.runtime import configure_process
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.search.stream import StreamTrainConfig, main, train
+    from zoo.recipe import train
+    from zoo.recipes import RECIPES, main
+    from zoo.search.stream import StreamTrainConfig
 
     configure_process()
     cfg = StreamTrainConfig(steps=2, warmup=1, train_problems=12, batch_size=4, max_len=256, eval_problems=2)
-    card = train(cfg, SEARCH_CHECKPOINT_DIR, tmp_path / "a")
+    card = train(RECIPES["stream"], cfg, tmp_path / "a")
     assert card["init"] == "search" and card["final_loss"] > 0 and card["sequences"] == 12 * 3 + 12 * 2
     assert set(card["heldout"]) == {"plain", "stream"} and card["heldout"]["stream"]["total"] == 2
     saved = json.loads((tmp_path / "a" / "card.json").read_text())
-    assert model_card(saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
+    assert model_card("stream", saved) == (tmp_path / "a" / "MODEL_CARD.md").read_text()
     assert load_tokenizer(tmp_path / "a").get_vocab() == load_tokenizer().get_vocab()
     # --init continues from any checkpoint (here the one just written), recorded by its path
     argv = ["--init", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--steps", "1", "--batch-size", "2"]
     argv += ["--train-problems", "6"]
-    assert main([*argv, "--no-eval"]) == 0
+    assert main("stream", [*argv, "--no-eval"]) == 0
     assert json.loads((tmp_path / "b" / "card.json").read_text())["init"] == str(tmp_path / "a")

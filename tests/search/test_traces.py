@@ -1,4 +1,4 @@
-"""The search model's traces (loom/search/traces.py): the written search is complete and exact, every
+"""The search model's traces (zoo/search/traces.py): the written search is complete and exact, every
 format parses back with the tiny model's parsers, and the problems keep the held-out split."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from loom.answers import last_boxed
 from loom.exact import check_countdown
 from loom.formats import DEFAULT_SPAWN
-from loom.search import search_problems, solving_moves
-from loom.search.traces import (
+from zoo.search import search_problems, solving_moves
+from zoo.search.traces import (
     DRAWN,
     build_trace,
     finish,
@@ -22,8 +22,8 @@ from loom.search.traces import (
     spawn_trace,
     stream_trace,
 )
-from loom.tiny import is_held_out, parse_spawn, split_stream_text
-from loom.tiny.traces import child_message, join_block, trace_text
+from zoo.tiny import is_held_out, parse_spawn, split_stream_text
+from zoo.tiny.traces import child_message, join_block, trace_text
 
 PROBLEMS = search_problems("countdown", 120, seed=3, split="train")
 

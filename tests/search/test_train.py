@@ -8,7 +8,8 @@ import json
 import pytest
 
 from loom.runtime import configure_process
-from loom.search.train import SearchTrainConfig, main, train
+from zoo.recipes import main
+from zoo.search.train import SearchTrainConfig, train
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def test_two_fixed_rounds_then_one_more_from_the_checkpoint(tmp_path):
 
     argv = ["--init", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--fixed-steps", "2"]
     argv += ["--fixed-rounds", "1", "--train-problems", "12", "--batch-size", "4", "--no-eval"]
-    assert main(argv) == 0
+    assert main("search", argv) == 0
     resumed = json.loads((tmp_path / "b" / "card.json").read_text())
     assert list(resumed["phases"]) == ["drawn", "fixed", "fixed_2", "fixed_3"]
     assert resumed["phases"]["drawn"] == saved["phases"]["drawn"]  # carried from the first card

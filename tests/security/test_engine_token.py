@@ -29,9 +29,9 @@ OPEN = (("GET", "/engine/health"), ("GET", "/engine/v1/models"), ("GET", "/engin
 
 @pytest.fixture(scope="module")
 def rollout_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from loom.tiny import CHECKPOINT_DIR
     from rollout_svc.api import app
     from rollout_svc.engines.torch import TorchEngine
+    from zoo.tiny import CHECKPOINT_DIR
 
     set_engine(TorchEngine(CHECKPOINT_DIR, cache_entries=4))
     saved = app.state.settings

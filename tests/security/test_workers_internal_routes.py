@@ -23,7 +23,7 @@ def _perturbed_tiny(path: Path) -> None:
     """A version that differs from the base model (its final norm halved)."""
     import torch
 
-    from loom.tiny import load_model
+    from zoo.tiny import load_model
 
     model = load_model()
     with torch.no_grad():
@@ -33,7 +33,7 @@ def _perturbed_tiny(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_engine() -> TorchEngine:
-    from loom.tiny import CHECKPOINT_DIR
+    from zoo.tiny import CHECKPOINT_DIR
 
     return TorchEngine(CHECKPOINT_DIR, cache_entries=4)
 
@@ -62,7 +62,7 @@ def rollout(tiny_engine: TorchEngine, tmp_path: Path) -> Iterator[tuple[TestClie
 
 def _base() -> Any:
     from loom.contracts.wire import PolicyVersion
-    from loom.tiny import CHECKPOINT_DIR
+    from zoo.tiny import CHECKPOINT_DIR
 
     return PolicyVersion(version=0, path=str(CHECKPOINT_DIR))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loom.contracts.wire import Group, RewardResult, StepResult, TrainBatch
-from loom.tiny import plain_prompt, tiny_problems
+from zoo.tiny import plain_prompt, tiny_problems
 
 pytestmark = pytest.mark.slow
 

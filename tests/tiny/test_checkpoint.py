@@ -9,8 +9,8 @@ import torch
 
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING
 from loom.runtime import configure_process
-from loom.tiny import CHECKPOINT_DIR, HELDOUT_SEED, load_model, load_tokenizer, tiny_problems
-from loom.tiny.evaluate import eval_plain, eval_spawn, eval_stream
+from zoo.tiny import CHECKPOINT_DIR, HELDOUT_SEED, load_model, load_tokenizer, tiny_problems
+from zoo.tiny.evaluate import eval_plain, eval_spawn, eval_stream
 
 
 @pytest.fixture(scope="module")

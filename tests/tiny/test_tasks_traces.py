@@ -8,8 +8,8 @@ import pytest
 
 from loom.answers import last_boxed
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING
-from loom.tiny.tasks import Problem, is_held_out, make_problems
-from loom.tiny.traces import (
+from zoo.tiny.tasks import Problem, is_held_out, make_problems
+from zoo.tiny.traces import (
     build_trace,
     child_message,
     expression_from_steps,

@@ -1,5 +1,5 @@
 """The real-vLLM test layer: one vLLM 0.32 server (CPU build, ``deploy/vllm-setup.sh``) per test run,
-serving Loom's tiny model (``loom/tiny/checkpoint``, tied embeddings) the way docs/vllm.md says to.
+serving Loom's tiny model (``zoo/tiny/checkpoint``, tied embeddings) the way docs/vllm.md says to.
 
 ``vllm`` (session) is the server's handle: ``vllm.url``; ``vllm.ensure(logprobs_mode, dev=True)``
 restarts it when a test needs another configuration (the log-prob mode is a server flag), on the same
@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import pytest
 
-from loom.tiny import CHECKPOINT_DIR
+from zoo.tiny import CHECKPOINT_DIR
 
 T = TypeVar("T")
 TINY = Path(CHECKPOINT_DIR)
@@ -238,14 +238,14 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
-    from loom.tiny import load_tokenizer
+    from zoo.tiny import load_tokenizer
 
     return load_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def prompt_ids(tokenizer: Any) -> list[int]:
-    from loom.tiny import make_problems, plain_prompt
+    from zoo.tiny import make_problems, plain_prompt
 
     prob = make_problems("arith", 1, seed=11)[0]
     return list(tokenizer.encode(plain_prompt(prob), add_special_tokens=False))

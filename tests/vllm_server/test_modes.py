@@ -19,10 +19,10 @@ import pytest
 
 from loom.contracts.wire import Group
 from loom.store import PolicyStore
-from loom.tiny import STREAM_HEADER, make_problems, plain_prompt, reflect_prompt, spawn_prompt
-from loom.tiny.traces import stream_sentences
 from tests.rollout.conftest import start_engine_server, stop_process
 from tests.vllm_server.conftest import TINY, changed_checkpoint, free_port, max_diff, reference_logprobs
+from zoo.tiny import STREAM_HEADER, make_problems, plain_prompt, reflect_prompt, spawn_prompt
+from zoo.tiny.traces import stream_sentences
 
 ATOL = 1e-4
 REPO = Path(__file__).resolve().parents[2]

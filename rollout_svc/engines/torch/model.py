@@ -11,8 +11,8 @@ from typing import Any, Literal
 import torch
 
 from loom.layout import group_positions, group_visibility
-from loom.models import resolve_model_path as resolve_model_path  # re-exported by the engine package
 from rollout_svc.engines.base import Layout, PromptLogprobs
+from zoo.registry import resolve_model_path as resolve_model_path  # re-exported by the engine package
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 

@@ -1,6 +1,6 @@
 """Record what a real vLLM 0.32 answers on Loom's tiny model: the answers loom engine must give.
 
-Run against a vLLM server on loom/tiny/checkpoint (docs/interop-engine.md has the command):
+Run against a vLLM server on zoo/tiny/checkpoint (docs/interop-engine.md has the command):
 
     cd tests/interop/engine && python record_vllm.py http://127.0.0.1:PORT > vllm_0.32_tiny.json
 

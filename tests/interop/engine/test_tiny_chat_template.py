@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from loom.tiny.tasks import tiny_problems
-from loom.tiny.tokenizer import CHAT_TEMPLATE, EOS
-from loom.tiny.traces import plain_prompt, reflect_prompt, spawn_prompt
 from rollout_svc.engines.torch import resolve_model_path
+from zoo.tiny.tasks import tiny_problems
+from zoo.tiny.tokenizer import CHAT_TEMPLATE, EOS
+from zoo.tiny.traces import plain_prompt, reflect_prompt, spawn_prompt
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """TRL 1.16's own ``GRPOTrainer`` trains on Loom's rewards (trl from PyPI, the dev extra).
 
-Two optimizer steps of the tiny model (loom/tiny/checkpoint) on its arithmetic prompts, with
+Two optimizer steps of the tiny model (zoo/tiny/checkpoint) on its arithmetic prompts, with
 ``reward_funcs=[make_reward_func(url, ...)]`` against a running reward service: TRL calls the function
 with its dataset columns (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._calculate_rewards``), logs
 the rewards it trains on, and the metrics the function logs through ``log_metric``.
@@ -16,8 +16,8 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from loom.clients.trl import MissingLabelColumn, make_reward_func
-from loom.tiny import load_model, load_tokenizer, tiny_problems
-from loom.tiny.traces import plain_prompt
+from zoo.tiny import load_model, load_tokenizer, tiny_problems
+from zoo.tiny.traces import plain_prompt
 
 COMPONENTS = [{"name": "accuracy"}, {"name": "format_think", "weight": 0.5}]
 

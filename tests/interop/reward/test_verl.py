@@ -27,7 +27,7 @@ from verl.experimental.reward_loop import RewardLoopManager
 from verl.workers.reward_manager import BatchRewardManager
 
 import loom.clients.verl as loom_verl
-from loom.tiny import CHECKPOINT_DIR, load_tokenizer
+from zoo.tiny import CHECKPOINT_DIR, load_tokenizer
 
 COMPONENTS = [{"name": "accuracy"}, {"name": "length_kimi", "weight": 0.1}]
 # (prompt, response, ground truth, data source): ground truths as verl's parquet rows hold them

@@ -2,7 +2,7 @@
 whose answer first appears mid-reasoning, after reflections that do work, so that REA-RL's
 truncation has overthinking to remove and its reflection reward has reflections worth keeping.
 
-The search model's reflect traces (loom/search/traces.py) state the answer right after the search
+The search model's reflect traces (zoo/search/traces.py) state the answer right after the search
 and only then re-check it, so every reflection is redundant: a gold-truncated revision keeps none and
 the length reward shortens only by dropping them (docs/benchmarks/rea-seeds.md). Real reasoning
 models reflect inside the reasoning too ("But ...", "Wait, ..."), and some of those reflections
@@ -32,24 +32,18 @@ measures it.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
-import torch
+from dataclasses import dataclass
 
 from loom.formats import FORCED_ENDING
-from loom.runtime import configure_process
-from loom.search import REFLECT_CHECKPOINT_DIR
-from loom.search.tasks import search_problems
-from loom.search.traces import FIXED, Move, expression_from_steps, moves, rechecks, search, search_line
-from loom.search.traces import plain_trace as search_plain_trace
-from loom.tiny.evaluate import Budgets, FormatResult, eval_plain
-from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
-from loom.tiny.traces import Piece, _state, boxed, reflect_prompt
-from loom.tiny.traces import plain_trace as arith_plain_trace
-from loom.tiny.traces import reflect_trace as arith_reflect_trace
-from loom.tiny.train import TrainConfig
+from zoo.recipe import CardText, FinetuneConfig, on_device, reproduce
+from zoo.search.tasks import search_problems, training_problems
+from zoo.search.traces import FIXED, Move, expression_from_steps, moves, rechecks, search, search_line
+from zoo.search.traces import plain_trace as search_plain_trace
+from zoo.tiny.evaluate import Budgets, FormatResult, eval_plain
+from zoo.tiny.tasks import HELDOUT_SEED, Problem, _apply
+from zoo.tiny.traces import Piece, _state, boxed, reflect_prompt
+from zoo.tiny.traces import plain_trace as arith_plain_trace
+from zoo.tiny.traces import reflect_trace as arith_reflect_trace
 
 BACKTRACK_WORDS = ("But", "Alternatively")
 BACKTRACK_WORD = 0.8  # P(a line after a failed move opens with a backtracking word)
@@ -115,15 +109,9 @@ BUDGETS = Budgets(plain=400, reflect=480, thought=24, final=400, spawn_head=160,
 
 
 @dataclass
-class ReflectTrainConfig(TrainConfig):
-    """One phase from the search checkpoint (a fresh AdamW, warm-up and cosine decay)."""
-
-    steps: int = 300
-    lr: float = 5e-4
-    warmup: int = 20
+class ReflectTrainConfig(FinetuneConfig):
     reflect_variants: int = 2  # reflect traces per Countdown problem: 1-3 re-checks, then 0-1
     mistake: float = 0.0  # P(a caught mistake) per trace with a failed move (reflect_think)
-    max_len: int = 512
 
 
 def build_sequences(
@@ -141,6 +129,15 @@ def build_sequences(
     return seqs
 
 
+def sequences(cfg: ReflectTrainConfig) -> list[list[Piece]]:
+    """The row's trace builder (zoo/recipes.py): :func:`build_sequences` of the training problems."""
+    return build_sequences(training_problems(cfg.train_problems, cfg.seed), cfg.reflect_variants, cfg.mistake)
+
+
+def facts(cfg: ReflectTrainConfig, seqs: list[list[Piece]], data: object, model: object) -> dict:
+    return {"backtrack_word": BACKTRACK_WORD, "mistake": cfg.mistake}
+
+
 def heldout(model, tok, n: int) -> dict[str, FormatResult]:  # type: ignore[no-untyped-def]
     """Greedy held-out accuracy in the formats it was trained on (the search model's held-out set)."""
     cd = search_problems("countdown", n, HELDOUT_SEED, "test")
@@ -150,73 +147,24 @@ def heldout(model, tok, n: int) -> dict[str, FormatResult]:  # type: ignore[no-u
     }
 
 
-def train(cfg: ReflectTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.search.train import MODEL
-    from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.train import device_name, encode, finish_finetune, fit
-
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    problems = {
-        k: search_problems(k, cfg.train_problems, seed=cfg.seed, split="train")
-        for k in ("countdown", "arith")
-    }  # type: ignore[arg-type]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tok, model = load_tokenizer(init), load_model(init)
-    model.to(device)  # type: ignore[arg-type]
-    seqs = build_sequences(problems, cfg.reflect_variants, cfg.mistake)
-    losses, secs = fit(model, tok, encode(seqs, tok, cfg.max_len), cfg, True, "train-reflect")
-    model.to("cpu")  # type: ignore[arg-type]
-    card: dict = {
-        "config": asdict(cfg),
-        "init": "search" if init.resolve() == Path(SEARCH_CHECKPOINT_DIR).resolve() else str(init),
-        "model": asdict(MODEL),
-        "sequences": len(seqs),
-        "backtrack_word": BACKTRACK_WORD,
-        "mistake": cfg.mistake,
-        "device": device_name(device),
-    }
-    evaluate = (lambda: heldout(model, tok, cfg.eval_problems)) if evaluate_after else None
-    return finish_finetune(card, model, tok, losses, secs, evaluate, out_dir, model_card)
+# MODEL_CARD.md's paragraph, before the command that reproduces it
+ABOUT = (
+    "The search model (zoo/search/checkpoint) fine-tuned by `loom train-reflect` on reflect\n"
+    "traces whose answer first appears mid-reasoning: backtracking words in the search, then\n"
+    "redundant re-checks (zoo/search/reflect.py), mixed with plain Countdown search and\n"
+    "arithmetic. Reproduce with"
+)
 
 
-def model_card(card: dict) -> str:
-    from loom.tiny.train import card_markdown
-
-    cfg = card["config"]
-    about = [
-        "The search model (loom/search/checkpoint) fine-tuned by `loom train-reflect` on reflect",
-        "traces whose answer first appears mid-reasoning: backtracking words in the search, then",
-        "redundant re-checks (loom/search/reflect.py), mixed with plain Countdown search and",
-        "arithmetic. Reproduce with",
-        f"`loom train-reflect --seed {cfg['seed']} --steps {cfg['steps']} --lr {cfg['lr']}"
-        f" --mistake {cfg['mistake']}`.",
-    ]
+def card_text(card: dict) -> CardText:
     data = [
         f"- {card['sequences']} sequences; P(backtracking word) {card['backtrack_word']},"
         f" P(caught mistake) {card['mistake']}"
     ]
-    trained_on = f"{card['device']}, {card['torch_threads']} torch thread(s)"
-    return card_markdown(card, "Loom reflect model", about, data, trained_on, "Held-out greedy accuracy")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny.train import print_card, shared_config, training_parser
-
-    d = ReflectTrainConfig()
-    p = training_parser("loom train-reflect", "reproduce the built-in reflect model", d)
-    p.add_argument("--train-problems", type=int, default=d.train_problems, help="per kind")
-    p.add_argument("--init", type=Path, default=SEARCH_CHECKPOINT_DIR, help="default: the search model")
-    p.add_argument("--mistake", type=float, default=d.mistake, help="P(a caught mistake) per trace")
-    args = p.parse_args(argv)
-    configure_process()
-    cfg = ReflectTrainConfig(**shared_config(args), train_problems=args.train_problems, mistake=args.mistake)
-    card = train(cfg, args.init, args.out or REFLECT_CHECKPOINT_DIR, evaluate_after=not args.no_eval)
-    print_card(card)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return CardText(
+        "Loom reflect model",
+        ABOUT,
+        reproduce("reflect", card, "seed", "steps", "lr", "mistake"),
+        data,
+        on_device(card),
+    )

@@ -1,6 +1,6 @@
 """Four-number Countdown search traces (issue 38's APR item): a search deep enough for spawn/join to
-pay, written in the three-number model's line format (loom/search/traces.py) one level further down.
-The built-in model ``deep`` writes them (loom/search/deep_train.py); ``bench/apr.py --gold-only
+pay, written in the three-number model's line format (zoo/search/traces.py) one level further down.
+The built-in model ``deep`` writes them (zoo/search/deep_train.py); ``bench/apr.py --gold-only
 --numbers 4`` measures their path lengths and ``bench/apr.py --model deep --numbers 4`` the model's
 accuracy against them (docs/benchmarks/apr.md).
 
@@ -8,7 +8,7 @@ The four numbers are written larger first and the first moves taken in that orde
 (0,1), (0,2), ... of the sorted pool, each operation once per distinct pair of values), the order
 the three-number search uses on its own sorted pools. Serial search: one line per first move, marked
 ``>`` (the move and the three numbers left, larger first), then the three-number search of those
-three, line by line as in loom/search/traces.py, until one finishes::
+three, line by line as in zoo/search/traces.py, until one finishes::
 
     <think> 24:[8,5,3,2]
     > 8+5=13 [13,3,2]
@@ -20,7 +20,7 @@ three, line by line as in loom/search/traces.py, until one finishes::
 A first move whose three numbers an earlier move already left (``9*1`` and ``9/1`` both leave
 ``[9,5,3]``) is skipped: each state is searched once. The trace ends in the solution's three steps on
 one line and its expression built one substitution at a time (``substitution_chain`` of
-loom/tiny/traces.py), then the boxed answer::
+zoo/tiny/traces.py), then the boxed answer::
 
     7+4=11 5*4=20 20+11=31
     20+11 = (5*4)+11 = (5*4)+(7+4)
@@ -38,7 +38,7 @@ Spawn, two ways (``by``):
 - ``move``: one child per first move (up to 24); a child runs the three-number search of what its
   move leaves, and returns the move and the two steps.
 
-The parent's spawn block and join block are the three-number model's (loom/tiny/traces.py
+The parent's spawn block and join block are the three-number model's (zoo/tiny/traces.py
 ``spawn_parent``); its answer is the serial trace's ending above, from the first child that returned
 a solution. The substitution chain came from the second model: it ran whole searches exactly and then
 boxed a wrong expression for the steps it had found.
@@ -51,9 +51,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loom.formats import DEFAULT_SPAWN, SpawnSyntax
-from loom.search.traces import FIXED, OPS, Style, moves, search
-from loom.tiny.tasks import Problem, Split, _apply, make_problems
-from loom.tiny.traces import (
+from zoo.search.traces import FIXED, OPS, Style, moves, search
+from zoo.tiny.tasks import Problem, Split, _apply, make_problems
+from zoo.tiny.traces import (
     Piece,
     SpawnTrace,
     _state,
@@ -159,7 +159,7 @@ def deep_problems(
     n: int, seed: int, split: Split = "any", max_solving: int = DEEP_MAX_SOLVING
 ) -> list[Problem]:
     """``n`` four-number Countdown problems with at most ``max_solving`` solving first moves (of about
-    20), drawn as loom.search.tasks draws three-number ones (same seeds, same held-out hash split)."""
+    20), drawn as zoo.search.tasks draws three-number ones (same seeds, same held-out hash split)."""
     draw = 4 * n + 20
     while True:
         pool = make_problems("countdown", draw, seed, split, **DEEP_KNOBS)

@@ -10,8 +10,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from loom.answers import last_boxed
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN
-from loom.tiny import traces
-from loom.tiny.tasks import Problem
+from zoo.tiny import traces
+from zoo.tiny.tasks import Problem
 
 
 @torch.no_grad()
@@ -52,7 +52,7 @@ def generate_batch(
 
 @dataclass(frozen=True)
 class Budgets:
-    """Greedy token limits per generation call (the search model's traces are longer: loom/search)."""
+    """Greedy token limits per generation call (the search model's traces are longer: zoo/search)."""
 
     plain: int = 100
     reflect: int = 160

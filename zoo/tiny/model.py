@@ -16,15 +16,21 @@ class TinyConfig:
     max_positions: int = 512
 
 
+# TinyConfig's fields -> LlamaConfig's names for them
+LLAMA_NAMES = {
+    "hidden": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "intermediate": "intermediate_size",
+    "max_positions": "max_position_embeddings",
+}
+
+
 def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyConfig = TinyConfig()) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
+        **{llama: getattr(cfg, name) for name, llama in LLAMA_NAMES.items()},
         num_key_value_heads=cfg.heads,
-        max_position_embeddings=cfg.max_positions,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -36,3 +42,9 @@ def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyConfig = TinyConfig
 
 def n_params(model: LlamaForCausalLM) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def model_shape(model: LlamaForCausalLM) -> TinyConfig:
+    """The architecture a card records, read from the model itself (a fine-tune's is its base's, with
+    the positions it was widened to)."""
+    return TinyConfig(**{name: getattr(model.config, llama) for name, llama in LLAMA_NAMES.items()})

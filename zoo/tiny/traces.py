@@ -5,7 +5,7 @@ sentences and joined child results are observations (``train=False``); everythin
 is trained. Pieces are tokenized one by one, exactly as the rollout engines append them.
 
 Exact layouts (``M`` = loom.formats.DEFAULT_MARKERS, ``S`` = DEFAULT_SPAWN, eos appended by the
-tokenizer side, see ``loom.tiny.tokenizer.EOS``):
+tokenizer side, see ``zoo.tiny.tokenizer.EOS``):
 
 plain      prompt ``[plain] Compute 47+85.\\n``
            completion ``<think> 7+5+0=12 r2\\n4+8+1=13 r132 </think> \\boxed{132}`` + eos
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from loom.answers import last_boxed
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING, Markers, SpawnSyntax
-from loom.tiny.tasks import Problem, _apply
+from zoo.tiny.tasks import Problem, _apply
 
 FORMATS = ("plain", "reflect", "stream", "spawn")
 
@@ -212,7 +212,7 @@ def _reflections(problem: Problem) -> list[str]:
 
 def countdown_rechecks(problem: Problem, answer: str, check: str) -> list[str]:
     """The re-checks of a stated Countdown answer, ``check`` the first one's content (the tiny
-    model's reflect traces here, the search and reflect models' in loom/search/traces.py)."""
+    model's reflect traces here, the search and reflect models' in zoo/search/traces.py)."""
     nums = " ".join(str(n) for n in problem.numbers)
     return [
         f"Wait, let me check: {check}. Yes.",
@@ -354,7 +354,7 @@ def substitution_chain(steps: list[str]) -> list[str]:
     ``["7+4=11", "5*4=20", "20+11=31"]`` -> ``["20+11", "(5*4)+11", "(5*4)+(7+4)"]``. A step's
     number that an earlier step made is that step (the latest one making it), every other number is
     itself; each line opens one more step, in parentheses unless it is the last. The four-number
-    traces write the chain out (loom/search/deep.py); :func:`expression_from_steps` is its last line."""
+    traces write the chain out (zoo/search/deep.py); :func:`expression_from_steps` is its last line."""
     nodes: list[tuple[tuple[str, int], str, tuple[str, int], int]] = []
     made: dict[int, list[int]] = {}  # result -> the steps that made it, latest last
     for k, step in enumerate(steps):

@@ -1,44 +1,39 @@
-"""``loom train-search``: reproduce the search model (issue 29) from a seed, on CPU or a GPU.
+"""The search model's row of the recipe table (zoo/recipes.py; ``loom train-search``, issue 29): from
+a seed, on CPU or a GPU, in two phases of its own over the one recipe's loop (zoo/recipe.py).
 
-Data (loom/search/traces.py): Countdown search traces in the plain (two search orders per problem),
+Data (zoo/search/traces.py): Countdown search traces in the plain (two search orders per problem),
 reflect (a long and a short re-check variant), stream and spawn (parent and its three children)
 formats, and the tiny model's arithmetic in plain and stream. Observation pieces are masked out of the
-loss; the loop, tokenizer training and checkpoint layout are the tiny model's (loom/tiny/train.py).
-Writes safetensors weights, the tokenizer, MODEL_CARD.md and card.json with held-out greedy accuracy.
+loss; the loop, tokenizer training and checkpoint layout are the recipe's.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from loom.runtime import configure_process
-from loom.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems
-from loom.search.traces import DRAWN, FIXED, Style, build_trace
-from loom.tiny.evaluate import Budgets, FormatResult, evaluate
-from loom.tiny.model import TinyConfig, build_model
-from loom.tiny.tasks import HELDOUT_SEED, Problem
-from loom.tiny.tokenizer import train_tokenizer
-from loom.tiny.traces import Piece, trace_text
-from loom.tiny.train import (
+from zoo.recipe import (
+    CardText,
     TrainConfig,
     card_markdown,
     device_name,
     encode,
     final_loss,
+    finish,
     fit,
-    print_card,
-    record_heldout,
-    run_facts,
-    shared_config,
-    training_parser,
-    write_checkpoint,
+    reproduce,
 )
+from zoo.search.tasks import MAX_SOLVING, SEARCH_KNOBS, search_problems, training_problems
+from zoo.search.traces import DRAWN, FIXED, Style, build_trace
+from zoo.tiny.evaluate import Budgets, FormatResult, evaluate
+from zoo.tiny.model import TinyConfig, build_model
+from zoo.tiny.tasks import HELDOUT_SEED, Problem
+from zoo.tiny.tokenizer import train_tokenizer
+from zoo.tiny.traces import Piece, trace_text
 
 # format -> (kind, search orders per problem)
 MIX: dict[str, tuple[tuple[str, int], ...]] = {
@@ -54,7 +49,7 @@ BUDGETS = Budgets(plain=400, reflect=480, thought=24, final=400, spawn_head=160,
 
 @dataclass
 class SearchTrainConfig(TrainConfig):
-    """Two phases: ``steps`` on searches in drawn orders (loom.search.traces.DRAWN), then
+    """Two phases: ``steps`` on searches in drawn orders (zoo.search.traces.DRAWN), then
     ``fixed_steps`` at ``fixed_lr`` on searches in the fixed order with the target echoed before each
     verdict (FIXED), which the model then writes. Measured after phase 1 alone (2026-11-24): greedy
     held-out plain accuracy 0.05: the model repeated moves it had tried and missed a target among the
@@ -91,7 +86,7 @@ def build_sequences(problems: dict[str, list[Problem]], style: Style = FIXED) ->
 
 
 def _arith(p: Problem, fmt: str) -> list[list[Piece]]:
-    from loom.search.traces import plain_trace, stream_trace
+    from zoo.search.traces import plain_trace, stream_trace
 
     return [plain_trace(p) if fmt == "plain" else stream_trace(p)]
 
@@ -106,6 +101,11 @@ def heldout(model, tok, n: int, budgets: Budgets = BUDGETS) -> dict[str, FormatR
     return evaluate(model, tok, eval_sets(n), budgets)
 
 
+def sequences(cfg: SearchTrainConfig) -> list[list[Piece]]:
+    """The row's trace builder: the fixed order the model writes (phase 2's data)."""
+    return build_sequences(training_problems(cfg.train_problems, cfg.seed), FIXED)
+
+
 def train(
     cfg: SearchTrainConfig,
     out_dir: Path | None,
@@ -115,10 +115,7 @@ def train(
 ) -> dict:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    problems = {
-        k: search_problems(k, cfg.train_problems, seed=cfg.seed, split="train")
-        for k in ("countdown", "arith")
-    }  # type: ignore[arg-type]
+    problems = training_problems(cfg.train_problems, cfg.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     phases: dict[str, dict] = {}
     if init is None:  # phase 1: drawn orders, from scratch
@@ -129,7 +126,7 @@ def train(
         losses, secs = fit(model, tok, encode(seqs, tok, cfg.max_len), cfg, progress, "train-search 1/2")
         phases["drawn"] = _phase(cfg.steps, cfg.lr, secs, losses, len(seqs))
     else:  # earlier phases done before: ``--init DIR`` (its card.json records them)
-        from loom.tiny import load_model, load_tokenizer
+        from zoo.tiny import load_model, load_tokenizer
 
         tok, model = load_tokenizer(init), load_model(init)
         model.to(device)  # type: ignore[arg-type]
@@ -153,13 +150,11 @@ def train(
         "phases": phases,
         "mix": {fmt: [list(k) for k in kinds] for fmt, kinds in MIX.items()},
         "device": device_name(device),
-        **run_facts(model, tok, losses, train_s),
     }
-    if evaluate_after:
-        record_heldout(card, lambda: heldout(model, tok, cfg.eval_problems))
-    if out_dir is not None:
-        save(model, tok, card, out_dir)
-    return card
+    evaluate = (lambda: heldout(model, tok, cfg.eval_problems)) if evaluate_after else None
+    return finish(
+        card, model, tok, losses, train_s, evaluate, out_dir, lambda c: card_markdown(c, card_text(c))
+    )
 
 
 def _phase(steps: int, lr: float, secs: float, losses: list[float], sequences: int) -> dict:
@@ -189,19 +184,19 @@ def _card_phases(init: Path) -> dict[str, dict]:
     }
 
 
-def save(model, tok, card: dict, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    write_checkpoint(model, tok, out_dir, card, model_card(card))
+def facts(cfg: SearchTrainConfig, seqs: list[list[Piece]], data: object, model: object) -> dict:
+    return {}  # its own train records its phases
 
 
-def model_card(card: dict) -> str:
-    cfg = card["config"]
-    about = [
-        "A small Llama trained from scratch by `loom train-search` on Countdown search traces",
-        "(loom/search/traces.py: the search written out move by move, with backtracking) in the plain,",
-        "reflect, stream and spawn formats, and on the tiny model's arithmetic. Reproduce with",
-        f"`loom train-search --seed {cfg['seed']} --steps {cfg['steps']}"
-        f" --fixed-steps {cfg['fixed_steps']} --fixed-rounds {cfg['fixed_rounds']}`.",
-    ]
+# MODEL_CARD.md's paragraph, before the command that reproduces it
+ABOUT = (
+    "A small Llama trained from scratch by `loom train-search` on Countdown search traces\n"
+    "(zoo/search/traces.py: the search written out move by move, with backtracking) in the plain,\n"
+    "reflect, stream and spawn formats, and on the tiny model's arithmetic. Reproduce with"
+)
+
+
+def card_text(card: dict) -> CardText:
     data = [
         f"- problems: {card['problems']}",
         f"- data mix (format: kind, search orders): {card['mix']}; {card['sequences']} sequences",
@@ -212,34 +207,11 @@ def model_card(card: dict) -> str:
         ),
     ]
     heldout = "Held-out greedy accuracy (Countdown search problems)"
-    return card_markdown(card, "Loom search model", about, data, card["device"], heldout)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    d = SearchTrainConfig()
-    p = training_parser("loom train-search", "reproduce the built-in search model", d)
-    p.add_argument("--train-problems", type=int, default=d.train_problems)
-    p.add_argument("--fixed-steps", type=int, default=d.fixed_steps)
-    p.add_argument("--fixed-rounds", type=int, default=d.fixed_rounds, help="rounds of phase 2")
-    p.add_argument(
-        "--init",
-        type=Path,
-        default=None,
-        help="a checkpoint of earlier phases: run --fixed-rounds more from it",
+    return CardText(
+        "Loom search model",
+        ABOUT,
+        reproduce("search", card, "seed", "steps", "fixed_steps", "fixed_rounds"),
+        data,
+        card["device"],
+        heldout,
     )
-    args = p.parse_args(argv)
-    configure_process()
-    from loom.search import SEARCH_CHECKPOINT_DIR
-
-    cfg = SearchTrainConfig(
-        **shared_config(args),
-        train_problems=args.train_problems,
-        fixed_steps=args.fixed_steps,
-        fixed_rounds=args.fixed_rounds,
-    )
-    print_card(train(cfg, args.out or SEARCH_CHECKPOINT_DIR, evaluate_after=not args.no_eval, init=args.init))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

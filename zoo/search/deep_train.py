@@ -1,5 +1,5 @@
-"""``loom train-deep``: the search model fine-tuned on four-number Countdown (loom/search/deep.py), the
-model issue 38's APR item needs, shipped as the built-in model ``deep`` (loom/search/deep_checkpoint;
+"""``loom train-deep``: the search model fine-tuned on four-number Countdown (zoo/search/deep.py), the
+model issue 38's APR item needs, shipped as the built-in model ``deep`` (zoo/search/deep_checkpoint;
 docs/models.md, docs/benchmarks/apr.md).
 
 It starts from the search checkpoint (``--init``; its tokenizer unchanged), keeps its 1024 positions
@@ -20,25 +20,18 @@ spawn run one by one here; ``bench/apr.py --numbers 4`` runs them as spawn mode 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-
-import torch
+from dataclasses import dataclass
 
 from loom.formats import DEFAULT_SPAWN
-from loom.runtime import configure_process
-from loom.search import DEEP_CHECKPOINT_DIR
-from loom.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, answer_text, deep_moves, deep_problems
-from loom.search.deep import plain_trace as deep_plain
-from loom.search.deep import spawn_trace as deep_spawn
-from loom.search.tasks import search_problems
-from loom.search.traces import OPS, build_trace
-from loom.search.train import MODEL
-from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_spawn
-from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
-from loom.tiny.traces import Piece, SpawnTrace, join_block
-from loom.tiny.train import TrainConfig
+from zoo.recipe import CardText, FinetuneConfig, on_device, reproduce
+from zoo.search.deep import DEEP_KNOBS, DEEP_MAX_SOLVING, answer_text, deep_moves, deep_problems
+from zoo.search.deep import plain_trace as deep_plain
+from zoo.search.deep import spawn_trace as deep_spawn
+from zoo.search.tasks import search_problems
+from zoo.search.traces import OPS, build_trace
+from zoo.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_spawn
+from zoo.tiny.tasks import HELDOUT_SEED, Problem, _apply
+from zoo.tiny.traces import Piece, SpawnTrace, join_block
 
 # the search model's own window: every spawn thread fits (a parent's spawn block runs to about 800
 # tokens for 22 first moves, a child's search to about 380), serial search is cut at it about half the
@@ -46,17 +39,26 @@ from loom.tiny.train import TrainConfig
 MAX_POSITIONS = 1024
 
 
+# ``loom train-deep``'s own flags (zoo/recipes.py): config field -> help
+FLAGS = {
+    "train_problems": "four-number problems",
+    "keep_problems": "three-number problems",
+    "max_len": "positions (serial search cut at it)",
+    "child_keep": "kept rate, no-solution children",
+    "decoys": "rate of parents with a decoy message",
+    "parent_variants": "more parents per problem",
+}
+
+
 def budgets(positions: int) -> Budgets:
     return Budgets(plain=positions - 40, spawn_head=min(960, positions - 64), child=420, join_answer=120)
 
 
 @dataclass
-class DeepTrainConfig(TrainConfig):
+class DeepTrainConfig(FinetuneConfig):
     steps: int = 7500  # the shipped checkpoint's (5979 s on the 2-core VM, 2 threads, alone)
     # batch 16 of up to 2048 tokens grew to 17.7 GB on CPU and was OOM-killed beside CI (2026-11-28)
     batch_size: int = 8
-    lr: float = 5e-4
-    warmup: int = 20
     train_problems: int = 2000  # four-number problems
     keep_problems: int = 500  # three-number problems, plain and spawn
     eval_problems: int = 40
@@ -171,84 +173,39 @@ def heldout(model, tok, n: int, b: Budgets | None = None) -> dict[str, FormatRes
     return {"plain": eval_plain(model, tok, problems, b=b), "spawn": eval_spawn(model, tok, problems, b)}
 
 
-def train(cfg: DeepTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
-    from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.train import device_name, encode, finish_finetune, fit
-
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def sequences(cfg: DeepTrainConfig) -> list[list[Piece]]:
+    """The row's trace builder (zoo/recipes.py): :func:`build_sequences` of ``train_problems``
+    four-number and ``keep_problems`` three-number training problems."""
     deep = deep_problems(cfg.train_problems, seed=cfg.seed, split="train")
     three = search_problems("countdown", cfg.keep_problems, seed=cfg.seed, split="train")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tok, model = load_tokenizer(init), load_model(init)
-    model.config.max_position_embeddings = max(model.config.max_position_embeddings, cfg.max_len)
-    tok.model_max_length = model.config.max_position_embeddings
-    model.to(device)  # type: ignore[arg-type]
-    seqs = build_sequences(deep, three, cfg.child_keep, cfg.decoys, cfg.parent_variants)
-    data = encode(seqs, tok, cfg.max_len)
-    cut = sum(len(ids) == cfg.max_len for ids, _ in data)
-    losses, secs = fit(model, tok, data, cfg, True, "train-deep")
-    model.to("cpu")  # type: ignore[arg-type]
-    card: dict = {
-        "config": asdict(cfg),
-        "init": str(init),
-        "model": asdict(replace(MODEL, max_positions=model.config.max_position_embeddings)),
+    return build_sequences(deep, three, cfg.child_keep, cfg.decoys, cfg.parent_variants)
+
+
+def facts(
+    cfg: DeepTrainConfig, seqs: list[list[Piece]], data: list[tuple[list[int], list[int]]], model
+) -> dict:  # type: ignore[no-untyped-def]
+    """The positions trained at, the problems, and how many sequences ``max_len`` cut."""
+    return {
         "max_positions": model.config.max_position_embeddings,
         "problems": {"countdown": {**DEEP_KNOBS, "max_solving_first_moves": DEEP_MAX_SOLVING}},
-        "sequences": len(seqs),
-        "sequences_cut_at_max_len": cut,
-        "device": device_name(device),
+        "sequences_cut_at_max_len": sum(len(ids) == cfg.max_len for ids, _ in data),
     }
-    evaluate = (lambda: heldout(model, tok, cfg.eval_problems)) if evaluate_after else None
-    return finish_finetune(card, model, tok, losses, secs, evaluate, out_dir, model_card)
 
 
-def model_card(card: dict) -> str:
-    from loom.tiny.train import card_markdown
+# MODEL_CARD.md's paragraph, before the command that reproduces it
+ABOUT = (
+    "The search model fine-tuned by `loom train-deep` on four-number Countdown (zoo/search/deep.py):\n"
+    "serial two-level search and spawn/join with one child per first move, mixed with three-number\n"
+    "plain and spawn traces; {positions} positions. Reproduce with"
+)
 
+
+def card_text(card: dict) -> CardText:
     cfg = card["config"]
-    about = [
-        "The search model fine-tuned by `loom train-deep` on four-number Countdown (loom/search/deep.py):",
-        "serial two-level search and spawn/join with one child per first move, mixed with three-number",
-        f"plain and spawn traces; {card['max_positions']} positions. Reproduce with",
-        f"`loom train-deep --seed {cfg['seed']} --steps {cfg['steps']} --lr {cfg['lr']}`.",
-    ]
+    about = ABOUT.format(positions=card["max_positions"])
+    command = reproduce("deep", card, "seed", "steps", "lr")
     data = [
         f"- {card['sequences']} sequences, {card['sequences_cut_at_max_len']} cut at {cfg['max_len']} tokens;"
         f" problems {card['problems']}"
     ]
-    trained_on = f"{card['device']}, {card['torch_threads']} torch thread(s)"
-    return card_markdown(card, "Loom deep-search model", about, data, trained_on, "Held-out greedy accuracy")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny.train import print_card, shared_config, training_parser
-
-    d = DeepTrainConfig()
-    p = training_parser("loom train-deep", "train the four-number search model (the built-in `deep`)", d)
-    p.add_argument("--train-problems", type=int, default=d.train_problems, help="four-number problems")
-    p.add_argument("--keep-problems", type=int, default=d.keep_problems, help="three-number problems")
-    p.add_argument("--max-len", type=int, default=d.max_len, help="positions (serial search cut at it)")
-    p.add_argument("--child-keep", type=float, default=d.child_keep, help="kept rate, no-solution children")
-    p.add_argument("--decoys", type=float, default=d.decoys, help="rate of parents with a decoy message")
-    p.add_argument("--parent-variants", type=int, default=d.parent_variants, help="more parents per problem")
-    p.add_argument("--init", type=Path, default=SEARCH_CHECKPOINT_DIR, help="default: the search model")
-    args = p.parse_args(argv)
-    configure_process()
-    cfg = DeepTrainConfig(
-        **shared_config(args),
-        train_problems=args.train_problems,
-        keep_problems=args.keep_problems,
-        child_keep=args.child_keep,
-        decoys=args.decoys,
-        parent_variants=args.parent_variants,
-        max_len=args.max_len,
-    )
-    card = train(cfg, args.init, args.out or DEEP_CHECKPOINT_DIR, evaluate_after=not args.no_eval)
-    print_card(card)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return CardText("Loom deep-search model", about, command, data, on_device(card))

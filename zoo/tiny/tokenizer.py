@@ -19,7 +19,7 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 VOCAB_SIZE = 512
 # The chat template (saved as chat_template.jinja): a message is a prompt line ("[plain] Compute
 # 47+85." gets its newline), an assistant turn a completion ended by eos, and nothing is added for
-# the generation prompt, so a chat request renders exactly the prompts of loom/tiny/traces.py.
+# the generation prompt, so a chat request renders exactly the prompts of zoo/tiny/traces.py.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}\n"
     "{%- if message['role'] == 'assistant' -%}\n"

@@ -14,8 +14,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loom.tiny.tasks import HELDOUT_SEED, TINY_KNOBS, Problem, is_held_out, make_problems, tiny_problems
-from loom.tiny.traces import (
+from zoo.registry import CHECKPOINTS
+from zoo.tiny.tasks import HELDOUT_SEED, TINY_KNOBS, Problem, is_held_out, make_problems, tiny_problems
+from zoo.tiny.traces import (
     FORMATS,
     STREAM_HEADER,
     child_message,
@@ -34,7 +35,7 @@ from loom.tiny.traces import (
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
+CHECKPOINT_DIR = CHECKPOINTS["tiny"]
 
 
 def _offline() -> None:

@@ -28,24 +28,19 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
-import torch
+from dataclasses import dataclass
 
 from loom.formats import DEFAULT_MARKERS, Markers
-from loom.runtime import configure_process
-from loom.search import STREAM_CHECKPOINT_DIR
-from loom.search.tasks import search_problems
-from loom.search.traces import FIXED, boxed, expression_from_steps, search_lines
-from loom.search.traces import plain_trace as search_plain_trace
-from loom.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_stream
-from loom.tiny.tasks import HELDOUT_SEED, Problem, _apply
-from loom.tiny.traces import Piece, stream_connector
-from loom.tiny.traces import _stream_units as concise_units
-from loom.tiny.traces import plain_trace as arith_plain_trace
-from loom.tiny.traces import stream_trace as arith_stream_trace
-from loom.tiny.train import TrainConfig
+from zoo.recipe import CardText, FinetuneConfig, on_device, reproduce
+from zoo.search.tasks import search_problems, training_problems
+from zoo.search.traces import FIXED, boxed, expression_from_steps, search_lines
+from zoo.search.traces import plain_trace as search_plain_trace
+from zoo.tiny.evaluate import Budgets, FormatResult, eval_plain, eval_stream
+from zoo.tiny.tasks import HELDOUT_SEED, Problem, _apply
+from zoo.tiny.traces import Piece, stream_connector
+from zoo.tiny.traces import _stream_units as concise_units
+from zoo.tiny.traces import plain_trace as arith_plain_trace
+from zoo.tiny.traces import stream_trace as arith_stream_trace
 
 # P(w) for w = 0..3 extras per thought: the concise form in 1 trace of 5
 VERBOSITY = (0.2, 0.3, 0.3, 0.2)
@@ -80,7 +75,7 @@ def _left(target: int, n: int) -> str:
 
 
 def wasteful_units(problem: Problem, rng: random.Random) -> list[tuple[str, str | None]]:
-    """(sentence, thought or None for skip): the sentences of ``loom.tiny.traces.stream_sentences``
+    """(sentence, thought or None for skip): the sentences of ``zoo.tiny.traces.stream_sentences``
     (the same revealed text as every model's) with thoughts of a drawn verbosity."""
     units = concise_units(problem, random.Random(problem.key))
     w = rng.choices(range(len(VERBOSITY)), weights=VERBOSITY)[0]
@@ -131,14 +126,8 @@ BUDGETS = Budgets(plain=400, reflect=480, thought=40, final=400, spawn_head=160,
 
 
 @dataclass
-class StreamTrainConfig(TrainConfig):
-    """One phase from the search checkpoint (a fresh AdamW, warm-up and cosine decay)."""
-
-    steps: int = 300
-    lr: float = 5e-4
-    warmup: int = 20
+class StreamTrainConfig(FinetuneConfig):
     stream_variants: int = 2  # wasteful streaming traces per Countdown problem
-    max_len: int = 512
 
 
 def build_sequences(problems: dict[str, list[Problem]], variants: int) -> list[list[Piece]]:
@@ -154,73 +143,31 @@ def build_sequences(problems: dict[str, list[Problem]], variants: int) -> list[l
     return seqs
 
 
+def sequences(cfg: StreamTrainConfig) -> list[list[Piece]]:
+    """The row's trace builder (zoo/recipes.py): :func:`build_sequences` of the training problems."""
+    return build_sequences(training_problems(cfg.train_problems, cfg.seed), cfg.stream_variants)
+
+
+def facts(cfg: StreamTrainConfig, seqs: list[list[Piece]], data: object, model: object) -> dict:
+    return {"verbosity": list(VERBOSITY)}
+
+
 def heldout(model, tok, n: int) -> dict[str, FormatResult]:  # type: ignore[no-untyped-def]
     """Greedy held-out accuracy in the formats it was trained on (the search model's held-out set)."""
     cd = search_problems("countdown", n, HELDOUT_SEED, "test")
     return {"plain": eval_plain(model, tok, cd, b=BUDGETS), "stream": eval_stream(model, tok, cd, BUDGETS)}
 
 
-def train(cfg: StreamTrainConfig, init: Path, out_dir: Path | None, evaluate_after: bool = True) -> dict:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny import load_model, load_tokenizer
-    from loom.tiny.train import device_name, encode, finish_finetune, fit
-
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    problems = {
-        k: search_problems(k, cfg.train_problems, seed=cfg.seed, split="train")
-        for k in ("countdown", "arith")
-    }  # type: ignore[arg-type]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tok, model = load_tokenizer(init), load_model(init)
-    model.to(device)  # type: ignore[arg-type]
-    seqs = build_sequences(problems, cfg.stream_variants)
-    losses, secs = fit(model, tok, encode(seqs, tok, cfg.max_len), cfg, True, "train-stream")
-    model.to("cpu")  # type: ignore[arg-type]
-    from loom.search.train import MODEL
-
-    card: dict = {
-        "config": asdict(cfg),
-        "init": "search" if init.resolve() == Path(SEARCH_CHECKPOINT_DIR).resolve() else str(init),
-        "model": asdict(MODEL),
-        "sequences": len(seqs),
-        "verbosity": list(VERBOSITY),
-        "device": device_name(device),
-    }
-    evaluate = (lambda: heldout(model, tok, cfg.eval_problems)) if evaluate_after else None
-    return finish_finetune(card, model, tok, losses, secs, evaluate, out_dir, model_card)
+# MODEL_CARD.md's paragraph, before the command that reproduces it
+ABOUT = (
+    "The search model (zoo/search/checkpoint) fine-tuned by `loom train-stream` on streaming\n"
+    "traces whose reading phase is wasteful at a drawn verbosity (zoo/search/stream.py), mixed\n"
+    "with plain Countdown search and arithmetic. Reproduce with"
+)
 
 
-def model_card(card: dict) -> str:
-    from loom.tiny.train import card_markdown
-
-    cfg = card["config"]
-    about = [
-        "The search model (loom/search/checkpoint) fine-tuned by `loom train-stream` on streaming",
-        "traces whose reading phase is wasteful at a drawn verbosity (loom/search/stream.py), mixed",
-        "with plain Countdown search and arithmetic. Reproduce with",
-        f"`loom train-stream --seed {cfg['seed']} --steps {cfg['steps']} --lr {cfg['lr']}`.",
-    ]
+def card_text(card: dict) -> CardText:
     data = [f"- {card['sequences']} sequences; verbosity P(w=0..3) {card['verbosity']}"]
-    trained_on = f"{card['device']}, {card['torch_threads']} torch thread(s)"
-    return card_markdown(card, "Loom stream model", about, data, trained_on, "Held-out greedy accuracy")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from loom.search import SEARCH_CHECKPOINT_DIR
-    from loom.tiny.train import print_card, shared_config, training_parser
-
-    d = StreamTrainConfig()
-    p = training_parser("loom train-stream", "reproduce the built-in stream model", d)
-    p.add_argument("--train-problems", type=int, default=d.train_problems, help="per kind")
-    p.add_argument("--init", type=Path, default=SEARCH_CHECKPOINT_DIR, help="default: the search model")
-    args = p.parse_args(argv)
-    configure_process()
-    cfg = StreamTrainConfig(**shared_config(args), train_problems=args.train_problems)
-    card = train(cfg, args.init, args.out or STREAM_CHECKPOINT_DIR, evaluate_after=not args.no_eval)
-    print_card(card)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return CardText(
+        "Loom stream model", ABOUT, reproduce("stream", card, "seed", "steps", "lr"), data, on_device(card)
+    )

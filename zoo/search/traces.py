@@ -1,6 +1,6 @@
 """Countdown search traces (issue 29): the search written out move by move, with backtracking, in the
 plain, reflect, stream and spawn formats Loom serves. The prompts, markers, spawn syntax and parsers
-are the tiny model's (loom/tiny/traces.py), so every mode runs both models unchanged; what differs is
+are the tiny model's (zoo/tiny/traces.py), so every mode runs both models unchanged; what differs is
 the reasoning: the tiny model writes the gold steps, this one searches for them.
 
 One line per first move tried (APR's depth-first search over Countdown, docs/algorithms.md §2.4 and
@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING, Markers, SpawnSyntax
-from loom.tiny.tasks import Problem, _apply
-from loom.tiny.traces import (
+from zoo.tiny.tasks import Problem, _apply
+from zoo.tiny.traces import (
     Piece,
     SpawnTrace,
     _state,
@@ -49,9 +49,9 @@ from loom.tiny.traces import (
     spawn_parent,
     stream_connector,
 )
-from loom.tiny.traces import _stream_units as stream_units
-from loom.tiny.traces import plain_trace as arith_plain_trace
-from loom.tiny.traces import stream_trace as arith_stream_trace
+from zoo.tiny.traces import _stream_units as stream_units
+from zoo.tiny.traces import plain_trace as arith_plain_trace
+from zoo.tiny.traces import stream_trace as arith_stream_trace
 
 FORMATS = ("plain", "reflect", "stream", "spawn")
 OPS = "+-*/"
@@ -62,7 +62,7 @@ class Style:
     """How a search is written. ``shuffle``: moves in a drawn order (else the fixed order of
     :func:`moves`: pairs left to right, ``+ - * /``); ``echo_target``: the target is written before
     the verdict (``... 22? yes``), so the model compares two adjacent numbers. The shipped model was
-    trained on ``DRAWN`` first, then on ``FIXED`` (loom/search/train.py); it writes ``FIXED``."""
+    trained on ``DRAWN`` first, then on ``FIXED`` (zoo/search/train.py); it writes ``FIXED``."""
 
     shuffle: bool
     echo_target: bool
@@ -159,7 +159,7 @@ def plain_trace(problem: Problem, variant: int = 0, style: Style = FIXED) -> lis
 
 
 def rechecks(problem: Problem, answer: str, steps: Sequence[str]) -> list[str]:
-    """The re-checks of a stated answer (the reflect format's pool; loom/search/reflect.py too): the
+    """The re-checks of a stated answer (the reflect format's pool; zoo/search/reflect.py too): the
     tiny model's pool, the first one replaying the search's steps."""
     return countdown_rechecks(problem, answer, " ".join(steps))
 
