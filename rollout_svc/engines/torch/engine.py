@@ -38,6 +38,7 @@ from typing import Any, cast
 
 import torch
 
+from loom.architectures import UnsupportedModel
 from loom.contracts.wire import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from loom.layout import group_positions
 from rollout_svc.engines.base import (
@@ -58,6 +59,7 @@ from rollout_svc.engines.torch.alone import generate_alone
 from rollout_svc.engines.torch.model import (
     Dtype,
     block_mask,
+    check_model,
     eos_ids,
     load_adapter,
     load_model,
@@ -101,6 +103,10 @@ class TorchEngine(Engine):
         else:
             self.device, self.dtype = device, dtype
             self.model = load_model(self.model_path, device, dtype)
+        # exact or refused (loom/architectures.py): the decode step reads the windows per layer
+        self.attention = check_model(self.model)
+        if self.attention.windowed:
+            self.capabilities = type(self).capabilities - {"group_positions"}
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.prefix = PrefixCache(cache_entries)
         self.logprobs_kind = logprobs_mode
@@ -121,6 +127,7 @@ class TorchEngine(Engine):
             max_batch_rows,
             "graphs" if self.cuda_graphs else "eager",
         )
+        self.scheduler.decode.attention = self.attention
         self.eos_ids: set[int] = eos_ids(self.model, self.tokenizer)
 
     @property
@@ -234,6 +241,9 @@ class TorchEngine(Engine):
                 else:
                     model = load_model(policy.path, self.device)
                 model = model.to(getattr(torch, self.dtype))  # published in float32: the engine's dtype
+                attention = check_model(model)
+                if attention != self.attention:  # the capabilities and the decode masks are the base's
+                    raise ValueError(f"policy {policy.path} changes the architecture ({attention})")
             except (OSError, ValueError) as exc:  # no such directory, not a checkpoint, an unknown model
                 raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
             with self._exclusive():
@@ -264,6 +274,11 @@ class TorchEngine(Engine):
         ends with finish_reason "length". (vLLM answers 400 to prompt + max_tokens > max_model_len;
         the torch engine, and so ``loom engine``, serves what fits.) Under a group layout positions
         are numbered per group, and the generated tokens continue ``gen_group``'s."""
+        if layout is not None and self.attention.windowed:
+            try:
+                self.attention.refuse_layout(f"engine {self.name!r}")
+            except UnsupportedModel as exc:
+                raise UnsupportedCapability(self.name, "group_positions", str(exc)) from exc
         if layout is not None and len(layout.groups) != len(prompt_ids):
             raise ValueError(f"layout has {len(layout.groups)} groups for {len(prompt_ids)} prompt tokens")
         check_sampling(params, self.vocab_size)

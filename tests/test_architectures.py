@@ -1,0 +1,216 @@
+"""Users' own checkpoints, exact or refused (loom/architectures.py, docs/models.md "Your own
+checkpoints"): small random-weight models of nine architectures built from transformers' own config
+classes (hidden 64, 2 layers, 4 heads / 2 KV heads, Loom's tokenizer), sequences longer than the
+sliding windows (16) and rows of different lengths sharing a batch, then a second batch on the
+scheduler's reused static KV. Each path against transformers itself: the engine's greedy tokens
+against a greedy loop of full forwards, its log-probs and the learner's recomputed ones (padded,
+packed, segment attention, the fused head) against a teacher-forced float32 eager pass, FCI scores
+against the eager attention maps; or the path refuses the model with ``UnsupportedModel``."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loom.architectures import UnsupportedModel, attention_of
+from loom.contracts.wire import SamplingParams
+from loom.runtime import configure_process
+from loom.tiny import load_tokenizer as tiny_tokenizer
+
+ATOL = 1e-4
+WINDOW = 16
+COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+def config_of(name: str, vocab: int) -> Any:
+    import transformers as tf
+
+    c = {**COMMON, "vocab_size": vocab}
+    moe = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    return {
+        "qwen2": lambda: tf.Qwen2Config(**c),
+        "qwen3": lambda: tf.Qwen3Config(**c, head_dim=16),
+        "llama3": lambda: tf.LlamaConfig(**c, rope_scaling={**rope, "original_max_position_embeddings": 32}),
+        "mistral": lambda: tf.MistralConfig(**c, sliding_window=WINDOW),
+        "phi3": lambda: tf.Phi3Config(**c),
+        "gemma2": lambda: tf.Gemma2Config(**c, head_dim=16, sliding_window=WINDOW),
+        "gemma3": lambda: tf.Gemma3TextConfig(
+            **c, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
+        ),
+        "qwen2_sliding": lambda: tf.Qwen2Config(
+            **c, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        ),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**c, **moe, shared_expert_intermediate_size=32),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**c, **moe, head_dim=16),
+    }[name]()
+
+
+NAMES = [
+    "qwen2",
+    "qwen3",
+    "llama3",
+    "mistral",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "qwen2_sliding",
+    "qwen2_moe",
+    "qwen3_moe",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return tiny_tokenizer()
+
+
+_built: dict[str, Path] = {}
+
+
+def checkpoint(name: str, root: Path, tokenizer: Any) -> Path:
+    """The random-weight checkpoint ``name`` (built once per session), with Loom's tokenizer."""
+    if name not in _built:
+        from transformers import AutoModelForCausalLM
+
+        configure_process()
+        torch.manual_seed(0)
+        cfg = config_of(name, len(tokenizer))
+        cfg.eos_token_id = tokenizer.eos_token_id
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.bos_token_id = tokenizer.bos_token_id
+        model = AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():  # larger weights than the init's: logits far from uniform, ties unlikely
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.15)
+        path = root / name
+        model.save_pretrained(str(path))
+        tokenizer.save_pretrained(str(path))
+        _built[name] = path
+    return _built[name]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(tmp_path_factory.mktemp("archs"))
+
+
+def reference(path: Path) -> Any:
+    """transformers' own model, eager attention, float32: the reference every path is held to."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@torch.no_grad()
+def forced(model: Any, ids: list[int], start: int) -> list[float]:
+    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [logp[i - 1, ids[i]].item() for i in range(start, len(ids))]
+
+
+@torch.no_grad()
+def greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids) :]
+
+
+def prompts(tokenizer: Any, lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    special = set(tokenizer.all_special_ids)
+    pool = [i for i in range(len(tokenizer)) if i not in special]
+    return [[pool[int(i)] for i in torch.randint(len(pool), (n,), generator=g)] for n in lengths]
+
+
+def together(engine: Any, calls: list[tuple[list[int], SamplingParams]]) -> list[Any]:
+    """The calls submitted while the scheduler is held: they share one batch."""
+    with engine._exclusive():
+        futures: list[Future[Any]] = [engine._submit(ids, p) for ids, p in calls]
+    return [f.result(timeout=120) for f in futures]
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_engine_greedy_and_logprobs_match_transformers(name: str, root: Path, tokenizer: Any) -> None:
+    from rollout_svc.engines.torch import TorchEngine
+
+    path = checkpoint(name, root, tokenizer)
+    ref = reference(path)
+    engine = TorchEngine(path, cache_entries=8)
+    single = TorchEngine(path, model=engine.model, tokenizer=engine.tokenizer, batching=False)
+    n = 20
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+    first = prompts(tokenizer, [5, 19, 11], seed=1)  # rows of different lengths, past the window
+    second = prompts(tokenizer, [30, 3], seed=2)  # wider than the first batch: the reused KV moves
+    try:
+        for batch, mode in ((first, "eager"), (second, "static")):  # static: what CUDA graphs hold
+            engine.scheduler.decode.mode = mode  # type: ignore[assignment]
+            got = together(engine, [(ids, params) for ids in batch])
+            for ids, outs in zip(batch, got, strict=True):
+                want = greedy(ref, ids, n)
+                assert outs[0].token_ids == want
+                assert outs[0].logprobs == pytest.approx(forced(ref, ids + want, len(ids)), abs=ATOL)
+        alone = single.generate_sync(second[0], params)[0]
+        assert alone.token_ids == greedy(ref, second[0], n)
+    finally:
+        engine.stop_scheduler()
+        single.stop_scheduler()
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "llama3"])
+def test_the_group_layout_is_exact_or_refused_on_windows(name: str, root: Path, tokenizer: Any) -> None:
+    """StreamingThinker's group layout has no contiguous key sequence for a window to slide over:
+    a windowed model refuses it (engine, teacher-forced pass); a full-attention one stays exact."""
+    from rollout_svc.engines.base import Layout, UnsupportedCapability
+    from rollout_svc.engines.torch import TorchEngine, teacher_forced_logprobs
+
+    path = checkpoint(name, root, tokenizer)
+    engine = TorchEngine(path, cache_entries=4, batching=False)
+    ids = prompts(tokenizer, [24], seed=3)[0]
+    layout = Layout(groups=[0] * 8 + [1] * 8 + [2] * 8, gen_group=3)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    try:
+        if attention_of(engine.model.config).windowed:
+            assert "group_positions" not in engine.capabilities
+            with pytest.raises(UnsupportedCapability, match="sliding-window"):
+                engine.generate_sync(ids, params, layout)
+            with pytest.raises(UnsupportedModel, match="group layout"):
+                teacher_forced_logprobs(engine.model, ids + [ids[0]], len(ids), layout)
+        else:
+            out = engine.generate_sync(ids, params, layout)[0]
+            ref = teacher_forced_logprobs(reference(path), ids + out.token_ids, len(ids), layout)
+            assert out.logprobs == pytest.approx(ref, abs=ATOL)
+    finally:
+        engine.stop_scheduler()
+
+
+def test_an_unknown_architecture_is_refused_at_load(root: Path, tokenizer: Any) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rollout_svc.engines.torch import TorchEngine
+
+    path = root / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(tokenizer))).save_pretrained(
+        path
+    )
+    with pytest.raises(UnsupportedModel, match="'gpt2'.*supported architectures"):
+        TorchEngine(path, tokenizer=tokenizer)
