@@ -30,6 +30,7 @@ from learner.distributed import OneProcess, Ranks, collective, layout
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
+from loom.architectures import attention_of, attn_implementation
 from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.models import resolve_model_path  # re-exported: bench/learner.py names it
 from loom.store import PolicyStore
@@ -57,9 +58,14 @@ TOKENIZER_FILES = (
 
 
 def _load_causal_lm(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
+    """The checkpoint in float32; an architecture Loom has not checked is refused here
+    (``loom.architectures.UnsupportedModel``), a soft-capped one runs eager attention (sdpa drops the cap)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    att = attention_of(AutoConfig.from_pretrained(str(path)), "the learner")
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation=attn_implementation(att)
+    )
 
 
 class Learner:

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from loom.architectures import UnsupportedModel, attention_of
-from loom.contracts.wire import SamplingParams
+from loom.contracts.wire import SamplingParams, Trajectory
+from loom.fci import fci_scores, fci_scores_eager
 from loom.runtime import configure_process
 from loom.tiny import load_tokenizer as tiny_tokenizer
 
@@ -214,3 +215,75 @@ def test_an_unknown_architecture_is_refused_at_load(root: Path, tokenizer: Any) 
     )
     with pytest.raises(UnsupportedModel, match="'gpt2'.*supported architectures"):
         TorchEngine(path, tokenizer=tokenizer)
+
+
+# ------------------------------------------------------------------------------------------------
+# the learner
+
+
+def trajectories(tokenizer: Any) -> list[Trajectory]:
+    """Prompt + completion lengths from 9 to 45 tokens: most past the window, several per packed row."""
+    sizes = [(5, 20), (19, 26), (3, 6), (12, 30), (7, 9)]
+    ids = prompts(tokenizer, [p + c for p, c in sizes], seed=4)
+    return [
+        Trajectory(id=f"t{i}", group_id="g", prompt_ids=x[:p], completion_ids=x[p:])
+        for i, ((p, _), x) in enumerate(zip(sizes, ids, strict=True))
+    ]
+
+
+LEARNER_PATHS = {  # learner.logprobs.recompute's layouts, each attention it picks
+    "padded": {"packing": False},
+    "packed": {"packing": True, "segment_attention": False},
+    "segments": {"packing": True, "segment_attention": True},
+    "fused_head": {"packing": True, "segment_attention": True, "chunk": 16},
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_learner_recompute_matches_transformers(name: str, root: Path, tokenizer: Any) -> None:
+    from learner.logprobs import recompute
+    from learner.train import _load_causal_lm
+
+    path = checkpoint(name, root, tokenizer)
+    ref = reference(path)
+    model = _load_causal_lm(path).eval()
+    trajs = trajectories(tokenizer)
+    want = [forced(ref, t.prompt_ids + t.completion_ids, len(t.prompt_ids)) for t in trajs]
+    for how, kwargs in LEARNER_PATHS.items():
+        with torch.no_grad():
+            out = recompute(model, trajs, token_budget=96, **kwargs)  # type: ignore[arg-type]
+        assert any(len(mb.index) > 1 for mb in out), how  # rows of different lengths together
+        for mb in out:
+            for r, k in enumerate(mb.index):
+                n = len(trajs[k].completion_ids)
+                assert mb.logp[r, :n].tolist() == pytest.approx(want[k], abs=ATOL), (how, k)
+
+
+def test_the_learner_refuses_a_group_layout_on_a_window(root: Path, tokenizer: Any) -> None:
+    from learner.logprobs import recompute
+    from learner.train import _load_causal_lm
+
+    model = _load_causal_lm(checkpoint("mistral", root, tokenizer))
+    t = trajectories(tokenizer)[0]
+    from learner.logprobs import GROUP_LAYOUT
+
+    grouped = t.model_copy(update={"meta": {"layout": GROUP_LAYOUT, "completion_groups": [1] * 20}})
+    with pytest.raises(UnsupportedModel, match="group layout"):
+        recompute(model, [grouped])
+
+
+# ------------------------------------------------------------------------------------------------
+# FCI
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fci_scores_match_the_eager_attention_maps(name: str, root: Path, tokenizer: Any) -> None:
+    from rollout_svc.engines.torch import load_model
+
+    model = load_model(checkpoint(name, root, tokenizer))
+    ids = prompts(tokenizer, [48], seed=5)[0]
+    steps = [(0, 6), (6, 14), (14, 20), (20, 29), (29, 35), (35, 42), (42, 48)]
+    got = fci_scores(model, ids, steps, delta=1, block=8)
+    want = fci_scores_eager(model, ids, steps, delta=1)
+    assert any(v > 0 for v in want)
+    assert got == pytest.approx(want, abs=ATOL)
