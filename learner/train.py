@@ -30,7 +30,7 @@ from learner.distributed import OneProcess, Ranks, collective, layout
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
-from loom.architectures import attention_of, attn_implementation
+from loom.architectures import attention_of, attn_implementation, lora_targets
 from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.models import resolve_model_path  # re-exported: bench/learner.py names it
 from loom.store import PolicyStore
@@ -141,7 +141,11 @@ class Learner:
             lcfg = LoraConfig(
                 r=self.cfg.lora_rank,
                 lora_alpha=self.cfg.lora_alpha,
-                target_modules=list(self.cfg.lora_targets),
+                target_modules=lora_targets(  # per architecture (Phi3's fused qkv_proj)
+                    base.config.model_type,
+                    [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)],
+                    list(self.cfg.lora_targets),
+                ),
                 task_type="CAUSAL_LM",
             )
             return get_peft_model(base, lcfg)

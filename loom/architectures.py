@@ -126,3 +126,34 @@ def attn_implementation(att: Attention) -> str:
     """The attention a checkpoint is loaded with: sdpa, or eager where sdpa would drop the attention
     soft-cap (transformers' sdpa takes no ``softcap``; Gemma2 declares ``_supports_sdpa = False``)."""
     return "eager" if att.attn_softcap is not None else "sdpa"
+
+
+# the projections some families fuse into one Linear (Phi3: qkv_proj, gate_up_proj)
+FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def lora_targets(model_type: str, linear_names: list[str], targets: list[str]) -> list[str]:
+    """The module names LoRA adapts on a model whose Linear layers are ``linear_names`` (dotted
+    paths): each requested target that names a layer (its last component), else the fused
+    projection holding it (``q_proj`` -> ``qkv_proj`` on Phi3: the adapter then spans q, k and v),
+    in the order asked, each once; a target that matches neither is refused naming the model's own
+    layers (peft would adapt the others and say nothing of it)."""
+    leaves = {n.rsplit(".", 1)[-1] for n in linear_names}
+    out: list[str] = []
+    for t in targets:
+        name = t if t in leaves else FUSED.get(t)
+        if name is None or name not in leaves:
+            raise UnsupportedModel(
+                model_type,
+                f"LoRA target {t!r} matches no layer (its linear layers: {sorted(leaves)})",
+                "LoRA",
+            )
+        if name not in out:
+            out.append(name)
+    return out

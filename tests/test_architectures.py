@@ -287,3 +287,24 @@ def test_fci_scores_match_the_eager_attention_maps(name: str, root: Path, tokeni
     want = fci_scores_eager(model, ids, steps, delta=1)
     assert any(v > 0 for v in want)
     assert got == pytest.approx(want, abs=ATOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA targets
+
+
+@pytest.mark.parametrize(("name", "fused"), [("phi3", True), ("qwen2", False)])
+def test_lora_targets_resolve_per_architecture(name: str, fused: bool, root: Path, tokenizer: Any) -> None:
+    """The default targets (q, k, v, o) adapt Phi3's fused qkv_proj, not o_proj alone; a target that
+    names no layer is refused before training."""
+    pytest.importorskip("peft")
+    from learner.config import LearnerSettings
+    from learner.train import Learner
+
+    path = checkpoint(name, root, tokenizer)
+    cfg = LearnerSettings(model=str(path), store=root / f"store-{name}", lora_rank=4, device="cpu")
+    learner = Learner(cfg)
+    adapted = {n.rsplit(".", 1)[-1] for n, m in learner.model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == ({"qkv_proj", "o_proj"} if fused else {"q_proj", "k_proj", "v_proj", "o_proj"})
+    with pytest.raises(UnsupportedModel, match="'w_pack' matches no layer"):
+        Learner(cfg.model_copy(update={"lora_targets": ("q_proj", "w_pack")}))
