@@ -6,7 +6,7 @@ KV cache and its group layout, the learner's segment attention and fused log-pro
 scorer) reads a checkpoint's ``Attention`` from here and either honours what it declares (sliding
 windows, uniform or per layer; attention and final-logit soft-capping) or refuses the model with an
 ``UnsupportedModel`` naming the feature. A model type that is not in ``ARCHITECTURES`` is refused at
-load: Loom's masks and caches were checked against these families only (DESIGN.md: exact or refused).
+load: Loom's masks and caches were checked against these families only (exact or refused).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ def config_of(name: str, vocab: int) -> Any:
         "llama3": lambda: tf.LlamaConfig(**c, rope_scaling={**rope, "original_max_position_embeddings": 32}),
         "mistral": lambda: tf.MistralConfig(**c, sliding_window=WINDOW),
         "phi3": lambda: tf.Phi3Config(**c),
+        "gemma": lambda: tf.GemmaConfig(**c, head_dim=16),
         "gemma2": lambda: tf.Gemma2Config(**c, head_dim=16, sliding_window=WINDOW),
         "gemma3": lambda: tf.Gemma3TextConfig(
             **c, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
@@ -65,6 +66,7 @@ NAMES = [
     "llama3",
     "mistral",
     "phi3",
+    "gemma",
     "gemma2",
     "gemma3",
     "qwen2_sliding",
@@ -308,3 +310,12 @@ def test_lora_targets_resolve_per_architecture(name: str, fused: bool, root: Pat
     assert adapted == ({"qkv_proj", "o_proj"} if fused else {"q_proj", "k_proj", "v_proj", "o_proj"})
     with pytest.raises(UnsupportedModel, match="'w_pack' matches no layer"):
         Learner(cfg.model_copy(update={"lora_targets": ("q_proj", "w_pack")}))
+
+
+def test_the_models_doc_lists_every_supported_architecture() -> None:
+    from loom.architectures import ARCHITECTURES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    section = doc.split("## Your own checkpoints", 1)[1]
+    rows = [line.split("|")[1].strip().strip("`") for line in section.splitlines() if line.startswith("| `")]
+    assert sorted(rows) == sorted(ARCHITECTURES) and len(rows) == len(set(rows))
