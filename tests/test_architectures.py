@@ -174,6 +174,12 @@ def test_engine_greedy_and_logprobs_match_transformers(name: str, root: Path, to
                 assert outs[0].logprobs == pytest.approx(forced(ref, ids + want, len(ids)), abs=ATOL)
         alone = single.generate_sync(second[0], params)[0]
         assert alone.token_ids == greedy(ref, second[0], n)
+        # past a cached prefix (a finished row's entry): prefilled on top of the reused keys
+        longer = second[0] + alone.token_ids[:10] + prompts(tokenizer, [4], seed=6)[0]
+        again = engine.generate_sync(longer, params)[0]
+        assert again.cached_tokens >= len(second[0]) + 10
+        assert again.token_ids == greedy(ref, longer, n)
+        assert again.logprobs == pytest.approx(forced(ref, longer + again.token_ids, len(longer)), abs=ATOL)
     finally:
         engine.stop_scheduler()
         single.stop_scheduler()
