@@ -30,7 +30,7 @@ from learner.distributed import OneProcess, Ranks, collective, layout
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
-from loom.architectures import attention_of, attn_implementation, lora_targets
+from loom.architectures import attention_of, attn_implementation, lora_targets, resolve_dtype
 from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.models import resolve_model_path  # re-exported: bench/learner.py names it
 from loom.store import PolicyStore
@@ -57,14 +57,18 @@ TOKENIZER_FILES = (
 )
 
 
-def _load_causal_lm(path: Path) -> Any:
-    """The checkpoint in float32; an architecture Loom has not checked is refused here
+def _load_causal_lm(path: Path, dtype: str = "float32", device: str = "cpu") -> Any:
+    """The checkpoint in ``dtype`` (``LearnerSettings.dtype``, resolved for ``device``:
+    ``loom.architectures.resolve_dtype``); an architecture Loom has not checked is refused here
     (``loom.architectures.UnsupportedModel``), a soft-capped one runs eager attention (sdpa drops the cap)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    att = attention_of(AutoConfig.from_pretrained(str(path)), "the learner")
+    config = AutoConfig.from_pretrained(str(path))
+    att = attention_of(config, "the learner")
     return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation=attn_implementation(att)
+        str(path),
+        dtype=getattr(torch, resolve_dtype(dtype, config, device)),
+        attn_implementation=attn_implementation(att),
     )
 
 
@@ -134,7 +138,7 @@ class Learner:
                 from peft import LoraConfig, PeftModel, get_peft_model
             except ImportError as exc:  # optional dependency
                 raise RuntimeError("lora_rank > 0 needs the 'peft' package (pip install peft)") from exc
-            base = _load_causal_lm(self.base_path)
+            base = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
             if latest is not None:
                 adapter = Path(latest.path) / ADAPTER_DIR if latest.kind == "full" else Path(latest.path)
                 return PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
@@ -149,12 +153,14 @@ class Learner:
                 task_type="CAUSAL_LM",
             )
             return get_peft_model(base, lcfg)
-        return _load_causal_lm(Path(latest.path) if latest is not None else self.base_path)
+        path = Path(latest.path) if latest is not None else self.base_path
+        return _load_causal_lm(path, self.cfg.dtype, self.device.type)
 
     def reference_model(self) -> Any:
         """pi_ref for the KL term: the base model, frozen (loaded on first use)."""
         if self._ref is None:
-            self._ref = _load_causal_lm(self.base_path).to(self.device).eval()
+            self._ref = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
+            self._ref = self._ref.to(self.device).eval()
             for p in self._ref.parameters():
                 p.requires_grad_(False)
         return self._ref

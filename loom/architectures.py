@@ -157,3 +157,19 @@ def lora_targets(model_type: str, linear_names: list[str], targets: list[str]) -
         if name not in out:
             out.append(name)
     return out
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(setting: str, config: Any, device: str) -> str:
+    """The dtype a checkpoint loads in: ``setting`` when it names one; ``"auto"``: the checkpoint's
+    own (its config's ``dtype``/``torch_dtype``) on CUDA, float32 on CPU (CPU kernels are float32's;
+    half precision there is slower and only approximate, docs/benchmarks/engine.md)."""
+    if setting != "auto":
+        if setting not in DTYPES:
+            raise ValueError(f"dtype {setting!r} is not one of auto, {', '.join(DTYPES)}")
+        return setting
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    saved = str(saved).removeprefix("torch.") if saved is not None else "float32"
+    return saved if device.startswith("cuda") and saved in DTYPES else "float32"

@@ -20,6 +20,7 @@ from loom.architectures import UnsupportedModel, attention_of
 from loom.contracts.wire import SamplingParams, Trajectory
 from loom.fci import fci_scores, fci_scores_eager
 from loom.runtime import configure_process
+from loom.tiny import CHECKPOINT_DIR
 from loom.tiny import load_tokenizer as tiny_tokenizer
 
 ATOL = 1e-4
@@ -325,3 +326,77 @@ def test_the_models_doc_lists_every_supported_architecture() -> None:
     section = doc.split("## Your own checkpoints", 1)[1]
     rows = [line.split("|")[1].strip().strip("`") for line in section.splitlines() if line.startswith("| `")]
     assert sorted(rows) == sorted(ARCHITECTURES) and len(rows) == len(set(rows))
+
+
+# ------------------------------------------------------------------------------------------------
+# dtype
+
+
+def test_auto_dtype_is_the_checkpoints_own_on_cuda_and_float32_on_cpu() -> None:
+    from transformers import LlamaConfig
+
+    from loom.architectures import resolve_dtype
+
+    saved = LlamaConfig(dtype="bfloat16")
+    assert resolve_dtype("auto", saved, "cuda:0") == "bfloat16"
+    assert resolve_dtype("auto", saved, "cpu") == "float32"
+    assert resolve_dtype("auto", LlamaConfig(), "cuda") == "float32"  # nothing recorded: float32
+    assert resolve_dtype("float16", saved, "cpu") == "float16"
+    with pytest.raises(ValueError, match="int8"):
+        resolve_dtype("int8", saved, "cpu")
+
+
+def test_a_bf16_checkpoint_loads_in_bf16_where_asked(root: Path, tokenizer: Any) -> None:
+    """LOOM_ENGINE_DTYPE reaches the engine the services build (``make_engine``) and
+    LOOM_LEARNER_DTYPE the learner; bf16 log-probs stay within docs/benchmarks/engine.md's bf16 bounds
+    of the float32 teacher-forced pass (mean < 0.01, max < 0.6)."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.config import LearnerSettings
+    from learner.logprobs import recompute
+    from learner.train import Learner
+    from loom.contracts.settings import Settings
+    from loom.tiny import make_problems
+    from loom.tiny.traces import plain_prompt
+    from rollout_svc.engines import make_engine
+
+    path = root / "tiny-bf16"  # the tiny checkpoint, where the bf16 bounds were measured
+    AutoModelForCausalLM.from_pretrained(str(CHECKPOINT_DIR), dtype=torch.bfloat16).save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    ref = reference(path)  # the same bf16-saved weights, in float32
+    auto = make_engine(Settings(model=str(path), engine_dtype="auto", device="cpu", engine_process=False))
+    assert auto.dtype == "float32"  # type: ignore[attr-defined]
+    engine = make_engine(
+        Settings(model=str(path), engine_dtype="bfloat16", device="cpu", engine_process=False)
+    )
+    assert engine.dtype == "bfloat16" and next(engine.model.parameters()).dtype == torch.bfloat16  # type: ignore[attr-defined]
+    ids = tokenizer.encode(plain_prompt(make_problems("countdown", 1, seed=3)[0]), add_special_tokens=False)
+    params = SamplingParams(max_tokens=64, n=4, temperature=1.0, seed=0, logprobs=0)
+    outs = engine.generate_sync(ids, params)  # type: ignore[attr-defined]
+    d = [
+        abs(a - b)
+        for o in outs
+        for a, b in zip(o.logprobs, forced(ref, ids + o.token_ids, len(ids)), strict=True)
+    ]
+    assert sum(d) / len(d) < 0.01 and max(d) < 0.6
+    for e in (auto, engine):
+        e.stop_scheduler()  # type: ignore[attr-defined]
+
+    learner = Learner(
+        LearnerSettings(model=str(path), store=root / "store-bf16", dtype="bfloat16", device="cpu")
+    )
+    assert next(learner.model.parameters()).dtype == torch.bfloat16
+    trajs = [
+        Trajectory(id=str(i), group_id="g", prompt_ids=ids, completion_ids=o.token_ids)
+        for i, o in enumerate(outs)
+    ]
+    with torch.no_grad():
+        (mb,) = recompute(learner.model.eval(), trajs, token_budget=4096, packing=True, chunk=16)
+    d = []
+    for r, k in enumerate(mb.index):
+        t = trajs[k]
+        want = forced(ref, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
+        d += [abs(a - b) for a, b in zip(mb.logp[r, : len(want)].tolist(), want, strict=True)]
+    assert sum(d) / len(d) < 0.01 and max(d) < 0.6
+    float32 = Learner(LearnerSettings(model=str(path), store=root / "store-f32", device="cpu"))
+    assert next(float32.model.parameters()).dtype == torch.float32  # the default keeps float32 weights

@@ -34,11 +34,11 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
-from loom.architectures import UnsupportedModel
+from loom.architectures import UnsupportedModel, resolve_dtype
 from loom.contracts.wire import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from loom.layout import group_positions
 from rollout_svc.engines.base import (
@@ -90,7 +90,7 @@ class TorchEngine(Engine):
         tokenizer: Any = None,
         batching: bool = True,
         max_batch_rows: int | None = None,
-        dtype: Dtype = "float32",
+        dtype: Dtype | Literal["auto"] = "float32",
         kv_budget_bytes: int | None = None,
         cuda_graphs: bool | None = None,
     ) -> None:
@@ -100,9 +100,12 @@ class TorchEngine(Engine):
             self.model = model
             param = next(model.parameters())
             self.device, self.dtype = str(param.device), cast(Dtype, str(param.dtype).removeprefix("torch."))
-        else:
-            self.device, self.dtype = device, dtype
-            self.model = load_model(self.model_path, device, dtype)
+        else:  # "auto": the checkpoint's own dtype on CUDA, float32 on CPU (loom.architectures)
+            from transformers import AutoConfig
+
+            resolved = resolve_dtype(dtype, AutoConfig.from_pretrained(str(self.model_path)), device)
+            self.device, self.dtype = device, cast(Dtype, resolved)
+            self.model = load_model(self.model_path, device, self.dtype)
         # exact or refused (loom/architectures.py): the decode step reads the windows per layer
         self.attention = check_model(self.model)
         if self.attention.windowed:
