@@ -400,3 +400,54 @@ def test_a_bf16_checkpoint_loads_in_bf16_where_asked(root: Path, tokenizer: Any)
     assert sum(d) / len(d) < 0.01 and max(d) < 0.6
     float32 = Learner(LearnerSettings(model=str(path), store=root / "store-f32", device="cpu"))
     assert next(float32.model.parameters()).dtype == torch.float32  # the default keeps float32 weights
+
+
+# ------------------------------------------------------------------------------------------------
+# a learner step and the reload
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
+def test_a_learner_step_and_the_engines_reload_stay_exact(name: str, root: Path, tokenizer: Any) -> None:
+    """Engine samples past the window, a learner step on them (its recompute equal to the engine's
+    log-probs: the mismatch metric reads what both are, since both are held to transformers above),
+    the published version reloaded by the engine: greedy tokens equal transformers' on it."""
+    from learner.config import LearnerSettings
+    from learner.train import Learner
+    from loom.contracts.wire import Group, LossSpec, RewardResult, TrainBatch, TrajectoryReward
+    from rollout_svc.engines.torch import TorchEngine
+
+    path = checkpoint(name, root, tokenizer)
+    engine = TorchEngine(path, cache_entries=4)
+    groups, results = [], []
+    batch = prompts(tokenizer, [12, 17], seed=8)  # one batch, rows of two lengths, past the window
+    calls = [
+        (ids, SamplingParams(max_tokens=16, n=4, temperature=1.0, seed=g, ignore_eos=True, logprobs=0))
+        for g, ids in enumerate(batch)
+    ]
+    for gi, (ids, outs) in enumerate(zip(batch, together(engine, calls), strict=True)):
+        trajs = [
+            Trajectory(
+                id=f"{gi}-{i}",
+                group_id=str(gi),
+                prompt_ids=ids,
+                completion_ids=c.token_ids,
+                logprobs=c.logprobs,
+            )
+            for i, c in enumerate(outs)
+        ]
+        groups.append(Group(id=str(gi), trajectories=trajs))
+        rewards = [TrajectoryReward(trajectory_id=t.id, total=float(i % 2)) for i, t in enumerate(trajs)]
+        results.append(RewardResult(group_id=str(gi), rewards=rewards))
+    learner = Learner(LearnerSettings(model=str(path), store=root / f"store-step-{name}", device="cpu"))
+    step = learner.train_step(TrainBatch(step=0, groups=groups, rewards=results, loss=LossSpec(lr=1e-2)))
+    assert step.metrics["logprob_mismatch_max"] < ATOL
+    assert step.policy is not None and step.policy_version == 1
+    engine.load_policy_sync(step.policy)
+    ids = prompts(tokenizer, [21], seed=9)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    trained = reference(Path(step.policy.path))
+    out = engine.generate_sync(ids, params)[0]
+    assert out.token_ids == greedy(trained, ids, 12)
+    assert out.logprobs == pytest.approx(forced(trained, ids + out.token_ids, len(ids)), abs=ATOL)
+    assert out.logprobs != pytest.approx(forced(reference(path), ids + out.token_ids, len(ids)), abs=ATOL)
+    engine.stop_scheduler()
