@@ -213,6 +213,16 @@ def test_the_group_layout_is_exact_or_refused_on_windows(name: str, root: Path, 
         engine.stop_scheduler()
 
 
+def test_layer_types_declare_windows_only_with_a_window() -> None:
+    """Per-layer windows come from ``layer_types`` and the one ``sliding_window`` (Gemma3, Qwen2);
+    without a window every layer is full, whatever the layer types say."""
+    cfg = config_of("gemma3", 600)
+    cfg.layer_types = ["sliding_attention", "sliding_attention"]
+    assert attention_of(cfg).windows == (WINDOW, WINDOW)
+    cfg.sliding_window = None  # no window: every layer full, whatever the layer types say
+    assert not attention_of(cfg).windowed
+
+
 def test_an_unknown_architecture_is_refused_at_load(root: Path, tokenizer: Any) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
