@@ -461,3 +461,69 @@ def test_a_learner_step_and_the_engines_reload_stay_exact(name: str, root: Path,
     assert out.logprobs == pytest.approx(forced(trained, ids + out.token_ids, len(ids)), abs=ATOL)
     assert out.logprobs != pytest.approx(forced(reference(path), ids + out.token_ids, len(ids)), abs=ATOL)
     engine.stop_scheduler()
+
+
+# ------------------------------------------------------------------------------------------------
+# streaming rollouts
+
+
+def streaming_request(layout: str) -> Any:
+    from loom.contracts.wire import RolloutRequest
+
+    return RolloutRequest(
+        group_id="g-stream",
+        mode="streaming",
+        prompt="[stream]",
+        sampling=SamplingParams(n=2, max_tokens=8, seed=9, temperature=1.0),
+        mode_params={"sentences": ["we have 3 and 4.", "add them."], "layout": layout, "segment_cap": 6},
+    )
+
+
+def test_streaming_is_exact_or_refused_by_name(root: Path, tokenizer: Any) -> None:
+    """Interleaved streaming on a windowed model is an ordinary sequence (exact); its group layout is
+    refused by the engine (``UnsupportedCapability``); a tokenizer without the trace markers as single
+    tokens (a ChatML tokenizer) is refused by the mode, naming the marker."""
+    import asyncio
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from loom.contracts.settings import Settings
+    from rollout_svc.engines.base import UnsupportedCapability
+    from rollout_svc.engines.torch import TorchEngine
+    from rollout_svc.modes import ModeError
+    from rollout_svc.rollout import generate_group
+
+    path = checkpoint("mistral", root, tokenizer)
+    ref = reference(path)
+    engine = TorchEngine(path, cache_entries=8)
+
+    def run(layout: str, tok: Any) -> Any:
+        return asyncio.run(generate_group(streaming_request(layout), engine, lambda: tok, Settings()))
+
+    try:
+        group = run("interleaved", tokenizer)
+        for t in group.trajectories:
+            ids = t.prompt_ids + t.completion_ids
+            assert len(ids) > WINDOW
+            want = forced(ref, ids, len(t.prompt_ids))
+            trained = [i for i, m in enumerate(t.loss_mask or []) if m]
+            assert [t.logprobs[i] for i in trained] == pytest.approx([want[i] for i in trained], abs=ATOL)
+        with pytest.raises(UnsupportedCapability, match="sliding-window"):
+            run("group_positions", tokenizer)
+        words = ["<|im_start|>", "<|im_end|>", "[stream]", "we", "have", "add", "them."]
+        chatml = PreTrainedTokenizerFast(
+            tokenizer_object=_word_level(Tokenizer, models, pre_tokenizers, words),
+            unk_token="[UNK]",
+            eos_token="<|im_end|>",
+        )
+        with pytest.raises(ModeError, match="'<EOT>' to be one token"):
+            run("interleaved", chatml)
+    finally:
+        engine.stop_scheduler()
+
+
+def _word_level(tokenizer_cls: Any, models: Any, pre_tokenizers: Any, words: list[str]) -> Any:
+    tok = tokenizer_cls(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok

@@ -42,6 +42,7 @@ from loom.architectures import UnsupportedModel, resolve_dtype
 from loom.contracts.wire import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from loom.layout import group_positions
 from rollout_svc.engines.base import (
+    Capability,
     Completion,
     Engine,
     InvalidPrompt,
@@ -270,6 +271,18 @@ class TorchEngine(Engine):
 
     # ---------------------------------------------------------------------------------------------
     # the parts the scheduler and the single-request path share
+
+    def require(self, capability: Capability, hint: str = "") -> None:
+        """``Engine.require``, with the reason when the model itself rules a capability out (the
+        group layout on a sliding-window model: ``loom.architectures.Attention.refuse_layout``)."""
+        if capability == "group_positions" and self.attention.windowed:
+            try:
+                self.attention.refuse_layout(f"engine {self.name!r}")
+            except UnsupportedModel as exc:
+                raise UnsupportedCapability(
+                    self.name, capability, f"{exc}; {hint}" if hint else str(exc)
+                ) from exc
+        super().require(capability, hint)
 
     def _fit(self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None) -> SamplingParams:
         """Refuse a prompt the model cannot read (``base.check_prompt``: ``InvalidPrompt``) and cap
