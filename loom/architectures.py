@@ -85,7 +85,8 @@ class Attention:
             raise UnsupportedModel(
                 self.model_type,
                 f"sliding-window attention (window {self.window}) with the group layout "
-                "(streaming) is not supported; plain, tree and spawn rollouts are",
+                "(streaming's group_positions) is not supported; the interleaved layout, plain, tree "
+                "and spawn rollouts are",
                 where,
             )
 

@@ -290,11 +290,8 @@ class TorchEngine(Engine):
         ends with finish_reason "length". (vLLM answers 400 to prompt + max_tokens > max_model_len;
         the torch engine, and so ``loom engine``, serves what fits.) Under a group layout positions
         are numbered per group, and the generated tokens continue ``gen_group``'s."""
-        if layout is not None and self.attention.windowed:
-            try:
-                self.attention.refuse_layout(f"engine {self.name!r}")
-            except UnsupportedModel as exc:
-                raise UnsupportedCapability(self.name, "group_positions", str(exc)) from exc
+        if layout is not None:  # a model can rule the layout out (``require``)
+            self.require("group_positions")
         if layout is not None and len(layout.groups) != len(prompt_ids):
             raise ValueError(f"layout has {len(layout.groups)} groups for {len(prompt_ids)} prompt tokens")
         check_sampling(params, self.vocab_size)
