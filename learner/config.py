@@ -78,6 +78,13 @@ class LearnerSettings(BaseSettings):
     )
     weight_decay: float = Field(default=0.01, ge=0.0, description="AdamW's (AdaSR Table 9)")
     betas: tuple[float, float] = (0.9, 0.999)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="the dtype the learner's weights (its master weights, so the published versions) "
+        "load in: float32 by default whatever the checkpoint was saved in (mixed_precision's bf16 "
+        "compute keeps float32 master weights); 'auto' is the checkpoint's own on CUDA, float32 on CPU; "
+        "'bfloat16' trains the weights themselves in bf16",
+    )
     mixed_precision: Literal["auto", "no", "bf16"] = Field(
         default="auto",
         description="bf16 compute with float32 master weights; 'auto' is bf16 on CUDA, float32 on CPU "

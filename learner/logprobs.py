@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from learner.segment_attention import segments, use_segment_attention
+from loom.architectures import attention_of
 from loom.contracts.wire import Trajectory
 from loom.layout import group_positions, group_visibility
 
@@ -226,9 +227,12 @@ def _completion_index(
 
 def _head_module(model: Any) -> Any:
     """The output projection when it is a plain bias-free Linear the fused head can use, else None
-    (a LoRA-wrapped or biased head, or an FSDP-sharded root: then the model's own forward)."""
+    (a LoRA-wrapped or biased head, an FSDP-sharded root, or a final-logit soft-cap, which the model's
+    own forward applies to its logits and the fused head does not: then the model's own forward)."""
     from torch.distributed.fsdp import FSDPModule
 
+    if getattr(getattr(model, "config", None), "final_logit_softcapping", None):
+        return None
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
         return None
     head = model.get_output_embeddings()
@@ -373,6 +377,8 @@ def completion_logprobs(
     log-probs of the distribution the rollout sampled from (verl's convention), so the gradient is the
     sampled policy's.
     """
+    if any(x.groups is not None for x in layouts):  # no window over a group layout's keys
+        attention_of(model.config, "the learner").refuse_layout("the learner")
     device = next(model.parameters()).device
     ctx: Any = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)

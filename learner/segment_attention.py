@@ -14,7 +14,11 @@ mask (sdpa's ``is_causal``, which skips the blocks above the diagonal), group-po
 slice of the 4D boolean mask the caller passed (each trajectory's ``group_visibility``); padding after
 the last trajectory of a row gets a zero output (never read: no real token attends to it). Called
 without it (the padded path, a plain forward), it is sdpa itself, with sdpa's mask, so nothing changes
-for the callers that do not pack. The attention is excluded from ``torch.compile`` (a graph break:
+for the callers that do not pack. A sliding-window layer (the ``sliding_window`` transformers'
+attention modules pass) gets its window on each trajectory's causal mask, as transformers' own
+sliding mask (key k visible from query q iff q - window < k <= q); attention soft-capping is refused
+(``loom.architectures.UnsupportedModel``: the learner loads soft-capped models with eager attention,
+which this function never replaces). The attention is excluded from ``torch.compile`` (a graph break:
 the per-trajectory loop depends on the batch), the rest of a compiled decoder layer is not.
 """
 
@@ -26,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+
+from loom.architectures import UnsupportedModel
 
 ATTENTION = "loom_segments"
 _registered = False
@@ -84,6 +90,11 @@ def segment_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedModel(
+            type(module).__name__, "attention soft-capping under segment attention", "the learner"
+        )
+    window = kwargs.get("sliding_window")
     n_rep = query.shape[1] // key.shape[1]
     b, heads, width, dim = query.shape
     bounds = loom_segments.tolist()
@@ -120,6 +131,9 @@ def segment_attention_forward(
             continue
         r, s, e, causal = span
         mask = None if causal or attention_mask is None else attention_mask[r : r + 1, :, s:e, s:e]
+        if causal and window is not None and e - s > window:
+            i = torch.arange(e - s, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k_.transpose(0, 1)[None],

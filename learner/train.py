@@ -30,6 +30,7 @@ from learner.distributed import OneProcess, Ranks, collective, layout
 from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
+from loom.architectures import attention_of, attn_implementation, lora_targets, resolve_dtype
 from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.store import PolicyStore
 from loom.vocab import outside_vocabulary
@@ -56,10 +57,19 @@ TOKENIZER_FILES = (
 )
 
 
-def _load_causal_lm(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
+def _load_causal_lm(path: Path, dtype: str = "float32", device: str = "cpu") -> Any:
+    """The checkpoint in ``dtype`` (``LearnerSettings.dtype``, resolved for ``device``:
+    ``loom.architectures.resolve_dtype``); an architecture Loom has not checked is refused here
+    (``loom.architectures.UnsupportedModel``), a soft-capped one runs eager attention (sdpa drops the cap)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(path))
+    att = attention_of(config, "the learner")
+    return AutoModelForCausalLM.from_pretrained(
+        str(path),
+        dtype=getattr(torch, resolve_dtype(dtype, config, device)),
+        attn_implementation=attn_implementation(att),
+    )
 
 
 class Learner:
@@ -128,23 +138,29 @@ class Learner:
                 from peft import LoraConfig, PeftModel, get_peft_model
             except ImportError as exc:  # optional dependency
                 raise RuntimeError("lora_rank > 0 needs the 'peft' package (pip install peft)") from exc
-            base = _load_causal_lm(self.base_path)
+            base = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
             if latest is not None:
                 adapter = Path(latest.path) / ADAPTER_DIR if latest.kind == "full" else Path(latest.path)
                 return PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
             lcfg = LoraConfig(
                 r=self.cfg.lora_rank,
                 lora_alpha=self.cfg.lora_alpha,
-                target_modules=list(self.cfg.lora_targets),
+                target_modules=lora_targets(  # per architecture (Phi3's fused qkv_proj)
+                    base.config.model_type,
+                    [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)],
+                    list(self.cfg.lora_targets),
+                ),
                 task_type="CAUSAL_LM",
             )
             return get_peft_model(base, lcfg)
-        return _load_causal_lm(Path(latest.path) if latest is not None else self.base_path)
+        path = Path(latest.path) if latest is not None else self.base_path
+        return _load_causal_lm(path, self.cfg.dtype, self.device.type)
 
     def reference_model(self) -> Any:
         """pi_ref for the KL term: the base model, frozen (loaded on first use)."""
         if self._ref is None:
-            self._ref = _load_causal_lm(self.base_path).to(self.device).eval()
+            self._ref = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
+            self._ref = self._ref.to(self.device).eval()
             for p in self._ref.parameters():
                 p.requires_grad_(False)
         return self._ref

@@ -13,8 +13,11 @@ custom function (registered as ``"loom_fci"``) that computes causal attention bl
 keys read at the step boundaries) and keeps only a running max [S] over layers and heads. Nothing of
 size L x L is ever materialised: the transient memory is O(heads x block x L), what is kept is O(S).
 The attention output is computed exactly (same softmax), so later layers see what they would see.
-Supported: models whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` with a plain causal mask
-(Llama, Qwen2, Mistral without sliding window); no padding, no cache, no soft-capping or sinks.
+Supported: models whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` with a causal mask, a
+layer's sliding window (the ``sliding_window`` the attention module passes: key k visible from query q
+iff q - window < k <= q, transformers' rule) and attention soft-capping (``softcap``: scores ->
+c tanh(scores / c), Gemma2's eager attention) applied as the model applies them: the architectures of
+``loom.architectures``. No padding, no cache; attention sinks are refused (``UnsupportedModel``).
 
 Shared by the torch engine (``loom engine``'s ``/v1/score/attention``) and the learner's endpoint of
 the same name (for deployments whose engine is vLLM, which exposes no attention).
@@ -30,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from loom.architectures import UnsupportedModel
 
 ATTN_NAME = "loom_fci"
 DELTA = 4
@@ -97,6 +102,9 @@ def _fci_attention(
 ) -> tuple[Tensor, None]:
     """Causal attention in query blocks that feeds each block's step sums to the active accumulator."""
     acc: _Accumulator | None = getattr(_active, "acc", None)
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModel(type(module).__name__, "attention sinks", "the FCI scorer")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     b, h, q_len, _ = query.shape
     kv_len = key.shape[2]
     if b != 1 or q_len != kv_len:
@@ -119,8 +127,13 @@ def _fci_attention(
     for a in range(0, q_len, block):
         e = min(q_len, a + block)
         scores = torch.matmul(q[:, a:e], k[:, :e].transpose(-1, -2)).float() * scaling  # [H, q, e]
-        causal = keys[None, :e] > torch.arange(a, e, device=q.device)[:, None]
-        scores.masked_fill_(causal, float("-inf"))
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        queries = torch.arange(a, e, device=q.device)[:, None]
+        hidden = keys[None, :e] > queries  # causal
+        if window is not None:
+            hidden |= keys[None, :e] <= queries - window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         del scores
         out[:, a:e] = torch.matmul(probs.to(v.dtype), v[:, :e])

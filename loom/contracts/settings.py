@@ -112,6 +112,11 @@ class Settings(BaseSettings):
     )
     engine_retries: int = Field(default=3, ge=0, description="engine retries on connection errors / 5xx")
     engine_prefix_cache_entries: int = Field(default=32, ge=0, description="torch engine prefix-KV entries")
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="the torch engine's weights and KV cache: 'auto' is the checkpoint's own dtype on "
+        "CUDA (a bf16 checkpoint runs in bf16), float32 on CPU (loom/architectures.py resolve_dtype)",
+    )
     engine_logprobs_mode: Literal["raw", "processed"] = Field(
         default="raw",
         description="behaviour log-probs the engine returns: raw (the model's) or processed (after "

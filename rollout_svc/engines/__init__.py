@@ -46,6 +46,7 @@ def make_engine(settings: Settings) -> Engine:
         "device": settings.device,
         "cache_entries": settings.engine_prefix_cache_entries,
         "logprobs_mode": settings.engine_logprobs_mode,
+        "dtype": settings.engine_dtype,
     }
     if settings.engine_process:
         from rollout_svc.engines.process import ProcessEngine

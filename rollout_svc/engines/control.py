@@ -5,8 +5,10 @@ server by tests/vllm_server/test_protocol.py, so a client that works here does w
 - always: ``GET /health`` (200, empty body), ``GET /version``, ``GET /v1/models`` (the base model's
   card with ``root`` = its checkpoint, ``parent`` null, ``max_model_len``; one card per adapter);
 - ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` and
-  ``/v1/unload_lora_adapter`` (success is PLAIN TEXT, no content type; the torch engine serves no
-  adapter, so a valid load is refused with 400);
+  ``/v1/unload_lora_adapter``: vLLM's refusals of a bad request, in vLLM's order; a valid adapter
+  is then refused too (400, ``type`` ``UnsupportedCapability``, ``lora_refusal``), the model and the
+  served names untouched: the torch engine holds one model, and an adapter merged into it would
+  answer for the base model's name and every other (docs/vllm.md). An unload is vLLM's 404.
 - ``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc`` (method ``loom_reload_weights``: the worker
   extension's contract, ``{"results": [{"loaded": ...}]}``; an unknown method is vLLM's 500),
   ``/reset_prefix_cache`` (``{"success": false}`` while requests run), ``/pause`` (``mode`` abort,
@@ -255,6 +257,22 @@ def _lora_load_refusal(
     return None
 
 
+LORA_REFUSED = "UnsupportedCapability"
+
+
+def lora_refusal(name: str) -> JSONResponse:
+    """The answer to a valid adapter: ``loom engine`` serves no adapter beside its base model (its
+    torch engine merges a LoRA policy version into its one model, which would then answer for every
+    name). LoRA policies reach it as policy versions (``/collective_rpc`` reloads, the rollout
+    service's ``kind=lora`` versions), or through vLLM, which serves each adapter by its name."""
+    return vllm_error(
+        400,
+        f"Loading lora {name} failed: loom engine serves its base model only, not runtime LoRA "
+        "adapters by name; serve adapters with vLLM, or load the adapter as a policy version",
+        LORA_REFUSED,
+    )
+
+
 def _attach_lora_routes(
     app: FastAPI, engine: Engine, model_name: str, served: set[str], adapters: dict[str, str]
 ) -> None:
@@ -268,13 +286,7 @@ def _attach_lora_routes(
         refused = _lora_load_refusal(name, path, model_name, adapters, load_inplace)
         if refused is not None:
             return refused
-        try:
-            await engine.load_policy(PolicyVersion(version=engine.policy_version, path=path, kind="lora"))
-        except (EngineError, OSError, ValueError) as exc:
-            return vllm_error(400, f"Loading lora {name} failed: {exc}", "BadRequestError")
-        adapters[name] = path
-        served.add(name)
-        return Response(status_code=200, content=f"Success: LoRA adapter '{name}' added successfully.")
+        return lora_refusal(name)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> Response:

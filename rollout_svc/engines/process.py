@@ -94,6 +94,7 @@ class ProcessEngine(Engine):
         device: str = "cpu",
         cache_entries: int = 32,
         logprobs_mode: Literal["raw", "processed"] = "raw",
+        dtype: str = "float32",
         start_timeout_s: float = 120.0,
         timeout_s: float | None = None,
     ) -> None:
@@ -105,6 +106,7 @@ class ProcessEngine(Engine):
             "device": device,
             "cache_entries": cache_entries,
             "logprobs_mode": logprobs_mode,
+            "dtype": dtype,
         }
         self.start_timeout_s = start_timeout_s
         self.timeout_s = timeout_s

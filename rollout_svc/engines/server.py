@@ -96,6 +96,7 @@ def build_app(
         device=device or settings.device,
         cache_entries=settings.engine_prefix_cache_entries,
         logprobs_mode=settings.engine_logprobs_mode,
+        dtype=settings.engine_dtype,
     )
     return create_engine_app(engine, model or settings.model, engine.tokenizer, str(path))
 

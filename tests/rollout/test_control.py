@@ -149,3 +149,51 @@ def test_a_reload_is_refused_before_it_touches_the_model_when_shapes_differ(
     (result,) = r.json()["results"]
     assert result["loaded"] is False and "shape" in result["error"]
     assert sample() == before
+
+
+def test_a_valid_lora_adapter_is_refused_and_the_base_stays_untouched(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``loom engine`` serves no runtime adapter beside its base (control.py ``lora_refusal``): a valid
+    peft adapter, whose weights would change the answers (checked against peft), is refused with the
+    documented 400 and the base model answers as before; nothing is listed or left to unload."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from loom.tiny import CHECKPOINT_DIR, load_model, load_tokenizer
+    from rollout_svc.engines.control import LORA_REFUSED
+    from rollout_svc.engines.server import create_engine_app
+    from rollout_svc.engines.torch import TorchEngine, teacher_forced_logprobs
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(load_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    engine = TorchEngine(CHECKPOINT_DIR, cache_entries=4)
+    client = TestClient(create_engine_app(engine, "tiny", load_tokenizer(), str(CHECKPOINT_DIR)))
+    ids = load_tokenizer().encode("[plain] 3+4", add_special_tokens=False)
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0.0, "logprobs": 0}
+
+    def answer() -> tuple[list[int], list[float]]:
+        r = client.post("/v1/completions", json={**body, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+    before = answer()
+    r = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path / "adapter")})
+    assert r.status_code == 400 and r.json()["error"]["type"] == LORA_REFUSED, r.text
+    assert "base model only" in r.json()["error"]["message"]
+    assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["tiny"]
+    after = answer()
+    assert after[0] == before[0] and after[1] == pytest.approx(before[1], abs=1e-4)
+    base = teacher_forced_logprobs(load_model().eval(), ids + before[0], len(ids))
+    adapted = teacher_forced_logprobs(peft_model.eval(), ids + before[0], len(ids))
+    assert before[1] == pytest.approx(base, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(adapted, base, strict=True)) > 1e-2  # merging would show
+    r = client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+    assert r.status_code == 404
+    engine.stop_scheduler()

@@ -11,7 +11,13 @@ sampled token, the next logits of every row.
   instead of one per kernel. A graph holds the model's weights and the cache's buffers by address,
   so a policy load (``forget``) or a reallocated cache (``StaticKv.generation``) recaptures. A
   capture that fails (an operation of the model that cannot be captured) is logged once and the
-  static step runs uncaptured from then on (``graph_error``)."""
+  static step runs uncaptured from then on (``graph_error``).
+
+The step passes its own 4D mask, which transformers uses as it is for every layer: a sliding-window
+model's window (``loom.architectures.Attention``) is therefore added here, the keys of columns at or
+before ``end - window`` closed (rows are contiguous and right-aligned at ``end``, so a column's
+distance to ``end`` is its distance to the query); a model with windows on some layers only gets
+``{"full_attention": mask, "sliding_attention": windowed}``, transformers' per-layer-type masks."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from loom.architectures import FULL, SLIDING, Attention
 from rollout_svc.engines.torch.kv import StaticKv, row_bucket
 
 log = logging.getLogger("loom.rollout.torch")
@@ -39,6 +46,7 @@ class DecodeStep:
 
     def __init__(self, mode: Mode = "eager") -> None:
         self.mode: Mode = mode
+        self.attention: Attention | None = None  # the engine's model's (windows), set by the engine
         self.graph_error: str | None = None
         self.captures = 0  # graphs captured (statistics and tests)
         self.replays = 0  # steps run by a graph replay
@@ -72,7 +80,7 @@ class DecodeStep:
         pos = torch.tensor(positions, device=device)[:, None]
         step = kv.step_mask()
         # no row is padded: no mask (transformers' generate skips it too)
-        mask = None if min(positions) == kv.end - kv.start else step
+        mask = None if min(positions) == kv.end - kv.start else self._mask(model, step, kv.end - kv.start)
         out = model(x, attention_mask=mask, position_ids=pos, past_key_values=kv, use_cache=True)
         return out.logits[:, -1, :].float()
 
@@ -101,7 +109,7 @@ class DecodeStep:
                     graph.graph.replay()
                     self.replays += 1
                     return graph.logits[:rows].clone()
-            return _forward_static(model, kv, ids, pos, bucket)[:rows]
+            return self._forward_static(model, kv, ids, pos, bucket)[:rows]
         finally:
             kv.full = False
 
@@ -113,13 +121,13 @@ class DecodeStep:
             side.wait_stream(torch.cuda.current_stream(kv.device))
             with torch.cuda.stream(side):  # warm-up: writes this step's column, as the replay will
                 for _ in range(2):
-                    _forward_static(model, kv, ids, pos, bucket)
+                    self._forward_static(model, kv, ids, pos, bucket)
             torch.cuda.current_stream(kv.device).wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = _forward_static(model, kv, ids, pos, bucket)
+                logits = self._forward_static(model, kv, ids, pos, bucket)
         except Exception as e:  # the model holds an operation a graph cannot capture
             self.graph_error = _chain(e)
             log.warning(
@@ -130,15 +138,33 @@ class DecodeStep:
         self._graphs[bucket] = _Graph(graph, logits)
         return self._graphs[bucket]
 
+    def _mask(self, model: Any, mask: torch.Tensor, query: int | torch.Tensor) -> Any:
+        """The step's mask (rows, 1, 1, columns), the query in column ``query``, with the model's
+        sliding window added (module docstring): the mask itself, or one per layer type. Eager
+        attention (soft-capped models) adds its mask to the scores: there it is made additive."""
+        att = self.attention
+        out: dict[str, torch.Tensor] = {FULL: mask}
+        if att is not None and att.windowed:
+            assert att.window is not None
+            cols = torch.arange(mask.shape[-1], device=mask.device)
+            out[SLIDING] = mask & (cols > query - att.window)  # q - k < window, transformers' rule
+            if att.uniform_window:
+                out = {FULL: out[SLIDING]}
+        if getattr(model.config, "_attn_implementation", None) == "eager":
+            dtype = next(model.parameters()).dtype
+            zero = torch.zeros((), dtype=dtype, device=mask.device)
+            low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device)
+            out = {k: torch.where(m, zero, low) for k, m in out.items()}
+        return out[FULL] if len(out) == 1 else out
 
-def _forward_static(
-    model: Any, kv: StaticKv, ids: torch.Tensor, pos: torch.Tensor, bucket: int
-) -> torch.Tensor:
-    mask = kv.mask[:bucket, None, None, :]
-    out = model(
-        ids[:bucket], attention_mask=mask, position_ids=pos[:bucket], past_key_values=kv, use_cache=True
-    )
-    return out.logits[:, -1, :].float()
+    def _forward_static(
+        self, model: Any, kv: StaticKv, ids: torch.Tensor, pos: torch.Tensor, bucket: int
+    ) -> torch.Tensor:
+        mask = self._mask(model, kv.mask[:bucket, None, None, :], kv.col)  # the query: column ``col``
+        out = model(
+            ids[:bucket], attention_mask=mask, position_ids=pos[:bucket], past_key_values=kv, use_cache=True
+        )
+        return out.logits[:, -1, :].float()
 
 
 def _chain(e: BaseException) -> str:

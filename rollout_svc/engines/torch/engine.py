@@ -34,13 +34,15 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
+from loom.architectures import UnsupportedModel, resolve_dtype
 from loom.contracts.wire import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from loom.layout import group_positions
 from rollout_svc.engines.base import (
+    Capability,
     Completion,
     Engine,
     InvalidPrompt,
@@ -58,6 +60,7 @@ from rollout_svc.engines.torch.alone import generate_alone
 from rollout_svc.engines.torch.model import (
     Dtype,
     block_mask,
+    check_model,
     eos_ids,
     load_adapter,
     load_model,
@@ -88,7 +91,7 @@ class TorchEngine(Engine):
         tokenizer: Any = None,
         batching: bool = True,
         max_batch_rows: int | None = None,
-        dtype: Dtype = "float32",
+        dtype: Dtype | Literal["auto"] = "float32",
         kv_budget_bytes: int | None = None,
         cuda_graphs: bool | None = None,
     ) -> None:
@@ -98,9 +101,16 @@ class TorchEngine(Engine):
             self.model = model
             param = next(model.parameters())
             self.device, self.dtype = str(param.device), cast(Dtype, str(param.dtype).removeprefix("torch."))
-        else:
-            self.device, self.dtype = device, dtype
-            self.model = load_model(self.model_path, device, dtype)
+        else:  # "auto": the checkpoint's own dtype on CUDA, float32 on CPU (loom.architectures)
+            from transformers import AutoConfig
+
+            resolved = resolve_dtype(dtype, AutoConfig.from_pretrained(str(self.model_path)), device)
+            self.device, self.dtype = device, cast(Dtype, resolved)
+            self.model = load_model(self.model_path, device, self.dtype)
+        # exact or refused (loom/architectures.py): the decode step reads the windows per layer
+        self.attention = check_model(self.model)
+        if self.attention.windowed:
+            self.capabilities = type(self).capabilities - {"group_positions"}
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.prefix = PrefixCache(cache_entries)
         self.logprobs_kind = logprobs_mode
@@ -121,6 +131,7 @@ class TorchEngine(Engine):
             max_batch_rows,
             "graphs" if self.cuda_graphs else "eager",
         )
+        self.scheduler.decode.attention = self.attention
         self.eos_ids: set[int] = eos_ids(self.model, self.tokenizer)
 
     @property
@@ -234,6 +245,9 @@ class TorchEngine(Engine):
                 else:
                     model = load_model(policy.path, self.device)
                 model = model.to(getattr(torch, self.dtype))  # published in float32: the engine's dtype
+                attention = check_model(model)
+                if attention != self.attention:  # the capabilities and the decode masks are the base's
+                    raise ValueError(f"policy {policy.path} changes the architecture ({attention})")
             except (OSError, ValueError) as exc:  # no such directory, not a checkpoint, an unknown model
                 raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
             with self._exclusive():
@@ -258,12 +272,26 @@ class TorchEngine(Engine):
     # ---------------------------------------------------------------------------------------------
     # the parts the scheduler and the single-request path share
 
+    def require(self, capability: Capability, hint: str = "") -> None:
+        """``Engine.require``, with the reason when the model itself rules a capability out (the
+        group layout on a sliding-window model: ``loom.architectures.Attention.refuse_layout``)."""
+        if capability == "group_positions" and self.attention.windowed:
+            try:
+                self.attention.refuse_layout(f"engine {self.name!r}")
+            except UnsupportedModel as exc:
+                raise UnsupportedCapability(
+                    self.name, capability, f"{exc}; {hint}" if hint else str(exc)
+                ) from exc
+        super().require(capability, hint)
+
     def _fit(self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None) -> SamplingParams:
         """Refuse a prompt the model cannot read (``base.check_prompt``: ``InvalidPrompt``) and cap
         ``max_tokens`` at the room its context leaves, so a sample that reaches the end of the context
         ends with finish_reason "length". (vLLM answers 400 to prompt + max_tokens > max_model_len;
         the torch engine, and so ``loom engine``, serves what fits.) Under a group layout positions
         are numbered per group, and the generated tokens continue ``gen_group``'s."""
+        if layout is not None:  # a model can rule the layout out (``require``)
+            self.require("group_positions")
         if layout is not None and len(layout.groups) != len(prompt_ids):
             raise ValueError(f"layout has {len(layout.groups)} groups for {len(prompt_ids)} prompt tokens")
         check_sampling(params, self.vocab_size)

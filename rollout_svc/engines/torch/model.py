@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 
+from loom.architectures import Attention, UnsupportedModel, attention_of, attn_implementation
 from loom.layout import group_positions, group_visibility
 from rollout_svc.engines.base import Layout, PromptLogprobs
 from zoo.registry import resolve_model_path as resolve_model_path  # re-exported by the engine package
@@ -18,13 +19,31 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 def load_model(path: str | Path, device: str = "cpu", dtype: Dtype = "float32") -> Any:
-    """The checkpoint in ``dtype``: its weights, and so the engine's KV cache (float32 by default)."""
-    from transformers import AutoModelForCausalLM
+    """The checkpoint in ``dtype``: its weights, and so the engine's KV cache (float32 by default).
+    An architecture the engine has not been checked on is refused here (``loom.architectures``:
+    ``UnsupportedModel``, a ValueError); a soft-capped one loads with eager attention, which applies
+    the cap (sdpa cannot)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    att = attention_of(AutoConfig.from_pretrained(str(path)), "the torch engine")
     model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        str(path), dtype=getattr(torch, dtype), attn_implementation=attn_implementation(att)
     )
     return model.to(device).eval()
+
+
+def check_model(model: Any) -> Attention:
+    """The ``Attention`` of a model the engine serves (one handed in too): refused when its
+    architecture is unknown, or when it is soft-capped but runs an attention that drops the cap."""
+    att = attention_of(model.config, "the torch engine")
+    impl = getattr(model.config, "_attn_implementation", None)
+    if att.attn_softcap is not None and impl != "eager":
+        raise UnsupportedModel(
+            att.model_type,
+            f"attention soft-capping under {impl!r} attention (eager applies it)",
+            "the torch engine",
+        )
+    return att
 
 
 def load_adapter(adapter: str | Path, base: str | Path, device: str = "cpu", dtype: Dtype = "float32") -> Any:
@@ -74,7 +93,10 @@ def block_mask(groups: list[int], q_start: int, dtype: torch.dtype, device: Any)
 def teacher_forced_logprobs(
     model: Any, ids: list[int], start: int, layout: Layout | None = None
 ) -> list[float]:
-    """Log-probs of ``ids[start:]`` in ONE forward pass over the whole sequence (the reference)."""
+    """Log-probs of ``ids[start:]`` in ONE forward pass over the whole sequence (the reference). A
+    group layout on a sliding-window model is refused (``Attention.refuse_layout``)."""
+    if layout is not None:
+        attention_of(model.config, "the teacher-forced pass").refuse_layout("the teacher-forced pass")
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
     kwargs: dict[str, Any] = {}
