@@ -20,8 +20,8 @@ from loom.architectures import UnsupportedModel, attention_of
 from loom.contracts.wire import SamplingParams, Trajectory
 from loom.fci import fci_scores, fci_scores_eager
 from loom.runtime import configure_process
-from loom.tiny import CHECKPOINT_DIR
-from loom.tiny import load_tokenizer as tiny_tokenizer
+from zoo.tiny import CHECKPOINT_DIR
+from zoo.tiny import load_tokenizer as tiny_tokenizer
 
 ATOL = 1e-4
 WINDOW = 16
@@ -366,9 +366,9 @@ def test_a_bf16_checkpoint_loads_in_bf16_where_asked(root: Path, tokenizer: Any)
     from learner.logprobs import recompute
     from learner.train import Learner
     from loom.contracts.settings import Settings
-    from loom.tiny import make_problems
-    from loom.tiny.traces import plain_prompt
     from rollout_svc.engines import make_engine
+    from zoo.tiny import make_problems
+    from zoo.tiny.traces import plain_prompt
 
     path = root / "tiny-bf16"  # the tiny checkpoint, where the bf16 bounds were measured
     AutoModelForCausalLM.from_pretrained(str(CHECKPOINT_DIR), dtype=torch.bfloat16).save_pretrained(str(path))

@@ -160,10 +160,10 @@ def test_a_valid_lora_adapter_is_refused_and_the_base_stays_untouched(
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from loom.tiny import CHECKPOINT_DIR, load_model, load_tokenizer
     from rollout_svc.engines.control import LORA_REFUSED
     from rollout_svc.engines.server import create_engine_app
     from rollout_svc.engines.torch import TorchEngine, teacher_forced_logprobs
+    from zoo.tiny import CHECKPOINT_DIR, load_model, load_tokenizer
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     torch.manual_seed(0)
