@@ -68,7 +68,7 @@ def matches_of(body: Any, n: int) -> list[bool]:
         raise ServiceError("verifier_error", f"malformed match response: {type(exc).__name__}") from None
 
 
-class _ModelLabeler:
+class ModelLabeler:
     def __init__(self, model: ReflectionModel | None) -> None:
         self.model = model
 
@@ -81,7 +81,7 @@ class _ModelLabeler:
             raise ServiceError("model_error", str(exc)) from None
 
 
-class HTTPServices(_ModelLabeler):
+class HTTPServices(ModelLabeler):
     def __init__(
         self,
         rollout_url: str,
@@ -126,7 +126,7 @@ class HTTPServices(_ModelLabeler):
         self.reward.close()
 
 
-class QueueServices(_ModelLabeler):
+class QueueServices(ModelLabeler):
     def __init__(
         self,
         app: Any,
