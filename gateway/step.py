@@ -40,7 +40,7 @@ from loom.contracts.wire import (
     StepResult,
     TrainBatch,
 )
-from loom.revisions import keep_revisions
+from loom.revisions import keep_revisions, reflect_meta
 
 R = TypeVar("R")
 Scored = tuple[Group, RewardResult]
@@ -148,8 +148,10 @@ async def revise(
     if plan.match_texts:
         verdicts = await stages.match(f"{key}.match", group, plan.match_texts)
         plan = await stages.cut(f"{key}.cut2", group, params, verdicts)
-    if not plan.requests:
-        return group
+    if not plan.requests:  # nothing to revise: the group as it is, with what reflection found
+        return group.model_copy(
+            update={"meta": {**group.meta, "reflect": reflect_meta(params.detector, plan.revisions)}}
+        )
     at = {
         "policy_version": request.policy_version,
         "policy_namespace": request.policy_namespace,

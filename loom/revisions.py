@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loom.contracts.wire import Group, RewardResult, TrajectoryReward
+from loom.contracts.wire import Group, RevisionInfo, RewardResult, TrajectoryReward
 
 
 def is_correct(reward: TrajectoryReward) -> bool:
@@ -24,6 +24,16 @@ def keep_revision(original_correct: bool, revision_correct: bool) -> tuple[bool,
     if not revision_correct:
         return False, "original_correct_revision_wrong" if original_correct else "both_wrong"
     return True, None
+
+
+def reflect_meta(detector: str, infos: list[RevisionInfo]) -> dict[str, Any]:
+    """A group's ``meta["reflect"]`` before the keep rule: what reflection did to each original."""
+    return {
+        "detector": detector,
+        "revisions": {},
+        "removed_tokens": 0,
+        "info": [info.model_dump(mode="json", exclude_defaults=True) for info in infos],
+    }
 
 
 def is_revision(meta: dict[str, Any], parent_id: str | None) -> bool:

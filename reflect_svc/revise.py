@@ -33,7 +33,7 @@ from loom.contracts.wire import (
     Trajectory,
 )
 from loom.formats import DEFAULT_MARKERS, Markers
-from loom.revisions import is_correct, keep_revision, keep_revisions
+from loom.revisions import is_correct, keep_revision, keep_revisions, reflect_meta
 from loom.vocab import outside_vocabulary
 from reflect_svc.chunking import Thinking, chunk_thinking
 from reflect_svc.detectors import (
@@ -317,13 +317,7 @@ def assemble_revisions(
         trajectories.append(t)
         if i in drafts:
             trajectories.append(drafts[i])
-    meta = dict(group.meta)
-    meta["reflect"] = {
-        "detector": params.detector,
-        "revisions": {},
-        "removed_tokens": 0,
-        "info": [info.model_dump(mode="json", exclude_defaults=True) for info in plan.revisions],
-    }
+    meta = {**group.meta, "reflect": reflect_meta(params.detector, plan.revisions)}
     return Group.model_validate(
         group.model_copy(update={"trajectories": trajectories, "meta": meta}).model_dump()
     )
@@ -343,6 +337,7 @@ def revise_group(
     ``InputError`` before any work for bad input; ``ServiceError`` when the rollout or the reward
     service fails (the verifier and the reflection model fail per trajectory, as a status).
     """
+
     def label(prompt: str, n_chunks: int) -> ModelLabels:
         return services.label(prompt, n_chunks)
 
@@ -358,7 +353,8 @@ def revise_group(
             return ReflectResult(group=group, revisions=plan.revisions)
         plan = plan_revisions(group, params, tokenizer, verdicts, label, markers)
     if not plan.requests:
-        return ReflectResult(group=group, revisions=plan.revisions)
+        meta = {**group.meta, "reflect": reflect_meta(params.detector, plan.revisions)}
+        return ReflectResult(group=group.model_copy(update={"meta": meta}), revisions=plan.revisions)
     drafted = assemble_revisions(group, params, plan, services.complete(list(plan.requests)), tokenizer)
     try:
         scored, _ = keep_revisions(drafted, services.score(drafted, params.reward), params.keep_discarded)
