@@ -1,4 +1,4 @@
-"""Pipelines over the queues: rollout -> reward -> optional reflection -> (adaptive rounds) -> learner.
+"""The RL step's stages over the queues (``CeleryStages``): each a service's Celery task, sent by name.
 
 Orchestration is explicit (not a Celery canvas): the gateway publishes each stage's task BY NAME with
 a deterministic idempotency key, awaits its result, and publishes the group's next stage as soon as it

@@ -1,13 +1,17 @@
 """Revised samples (REA-RL §4.2, eq. 2; docs/algorithms.md §3): detect, cut, complete, score, keep or discard.
 
 For every trajectory of a group: chunk its thinking part, let the detector pick the cut, move the cut
-so that at most ``max_removed_fraction`` (1/2) of the thinking tokens go, then ask the policy (the
-rollout service) to complete ``prefix + forced ending`` with a short budget. Originals and revisions
-are scored together (the reward service); a revision is discarded when the original was correct and
-the revision is not, and when both are wrong. Kept revisions join the group right after their
-original, with ``parent_id`` = the original's id, a ``revision`` segment and ``meta``.
+so that at most ``max_removed_fraction`` (1/2) of the thinking tokens go, then ask the policy to
+complete ``prefix + forced ending`` with a short budget. Originals and revisions are scored together;
+a revision is discarded when the original was correct and the revision is not, and when both are
+wrong (loom.revisions). Kept revisions join the group right after their original, with ``parent_id``
+= the original's id, a ``revision`` segment and ``meta``.
 
-Pure: everything outside (verifier, reflection model, rollout, reward) is a ``Services`` object.
+The pieces call no service: ``plan_revisions`` (the cuts and their rollout requests; the gold
+detector's chunk texts first, to be matched) and ``assemble_revisions`` (the drafts). The gateway's RL
+step runs them as stages between its own generation and its one score (gateway/step.py);
+``revise_group`` runs the whole for ``/v1/reflect`` over a ``Services`` object (rollout, reward, the
+reflection model).
 """
 
 from __future__ import annotations

@@ -212,3 +212,18 @@ def test_reflect_true_is_the_default_params_and_false_none() -> None:
     assert rl.StepConfig.of(run_request(True)).reflect == ReflectParams()
     assert rl.StepConfig.of(run_request(False)).reflect is None
     assert rl.StepConfig.of(run_request()).reflect == ReflectParams.model_validate(REFLECT)
+
+
+def test_the_train_batch_is_built_in_one_place_of_the_product() -> None:
+    """Runs, jobs and the benches share ``gateway.step.train_batch``: no other product module builds one."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    packages = ("loom", "gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner", "launch")
+    builders = [
+        str(path.relative_to(repo))
+        for package in packages
+        for path in (repo / package).rglob("*.py")
+        if "TrainBatch(" in path.read_text().replace("class TrainBatch(", "")
+    ]
+    assert builders == ["gateway/step.py"]
