@@ -41,6 +41,7 @@ from celery import states
 from kombu.exceptions import OperationalError
 
 from gateway.step import Stages as Stages  # noqa: F401  (what gateway/api.py and manager.py type with)
+from gateway.step import gather_all
 from loom.contracts.wire import (
     Group,
     ReflectParams,
@@ -62,6 +63,7 @@ CUT = "reflect.cut_group"
 ASSEMBLE = "reflect.assemble_group"
 MATCH = "reward.match_texts"
 MATCH_META = ("numbers", "target")  # what of a group's meta the gold match reads
+MATCH_TEXTS = 4096  # texts one reward.match_texts task takes (reward_svc.match.MatchRequest)
 TRAIN = "learner.train_step"
 SKIPPED = {"loom_skipped": "cancelled"}  # the result a cancelled job's unfinished tasks are given
 
@@ -327,16 +329,21 @@ class CeleryStages:
         )
 
     async def match(self, key: str, group: Group, texts: list[str]) -> list[bool]:
-        body = {
-            "label": group.label,
-            "task": group.task,
-            "meta": {k: group.meta[k] for k in MATCH_META if k in group.meta},
-            "texts": texts,
-        }
-        verdicts = (await self._call(MATCH, key, body))["verdicts"]
-        if len(verdicts) != len(texts):
-            raise StageError(f"task {key}: {len(verdicts)} verdicts for {len(texts)} texts")
-        return [bool(v["status"] == "ok" and v["correct"]) for v in verdicts]
+        """``reward.match_texts`` for ``texts``, in tasks of at most ``MATCH_TEXTS`` texts (what one
+        accepts; one task for all but the largest groups)."""
+        meta = {k: group.meta[k] for k in MATCH_META if k in group.meta}
+        batches = [texts[i : i + MATCH_TEXTS] for i in range(0, len(texts), MATCH_TEXTS)]
+
+        async def one(k: str, batch: list[str]) -> list[bool]:
+            body = {"label": group.label, "task": group.task, "meta": meta, "texts": batch}
+            verdicts = (await self._call(MATCH, k, body))["verdicts"]
+            if len(verdicts) != len(batch):
+                raise StageError(f"task {k}: {len(verdicts)} verdicts for {len(batch)} texts")
+            return [bool(v["status"] == "ok" and v["correct"]) for v in verdicts]
+
+        keys = [key] if len(batches) == 1 else [f"{key}{j}" for j in range(len(batches))]
+        parts = await gather_all(one(k, b) for k, b in zip(keys, batches, strict=True))
+        return [v for part in parts for v in part]
 
     async def cut(
         self, key: str, group: Group, params: ReflectParams, verdicts: list[bool] | None
