@@ -227,3 +227,61 @@ def test_the_train_batch_is_built_in_one_place_of_the_product() -> None:
         if "TrainBatch(" in path.read_text().replace("class TrainBatch(", "")
     ]
     assert builders == ["gateway/step.py"]
+
+
+class Recording:
+    """Real stages that keep every batch they train."""
+
+    def __init__(self, stages: Any) -> None:
+        self.stages = stages
+        self.batches: list[TrainBatch] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stages, name)
+
+    async def train(self, key: str, batch: TrainBatch) -> Any:
+        self.batches.append(batch)
+        return await self.stages.train(key, batch)
+
+
+def test_a_runs_loop_hands_its_reflection_params_to_reflect(tmp_path: Any) -> None:
+    """The gateway's run loop (gateway/runs.py) over the in-process stages and a real learner: the
+    run's ``reflect`` params, not ReflectParams' defaults, decide what its trained batch holds."""
+    import json
+
+    from gateway.runs import RunLoop
+    from gateway.state import GatewayState
+    from learner.config import LearnerSettings
+    from learner.train import Learner
+    from loom.contracts.settings import Settings
+    from loom.models import resolve_model_path
+
+    problems = tiny_problems("arith", 3, 7, "train")
+    jsonl = "".join(json.dumps({"prompt": reflect_prompt(p), "answer": p.gold}) + "\n" for p in problems)
+
+    def trained(reflect: dict[str, Any], name: str) -> TrainBatch:
+        body = run_request(reflect).model_dump(mode="json")
+        body.update(
+            dataset={"jsonl": jsonl, "task": "arithmetic"},
+            schedule={"steps": 1, "batch_size": 3, "staleness": 0},
+        )
+        state = GatewayState(tmp_path / f"{name}.sqlite")
+        run_id, _ = state.runs.create(owner="me", request=RunRequest.model_validate(body))
+        stages, engine = in_process(Settings(model="tiny", device="cpu"))
+        learner = Learner(
+            LearnerSettings(model=resolve_model_path("tiny"), store=tmp_path / name, save_optimizer=False)
+        )
+        stages.learner = learner
+        recording = Recording(stages)
+        try:
+            status = asyncio.run(RunLoop(run_id, state, recording, tmp_path / name).run())  # type: ignore[arg-type]
+        finally:
+            stages.close()
+            engine.stop_scheduler()
+        assert status == "succeeded" and len(recording.batches) == 1
+        return recording.batches[0]
+
+    revised = trained(REFLECT, "half")
+    untouched = trained({**REFLECT, "max_removed_fraction": 0.0}, "none")
+    assert sum("revision_of" in t.meta for g in revised.groups for t in g.trajectories) > 0
+    assert all("revision_of" not in t.meta for g in untouched.groups for t in g.trajectories)
