@@ -42,7 +42,7 @@ from typing import Any
 _BENCH = Path(__file__).resolve().parent
 sys.path[:] = [str(_BENCH.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
 
-from bench import rl_loop  # noqa: E402
+from bench import rl_loop, rl_report  # noqa: E402
 from loom.contracts.wire import Group, RewardComponent, RewardSpec, RolloutRequest, SamplingParams  # noqa: E402
 
 # AdaSR Table 6 coefficients: in GRPO's scalar reward as component weights, in HRPO as w_acc, w_fmt,
@@ -129,7 +129,7 @@ HEADER = (
 )
 
 
-def table_rows(base: rl_loop.Eval, results: Sequence[rl_loop.ArmResult]) -> list[list[str]]:
+def table_rows(base: rl_report.Eval, results: Sequence[rl_report.ArmResult]) -> list[list[str]]:
     rows = [
         ["start", f"{base.accuracy:.3f}", f"{base.means['stream']:.1f}", f"{base.means['deep']:.1f}"]
         + ["", "", "", "0", ""]
@@ -152,9 +152,9 @@ def table_rows(base: rl_loop.Eval, results: Sequence[rl_loop.ArmResult]) -> list
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
+def main(argv: Sequence[str] | None = None) -> list[rl_report.ArmResult]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    rl_loop.add_loop_args(
+    rl_report.add_loop_args(
         p, steps=24, prompts=8, group=8, lr=1e-4, temperature=1.0, max_tokens=256, eval_n=32, warmup=5
     )
     p.add_argument("--segment-cap", type=int, default=32, help="tokens per streaming thought")
@@ -166,16 +166,16 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         help="weight of the length and efficiency rewards in GRPO's summed reward (0: accuracy + format"
         " only, AdaSR Table 3); HRPO keeps β = 0.05",
     )
-    rl_loop.add_seed_args(p)
+    rl_report.add_seed_args(p)
     args = p.parse_args(argv)
     if args.summarize:
-        rl_loop.write_summary(args.summarize, args.out, "AdaSR: HRPO vs GRPO", against="grpo", arm="hrpo")
+        rl_report.write_summary(args.summarize, args.out, "AdaSR: HRPO vs GRPO", against="grpo", arm="hrpo")
         return []
     from loom.runtime import configure_process
 
-    rl_loop.quiet()
+    rl_report.quiet()
     configure_process()
-    cfg = rl_loop.loop_config(args)
+    cfg = rl_report.loop_config(args)
     t0 = time.perf_counter()
     train = rl_loop.problems_for(args.model, cfg.steps * cfg.prompts, cfg.seed, "train", args.task)
     held_out = rl_loop.problems_for(args.model, cfg.eval_prompts, 10_000 + cfg.seed, "test", args.task)
@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         f"\nafter {cfg.steps} steps ({len(held_out)} held-out problems, greedy; tokens: trained tokens per"
         " response; 'stream' = the streaming phase, A^s's tokens):"
     )
-    print(rl_loop.text_table(HEADER, rows))
+    print(rl_report.text_table(HEADER, rows))
     grpo, hrpo = results
     print(
         f"HRPO - GRPO: stream {hrpo.after.means['stream'] - grpo.after.means['stream']:+.1f} tok,"
@@ -210,13 +210,13 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         " (AdaSR: a shorter streaming phase at equal accuracy)"
     )
     print(f"total {time.perf_counter() - t0:.0f} s")
-    rl_loop.write_record(args.json, cfg, base, results)
+    rl_report.write_record(args.json, cfg, base, results)
     if args.out is not None:
         title = f"AdaSR: HRPO vs GRPO, {args.model} model, {cfg.steps} steps"
-        for line in rl_loop.write_out(
+        for line in rl_report.write_out(
             args.out,
             title,
-            rl_loop.markdown_table(HEADER, rows),
+            rl_report.markdown_table(HEADER, rows),
             results,
             [
                 ("train stream tokens", "stream"),

@@ -16,7 +16,6 @@ import json
 import random
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from gateway.models import RunRequest
@@ -38,20 +37,20 @@ class SimulatedStages:
     def __init__(self, gen_s: float, train_s: float) -> None:
         self.gen_s, self.train_s, self.version = gen_s, train_s, 0
 
-    async def generate_and_score(
-        self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
-    ) -> list[tuple[Group, RewardResult]]:
-        await asyncio.sleep(self.gen_s)
-        out = []
-        for key, req in items:
-            rng = random.Random(key)
-            trajs = [
-                Trajectory(id=f"t{i}", group_id=key, completion_ids=[1] * 16, policy_version=self.version)
-                for i in range(req.sampling.n)
-            ]
-            rws = [TrajectoryReward(trajectory_id=t.id, total=float(rng.random() < 0.5)) for t in trajs]
-            out.append((Group(id=key, trajectories=trajs), RewardResult(group_id=key, rewards=rws)))
-        return out
+    async def generate(self, key: str, req: RolloutRequest) -> Group:
+        await asyncio.sleep(self.gen_s)  # the groups of a step generate concurrently, as on replicas
+        trajs = [
+            Trajectory(id=f"t{i}", group_id=key, completion_ids=[1] * 16, policy_version=self.version)
+            for i in range(req.sampling.n)
+        ]
+        return Group(id=key, trajectories=trajs)
+
+    async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
+        rng = random.Random(group.id)
+        rws = [
+            TrajectoryReward(trajectory_id=t.id, total=float(rng.random() < 0.5)) for t in group.trajectories
+        ]
+        return RewardResult(group_id=group.id, rewards=rws)
 
     async def train(self, key: str, batch: TrainBatch) -> StepResult:
         await asyncio.sleep(self.train_s)

@@ -46,7 +46,7 @@ from typing import Any
 _BENCH = Path(__file__).resolve().parent
 sys.path[:] = [str(_BENCH.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
 
-from bench import rl_loop  # noqa: E402
+from bench import rl_loop, rl_report  # noqa: E402
 from loom.contracts.wire import (  # noqa: E402
     Group,
     ReflectParams,
@@ -80,8 +80,7 @@ def arms(
         max_chunk_tokens=max(128, min_chunk_tokens),
         max_tokens=answer_tokens,
         temperature=temperature,
-        reward=reflection_spec(reflection_weight),
-    )
+    )  # the revised groups are scored once with the arm's reward spec (gateway/step.py)
     return [
         rl_loop.Arm("length", "grpo", length_spec()),
         rl_loop.Arm("reflection+truncation", "rea", reflection_spec(reflection_weight), reflect=truncation),
@@ -131,7 +130,7 @@ HEADER = (
 )
 
 
-def table_rows(base: rl_loop.Eval, results: Sequence[rl_loop.ArmResult]) -> list[list[str]]:
+def table_rows(base: rl_report.Eval, results: Sequence[rl_report.ArmResult]) -> list[list[str]]:
     rows = [
         ["start", f"{base.accuracy:.3f}", f"{base.means['tokens']:.1f}", f"{base.means['reflections']:.2f}"]
         + ["", "", "", "0", ""]
@@ -154,9 +153,9 @@ def table_rows(base: rl_loop.Eval, results: Sequence[rl_loop.ArmResult]) -> list
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
+def main(argv: Sequence[str] | None = None) -> list[rl_report.ArmResult]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    rl_loop.add_loop_args(
+    rl_report.add_loop_args(
         p, steps=24, prompts=8, group=8, lr=1e-4, temperature=1.0, max_tokens=320, eval_n=32, warmup=5
     )
     p.add_argument(
@@ -169,17 +168,19 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         default=1.0,
         help="weight of the reflection reward (a revision cut before its first reflection scores -1)",
     )
-    rl_loop.add_seed_args(p)
+    rl_report.add_seed_args(p)
     args = p.parse_args(argv)
     if args.summarize:
         title = "REA-RL: reflection + truncation vs length reward"
-        rl_loop.write_summary(args.summarize, args.out, title, against="length", arm="reflection+truncation")
+        rl_report.write_summary(
+            args.summarize, args.out, title, against="length", arm="reflection+truncation"
+        )
         return []
     from loom.runtime import configure_process
 
-    rl_loop.quiet()
+    rl_report.quiet()
     configure_process()
-    cfg = rl_loop.loop_config(args)
+    cfg = rl_report.loop_config(args)
     t0 = time.perf_counter()
     train = rl_loop.problems_for(args.model, cfg.steps * cfg.prompts, cfg.seed, "train", args.task)
     held_out = rl_loop.problems_for(args.model, cfg.eval_prompts, 10_000 + cfg.seed, "test", args.task)
@@ -201,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
     ]
     rows = table_rows(base, results)
     print(f"\nafter {cfg.steps} steps ({len(held_out)} held-out problems, greedy; tokens per response):")
-    print(rl_loop.text_table(HEADER, rows))
+    print(rl_report.text_table(HEADER, rows))
     length, rea = (r.after for r in results)
     print(
         f"reflection+truncation - length: tokens {rea.means['tokens'] - length.means['tokens']:+.1f},"
@@ -210,13 +211,13 @@ def main(argv: Sequence[str] | None = None) -> list[rl_loop.ArmResult]:
         " (REA-RL: short responses that keep their reflections, accuracy kept)"
     )
     print(f"total {time.perf_counter() - t0:.0f} s")
-    rl_loop.write_record(args.json, cfg, base, results)
+    rl_report.write_record(args.json, cfg, base, results)
     if args.out is not None:
         title = f"REA-RL: reflection + truncation vs length reward, {args.model} model, {cfg.steps} steps"
-        for line in rl_loop.write_out(
+        for line in rl_report.write_out(
             args.out,
             title,
-            rl_loop.markdown_table(HEADER, rows),
+            rl_report.markdown_table(HEADER, rows),
             results,
             [
                 ("train tokens", "tokens"),

@@ -23,40 +23,45 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-from loom.contracts.wire import Group, PoolStats, RewardResult, Trajectory, TrajectoryReward
+from pydantic import Field, model_validator
+
+from loom.contracts.wire import Contract, Group, PoolStats, RewardResult, Trajectory, TrajectoryReward
 
 ExitRule = Literal["positive", "balanced"]
 FillOrder = Literal["first", "random"]
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    """Reinforce-Ada hyper-parameters with docs/algorithms.md §4 defaults."""
+class AdaptiveParams(Contract):
+    """Reinforce-Ada's hyper-parameters with docs/algorithms.md §4 defaults, written once: the run's
+    and the job's ``adaptive`` field (gateway/models.py) and the rounds below read this one model."""
 
-    n: int = 4  # update group size (kept responses per prompt)
-    samples_per_round: int = 8  # M
-    max_rounds: int = 4  # R
-    threshold: float = 0.7  # a response is positive iff reward > threshold
+    n: int = Field(default=4, ge=1, le=256, description="update group size (kept responses per prompt)")
+    samples_per_round: int = Field(default=8, ge=1, le=256, description="M")
+    max_rounds: int = Field(default=4, ge=1, le=32, description="R")
+    threshold: float = Field(default=0.7, ge=-1e6, le=1e6, description="positive iff reward > threshold")
     exit: ExitRule = "balanced"
     fill: FillOrder = "first"
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="the random fill's seed")
 
-    def __post_init__(self) -> None:
-        if self.n < 1 or self.samples_per_round < 1 or self.max_rounds < 1:
-            raise ValueError("n, samples_per_round and max_rounds must be >= 1")
+    @model_validator(mode="after")
+    def _can_fill(self) -> AdaptiveParams:
         if self.samples_per_round * self.max_rounds < self.n:
             raise ValueError(
                 f"samples_per_round * max_rounds = {self.samples_per_round * self.max_rounds} can never "
                 f"fill an update group of n = {self.n}"
             )
+        return self
+
+
+AdaptiveConfig = AdaptiveParams  # the name the benches use (bench/adaptive.py)
 
 
 def is_positive(reward: float, threshold: float) -> bool:
     return reward > threshold
 
 
-def exit_met(rewards: Sequence[float], cfg: AdaptiveConfig) -> bool:
+def exit_met(rewards: Sequence[float], cfg: AdaptiveParams) -> bool:
     """The exit condition on a prompt's pool (paper 001 §2.2, "Exit condition"). A pool smaller than
     n never exits (M < n): it could not fill the update group, so it keeps sampling."""
     if len(rewards) < cfg.n:
@@ -70,7 +75,7 @@ def exit_met(rewards: Sequence[float], cfg: AdaptiveConfig) -> bool:
 
 
 def downsample(
-    rewards: Sequence[float], cfg: AdaptiveConfig, rng: random.Random | None = None
+    rewards: Sequence[float], cfg: AdaptiveParams, rng: random.Random | None = None
 ) -> list[int] | None:
     """Indices (into ``rewards``) of the kept update group, or None when the prompt is dropped.
 
@@ -150,7 +155,7 @@ class Rounds(Generic[T]):
     item) pairs each (``add``); ``finish`` gives the pools. The caller samples (``run_rounds`` with a
     callback; the gateway's pipeline awaits its stages between the steps)."""
 
-    def __init__(self, n_prompts: int, cfg: AdaptiveConfig) -> None:
+    def __init__(self, n_prompts: int, cfg: AdaptiveParams) -> None:
         self.cfg = cfg
         self.pools: list[Pool[T]] = [Pool() for _ in range(n_prompts)]
         self.counters = AdaptiveCounters(prompts=n_prompts)
@@ -192,7 +197,7 @@ class Rounds(Generic[T]):
 
 
 def run_rounds(
-    n_prompts: int, sample: Sampler[T], cfg: AdaptiveConfig
+    n_prompts: int, sample: Sampler[T], cfg: AdaptiveParams
 ) -> tuple[list[Pool[T]], AdaptiveCounters]:
     """Phase 1 of Algorithm 1: successive elimination over at most R rounds."""
     rounds: Rounds[T] = Rounds(n_prompts, cfg)
@@ -202,7 +207,7 @@ def run_rounds(
 
 
 def select(
-    pools: list[Pool[T]], cfg: AdaptiveConfig, counters: AdaptiveCounters
+    pools: list[Pool[T]], cfg: AdaptiveParams, counters: AdaptiveCounters
 ) -> list[tuple[int, list[int]] | None]:
     """Phase 2: the kept indices of each pool (None = dropped; counted in ``counters.dropped``)."""
     rng = random.Random(cfg.seed)
@@ -219,7 +224,7 @@ def select(
 
 def uniform_rounds(n_prompts: int, sample: Sampler[T], n: int) -> tuple[list[Pool[T]], AdaptiveCounters]:
     """The GRPO baseline: one round of exactly n responses per prompt, no exit, no down-sampling."""
-    cfg = AdaptiveConfig(n=n, samples_per_round=n, max_rounds=1)
+    cfg = AdaptiveParams(n=n, samples_per_round=n, max_rounds=1)
     return run_rounds(n_prompts, sample, cfg)
 
 

@@ -11,9 +11,10 @@ import logging
 from typing import Any
 
 from gateway.models import JobRequest
-from gateway.pipeline import Cancelled, Coalescer, Stages, collect, gather_all
-from gateway.runs import adaptive_config, to_request
+from gateway.pipeline import Cancelled, Coalescer
+from gateway.runs import to_request
 from gateway.state import GatewayState
+from gateway.step import Stages, StepConfig, collect, gather_all
 from loom.contracts.wire import RolloutRequest
 from loom.timeline import mark
 
@@ -40,7 +41,7 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
         await asyncio.to_thread(state.jobs.finish, job_id, "failed", error=error)
         return "failed"
     items = req.items()
-    adaptive = adaptive_config(req)
+    cfg = StepConfig.of(req)
     done = state.jobs.done_indices(job_id)
     if not await asyncio.to_thread(state.jobs.start, job_id):  # cancelled before it started
         return state.jobs.status(job_id) or "cancelled"
@@ -60,10 +61,8 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
                 stages,
                 f"{job_id}.p{i}",
                 [at_policy(to_request(items[i], req), req)],
-                req.reward,
-                adaptive=adaptive,
-                policy_version=req.policy_version,
-                reflect=req.reflect,
+                cfg,
+                req.policy_version,
             )
         scored = got.groups[0]
         payload: dict[str, Any] = {"index": i, "group": None, "rewards": None}

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from gateway.adaptive import AdaptiveParams
 from loom.batching import TOTAL as TOTAL_REWARD
 from loom.contracts.estimators import check_estimator_params
 from loom.contracts.wire import (
@@ -18,6 +19,7 @@ from loom.contracts.wire import (
     LossSpec,
     Mode,
     Params,
+    ReflectParams,
     RewardResult,
     RewardSpec,
     SamplingParams,
@@ -29,26 +31,6 @@ MAX_VERSION = 2**53  # policy versions and step numbers: exact in JSON and in SQ
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 RunStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-
-
-class AdaptiveParams(Contract):
-    """Reinforce-Ada (docs/algorithms.md §4); ``n`` is the update group size kept per prompt."""
-
-    n: int = Field(default=4, ge=1, le=256)
-    samples_per_round: int = Field(default=8, ge=1, le=256, description="M")
-    max_rounds: int = Field(default=4, ge=1, le=32, description="R")
-    threshold: float = Field(default=0.7, ge=-1e6, le=1e6)
-    exit: Literal["positive", "balanced"] = "balanced"
-    fill: Literal["first", "random"] = "first"
-
-    @model_validator(mode="after")
-    def _can_fill(self) -> AdaptiveParams:
-        if self.samples_per_round * self.max_rounds < self.n:
-            raise ValueError(
-                f"samples_per_round * max_rounds = {self.samples_per_round * self.max_rounds} can never "
-                f"fill an update group of n = {self.n}"
-            )
-        return self
 
 
 class TaskItem(Contract):
@@ -81,7 +63,12 @@ class JobRequest(Contract):
     policy_match: Literal["at_least", "exact"] = Field(
         default="at_least", description="'exact': trajectories of that version only, never a newer one"
     )
-    reflect: bool = Field(default=False, description="add reflection revisions (reflect_svc)")
+    reflect: bool | ReflectParams = Field(
+        default=False,
+        description="REA-RL revisions (docs/algorithms.md §3): the reflection params, or true for their "
+        "defaults; the revised group is scored once with this request's reward spec (ReflectParams.reward "
+        "is /v1/reflect's own)",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> JobRequest:
@@ -256,7 +243,12 @@ class RunRequest(Contract):
     estimator_params: Params = Field(default_factory=dict)
     loss: LossSpec = Field(default_factory=LossSpec)
     schedule: Schedule = Field(default_factory=Schedule)
-    reflect: bool = False
+    reflect: bool | ReflectParams = Field(
+        default=False,
+        description="REA-RL revisions (docs/algorithms.md §3): the reflection params, or true for their "
+        "defaults; the revised group is scored once with this request's reward spec (ReflectParams.reward "
+        "is /v1/reflect's own)",
+    )
     filter_groups: str | None = Field(
         default=None,
         max_length=64,

@@ -1,4 +1,4 @@
-"""Pipelines over the queues: rollout -> reward -> optional reflection -> (adaptive rounds) -> learner.
+"""The RL step's stages over the queues (``CeleryStages``): each a service's Celery task, sent by name.
 
 Orchestration is explicit (not a Celery canvas): the gateway publishes each stage's task BY NAME with
 a deterministic idempotency key, awaits its result, and publishes the group's next stage as soon as it
@@ -20,8 +20,9 @@ marks the scope's published, unfinished tasks as done with a ``SKIPPED`` result,
 receives one returns at once (LoomTask's idempotency read) instead of generating or scoring for a
 cancelled job.
 
-``Stages`` is the seam: ``CeleryStages`` talks to the real workers; anything with the same coroutine
-methods can stand in (benchmarks with simulated latencies, tests).
+``CeleryStages`` is the product's implementation of the RL step's ``gateway.step.Stages`` (one group
+per call); the step itself, and its in-process implementation for benches and tests, are elsewhere
+(gateway/step.py, launch/inprocess.py).
 """
 
 from __future__ import annotations
@@ -31,24 +32,40 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from celery import states
 from kombu.exceptions import OperationalError
 
-from gateway.adaptive import AdaptiveConfig, AdaptiveCounters, Rounds, merge_group, select
-from loom.contracts.wire import Group, RewardResult, RewardSpec, RolloutRequest, StepResult, TrainBatch
+from gateway.step import Stages as Stages  # noqa: F401  (what gateway/api.py and manager.py type with)
+from gateway.step import gather_all
+from loom.contracts import tasks
+from loom.contracts.wire import (
+    Group,
+    ReflectParams,
+    RevisionPlan,
+    RewardResult,
+    RewardSpec,
+    RolloutRequest,
+    StepResult,
+    TrainBatch,
+)
 from loom.results import STORE_UNREACHABLE, ResultHub, stored_metas
 from loom.timeline import mark
 
-GENERATE = "rollout.generate_group"
-SCORE = "reward.score_group"
-SCORE_MANY = "reward.score_groups"  # several groups in one task, each result under its own key
-REFLECT = "reflect.revise_group"
-TRAIN = "learner.train_step"
+GENERATE = tasks.GENERATE_GROUP.name
+SCORE = tasks.SCORE_GROUP.name
+SCORE_MANY = tasks.SCORE_GROUPS.name  # several groups in one task, each result under its own key
+REFLECT = tasks.REVISE_GROUP.name  # /v1/reflect's whole revision over the queue (not the RL step's)
+CUT = tasks.CUT_GROUP.name
+ASSEMBLE = tasks.ASSEMBLE_GROUP.name
+MATCH = tasks.MATCH_TEXTS.name
+MATCH_META = ("numbers", "target")  # what of a group's meta the gold match reads
+MATCH_TEXTS = 4096  # texts one reward.match_texts task takes (reward_svc.match.MatchRequest)
+TRAIN = tasks.TRAIN_STEP.name
 SKIPPED = {"loom_skipped": "cancelled"}  # the result a cancelled job's unfinished tasks are given
 
 log = logging.getLogger("loom.gateway.pipeline")
@@ -69,18 +86,6 @@ class StageError(RuntimeError):
 def scope_of(key: str) -> str:
     """The job or run a task key belongs to (its keys are ``<id>.<...>``)."""
     return key.split(".", 1)[0]
-
-
-async def gather_all(aws: Iterable[Awaitable[R]]) -> list[R]:
-    """``asyncio.gather`` that cancels the others when one fails (and re-raises that failure as it is,
-    not wrapped in an ExceptionGroup as a TaskGroup would)."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
 
 
 @dataclass
@@ -177,24 +182,6 @@ REWARD_DROPS = {"trajectories": {"__all__": {"logprobs"}}}
 def for_reward(group: Group) -> dict[str, Any]:
     """``group`` as JSON for its reward task: all of it but what the reward service never reads."""
     return group.model_dump(mode="json", exclude=REWARD_DROPS)
-
-
-class Stages(Protocol):
-    async def generate_and_score(
-        self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
-    ) -> list[tuple[Group, RewardResult]]:
-        """Generate, score (and revise) one group per (key, request); results in input order."""
-        ...
-
-    async def train(self, key: str, batch: TrainBatch) -> StepResult: ...
-
-    async def cancel(self, scope: str) -> int:
-        """Skip the work of job or run ``scope`` still queued; returns how many tasks."""
-        ...
-
-    def forget(self, scope: str) -> None:
-        """``scope`` has ended: drop what was kept for ``cancel``."""
-        ...
 
 
 @dataclass
@@ -334,23 +321,47 @@ class CeleryStages:
         await self._send(name, key, *args)
         return await self._result(key)
 
-    async def generate_and_score(
-        self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
-    ) -> list[tuple[Group, RewardResult]]:
-        spec_d = spec.model_dump(mode="json")
+    async def generate(self, key: str, request: RolloutRequest) -> Group:
+        return Group.model_validate(await self._call(GENERATE, key, request.model_dump(mode="json")))
 
-        async def one(key: str, req: RolloutRequest) -> tuple[Group, RewardResult]:
-            group = Group.model_validate(await self._call(GENERATE, key, req.model_dump(mode="json")))
-            g = group.model_dump(mode="json")
-            result = RewardResult.model_validate(await self._score(f"{key}.score", for_reward(group), spec_d))
-            if reflect:  # optional stage: reflect.revise_group(group) -> revisions added, then re-scored
-                group = Group.model_validate(await self._call(REFLECT, f"{key}.reflect", g))
-                result = RewardResult.model_validate(
-                    await self._score(f"{key}.rescore", for_reward(group), spec_d)
-                )
-            return group, result
+    async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
+        return RewardResult.model_validate(
+            await self._score(key, for_reward(group), spec.model_dump(mode="json"))
+        )
 
-        return await gather_all(one(key, req) for key, req in items)
+    async def match(self, key: str, group: Group, texts: list[str]) -> list[bool]:
+        """``reward.match_texts`` for ``texts``, in tasks of at most ``MATCH_TEXTS`` texts (what one
+        accepts; one task for all but the largest groups)."""
+        meta = {k: group.meta[k] for k in MATCH_META if k in group.meta}
+        batches = [texts[i : i + MATCH_TEXTS] for i in range(0, len(texts), MATCH_TEXTS)]
+
+        async def one(k: str, batch: list[str]) -> list[bool]:
+            body = {"label": group.label, "task": group.task, "meta": meta, "texts": batch}
+            verdicts = (await self._call(MATCH, k, body))["verdicts"]
+            if len(verdicts) != len(batch):
+                raise StageError(f"task {k}: {len(verdicts)} verdicts for {len(batch)} texts")
+            return [bool(v["status"] == "ok" and v["correct"]) for v in verdicts]
+
+        keys = [key] if len(batches) == 1 else [f"{key}{j}" for j in range(len(batches))]
+        parts = await gather_all(one(k, b) for k, b in zip(keys, batches, strict=True))
+        return [v for part in parts for v in part]
+
+    async def cut(
+        self, key: str, group: Group, params: ReflectParams, verdicts: list[bool] | None
+    ) -> RevisionPlan:
+        args = (group.model_dump(mode="json"), params.model_dump(mode="json"), verdicts)
+        return RevisionPlan.model_validate(await self._call(CUT, key, *args))
+
+    async def revised(
+        self, key: str, group: Group, params: ReflectParams, plan: RevisionPlan, completions: list[Group]
+    ) -> Group:
+        args = (
+            group.model_dump(mode="json"),
+            params.model_dump(mode="json"),
+            plan.model_dump(mode="json"),
+            [g.model_dump(mode="json") for g in completions],
+        )
+        return Group.model_validate(await self._call(ASSEMBLE, key, *args))
 
     async def train(self, key: str, batch: TrainBatch) -> StepResult:
         return StepResult.model_validate(await self._call(TRAIN, key, batch.model_dump(mode="json")))
@@ -375,84 +386,3 @@ class CeleryStages:
     def close(self) -> None:
         self.hub.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# One batch of prompts -> scored groups (uniform n, or Reinforce-Ada rounds)
-
-
-@dataclass
-class Collected:
-    groups: list[tuple[Group, RewardResult] | None]  # per prompt; None = dropped
-    counters: dict[str, float]
-    sampled: list[tuple[Group, RewardResult]]  # every group generated (all rounds), for metrics
-    seconds: float
-
-
-def rollout_request(
-    base: RolloutRequest, group_id: str, n: int, policy_version: int | None, round_: int = 0
-) -> RolloutRequest:
-    sampling = base.sampling.model_copy(update={"n": n})
-    if sampling.seed is not None:  # a new round must not repeat the previous round's samples
-        sampling = sampling.model_copy(update={"seed": sampling.seed + 1000 * round_})
-    update: dict[str, Any] = {"group_id": group_id, "sampling": sampling}
-    if policy_version is not None:
-        update["policy_version"] = policy_version
-    return base.model_copy(update=update)
-
-
-async def collect(
-    stages: Stages,
-    key_prefix: str,
-    requests: Sequence[RolloutRequest],
-    spec: RewardSpec,
-    *,
-    adaptive: AdaptiveConfig | None = None,
-    policy_version: int | None = None,
-    reflect: bool = False,
-) -> Collected:
-    """Scored groups for ``requests``: one round of ``sampling.n`` each, or adaptive rounds."""
-    t0 = time.perf_counter()
-    sampled: list[tuple[Group, RewardResult]] = []
-    if adaptive is None:
-        items = [
-            (f"{key_prefix}.p{i}", rollout_request(r, f"{key_prefix}.p{i}", r.sampling.n, policy_version))
-            for i, r in enumerate(requests)
-        ]
-        results = await stages.generate_and_score(items, spec, reflect)
-        sampled.extend(results)
-        counters = AdaptiveCounters(
-            prompts=len(requests), samples=sum(len(g.trajectories) for g, _ in results)
-        )
-        return Collected(list(results), counters.as_dict(), sampled, time.perf_counter() - t0)
-
-    per_prompt: list[list[tuple[Group, RewardResult]]] = [[] for _ in requests]
-    rounds: Rounds[tuple[int, int]] = Rounds(len(requests), adaptive)
-    while not rounds.done:
-        active, rnd = rounds.active, rounds.round
-        items = []
-        for i in active:
-            gid = f"{key_prefix}.p{i}.r{rnd}"
-            items.append(
-                (gid, rollout_request(requests[i], gid, adaptive.samples_per_round, policy_version, rnd))
-            )
-        results = await stages.generate_and_score(items, spec, reflect)
-        batches = []
-        for i, (group, result) in zip(active, results, strict=True):
-            per_prompt[i].append((group, result))
-            sampled.append((group, result))
-            by_id = {r.trajectory_id: r.total for r in result.rewards}
-            batches.append([(by_id.get(t.id, 0.0), (i, j)) for j, t in enumerate(group.trajectories)])
-        rounds.add(batches)
-    pools, counters = rounds.finish()
-    chosen = select(pools, adaptive, counters)
-    groups: list[tuple[Group, RewardResult] | None] = []
-    for i, choice in enumerate(chosen):
-        if choice is None:
-            groups.append(None)
-            continue
-        _, kept = choice
-        groups.append(
-            merge_group(f"{key_prefix}.p{i}", per_prompt[i], kept, pools[i].stats(adaptive.threshold))
-        )
-    return Collected(groups, counters.as_dict(), sampled, time.perf_counter() - t0)

@@ -28,16 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.adaptive import AdaptiveConfig
+from gateway import step as rl
 from gateway.datasets import load_dataset, step_indices
 from gateway.models import RunRequest, TaskItem
-from gateway.pipeline import Cancelled, Collected, Stages, collect
+from gateway.pipeline import Cancelled
 from gateway.state import GatewayState
+from gateway.step import Collected, Stages, StepConfig
 from gateway.stepmetrics import has_signal, step_metrics, step_samples
 from gateway.trackers import Trackers, resolve
-from loom.batching import differs, next_batch_size
+from loom.batching import next_batch_size
 from loom.contracts.settings import get_settings
-from loom.contracts.wire import Group, RewardResult, RolloutRequest, TrainBatch
+from loom.contracts.wire import Group, RewardResult, RolloutRequest
 
 log = logging.getLogger("loom.gateway.runs")
 
@@ -115,26 +116,6 @@ def record_metrics(at: Position, gen: Generated, trained: Trained) -> dict[str, 
     }
 
 
-def merge_collected(a: Collected, b: Collected) -> Collected:
-    """Two batches of one step as one: their groups in order, their counters summed (the rounds used:
-    the larger; samples per prompt: recomputed)."""
-    counters = dict(a.counters)
-    for k, v in b.counters.items():
-        counters[k] = (
-            max(counters.get(k, 0.0), v) if k == "adaptive_rounds_used" else counters.get(k, 0.0) + v
-        )
-    if counters.get("adaptive_prompts"):
-        counters["adaptive_samples_per_prompt"] = counters["adaptive_samples"] / counters["adaptive_prompts"]
-    return Collected([*a.groups, *b.groups], counters, [*a.sampled, *b.sampled], a.seconds + b.seconds)
-
-
-def adaptive_config(req: RunRequest | Any) -> AdaptiveConfig | None:
-    a = req.adaptive
-    if a is None:
-        return None
-    return AdaptiveConfig(**a.model_dump())  # the same fields: AdaptiveParams is their contract
-
-
 def to_request(item: TaskItem, req: RunRequest | Any) -> RolloutRequest:
     return RolloutRequest(
         mode=req.mode,
@@ -166,7 +147,7 @@ class RunLoop:
             raise KeyError(run_id)
         self.req = RunRequest.model_validate(row.config)
         self.dataset: Sequence[TaskItem] = load_dataset(self.req.dataset, self.req.mode, data_dir)
-        self.adaptive = adaptive_config(self.req)
+        self.cfg = StepConfig.of(self.req)
         self.run_dir = data_dir / "runs" / run_id
         self.jsonl = self.run_dir / "metrics.jsonl"
         try:
@@ -180,44 +161,25 @@ class RunLoop:
 
     # ---------------------------------------------------------------------------------------- stages
     async def generate(self, step: int, batch_size: int, gen_version: int) -> Generated:
-        """Step ``step``'s scored groups: one batch of prompts, or with ``filter_groups`` further
-        batches (up to ``filter_max_batches``) until ``batch_size`` groups pass the filter. Every
-        batch's rows and task keys are fixed by (seed, step, batch), so a resumed step re-walks them."""
+        """Step ``step``'s scored groups (gateway.step.generate_step). Every batch's rows and task keys
+        are fixed by (seed, step, batch), and the batch size and generation version by the step's plan
+        (``RunStore.plan``), so a resumed step re-walks them."""
         batch_size, gen_version = await asyncio.to_thread(
             self.state.runs.plan, self.run_id, step, batch_size, gen_version
         )
-        collected = await self._draw(step, 0, batch_size, gen_version)
-        draws = 1
-        while draws < self.req.filter_max_batches and len(self._passing(collected)) < batch_size:
-            collected = merge_collected(collected, await self._draw(step, draws, batch_size, gen_version))
-            draws += 1
-        collected.counters["gen_batches"] = float(draws)
+
+        def draw(k: int) -> list[RolloutRequest]:
+            rows = step_indices(len(self.dataset), batch_size, self.req.schedule.seed, step, k)
+            return [to_request(self.dataset[i], self.req) for i in rows]
+
+        collected = await rl.generate_step(
+            self.stages, self.cfg, f"{self.run_id}.s{step}", draw, batch_size, gen_version
+        )
         return Generated(step, batch_size, gen_version, collected)
 
-    async def _draw(self, step: int, draw: int, batch_size: int, gen_version: int) -> Collected:
-        rows = step_indices(len(self.dataset), batch_size, self.req.schedule.seed, step, draw)
-        requests = [to_request(self.dataset[i], self.req) for i in rows]
-        return await collect(
-            self.stages,
-            f"{self.run_id}.s{step}" + (f".b{draw}" if draw else ""),
-            requests,
-            self.req.reward,
-            adaptive=self.adaptive,
-            policy_version=gen_version,
-            reflect=self.req.reflect,
-        )
-
-    def _passing(self, collected: Collected) -> list[tuple[Group, RewardResult]]:
-        kept = [g for g in collected.groups if g is not None]
-        if self.req.filter_groups is None:
-            return kept
-        return [(g, r) for g, r in kept if differs(r, self.req.filter_groups)]
-
     def trained_groups(self, gen: Generated) -> list[tuple[Group, RewardResult]]:
-        """The groups step ``gen.step`` trains on: every kept group, or with ``filter_groups`` the
-        first ``batch_size`` of those whose responses differ in that reward component (DAPO's dynamic
-        sampling, docs/algorithms.md §5.3)."""
-        return self._passing(gen.collected)[: gen.batch_size]
+        """The groups step ``gen.step`` trains on (gateway.step.trained_groups)."""
+        return rl.trained_groups(gen.collected, self.cfg, gen.batch_size)
 
     async def train(
         self, gen: Generated, version: int, kept: list[tuple[Group, RewardResult]]
@@ -225,22 +187,12 @@ class RunLoop:
         """Train step ``gen.step`` on ``kept`` (:meth:`trained_groups`); returns the new policy version
         and the learner's metrics."""
         counted = {"trained_groups": float(len(kept))}
-        if not kept:  # every prompt dropped (or filtered out): no update, the policy stays
-            return version, {"skipped_update": 1.0, **counted}
-        # the adaptive-sampling threshold stays in the run's config (``adaptive.threshold``) and in each
-        # group's pool statistics (``n_positive``); no estimator reads it, so the batch does not carry it
-        params = dict(self.req.estimator_params)
-        batch = TrainBatch(
-            step=gen.step,
-            groups=[g for g, _ in kept],
-            rewards=[r for _, r in kept],
-            estimator=self.req.estimator,
-            estimator_params=params,
-            loss=self.req.loss,
-        )
         # No broadcast to the engines: the next step's requests name the new version, and each rollout
         # replica loads it from the policy store before generating (rollout_svc.rollout.catch_up).
-        result = await self.stages.train(f"{self.run_id}.train.s{gen.step}", batch)
+        trained = await rl.train(self.stages, f"{self.run_id}.train.s{gen.step}", gen.step, kept, self.cfg)
+        if trained.result is None:  # every prompt dropped (or filtered out): no update, the policy stays
+            return version, {"skipped_update": 1.0, **counted}
+        result = trained.result
         metrics = {f"learner/{k}": float(v) for k, v in result.metrics.items()}
         metrics["train_tokens"] = float(result.n_tokens)
         return result.policy_version, {**metrics, **counted}

@@ -23,7 +23,9 @@ from loom.clients.base import LoomHTTPError
 from loom.clients.reward import RewardClient
 from loom.clients.rollout import RolloutClient
 from loom.contracts.settings import Settings, get_settings
+from loom.contracts.tasks import GENERATE_GROUP, MATCH_TEXTS, SCORE_GROUP
 from loom.contracts.wire import Group, RewardResult, RewardSpec, RolloutRequest
+from loom.queue import send
 from reflect_svc.config import ReflectSettings
 from reflect_svc.reflection_model import ModelError, ModelOutput, ReflectionModel
 from reflect_svc.revise import ServiceError
@@ -68,7 +70,7 @@ def matches_of(body: Any, n: int) -> list[bool]:
         raise ServiceError("verifier_error", f"malformed match response: {type(exc).__name__}") from None
 
 
-class _ModelLabeler:
+class ModelLabeler:
     def __init__(self, model: ReflectionModel | None) -> None:
         self.model = model
 
@@ -81,7 +83,7 @@ class _ModelLabeler:
             raise ServiceError("model_error", str(exc)) from None
 
 
-class HTTPServices(_ModelLabeler):
+class HTTPServices(ModelLabeler):
     def __init__(
         self,
         rollout_url: str,
@@ -126,7 +128,7 @@ class HTTPServices(_ModelLabeler):
         self.reward.close()
 
 
-class QueueServices(_ModelLabeler):
+class QueueServices(ModelLabeler):
     def __init__(
         self,
         app: Any,
@@ -147,9 +149,7 @@ class QueueServices(_ModelLabeler):
         batches = match_batches(texts, *self.match_batch)
         verdicts: list[bool] = []
         try:  # everything in here is the broker or the reward task: its failure, whatever its type
-            pending = [
-                self.app.send_task("reward.match_texts", args=[match_request(group, b)]) for b in batches
-            ]
+            pending = [send(self.app, MATCH_TEXTS, match_request(group, b)) for b in batches]
             bodies = [self._get(p) for p in pending]
         except Exception as exc:
             raise ServiceError("verifier_error", f"{type(exc).__name__}: {exc}") from None
@@ -164,20 +164,14 @@ class QueueServices(_ModelLabeler):
                 body = r.model_dump(mode="json")
                 digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
                 # keyed by the request: a redelivered reflect task reuses its rollouts, a new cut does not
-                pending.append(
-                    self.app.send_task(
-                        "rollout.generate_group", args=[body], task_id=f"{r.group_id}:{digest}"
-                    )
-                )
+                pending.append(send(self.app, GENERATE_GROUP, body, key=f"{r.group_id}:{digest}"))
             return [Group.model_validate(self._get(p)) for p in pending]
         except Exception as exc:
             raise ServiceError("rollout_error", f"{type(exc).__name__}: {exc}") from None
 
     def score(self, group: Group, spec: RewardSpec) -> RewardResult:
         try:  # the broker, the reward task, or an answer that is not a RewardResult
-            res = self.app.send_task(
-                "reward.score_group", args=[group.model_dump(mode="json"), spec.model_dump(mode="json")]
-            )
+            res = send(self.app, SCORE_GROUP, group, spec)
             return RewardResult.model_validate(self._get(res))
         except Exception as exc:
             raise ServiceError("reward_error", f"{type(exc).__name__}: {exc}") from None

@@ -1,13 +1,17 @@
 """Revised samples (REA-RL §4.2, eq. 2; docs/algorithms.md §3): detect, cut, complete, score, keep or discard.
 
 For every trajectory of a group: chunk its thinking part, let the detector pick the cut, move the cut
-so that at most ``max_removed_fraction`` (1/2) of the thinking tokens go, then ask the policy (the
-rollout service) to complete ``prefix + forced ending`` with a short budget. Originals and revisions
-are scored together (the reward service); a revision is discarded when the original was correct and
-the revision is not, and when both are wrong. Kept revisions join the group right after their
-original, with ``parent_id`` = the original's id, a ``revision`` segment and ``meta``.
+so that at most ``max_removed_fraction`` (1/2) of the thinking tokens go, then ask the policy to
+complete ``prefix + forced ending`` with a short budget. Originals and revisions are scored together;
+a revision is discarded when the original was correct and the revision is not, and when both are
+wrong (loom.revisions). Kept revisions join the group right after their original, with ``parent_id``
+= the original's id, a ``revision`` segment and ``meta``.
 
-Pure: everything outside (verifier, reflection model, rollout, reward) is a ``Services`` object.
+The pieces call no service: ``plan_revisions`` (the cuts and their rollout requests; the gold
+detector's chunk texts first, to be matched) and ``assemble_revisions`` (the drafts). The gateway's RL
+step runs them as stages between its own generation and its one score (gateway/step.py);
+``revise_group`` runs the whole for ``/v1/reflect`` over a ``Services`` object (rollout, reward, the
+reflection model).
 """
 
 from __future__ import annotations
@@ -22,16 +26,18 @@ from loom.contracts.wire import (
     Group,
     ReflectParams,
     ReflectResult,
+    RevisionCut,
     RevisionInfo,
+    RevisionPlan,
     RewardResult,
     RewardSpec,
     RolloutRequest,
     SamplingParams,
     Segment,
     Trajectory,
-    TrajectoryReward,
 )
 from loom.formats import DEFAULT_MARKERS, Markers
+from loom.revisions import is_correct, keep_revision, keep_revisions, reflect_meta
 from loom.vocab import outside_vocabulary
 from reflect_svc.chunking import Thinking, chunk_thinking
 from reflect_svc.detectors import (
@@ -142,19 +148,6 @@ def limit_cut(thinking: Thinking, cut: int, max_removed_fraction: float = 0.5) -
     return thinking.end
 
 
-def keep_revision(original_correct: bool, revision_correct: bool) -> tuple[bool, str | None]:
-    """REA-RL §4.2: discard when the revision turns a correct answer wrong, and when both are wrong."""
-    if not revision_correct:
-        return False, "original_correct_revision_wrong" if original_correct else "both_wrong"
-    return True, None
-
-
-def is_correct(reward: TrajectoryReward) -> bool:
-    if "accuracy" in reward.components:
-        return reward.components["accuracy"] >= 0.5
-    return reward.total > 0.0
-
-
 def build_revision(
     original: Trajectory,
     cut: int,
@@ -226,17 +219,24 @@ class _Plan:
     detection: Detection
 
 
-def revise_group(
+Labeler = Callable[[str, int], ModelLabels]
+
+
+def plan_revisions(
     group: Group,
     params: ReflectParams,
-    services: Services,
     tokenizer: Tokenizer,
+    verdicts: list[bool] | None = None,
+    label: Labeler | None = None,
     markers: Markers = DEFAULT_MARKERS,
-) -> ReflectResult:
-    """Detect, cut, complete and score every trajectory of ``group``; see the module docstring.
+) -> RevisionPlan:
+    """Chunk, detect and cut every trajectory of ``group``: the rollout requests of its revisions.
 
-    ``InputError`` before any work for bad input; ``ServiceError`` when the rollout or the reward
-    service fails (the verifier and the reflection model fail per trajectory, as a status).
+    The gold detector needs the chunks checked against the gold answer: without ``verdicts`` (one per
+    text, in order) its plan holds only ``match_texts``, and the caller asks again with them. The model
+    detector calls ``label`` (the reflection model; ServiceError per trajectory, as a status). Nothing
+    here calls another service: the caller generates the requests and scores the revised group.
+    ``InputError`` before any work for bad input.
     """
     check_input(group, len(tokenizer))
 
@@ -245,10 +245,127 @@ def revise_group(
 
     infos: dict[int, RevisionInfo] = {}
     thinkings = _thinkings(group, params, markers, decode, infos)
-    detections = _detect(group, params, services, thinkings, decode)
+    if params.detector == "gold" and verdicts is None:
+        texts = [c.text for th in thinkings.values() for c in th.chunks]
+        if texts:
+            return RevisionPlan(match_texts=texts)
+    detections = _detect(group, params, label, thinkings, decode, verdicts or [])
     plans = _plans(group, params, thinkings, detections, infos)
-    revisions = _revisions(group, params, services, tokenizer, plans, infos) if plans else {}
-    return _score_and_assemble(group, params, services, tokenizer, infos, revisions)
+    forced = list(tokenizer.encode(params.forced_ending, add_special_tokens=False))
+    taken = {t.id for t in group.trajectories}
+    cuts, requests = [], []
+    for k, p in enumerate(plans):
+        rid = unique_revision_id(p.traj.id, taken)
+        infos[p.index].revision_id = rid
+        meta = {
+            "detector": params.detector,
+            "removed_tokens": p.thinking.end - p.cut,
+            "think_tokens": p.thinking.n_tokens,
+            "chunk": infos[p.index].chunk,
+        }
+        cuts.append(RevisionCut(index=p.index, cut=p.cut, forced_ids=forced, revision_id=rid, meta=meta))
+        requests.append(
+            RolloutRequest(
+                group_id=_request_id(group.id, k),
+                prompt_ids=list(p.traj.prompt_ids) + list(p.traj.completion_ids[: p.cut]) + forced,
+                sampling=SamplingParams(
+                    n=1,
+                    max_tokens=params.max_tokens,
+                    temperature=params.temperature,
+                    seed=None if params.seed is None else params.seed + k,
+                ),
+                label=group.label,
+                task=group.task,
+            )
+        )
+    ordered = [infos[i] for i in range(len(group.trajectories))]
+    return RevisionPlan(requests=requests, cuts=cuts, revisions=ordered)
+
+
+def derived_text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """A revision's text as the rollout service derives every trajectory's (rollout_svc.rollout.
+    with_text: markers kept, since format rewards read them; pad and EOS dropped), so originals and
+    revisions are scored alike."""
+    specials = (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None))
+    drop = {i for i in specials if i is not None}
+    return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
+
+
+def assemble_revisions(
+    group: Group,
+    params: ReflectParams,
+    plan: RevisionPlan,
+    completions: Sequence[Group],
+    tokenizer: Tokenizer,
+) -> Group:
+    """``group`` with each draft revision (prefix + forced ending + the policy's completion of
+    ``plan.requests[k]``, ``completions[k]``) right after its original, and ``meta["reflect"]``;
+    every original gets its derived text if it has none. The drafts are not scored yet: the keep rule
+    (loom.revisions.keep_revisions) decides on the scored group."""
+    if len(completions) != len(plan.cuts) or any(not g.trajectories for g in completions):
+        detail = f"{len(completions)} groups for {len(plan.cuts)} requests, or one without trajectories"
+        raise ServiceError("rollout_error", detail)
+    originals = [
+        t if t.text is not None else t.model_copy(update={"text": derived_text(tokenizer, t.completion_ids)})
+        for t in group.trajectories
+    ]
+    drafts: dict[int, Trajectory] = {}
+    for c, g in zip(plan.cuts, completions, strict=True):
+        draft = build_revision(
+            originals[c.index], c.cut, c.forced_ids, g.trajectories[0], None, c.meta, c.revision_id
+        )
+        draft.text = derived_text(tokenizer, draft.completion_ids)
+        drafts[c.index] = draft
+    trajectories: list[Trajectory] = []
+    for i, t in enumerate(originals):
+        trajectories.append(t)
+        if i in drafts:
+            trajectories.append(drafts[i])
+    meta = {**group.meta, "reflect": reflect_meta(params.detector, plan.revisions)}
+    return Group.model_validate(
+        group.model_copy(update={"trajectories": trajectories, "meta": meta}).model_dump()
+    )
+
+
+def revise_group(
+    group: Group,
+    params: ReflectParams,
+    services: Services,
+    tokenizer: Tokenizer,
+    markers: Markers = DEFAULT_MARKERS,
+) -> ReflectResult:
+    """The whole of it for ``/v1/reflect``: plan (the gold detector's chunks checked by
+    ``services.match``), complete, assemble, score with ``params.reward``, keep; see the module
+    docstring. The gateway's RL step runs the same pieces as stages of its own (gateway/step.py).
+
+    ``InputError`` before any work for bad input; ``ServiceError`` when the rollout or the reward
+    service fails (the verifier and the reflection model fail per trajectory, as a status).
+    """
+
+    def label(prompt: str, n_chunks: int) -> ModelLabels:
+        return services.label(prompt, n_chunks)
+
+    plan = plan_revisions(group, params, tokenizer, None, label, markers)
+    if plan.match_texts:
+        try:
+            verdicts = services.match(group, plan.match_texts)
+        except ServiceError as exc:  # every trajectory with thinking gets the verifier's status
+            plan = plan_revisions(group, params, tokenizer, [False] * len(plan.match_texts), None, markers)
+            for info in plan.revisions:
+                if info.status == "no_detection":
+                    info.status, info.detail = exc.status, str(exc)  # type: ignore[assignment]
+            return ReflectResult(group=group, revisions=plan.revisions)
+        plan = plan_revisions(group, params, tokenizer, verdicts, label, markers)
+    if not plan.requests:
+        meta = {**group.meta, "reflect": reflect_meta(params.detector, plan.revisions)}
+        return ReflectResult(group=group.model_copy(update={"meta": meta}), revisions=plan.revisions)
+    drafted = assemble_revisions(group, params, plan, services.complete(list(plan.requests)), tokenizer)
+    try:
+        scored, _ = keep_revisions(drafted, services.score(drafted, params.reward), params.keep_discarded)
+    except ValueError as exc:
+        raise ServiceError("reward_error", str(exc)) from None
+    infos = [RevisionInfo.model_validate(i) for i in scored.meta["reflect"]["info"]]
+    return ReflectResult(group=scored, revisions=infos)
 
 
 def _thinkings(
@@ -309,53 +426,6 @@ def _plans(
     return plans
 
 
-def _revisions(
-    group: Group,
-    params: ReflectParams,
-    services: Services,
-    tokenizer: Tokenizer,
-    plans: list[_Plan],
-    infos: dict[int, RevisionInfo],
-) -> dict[int, Trajectory]:
-    """Every plan completed by the rollout service after the forced ending (one request each, in
-    one call), as a draft revision."""
-    forced = list(tokenizer.encode(params.forced_ending, add_special_tokens=False))
-    requests = [
-        RolloutRequest(
-            group_id=_request_id(group.id, k),
-            prompt_ids=list(p.traj.prompt_ids) + list(p.traj.completion_ids[: p.cut]) + forced,
-            sampling=SamplingParams(
-                n=1,
-                max_tokens=params.max_tokens,
-                temperature=params.temperature,
-                seed=None if params.seed is None else params.seed + k,
-            ),
-            label=group.label,
-            task=group.task,
-        )
-        for k, p in enumerate(plans)
-    ]
-    generated = services.complete(requests)
-    if len(generated) != len(requests) or any(not g.trajectories for g in generated):
-        detail = f"{len(generated)} groups for {len(requests)} requests, or one without trajectories"
-        raise ServiceError("rollout_error", detail)
-    revisions: dict[int, Trajectory] = {}
-    taken = {t.id for t in group.trajectories}
-    for p, g in zip(plans, generated, strict=True):
-        meta = {
-            "detector": params.detector,
-            "removed_tokens": p.thinking.end - p.cut,
-            "think_tokens": p.thinking.n_tokens,
-            "chunk": infos[p.index].chunk,
-        }
-        rid = unique_revision_id(p.traj.id, taken)
-        draft = build_revision(p.traj, p.cut, forced, g.trajectories[0], None, meta, rid)
-        draft.text = tokenizer.decode(draft.completion_ids, skip_special_tokens=True)
-        revisions[p.index] = draft
-        infos[p.index].revision_id = draft.id
-    return revisions
-
-
 def _chunk_ending_at(th: Thinking, cut: int) -> int | None:
     for k, c in enumerate(th.chunks):
         if c.end == cut:
@@ -366,17 +436,16 @@ def _chunk_ending_at(th: Thinking, cut: int) -> int | None:
 def _detect(
     group: Group,
     params: ReflectParams,
-    services: Services,
+    label: Labeler | None,
     thinkings: dict[int, Thinking],
     decode: Callable[[list[int]], str],
+    verdicts: list[bool],
 ) -> dict[int, Detection]:
     out: dict[int, Detection] = {}
     if params.detector == "gold":
-        texts = [c.text for th in thinkings.values() for c in th.chunks]
-        try:
-            verdicts = services.match(group, texts) if texts else []
-        except ServiceError as exc:
-            return {i: Detection(cut=None, status=exc.status, detail=str(exc)) for i in thinkings}
+        n = sum(len(th.chunks) for th in thinkings.values())
+        if len(verdicts) != n:
+            raise InputError(["verdicts"], f"{len(verdicts)} verdicts for {n} chunks")
         k = 0
         for i, th in thinkings.items():
             out[i] = detect_gold(th, verdicts[k : k + len(th.chunks)])
@@ -391,59 +460,16 @@ def _detect(
             t = group.trajectories[i]
             question = group.prompt or decode(list(t.prompt_ids))
             try:
-                labels = services.label(model_prompt(question, th.chunks), len(th.chunks))
+                if label is None:
+                    raise ServiceError(
+                        "model_error", "no reflection model configured (LOOM_REFLECT_MODEL_URL)"
+                    )
+                labels = label(model_prompt(question, th.chunks), len(th.chunks))
             except ServiceError as exc:
                 out[i] = Detection(cut=None, status=exc.status, detail=str(exc))
                 continue
             out[i] = detect_model(th, labels.text, params.strength, labels.tokens, labels.tops)
     return out
-
-
-def _score_and_assemble(
-    group: Group,
-    params: ReflectParams,
-    services: Services,
-    tokenizer: Tokenizer,
-    infos: dict[int, RevisionInfo],
-    revisions: dict[int, Trajectory],
-) -> ReflectResult:
-    originals = list(group.trajectories)
-    if revisions:
-        scored = [
-            t
-            if t.text is not None
-            else t.model_copy(update={"text": tokenizer.decode(t.completion_ids, skip_special_tokens=True)})
-            for t in originals
-        ]
-        batch = group.model_copy(update={"trajectories": scored + list(revisions.values())})
-        result = services.score(batch, params.reward)
-        by_id = {r.trajectory_id: r for r in result.rewards}
-        missing = [t.id for t in batch.trajectories if t.id not in by_id]
-        if missing:
-            raise ServiceError("reward_error", f"no reward for {len(missing)} trajectories: {missing[:3]}")
-        for i, rev in revisions.items():
-            info = infos[i]
-            info.original_correct = is_correct(by_id[originals[i].id])
-            info.revision_correct = is_correct(by_id[rev.id])
-            info.kept, info.discard_reason = keep_revision(info.original_correct, info.revision_correct)  # type: ignore[assignment]
-    trajectories: list[Trajectory] = []
-    for i, t in enumerate(originals):
-        trajectories.append(t)
-        revision = revisions.get(i)
-        if revision is not None and (infos[i].kept or params.keep_discarded):
-            if not infos[i].kept:
-                revision.meta["discarded"] = infos[i].discard_reason
-            trajectories.append(revision)
-    ordered = [infos[i] for i in range(len(originals))]
-    meta = dict(group.meta)
-    meta["reflect"] = {
-        "detector": params.detector,
-        "revisions": {infos[i].revision_id: t.id for i, t in enumerate(originals) if infos[i].kept},
-        "removed_tokens": sum(info.removed_tokens for info in ordered if info.kept),
-        "info": [info.model_dump(mode="json", exclude_defaults=True) for info in ordered],
-    }
-    out_group = group.model_copy(update={"trajectories": trajectories, "meta": meta})
-    return ReflectResult(group=Group.model_validate(out_group.model_dump()), revisions=ordered)
 
 
 def revision_pairs(group: Group) -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ from loom.contracts.settings import SERVICES
 from loom.contracts.wire import (
     Group,
     ReflectParams,
+    RevisionPlan,
     RewardResult,
     RewardSpec,
     RolloutRequest,
@@ -52,7 +53,10 @@ SCORE_GROUP = TaskDef("reward.score_group", (Group, RewardSpec), RewardResult)
 # several groups in one task, each result stored under its member's own key: [[key, group, spec], ...]
 SCORE_GROUPS = TaskDef("reward.score_groups", (None,))
 MATCH_TEXTS = TaskDef("reward.match_texts", (None,))  # reward_svc.match.MatchRequest -> MatchResponse
-REVISE_GROUP = TaskDef("reflect.revise_group", (Group, ReflectParams), Group)
+REVISE_GROUP = TaskDef("reflect.revise_group", (Group, ReflectParams), Group)  # /v1/reflect over the queue
+# the RL step's reflection stages (gateway/step.py): cut -> generate the revisions -> assemble -> score
+CUT_GROUP = TaskDef("reflect.cut_group", (Group, ReflectParams, None), RevisionPlan)  # verdicts: [bool]
+ASSEMBLE_GROUP = TaskDef("reflect.assemble_group", (Group, ReflectParams, RevisionPlan, None), Group)
 TRAIN_STEP = TaskDef("learner.train_step", (TrainBatch,), StepResult)
 SCORE_ATTENTION = TaskDef("learner.score_attention")  # keyword arguments: token_ids, steps, delta, zero_from
 
@@ -71,6 +75,8 @@ TASKS: dict[str, TaskDef] = {
         SCORE_GROUPS,
         MATCH_TEXTS,
         REVISE_GROUP,
+        CUT_GROUP,
+        ASSEMBLE_GROUP,
         TRAIN_STEP,
         SCORE_ATTENTION,
         *(ping(s) for s in SERVICES),

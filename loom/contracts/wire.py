@@ -580,6 +580,36 @@ class ReflectResult(Contract):
     revisions: list[RevisionInfo] = Field(default_factory=list)
 
 
+class RevisionCut(Contract):
+    """One planned revision: trajectory ``index`` of the group keeps its completion up to ``cut``,
+    then ``forced_ids`` (the forced ending's tokens), then what the policy completes."""
+
+    index: int = Field(ge=0)
+    cut: int = Field(ge=0)
+    forced_ids: list[int] = Field(default_factory=list)
+    revision_id: str = Field(min_length=1, max_length=200)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class RevisionPlan(Contract):
+    """What the reflect service decided for one group (docs/algorithms.md §3), before any revision is
+    generated or scored: the gateway's RL step generates ``requests`` (one per cut, in order) and
+    scores the revised group itself, with the run's reward spec. ``match_texts``: the gold detector's
+    chunk texts, to be checked against the gold answer (``reward.match_texts``) and handed back as
+    verdicts before a plan with cuts can be made."""
+
+    match_texts: list[str] = Field(default_factory=list)
+    requests: list[RolloutRequest] = Field(default_factory=list)
+    cuts: list[RevisionCut] = Field(default_factory=list)
+    revisions: list[RevisionInfo] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_request_per_cut(self) -> RevisionPlan:
+        if len(self.requests) != len(self.cuts):
+            raise ValueError(f"{len(self.requests)} requests for {len(self.cuts)} cuts")
+        return self
+
+
 # --------------------------------------------------------------------------------------------------
 # Service plumbing
 

@@ -81,9 +81,9 @@ def test_seeds_summary_pairs_the_arms_per_seed_with_a_standard_error(tmp_path: P
                 "arms": {"grpo": arm(acc_a), "hrpo": arm(acc_b)}}  # fmt: skip
 
     bench("adasr")  # puts the repository on sys.path: bench.rl_loop imports as the benches import it
-    rl_loop = importlib.import_module("bench.rl_loop")
+    rl_report = importlib.import_module("bench.rl_report")
     runs = [record(0, 0.5, 0.7), record(1, 0.4, 0.5), record(2, 0.6, 0.6)]
-    header, rows = rl_loop.summarize(runs, against="grpo", arm="hrpo")
+    header, rows = rl_report.summarize(runs, against="grpo", arm="hrpo")
     assert header[-2:] == ["hrpo - grpo (paired)", "per seed"]
     acc = next(r for r in rows if r[0] == "held-out accuracy")
     # differences 0.2, 0.1, 0.0: mean 0.1, sample sd 0.1, standard error 0.1 / sqrt(3)
@@ -99,8 +99,7 @@ def test_seeds_summary_pairs_the_arms_per_seed_with_a_standard_error(tmp_path: P
 
 
 def test_filter_groups_leaves_out_the_groups_whose_component_is_uniform() -> None:
-    bench("adasr")
-    rl_loop = importlib.import_module("bench.rl_loop")
+    from gateway.step import Collected, StepConfig, passing
 
     def group(gid: str, accuracies: list[float]) -> tuple[Group, RewardResult]:
         n = len(accuracies)
@@ -112,10 +111,11 @@ def test_filter_groups_leaves_out_the_groups_whose_component_is_uniform() -> Non
         return Group(id=gid, trajectories=trajs), RewardResult(group_id=gid, rewards=rewards)
 
     pairs = [group("all-right", [1, 1, 1]), group("mixed", [1, 0, 1]), group("all-wrong", [0, 0, 0])]
-    groups, rewards = rl_loop.filter_groups([g for g, _ in pairs], [r for _, r in pairs], "accuracy")
-    assert [g.id for g in groups] == ["mixed"] and [r.group_id for r in rewards] == ["mixed"]
+    collected = Collected(list(pairs), {}, list(pairs), 0.0)
+    kept = passing(collected, StepConfig(filter_groups="accuracy"))
+    assert [g.id for g, _ in kept] == ["mixed"] and [r.group_id for _, r in kept] == ["mixed"]
     # every group's length differs across its responses: none is left out on that component
-    assert len(rl_loop.filter_groups([g for g, _ in pairs], [r for _, r in pairs], "length")[0]) == 3
+    assert len(passing(collected, StepConfig(filter_groups="length"))) == 3
 
 
 @pytest.mark.slow

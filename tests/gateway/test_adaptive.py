@@ -6,33 +6,33 @@ import random
 
 import pytest
 
-from gateway.adaptive import AdaptiveConfig, downsample, exit_met, merge_group, run_rounds, select
+from gateway.adaptive import AdaptiveParams, downsample, exit_met, merge_group, run_rounds, select
 from loom.contracts.wire import Group, RewardResult, Trajectory, TrajectoryReward
 
 POS, NEG = 1.0, 0.0
 
 
 def test_positive_exit_needs_one_positive() -> None:
-    cfg = AdaptiveConfig(n=4, exit="positive")
+    cfg = AdaptiveParams(n=4, exit="positive")
     assert not exit_met([NEG] * 8, cfg)
     assert exit_met([NEG] * 7 + [POS], cfg)
 
 
 def test_balanced_exit_needs_both_classes() -> None:
-    cfg = AdaptiveConfig(n=4, exit="balanced")
+    cfg = AdaptiveParams(n=4, exit="balanced")
     assert not exit_met([POS] * 8, cfg)  # all positive: no negatives
     assert not exit_met([POS] + [NEG] * 7, cfg)  # 1 < floor(4/2) positives
     assert exit_met([POS, POS] + [NEG] * 2, cfg)
 
 
 def test_balanced_exit_odd_n_needs_ceil_negatives() -> None:
-    cfg = AdaptiveConfig(n=5, exit="balanced")  # floor(5/2)=2 positives, 5-2=3 negatives
+    cfg = AdaptiveParams(n=5, exit="balanced")  # floor(5/2)=2 positives, 5-2=3 negatives
     assert not exit_met([POS, POS, POS, NEG, NEG], cfg)
     assert exit_met([POS, POS, NEG, NEG, NEG], cfg)
 
 
 def test_threshold_is_strict() -> None:
-    cfg = AdaptiveConfig(n=2, exit="positive", threshold=0.7)
+    cfg = AdaptiveParams(n=2, exit="positive", threshold=0.7)
     assert not exit_met([0.7, 0.7], cfg)
     assert exit_met([0.71, 0.7], cfg)
 
@@ -40,24 +40,24 @@ def test_threshold_is_strict() -> None:
 def test_a_pool_smaller_than_n_keeps_sampling_instead_of_being_dropped() -> None:
     # M = 2 < n = 4: one positive in round 0 met the positive exit with 2 responses, and down-sampling
     # then dropped the prompt for having fewer than n
-    cfg = AdaptiveConfig(n=4, samples_per_round=2, max_rounds=3, exit="positive")
+    cfg = AdaptiveParams(n=4, samples_per_round=2, max_rounds=3, exit="positive")
     assert not exit_met([POS, NEG], cfg)
     pools, counters = run_rounds(1, lambda active, rnd: [[(r, r) for r in (POS, NEG)] for _ in active], cfg)
     assert pools[0].rounds == 2 and pools[0].exited_round == 1
     chosen = select(pools, cfg, counters)
     assert chosen[0] is not None and counters.dropped == 0
     with pytest.raises(ValueError, match="can never fill"):
-        AdaptiveConfig(n=4, samples_per_round=1, max_rounds=3)
+        AdaptiveParams(n=4, samples_per_round=1, max_rounds=3)
 
 
 def test_downsample_takes_half_positives_first_come() -> None:
-    cfg = AdaptiveConfig(n=4)
+    cfg = AdaptiveParams(n=4)
     rewards = [POS, NEG, POS, POS, NEG, NEG, POS, NEG]
     assert downsample(rewards, cfg) == [0, 1, 2, 4]  # positives 0,2 ; negatives 1,4
 
 
 def test_downsample_fills_shortfall_from_the_other_side() -> None:
-    cfg = AdaptiveConfig(n=4)
+    cfg = AdaptiveParams(n=4)
     # one negative only: 2 positives + 1 negative, then 1 more positive
     assert downsample([POS, POS, POS, NEG, POS], cfg) == [0, 1, 2, 3]
     # one positive only: 1 positive + 3 negatives
@@ -65,7 +65,7 @@ def test_downsample_fills_shortfall_from_the_other_side() -> None:
 
 
 def test_downsample_random_fill_keeps_the_class_counts() -> None:
-    cfg = AdaptiveConfig(n=4, fill="random", seed=3)
+    cfg = AdaptiveParams(n=4, fill="random", seed=3)
     rewards = [POS] * 6 + [NEG] * 6
     kept = downsample(rewards, cfg, random.Random(3))
     assert kept is not None and len(kept) == 4
@@ -73,12 +73,12 @@ def test_downsample_random_fill_keeps_the_class_counts() -> None:
 
 
 def test_positive_variant_keeps_a_positive_even_when_n_is_one() -> None:
-    assert downsample([NEG, NEG, POS], AdaptiveConfig(n=1, exit="positive")) == [2]
-    assert downsample([NEG, NEG, POS], AdaptiveConfig(n=1, exit="balanced")) == [0]
+    assert downsample([NEG, NEG, POS], AdaptiveParams(n=1, exit="positive")) == [2]
+    assert downsample([NEG, NEG, POS], AdaptiveParams(n=1, exit="balanced")) == [0]
 
 
 def test_pool_without_signal_is_dropped() -> None:
-    cfg = AdaptiveConfig(n=4)
+    cfg = AdaptiveParams(n=4)
     assert downsample([NEG] * 32, cfg) is None  # never a positive
     assert downsample([POS] * 32, cfg) is None  # never a negative
     assert downsample([POS, NEG], cfg) is None  # fewer than n responses
@@ -102,7 +102,7 @@ def _sampler(pass_rates: dict[int, list[float]]):
 
 
 def test_rounds_deactivate_exited_prompts_and_fall_back_after_R() -> None:
-    cfg = AdaptiveConfig(n=4, samples_per_round=4, max_rounds=3, exit="balanced")
+    cfg = AdaptiveParams(n=4, samples_per_round=4, max_rounds=3, exit="balanced")
     script = {
         0: [POS, NEG, POS, NEG] * 3,  # exits in round 0
         1: [NEG, NEG, NEG, NEG, POS, NEG, NEG, NEG, POS, NEG, NEG, NEG],  # 2 positives by round 2
@@ -122,7 +122,7 @@ def test_rounds_deactivate_exited_prompts_and_fall_back_after_R() -> None:
 
 
 def test_pool_stats_cover_every_sampled_response() -> None:
-    cfg = AdaptiveConfig(n=2, samples_per_round=4, max_rounds=2, exit="balanced")
+    cfg = AdaptiveParams(n=2, samples_per_round=4, max_rounds=2, exit="balanced")
     sample, _ = _sampler({0: [NEG, NEG, NEG, NEG, POS, 0.5, NEG, NEG]})
     pools, _ = run_rounds(1, sample, cfg)
     stats = pools[0].stats(cfg.threshold)
@@ -137,11 +137,11 @@ def test_merge_group_keeps_selected_trajectories_with_unique_ids_and_pool() -> N
         return Group(id=gid, trajectories=trajs), RewardResult(group_id=gid, rewards=rws)
 
     rounds = [round_group("x.r0", [NEG, NEG]), round_group("x.r1", [POS, NEG])]
-    cfg = AdaptiveConfig(n=2)
+    cfg = AdaptiveParams(n=2)
     kept = downsample([NEG, NEG, POS, NEG], cfg)
     assert kept == [0, 2]
     sample, _ = _sampler({0: [NEG, NEG, POS, NEG]})
-    pools, _ = run_rounds(1, sample, AdaptiveConfig(n=2, samples_per_round=4, max_rounds=1))
+    pools, _ = run_rounds(1, sample, AdaptiveParams(n=2, samples_per_round=4, max_rounds=1))
     group, result = merge_group("x", rounds, kept, pools[0].stats(0.7))
     assert group.id == "x" and all(t.group_id == "x" for t in group.trajectories)
     assert [t.id for t in group.trajectories] == ["x-r0-t0", "x-r1-t0"]

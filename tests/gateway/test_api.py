@@ -148,6 +148,23 @@ def test_bad_job_body_is_422_with_field_path(client: TestClient) -> None:
     assert ["body", "sampling", "temperature"] in [e["loc"] for e in r.json()["detail"]]
 
 
+def test_a_jobs_reflection_params_are_stored_as_sent_and_bad_ones_are_422(client: TestClient) -> None:
+    params = {"detector": "fixed", "fixed_keep": 0.5, "max_tokens": 32}
+    r = client.post("/v1/jobs", json={**JOB, "reflect": params}, headers=auth(JOBS_KEY))
+    assert r.status_code == 201, r.text
+    stored = client.app.state.gateway_state.jobs.get(r.json()["id"])  # type: ignore[attr-defined]
+    assert stored is not None and stored.request["reflect"]["fixed_keep"] == 0.5
+    bad = {**JOB, "job_key": "batch-bad", "reflect": {"detector": "fixed", "fixed_keep": 2.0}}
+    r = client.post("/v1/jobs", json=bad, headers=auth(JOBS_KEY))
+    assert r.status_code == 422
+    assert any(e["loc"][:2] == ["body", "reflect"] and "fixed_keep" in e["loc"] for e in r.json()["detail"])
+    # the boolean of the first API still means REA-RL's defaults
+    r = client.post(
+        "/v1/jobs", json={**JOB, "job_key": "batch-true", "reflect": True}, headers=auth(JOBS_KEY)
+    )
+    assert r.status_code == 201
+
+
 def test_rate_limit_is_429_with_retry_after_per_key(tmp_path: Path) -> None:
     # a token per 1000 s: no refill between the requests, however slowly a loaded machine sends them
     with make_client(tmp_path, rate=0.001, burst=3) as c:

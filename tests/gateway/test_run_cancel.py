@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
 
 from gateway.models import RunRequest
 from gateway.runs import RunLoop
@@ -31,21 +30,21 @@ class BlockingStages:
         self.trained: list[int] = []
         self.fail_after_release = fail_after_release
 
-    async def generate_and_score(
-        self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
-    ) -> list[tuple[Group, RewardResult]]:
+    async def generate(self, key: str, request: RolloutRequest) -> Group:
         self.generating.set()
         deadline = time.monotonic() + 30
         while not self.release.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self.fail_after_release:
             raise RuntimeError("the interrupted step failed")
-        out = []
-        for key, _ in items:
-            trajs = [Trajectory(id=f"{key}.{i}", group_id=key, completion_ids=[1, 2]) for i in range(2)]
-            rewards = [TrajectoryReward(trajectory_id=t.id, total=float(i)) for i, t in enumerate(trajs)]
-            out.append((Group(id=key, trajectories=trajs), RewardResult(group_id=key, rewards=rewards)))
-        return out
+        trajs = [Trajectory(id=f"{key}.{i}", group_id=key, completion_ids=[1, 2]) for i in range(2)]
+        return Group(id=key, trajectories=trajs)
+
+    async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
+        rewards = [
+            TrajectoryReward(trajectory_id=t.id, total=float(i)) for i, t in enumerate(group.trajectories)
+        ]
+        return RewardResult(group_id=group.id, rewards=rewards)
 
     async def train(self, key: str, batch: TrainBatch) -> StepResult:
         self.trained.append(batch.step)

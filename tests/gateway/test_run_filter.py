@@ -5,7 +5,6 @@ batch size counts); test_filter_groups_real.py runs the same option on the real 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,27 +31,24 @@ class Stages:
         self.batches: list[TrainBatch] = []
         self.accuracy_signal = accuracy_signal  # False: every group is of the odd kind
 
-    async def generate_and_score(
-        self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
-    ) -> list[tuple[Group, RewardResult]]:
-        out = []
-        for k, (key, _) in enumerate(items):
-            trajs = [
-                Trajectory(id=f"{key}.{i}", group_id=key, completion_ids=[1] * (i + 1)) for i in range(4)
-            ]
-            rewards = []
-            for i, t in enumerate(trajs):
-                acc = float(i % 2) if k % 2 == 0 and self.accuracy_signal else 0.0
-                length = -0.1 * i
-                rewards.append(
-                    TrajectoryReward(
-                        trajectory_id=t.id,
-                        total=acc + length,
-                        components={"accuracy": acc, "length_kimi": length},
-                    )
+    async def generate(self, key: str, request: RolloutRequest) -> Group:
+        trajs = [Trajectory(id=f"{key}.{i}", group_id=key, completion_ids=[1] * (i + 1)) for i in range(4)]
+        return Group(id=key, trajectories=trajs)
+
+    async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
+        k = int(group.id.rsplit(".p", 1)[1])  # the group's prompt index in its batch
+        rewards = []
+        for i, t in enumerate(group.trajectories):
+            acc = float(i % 2) if k % 2 == 0 and self.accuracy_signal else 0.0
+            length = -0.1 * i
+            rewards.append(
+                TrajectoryReward(
+                    trajectory_id=t.id,
+                    total=acc + length,
+                    components={"accuracy": acc, "length_kimi": length},
                 )
-            out.append((Group(id=key, trajectories=trajs), RewardResult(group_id=key, rewards=rewards)))
-        return out
+            )
+        return RewardResult(group_id=group.id, rewards=rewards)
 
     async def train(self, key: str, batch: TrainBatch) -> StepResult:
         self.batches.append(batch)

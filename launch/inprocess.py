@@ -1,0 +1,122 @@
+"""The RL step's stages in this process (gateway.step.Stages): the services' core functions called
+directly, no broker, no HTTP. The paper benches (bench/rl_loop.py) and the tests run the product's step
+through it; it lives in launch/ because only the launcher may import every service (docs/architecture.md
+"The walls").
+
+- generate: the rollout core (``rollout_svc.rollout.generate_group``, each mode's real code path) on
+  one torch engine; the groups of a step run concurrently, so the engine batches them;
+- score / match: the reward core (``reward_svc.core.score_group``, ``reward_svc.match``), math-verify in
+  its isolated pool, started only when an item needs it (Countdown and arithmetic are exact);
+- cut / revised: the reflect core (``reflect_svc.revise``) with the engine's tokenizer;
+- train: one ``learner.train.Learner`` step, whose published version the engine loads at once (the
+  product's replicas catch up from the policy store; here the engine is the only replica, so a request's
+  policy version is always the one it serves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from loom.contracts.settings import get_settings
+from loom.contracts.wire import (
+    Group,
+    ReflectParams,
+    RevisionPlan,
+    RewardResult,
+    RewardSpec,
+    RolloutRequest,
+    StepResult,
+    TrainBatch,
+)
+
+
+class Scorer:
+    """The reward service's core in-process; its verifier pool starts only if an item needs
+    math-verify."""
+
+    def __init__(self) -> None:
+        self._pool: Any = None
+
+    def verify(self, items: Sequence[Any], timeout_s: int) -> list[Any]:
+        if self._pool is None:
+            from reward_svc.pool import VerifierPool
+
+            self._pool = VerifierPool(1)
+        return list(self._pool.check_many(items, timeout_s))
+
+    def score(self, group: Group, spec: RewardSpec) -> RewardResult:
+        from reward_svc.core import score_group
+
+        return score_group(group, spec, self.verify)
+
+    def match(self, group: Group, texts: list[str]) -> list[bool]:
+        from reward_svc.match import MatchRequest, finish_matches, plan_matches
+
+        req = MatchRequest(label=group.label, task=group.task, meta=dict(group.meta), texts=texts)
+        decided, math_items = plan_matches(req)
+        verdicts = self.verify([m for _, m in math_items], req.timeout_s) if math_items else []
+        return [
+            v.status == "ok" and v.correct for v in finish_matches(decided, math_items, verdicts).verdicts
+        ]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+class InProcessStages:
+    """``gateway.step.Stages`` over ``engine`` (a torch engine) and, for ``train``, ``learner``."""
+
+    def __init__(self, engine: Any, learner: Any = None, scorer: Scorer | None = None) -> None:
+        self.engine, self.learner = engine, learner
+        self.scorer = scorer or Scorer()
+        self.settings = get_settings()
+
+    def _tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    async def generate(self, key: str, request: RolloutRequest) -> Group:
+        from rollout_svc.rollout import generate_group
+
+        # the engine serves the learner's newest version already (``train``): nothing to catch up to
+        local = request.model_copy(update={"policy_version": None, "policy_namespace": None})
+        return await generate_group(local, self.engine, self._tokenizer, self.settings)
+
+    async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
+        return self.scorer.score(group, spec)
+
+    async def match(self, key: str, group: Group, texts: list[str]) -> list[bool]:
+        return self.scorer.match(group, texts)
+
+    async def cut(
+        self, key: str, group: Group, params: ReflectParams, verdicts: list[bool] | None
+    ) -> RevisionPlan:
+        from reflect_svc.revise import plan_revisions
+
+        return plan_revisions(group, params, self.engine.tokenizer, verdicts)
+
+    async def revised(
+        self, key: str, group: Group, params: ReflectParams, plan: RevisionPlan, completions: list[Group]
+    ) -> Group:
+        from reflect_svc.revise import assemble_revisions
+
+        return assemble_revisions(group, params, plan, completions, self.engine.tokenizer)
+
+    async def train(self, key: str, batch: TrainBatch) -> StepResult:
+        if self.learner is None:
+            raise RuntimeError("these stages have no learner")
+        result: StepResult = self.learner.train_step(batch)
+        if result.policy is not None and result.policy.version != self.engine.policy_version:
+            self.engine.load_policy_sync(result.policy)
+        return result
+
+    async def cancel(self, scope: str) -> int:
+        return 0  # nothing is queued: a cancelled step's coroutines are cancelled by their caller
+
+    def forget(self, scope: str) -> None:
+        return None
+
+    def close(self) -> None:
+        self.scorer.close()
