@@ -37,7 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CORE = "loom"
 LAUNCHER = "launch"
-SERVICES = ("gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner")
+SERVICES = ("gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner", "sandbox_svc")
 FIRST_PARTY = (CORE, LAUNCHER, *SERVICES)
 
 _IDENT = r"[A-Za-z_]\w*"

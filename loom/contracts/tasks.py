@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from loom.contracts.sandbox import BatchRequest, BatchResult
 from loom.contracts.settings import SERVICES
 from loom.contracts.wire import (
     Group,
@@ -55,6 +56,7 @@ MATCH_TEXTS = TaskDef("reward.match_texts", (None,))  # reward_svc.match.MatchRe
 REVISE_GROUP = TaskDef("reflect.revise_group", (Group, ReflectParams), Group)
 TRAIN_STEP = TaskDef("learner.train_step", (TrainBatch,), StepResult)
 SCORE_ATTENTION = TaskDef("learner.score_attention")  # keyword arguments: token_ids, steps, delta, zero_from
+SANDBOX_RUN_BATCH = TaskDef("sandbox.run_batch", (BatchRequest,), BatchResult)
 
 
 def ping(service: str) -> TaskDef:
@@ -73,6 +75,7 @@ TASKS: dict[str, TaskDef] = {
         REVISE_GROUP,
         TRAIN_STEP,
         SCORE_ATTENTION,
+        SANDBOX_RUN_BATCH,
         *(ping(s) for s in SERVICES),
     )
 }

@@ -1,0 +1,366 @@
+"""One program run inside bubblewrap, bounded by the kernel and the runner's clock (docs/sandbox.md).
+
+What a run gets: new user, pid, network, IPC, UTS and cgroup namespaces (``--unshare-all``: no
+network but its own loopback), a root that holds only ``/usr`` (read-only, with ``/bin``, ``/lib``
+links), a stub ``/etc`` (``passwd`` and ``group`` naming one user), fresh ``/proc`` and ``/dev``, a
+private size-bounded tmpfs ``/tmp`` (its working directory) and an empty environment. Nothing of the
+service is bound: not its data dir, policy store, repository, virtualenv or environment.
+
+Limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_NOFILE, RLIMIT_FSIZE (the tmpfs size), RLIMIT_CORE 0 and, when
+the slot has no cgroup, RLIMIT_NPROC under the slot's own uid; the slot's cgroup (when the host lets
+us make one) bounds memory and processes of the whole run. The runner's clock bounds wall time and the
+output it keeps. At the end of a run the pid namespace's init (bwrap) is gone, so the kernel kills
+every process the run started; the slot's cgroup is then emptied as well.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loom.contracts.sandbox import Limits, RunRequest, RunResult, RunStatus
+from sandbox_svc.cgroups import SlotGroup, make_group
+
+BWRAP = "/usr/bin/bwrap"
+_PR_SET_PDEATHSIG = 1
+_MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "memory exhausted", "std::bad_alloc")
+_STUB_PASSWD = "sandbox:x:1000:1000:sandbox:/tmp:/usr/sbin/nologin\n"
+_STUB_GROUP = "sandbox:x:1000:\n"
+
+
+def bwrap_path() -> str | None:
+    """The bubblewrap binary, or None where it is not installed (deploy/setup.sh installs it)."""
+    for p in (os.environ.get("LOOM_SANDBOX_BWRAP", ""), BWRAP, "/usr/local/bin/bwrap"):
+        if p and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+@dataclass
+class Slot:
+    """A prepared runner slot: its own uid (when the service runs as root), cgroup, stub ``/etc`` and
+    limits already written; a run only starts bwrap in it."""
+
+    index: int
+    uid: int | None
+    group: SlotGroup | None
+    etc: Path
+    pid: int | None = None  # the running bwrap, for the health check
+    stop_reason: RunStatus | None = None  # set from outside to end the current run
+    group_limits: tuple[int, int] | None = field(default=None)
+
+    @classmethod
+    def prepare(cls, index: int, uid_base: int, tag: str, use_cgroup: bool = True) -> Slot:
+        etc = Path(tempfile.mkdtemp(prefix=f"loom-sandbox-etc-{index}-"))
+        (etc / "passwd").write_text(_STUB_PASSWD)
+        (etc / "group").write_text(_STUB_GROUP)
+        (etc / "hostname").write_text("sandbox\n")
+        for p in (etc, *etc.iterdir()):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        uid = uid_base + index if os.geteuid() == 0 else None
+        group = make_group(f"loom-sandbox-{tag}-{index}") if use_cgroup else None
+        return cls(index, uid, group, etc)
+
+    def limit_group(self, limits: Limits) -> SlotGroup | None:
+        """The slot's cgroup with this run's limits written (only when they change), or None."""
+        if self.group is None:
+            return None
+        want = (limits.memory_mb << 20, limits.processes + 2)  # + bwrap's two processes
+        if self.group_limits != want:
+            try:
+                self.group.set_limits(*want)
+                self.group_limits = want
+            except OSError:
+                self.group.remove()
+                self.group = None
+                return None
+        return self.group
+
+    def stop(self, reason: RunStatus) -> None:
+        """End the current run from another thread (health check, shutdown)."""
+        self.stop_reason = reason
+        if self.group is not None:
+            self.group.kill_all()
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def kill_uid(self) -> None:
+        """SIGKILL every process of the slot's uid (a forked helper that takes the uid and signals -1):
+        what a killed bwrap leaves when the slot has no cgroup to empty."""
+        if self.uid is None:
+            return
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setgid(self.uid)
+                os.setuid(self.uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.remove()
+        for p in self.etc.iterdir():
+            p.unlink()
+        self.etc.rmdir()
+
+
+def _interpreter(language: str) -> list[str]:
+    if language == "python":
+        return [os.environ.get("LOOM_SANDBOX_PYTHON", "/usr/bin/python3"), "-I", "-B", "/code/main"]
+    return ["/bin/bash", "/code/main"]
+
+
+def command(bwrap: str, req: RunRequest, slot: Slot, code_fd: int) -> list[str]:
+    lim = req.limits
+    return [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--uid",
+        "1000",
+        "--gid",
+        "1000",
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+        "--setenv", "HOME", "/tmp",
+        "--setenv", "LANG", "C.UTF-8",
+        "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+        "--ro-bind", "/usr", "/usr",
+        "--symlink", "usr/bin", "/bin",
+        "--symlink", "usr/sbin", "/sbin",
+        "--symlink", "usr/lib", "/lib",
+        "--symlink", "usr/lib64", "/lib64",
+        "--ro-bind", str(slot.etc), "/etc",
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--size", str(lim.tmp_mb << 20),
+        "--tmpfs", "/tmp",
+        "--ro-bind-data", str(code_fd), "/code/main",
+        "--remount-ro", "/",
+        "--remount-ro", "/dev",  # its tmpfs is unbounded; device nodes stay usable
+        "--chdir", "/tmp",
+        "--",
+        *_interpreter(req.language),
+    ]  # fmt: skip
+
+
+def _child_setup(slot: Slot, group: SlotGroup | None, lim: Limits) -> Callable[[], None]:
+    """Runs in the forked child before it execs bwrap: cgroup, rlimits, then the slot's uid."""
+    cpu = max(1, int(-(-lim.cpu_s // 1)))
+    mem = lim.memory_mb << 20
+    uid = slot.uid
+
+    def setup() -> None:
+        if group is not None:
+            group.join_self()
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.tmp_mb << 20, lim.tmp_mb << 20))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if group is None and uid is not None:  # the slot's own uid: NPROC counts this run alone
+            resource.setrlimit(resource.RLIMIT_NPROC, (lim.processes + 2, lim.processes + 2))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except Exception:  # --die-with-parent still ends the sandbox with bwrap
+            pass
+
+    return setup
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def run(req: RunRequest, slot: Slot, bwrap: str | None = None) -> RunResult:
+    """Run ``req`` in ``slot``; never raises for anything the program does."""
+    bwrap = bwrap or bwrap_path()
+    if bwrap is None:
+        return RunResult(status="sandbox_error", detail="bubblewrap is not installed (deploy/setup.sh)")
+    lim = req.limits
+    group = slot.limit_group(lim)
+    cpu0 = None
+    if group is not None:
+        group.reset()
+        cpu0 = group.cpu_s()
+    slot.stop_reason = None
+    code_fd = _memfd("code", req.code.encode("utf-8", "surrogatepass"))
+    stdin_fd = _memfd("stdin", req.stdin.encode("utf-8", "surrogatepass"))
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            command(bwrap, req, slot, code_fd),
+            stdin=stdin_fd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(code_fd,),
+            preexec_fn=_child_setup(slot, group, lim),
+            close_fds=True,
+            env={},  # bwrap's own processes are visible inside: they carry nothing of the service
+        )
+    except OSError as exc:
+        return RunResult(status="sandbox_error", detail=f"could not start bubblewrap: {exc}")
+    finally:
+        os.close(code_fd)
+        os.close(stdin_fd)
+    slot.pid = proc.pid
+    try:
+        out, err, truncated, ended_by = _collect(proc, lim, t0, slot)
+        _, wait_status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(wait_status)
+    finally:
+        slot.pid = None
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        proc.stderr.close()
+        if group is not None:
+            group.kill_all()
+    wall = time.monotonic() - t0
+    cpu = usage.ru_utime + usage.ru_stime  # bwrap's own; the run's from its cgroup where accounted
+    cpu1 = group.cpu_s() if group is not None else None
+    if cpu0 is not None and cpu1 is not None:
+        cpu = max(cpu, cpu1 - cpu0)
+    return _outcome(proc.returncode, out, err, truncated, ended_by, wall, cpu, lim, group)
+
+
+def _collect(
+    proc: subprocess.Popen[bytes], lim: Limits, t0: float, slot: Slot
+) -> tuple[bytes, bytes, bool, RunStatus | None]:
+    """Read stdout and stderr until both close, the wall time passes or the output bound is passed
+    (then the run is killed). Returns (stdout, stderr, truncated, why the runner ended it)."""
+    assert proc.stdout is not None and proc.stderr is not None
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    deadline = t0 + lim.wall_s
+    total, truncated, ended_by = 0, False, None
+    died_at: float | None = None
+    try:
+        while sel.get_map():
+            if slot.stop_reason is not None:
+                ended_by = slot.stop_reason
+                break
+            if died_at is None and _exited(proc.pid):
+                died_at = time.monotonic()
+            elif died_at is not None and time.monotonic() - died_at > 0.5:
+                break  # bwrap is gone but something still holds its pipes: no more output is the run's
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ended_by = "timeout"
+                break
+            for key, _ in sel.select(min(left, 0.25)):
+                fd = int(key.fd)  # type: ignore[call-overload]
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(fd)
+                    continue
+                room = lim.output_bytes - total
+                bufs[fd] += chunk[: max(0, room)]
+                total += len(chunk)
+                if total > lim.output_bytes:
+                    truncated, ended_by = True, "output_limit"
+                    break
+            if ended_by:
+                break
+    finally:
+        sel.close()
+    if ended_by is not None or slot.stop_reason is not None or died_at is not None:
+        ended_by = ended_by or slot.stop_reason
+        _kill(proc, slot)
+    return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), truncated, ended_by
+
+
+def _exited(pid: int) -> bool:
+    """Has ``pid`` ended (without reaping it: ``os.wait4`` reads its status later)?"""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _kill(proc: subprocess.Popen[bytes], slot: Slot) -> None:
+    """Killing bwrap ends the run's pid namespace; the slot's cgroup or uid catches what a killed
+    bwrap leaves behind."""
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if slot.group is not None:
+        slot.group.kill_all()
+    else:
+        slot.kill_uid()
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+def _outcome(
+    code: int,
+    out: bytes,
+    err: bytes,
+    truncated: bool,
+    ended_by: RunStatus | None,
+    wall: float,
+    cpu: float,
+    lim: Limits,
+    group: SlotGroup | None,
+) -> RunResult:
+    stdout, stderr = _text(out), _text(err)
+    # bwrap exits with the program's status, or 128 + the signal that ended it
+    sig = -code if code < 0 else (code - 128 if code > 128 else None)
+    exit_code = None if sig is not None else code
+    base = {"stdout": stdout, "stderr": stderr, "truncated": truncated, "wall_s": wall, "cpu_s": cpu}
+    base |= {"exit_code": exit_code, "signal": sig}
+    if ended_by == "timeout":
+        return RunResult(status="timeout", detail=f"wall time over {lim.wall_s} s", **base)
+    if ended_by is not None:
+        why = {"output_limit": f"output over {lim.output_bytes} bytes", "killed": "ended by the runner"}
+        return RunResult(status=ended_by, detail=why.get(ended_by, "stopped"), **base)
+    if code < 0:  # bwrap itself died of a signal (a program's own signal is bwrap's 128 + N)
+        return RunResult(status="killed", detail=f"the runner was killed (signal {sig})", **base)
+    if code == 1 and stderr.startswith("bwrap:"):
+        return RunResult(status="sandbox_error", detail=stderr.strip()[:500], **base)
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= int(-(-lim.cpu_s // 1))):
+        return RunResult(status="timeout", detail=f"CPU time over {lim.cpu_s} s", **base)
+    tail = stderr[-2000:]
+    if code != 0 and ((group is not None and group.memory_hit()) or any(m in tail for m in _MEMORY_MARKERS)):
+        return RunResult(status="memory", detail=f"memory over {lim.memory_mb} MB", **base)
+    if code == 0:
+        return RunResult(status="ok", **base)
+    return RunResult(status="runtime_error", **base)

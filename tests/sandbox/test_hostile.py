@@ -1,0 +1,286 @@
+"""The hostile matrix (docs/sandbox.md "Threat model"): each hostile program is bounded by its limit
+with its typed status, nothing of the service leaks in, nothing of the run outlives it, and the pool
+and the other runs survive. Real bubblewrap, real rlimits and cgroups; no stand-ins."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from loom.contracts.sandbox import Limits, RunRequest
+from sandbox_svc.pool import Busy, SandboxPool
+from sandbox_svc.runner import bwrap_path
+
+pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed (deploy/setup.sh)")
+
+FAST = Limits(cpu_s=2, wall_s=4, memory_mb=256, processes=32, tmp_mb=8, output_bytes=64 << 10)
+SECRET = "loom-test-service-token-4f1c9e"
+
+
+@pytest.fixture(scope="module")
+def pool() -> SandboxPool:
+    old = os.environ.get("LOOM_SERVICE_TOKEN")
+    os.environ["LOOM_SERVICE_TOKEN"] = SECRET  # the service's own environment holds a token
+    with SandboxPool(2, queue_size=16) as p:
+        yield p
+    if old is None:
+        os.environ.pop("LOOM_SERVICE_TOKEN", None)
+    else:
+        os.environ["LOOM_SERVICE_TOKEN"] = old
+
+
+def run(pool: SandboxPool, code: str, language: str = "python", stdin: str = "", **limits: object):
+    return pool.submit(
+        RunRequest(language=language, code=code, stdin=stdin, limits=FAST.model_copy(update=limits))
+    ).result()
+
+
+def uid_processes(uids: list[int]) -> list[int]:
+    """Host pids whose real uid is one of the pool's slot uids."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for line in (d / "status").read_text().splitlines():
+                if line.startswith("Uid:") and int(line.split()[1]) in uids:
+                    out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+def assert_nothing_left(pool: SandboxPool) -> None:
+    for _ in range(50):
+        left = uid_processes(pool.slot_uids())
+        if not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes of the run outlived it: {left}")
+
+
+def assert_pool_works(pool: SandboxPool) -> None:
+    r = run(pool, "print(sum(range(10)))")
+    assert (r.status, r.stdout) == ("ok", "45\n"), r
+
+
+def test_ok_program_reads_stdin_and_exits_zero(pool: SandboxPool) -> None:
+    r = run(pool, "import sys\nprint(sys.stdin.read().upper(), end='')", stdin="abc\n")
+    assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "ABC\n")
+    b = run(pool, "echo $((6*7)); exit 3", language="bash")
+    assert (b.status, b.exit_code, b.stdout) == ("runtime_error", 3, "42\n")
+
+
+def test_fork_bomb_is_bounded_by_the_process_limit(pool: SandboxPool) -> None:
+    r = run(pool, "import os\nwhile True:\n    os.fork()")
+    assert r.status in ("runtime_error", "timeout"), r
+    b = run(pool, ":(){ :|:& };:\nsleep 10", language="bash")
+    assert b.status == "timeout", b
+    assert_nothing_left(pool)
+    assert_pool_works(pool)
+
+
+def test_ten_gigabytes_is_a_memory_outcome(pool: SandboxPool) -> None:
+    r = run(pool, "x = bytearray(10 * 1024**3)\nprint('allocated')")
+    assert r.status == "memory" and "allocated" not in r.stdout, r
+    touched = run(pool, "x = []\nwhile True:\n    x.append(bytearray(16 << 20))")
+    assert touched.status == "memory", touched
+    assert_pool_works(pool)
+
+
+def test_infinite_loop_is_a_timeout(pool: SandboxPool) -> None:
+    r = run(pool, "while True:\n    pass", cpu_s=1, wall_s=30)
+    assert r.status == "timeout" and r.signal == signal.SIGXCPU, r
+    w = run(pool, "import time\ntime.sleep(60)", wall_s=1)
+    assert w.status == "timeout" and w.exit_code is None, w
+
+
+def test_busy_child_outliving_its_parent_is_killed_with_the_run(pool: SandboxPool) -> None:
+    code = "import os\nif os.fork() == 0:\n    while True:\n        pass\nprint('parent done')"
+    r = run(pool, code)
+    assert (r.status, r.stdout) == ("ok", "parent done\n"), r
+    assert_nothing_left(pool)
+
+
+def test_nothing_outside_tmp_is_writable(pool: SandboxPool) -> None:
+    code = (
+        "import os\n"
+        "for p in ['/x', '/etc/x', '/usr/x', '/code/x', '/proc/x', '/dev/x', '/bin/x']:\n"
+        "    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
+        "    except OSError as e:\n        print('refused', p)\n"
+        "open('/tmp/ok', 'w').write('x')\nprint('tmp ok')\n"
+    )
+    r = run(pool, code)
+    assert r.status == "ok" and "WROTE" not in r.stdout and "tmp ok" in r.stdout, r
+
+
+def test_filling_the_disk_stops_at_the_tmp_size(pool: SandboxPool) -> None:
+    code = (
+        "n = 0\nf = open('/tmp/fill', 'wb')\n"
+        "try:\n    while True:\n        f.write(b'x' * (1 << 20)); f.flush(); n += 1\n"
+        "except OSError as e:\n    print('stopped', n, e.errno)\n"
+    )
+    r = run(pool, code, tmp_mb=4)
+    assert r.status in ("ok", "runtime_error"), r
+    if r.status == "ok":
+        assert int(r.stdout.split()[1]) <= 4, r
+    else:  # RLIMIT_FSIZE's SIGXFSZ ended it first
+        assert r.signal == signal.SIGXFSZ, r
+
+
+def test_etc_passwd_is_the_sandbox_stub(pool: SandboxPool) -> None:
+    r = run(pool, "print(open('/etc/passwd').read())")
+    assert r.status == "ok" and "root:" not in r.stdout and r.stdout.startswith("sandbox:"), r
+    host = Path("/etc/passwd").read_text()
+    assert host.splitlines()[0] not in r.stdout
+
+
+def test_the_service_environment_is_not_visible(pool: SandboxPool) -> None:
+    code = (
+        "import os\nprint(dict(os.environ))\n"
+        "for p in os.listdir('/proc'):\n"
+        "    if p.isdigit():\n"
+        "        try: print(open(f'/proc/{p}/environ').read())\n"
+        "        except OSError: pass\n"
+    )
+    r = run(pool, code)
+    assert r.status == "ok" and SECRET not in r.stdout and "LOOM_" not in r.stdout, r
+    b = run(pool, "env; cat /proc/*/environ 2>/dev/null", language="bash")
+    assert SECRET not in b.stdout and "LOOM_" not in b.stdout, b
+
+
+def test_data_dir_policy_store_and_repo_are_absent(pool: SandboxPool, tmp_path: Path) -> None:
+    data = tmp_path / "data" / "policy"
+    data.mkdir(parents=True)
+    (data / "manifest.json").write_text("weights")
+    repo = Path(__file__).resolve().parents[2]
+    code = (
+        "import os\n"
+        f"for p in [{str(data / 'manifest.json')!r}, {str(repo / 'pyproject.toml')!r}, '/root', '/work', '/home']:\n"
+        "    print(p, os.path.exists(p))\n"
+    )
+    r = run(pool, code)
+    assert r.status == "ok" and "True" not in r.stdout, r
+
+
+def test_no_network_to_loopback_or_outward(pool: SandboxPool) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    code = (
+        "import socket, os\n"
+        f"s = socket.socket()\ns.settimeout(2)\nprint('loopback', s.connect_ex(('127.0.0.1', {port})))\n"
+        "print('interfaces', sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') else [])\n"
+        "print('routes', open('/proc/net/route').read().count(chr(10)) - 1)\n"
+        "try:\n    socket.getaddrinfo('example.com', 80)\n    print('RESOLVED')\nexcept OSError:\n    print('no dns')\n"
+    )
+    r = run(pool, code)
+    try:
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing reached the host's loopback
+    finally:
+        listener.close()
+    assert r.status == "ok", r
+    assert "loopback 0" not in r.stdout and "routes 0" in r.stdout and "no dns" in r.stdout, r
+
+
+def test_killing_the_runner_is_a_killed_outcome(pool: SandboxPool) -> None:
+    with SandboxPool(1, queue_size=4) as one:
+        fut = one.submit(
+            RunRequest(code="import time\ntime.sleep(30)", limits=FAST.model_copy(update={"wall_s": 30}))
+        )
+        runner = one._runners[0]
+        for _ in range(100):
+            if runner.slot.pid is not None:
+                break
+            time.sleep(0.05)
+        os.kill(runner.slot.pid, signal.SIGKILL)
+        r = fut.result(timeout=20)
+        assert r.status == "killed", r
+        assert one.submit(RunRequest(code="print('next')", limits=FAST)).result().stdout == "next\n"
+    inside = run(pool, "kill -9 -1; echo survived", language="bash")
+    assert inside.status in ("killed", "runtime_error", "ok"), inside
+    assert_pool_works(pool)
+
+
+def test_ptrace_reaches_nothing_outside(pool: SandboxPool) -> None:
+    host_pid = os.getpid()
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"print('attach', libc.ptrace(16, {host_pid}, 0, 0), ctypes.get_errno())\n"
+        "print('pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+    )
+    r = run(pool, code)
+    assert r.status == "ok" and "attach -1 3" in r.stdout, r  # ESRCH: the host's pid does not exist here
+    pids = eval(r.stdout.split("pids ", 1)[1])
+    assert max(pids) < 10, r  # its own pid namespace: bwrap's init and the program
+
+
+def test_a_gigabyte_of_output_is_cut_at_the_output_limit(pool: SandboxPool) -> None:
+    r = run(pool, "import sys\nfor _ in range(16384):\n    sys.stdout.write('x' * 65536)")
+    assert r.status == "output_limit" and r.truncated and len(r.stdout) <= FAST.output_bytes, r
+    b = run(pool, "yes", language="bash")
+    assert b.status == "output_limit", b
+    assert_nothing_left(pool)
+
+
+def test_a_program_that_never_reads_stdin_is_not_blocked(pool: SandboxPool) -> None:
+    r = run(pool, "print('done')", stdin="y" * (8 << 20))
+    assert (r.status, r.stdout) == ("ok", "done\n"), r
+
+
+def test_the_next_run_on_a_warm_slot_sees_nothing_of_the_last() -> None:
+    with SandboxPool(1, queue_size=4) as one:
+        first = RunRequest(
+            language="bash",
+            code="echo secret > /tmp/left; (sleep 100 &) ; export X=1; echo started",
+            limits=FAST,
+        )
+        assert one.submit(first).result().stdout == "started\n"
+        second = RunRequest(
+            code="import os\nprint(os.listdir('/tmp'), sorted(p for p in os.listdir('/proc') if p.isdigit()))",
+            limits=FAST,
+        )
+        r = one.submit(second).result()
+        assert r.status == "ok" and "left" not in r.stdout, r
+        assert len(eval(r.stdout.split("] ", 1)[1])) <= 2, r
+        assert_nothing_left(one)
+
+
+def test_one_bad_program_never_fails_its_batch(pool: SandboxPool) -> None:
+    batch = [
+        RunRequest(code="print(1)", limits=FAST),
+        RunRequest(code="import os\nwhile True: os.fork()", limits=FAST),
+        RunRequest(code="while True: pass", limits=FAST.model_copy(update={"cpu_s": 1})),
+        RunRequest(code="raise SystemExit(2)", limits=FAST),
+        RunRequest(code="print(2)", limits=FAST),
+    ]
+    out = pool.run_batch(batch)
+    assert [r.status for r in out][0::4] == ["ok", "ok"] and out[3].exit_code == 2
+    assert out[2].status == "timeout"
+
+
+def test_a_full_pool_answers_busy_instead_of_queueing() -> None:
+    with SandboxPool(1, queue_size=1) as one:
+        slow = RunRequest(code="import time\ntime.sleep(2)", limits=FAST)
+        held = one.submit_many([slow, slow])
+        with pytest.raises(Busy):
+            one.submit(slow)
+        assert [f.result().status for f in held] == ["ok", "ok"]
+        assert one.health()["refused"] == 1
+        assert one.submit(RunRequest(code="print(3)", limits=FAST)).result().stdout == "3\n"
+
+
+def test_limits_are_capped_at_the_service_maximum() -> None:
+    with SandboxPool(1, max_limits=FAST) as one:
+        r = one.submit(RunRequest(code="import time\ntime.sleep(30)", limits=Limits(wall_s=60))).result()
+        assert r.status == "timeout" and r.wall_s < 30, r
+    threading.enumerate()  # the pool's threads ended with it
