@@ -168,6 +168,9 @@ def _child_setup(slot: Slot, group: SlotGroup | None, lim: Limits) -> Callable[[
     cpu = max(1, int(-(-lim.cpu_s // 1)))
     mem = lim.memory_mb << 20
     uid = slot.uid
+    # without a cgroup or a uid of its own, NPROC counts every process of the service's user: the
+    # run may add ``processes`` to what that user runs now
+    shared_nproc = _user_processes(os.getuid()) + lim.processes + 2 if group is None and uid is None else None
 
     def setup() -> None:
         if group is not None:
@@ -179,6 +182,8 @@ def _child_setup(slot: Slot, group: SlotGroup | None, lim: Limits) -> Callable[[
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if group is None and uid is not None:  # the slot's own uid: NPROC counts this run alone
             resource.setrlimit(resource.RLIMIT_NPROC, (lim.processes + 2, lim.processes + 2))
+        elif shared_nproc is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (shared_nproc, shared_nproc))
         if uid is not None:
             os.setgroups([])
             os.setgid(uid)
@@ -191,6 +196,23 @@ def _child_setup(slot: Slot, group: SlotGroup | None, lim: Limits) -> Callable[[
             pass
 
     return setup
+
+
+def _user_processes(uid: int) -> int:
+    """Processes and threads of ``uid`` now (what RLIMIT_NPROC counts)."""
+    n = 0
+    for d in os.scandir("/proc"):
+        if d.name.isdigit():
+            try:
+                st = os.stat(d.path)
+            except OSError:
+                continue
+            if st.st_uid == uid:
+                try:
+                    n += len(os.listdir(f"{d.path}/task"))
+                except OSError:
+                    n += 1
+    return n
 
 
 def _memfd(name: str, data: bytes) -> int:
