@@ -15,7 +15,7 @@ class SandboxSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOM_SANDBOX_", extra="ignore")
 
     slots: int = Field(default=2, ge=1, description="warm runner slots: runs at once per process")
-    queue: int = Field(default=32, ge=0, description="admitted runs waiting for a slot; beyond: 429 busy")
+    queue: int = Field(default=128, ge=0, description="admitted runs waiting for a slot; beyond: 429 busy")
     grace_s: float = Field(default=5.0, gt=0, description="past a run's wall time, its slot is replaced")
     max_cpu_s: float = Field(default=60.0, gt=0)
     max_wall_s: float = Field(default=120.0, gt=0)
