@@ -40,8 +40,14 @@ TRIVIAL = RunRequest(code="pass")
 
 
 def bare(req: RunRequest) -> str:
-    argv = ["/usr/bin/python3", "-I", "-B", "-c", req.code] if req.language == "python" else ["/bin/bash", "-c", req.code]
-    return subprocess.run(argv, input=req.stdin.encode(), capture_output=True, timeout=30, env={}).stdout.decode()
+    argv = (
+        ["/usr/bin/python3", "-I", "-B", "-c", req.code]
+        if req.language == "python"
+        else ["/bin/bash", "-c", req.code]
+    )
+    return subprocess.run(
+        argv, input=req.stdin.encode(), capture_output=True, timeout=30, env={}
+    ).stdout.decode()
 
 
 def rate(fn: object, reqs: list[RunRequest], width: int) -> float:
@@ -117,10 +123,13 @@ def code_rewards(args: argparse.Namespace) -> None:
     client = SandboxClient(f"http://127.0.0.1:{port}")
     program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     spec = RewardSpec(components=[{"name": "code_pass"}, {"name": "code_all"}])  # type: ignore[list-item]
-    print("\n## 3. code rewards over HTTP (4 samples per group)\n| tests per item | items/s | runs/s |\n|---|---|---|")
+    print("\n## 3. code rewards over HTTP (4 samples per group)")
+    print("| tests per item | items/s | runs/s |\n|---|---|---|")
     try:
         for n in (1, 4, 16):
-            label = json.dumps({"inputs": [f"{i} {i}\n" for i in range(n)], "outputs": [str(2 * i) for i in range(n)]})
+            label = json.dumps(
+                {"inputs": [f"{i} {i}\n" for i in range(n)], "outputs": [str(2 * i) for i in range(n)]}
+            )
             groups = [
                 Group(id=f"g{k}", task="code", label=label,
                       trajectories=[Trajectory(id=f"t{j}", group_id=f"g{k}", text=program) for j in range(4)])
@@ -128,7 +137,9 @@ def code_rewards(args: argparse.Namespace) -> None:
             ]  # fmt: skip
             t0 = time.perf_counter()
             with ThreadPoolExecutor(4) as ex:
-                results = list(ex.map(lambda g: score_group(g, spec, lambda i, t: [], run_code=client.run_batch), groups))
+                results = list(
+                    ex.map(lambda g: score_group(g, spec, lambda i, t: [], run_code=client.run_batch), groups)
+                )
             dt = time.perf_counter() - t0
             assert all(r.total == 2.0 for res in results for r in res.rewards), "a code reward was wrong"
             items = sum(len(g.trajectories) for g in groups)

@@ -26,7 +26,13 @@ from loom.contracts.sandbox import Language, Limits, RunRequest, RunResult
 from reward_svc.context import GroupContext
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
-_LANGS: dict[str, Language] = {"python": "python", "py": "python", "python3": "python", "bash": "bash", "sh": "bash"}
+_LANGS: dict[str, Language] = {
+    "python": "python",
+    "py": "python",
+    "python3": "python",
+    "bash": "bash",
+    "sh": "bash",
+}
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,9 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def plan_runs(tests: CodeTests | CodeVerdict, text: str | None, params: CodeParams) -> list[RunRequest] | CodeVerdict:
+def plan_runs(
+    tests: CodeTests | CodeVerdict, text: str | None, params: CodeParams
+) -> list[RunRequest] | CodeVerdict:
     """The sandbox runs of one trajectory (one per test), or its verdict without running anything."""
     if isinstance(tests, CodeVerdict):
         return tests
@@ -102,10 +110,15 @@ def plan_runs(tests: CodeTests | CodeVerdict, text: str | None, params: CodePara
     tag, program = found
     language = _LANGS.get(tag or "", tests.language)
     limits = Limits(
-        cpu_s=params.timeout_s, wall_s=params.timeout_s * 2, memory_mb=params.memory_mb, output_bytes=params.output_bytes
+        cpu_s=params.timeout_s,
+        wall_s=params.timeout_s * 2,
+        memory_mb=params.memory_mb,
+        output_bytes=params.output_bytes,
     )
     if tests.asserts is not None:
-        return [RunRequest(language=language, code=f"{program}\n\n{a}\n", limits=limits) for a in tests.asserts]
+        return [
+            RunRequest(language=language, code=f"{program}\n\n{a}\n", limits=limits) for a in tests.asserts
+        ]
     return [RunRequest(language=language, code=program, stdin=s, limits=limits) for s in tests.stdin]
 
 
@@ -129,7 +142,9 @@ def judge(tests: CodeTests, results: list[RunResult]) -> CodeVerdict:
         else:
             passed += r.status == "ok" and same_output(r.stdout, tests.stdout[i])
     outcomes = ",".join(r.status for r in results)
-    return CodeVerdict("ok", passed / len(results), detail=f"{passed}/{len(results)} passed ({outcomes})"[:500])
+    return CodeVerdict(
+        "ok", passed / len(results), detail=f"{passed}/{len(results)} passed ({outcomes})"[:500]
+    )
 
 
 def code_verdicts(ctx: GroupContext) -> list[CodeVerdict]:

@@ -141,12 +141,11 @@ def _judge_code(p: Plan, results: Sequence[RunResult]) -> None:
     k = 0
     for i, runs in p.code:
         assert p.tests is not None
-        v = judge(p.tests, list(results[k : k + len(runs)]))
+        p.code_verdicts[i] = judge(p.tests, list(results[k : k + len(runs)]))
         k += len(runs)
-        p.code_verdicts[i] = v
-    for i, v in enumerate(p.code_verdicts):
-        if v is not None and p.verdicts[i] is None:
-            p.verdicts[i] = Verdict(v.status, correct=v.all_passed, detail=v.detail)
+    for i, decided in enumerate(p.code_verdicts):
+        if decided is not None and p.verdicts[i] is None:
+            p.verdicts[i] = Verdict(decided.status, correct=decided.all_passed, detail=decided.detail)
 
 
 def finish_group(

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loom.contracts.sandbox import Limits, RunRequest, RunResult
+from loom.contracts.sandbox import Language, Limits, RunRequest, RunResult
 
 
 class RunCodeRequest(BaseModel):
@@ -49,7 +49,8 @@ class RunCodeResponse(BaseModel):
 
 def to_run(req: RunCodeRequest, defaults: Limits) -> RunRequest | RunCodeResponse:
     """The Loom run of a ``run_code`` request, or the ``SandboxError`` answer when Loom cannot run it."""
-    language = {"python": "python", "python3": "python", "bash": "bash"}.get(req.language)
+    languages: dict[str, Language] = {"python": "python", "python3": "python", "bash": "bash"}
+    language = languages.get(req.language)
     if language is None:
         return RunCodeResponse(status="SandboxError", message=f"language {req.language!r} is not run by Loom")
     if req.files or req.fetch_files:

@@ -98,8 +98,15 @@ class SandboxPool:
     ) -> None:
         self.n_slots = max(1, slots)
         self.capacity = self.n_slots + max(0, queue_size)
-        self.max_limits = max_limits or Limits(cpu_s=60, wall_s=120, memory_mb=4096, processes=256,
-                                               open_files=1024, output_bytes=16 << 20, tmp_mb=512)  # fmt: skip
+        self.max_limits = max_limits or Limits(
+            cpu_s=60,
+            wall_s=120,
+            memory_mb=4096,
+            processes=256,
+            open_files=1024,
+            output_bytes=16 << 20,
+            tmp_mb=512,
+        )
         self.grace_s = grace_s
         self.bwrap = bwrap_path()
         self.stats = PoolStats()

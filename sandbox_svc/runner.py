@@ -367,22 +367,26 @@ def _outcome(
     # bwrap exits with the program's status, or 128 + the signal that ended it
     sig = -code if code < 0 else (code - 128 if code > 128 else None)
     exit_code = None if sig is not None else code
-    base = {"stdout": stdout, "stderr": stderr, "truncated": truncated, "wall_s": wall, "cpu_s": cpu}
-    base |= {"exit_code": exit_code, "signal": sig}
+    base = RunResult(
+        status="ok", stdout=stdout, stderr=stderr, truncated=truncated, wall_s=wall, cpu_s=cpu,
+        exit_code=exit_code, signal=sig,
+    )  # fmt: skip
+
+    def outcome(status: RunStatus, detail: str | None = None) -> RunResult:
+        return base.model_copy(update={"status": status, "detail": detail})
+
     if ended_by == "timeout":
-        return RunResult(status="timeout", detail=f"wall time over {lim.wall_s} s", **base)
+        return outcome("timeout", f"wall time over {lim.wall_s} s")
     if ended_by is not None:
         why = {"output_limit": f"output over {lim.output_bytes} bytes", "killed": "ended by the runner"}
-        return RunResult(status=ended_by, detail=why.get(ended_by, "stopped"), **base)
+        return outcome(ended_by, why.get(ended_by, "stopped"))
     if code < 0:  # bwrap itself died of a signal (a program's own signal is bwrap's 128 + N)
-        return RunResult(status="killed", detail=f"the runner was killed (signal {sig})", **base)
+        return outcome("killed", f"the runner was killed (signal {sig})")
     if code == 1 and stderr.startswith("bwrap:"):
-        return RunResult(status="sandbox_error", detail=stderr.strip()[:500], **base)
+        return outcome("sandbox_error", stderr.strip()[:500])
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= int(-(-lim.cpu_s // 1))):
-        return RunResult(status="timeout", detail=f"CPU time over {lim.cpu_s} s", **base)
+        return outcome("timeout", f"CPU time over {lim.cpu_s} s")
     tail = stderr[-2000:]
     if code != 0 and ((group is not None and group.memory_hit()) or any(m in tail for m in _MEMORY_MARKERS)):
-        return RunResult(status="memory", detail=f"memory over {lim.memory_mb} MB", **base)
-    if code == 0:
-        return RunResult(status="ok", **base)
-    return RunResult(status="runtime_error", **base)
+        return outcome("memory", f"memory over {lim.memory_mb} MB")
+    return outcome("ok" if code == 0 else "runtime_error")

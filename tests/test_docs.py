@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("loom", "launch", "gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner", "sandbox_svc", "bench")
+PACKAGES = (
+    "loom", "launch", "gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner", "sandbox_svc", "bench"
+)  # fmt: skip
 CITATION = re.compile(r"docs/algorithms\.md §(\d+(?:\.\d+)?)")
 
 

@@ -66,7 +66,9 @@ def test_code_rewards_score_each_program_by_its_tests(reward_url: str) -> None:
         "label": TESTS,
         "trajectories": [{"id": f"t{i}", "group_id": "g", "text": t} for i, t in enumerate(texts)],
     }
-    r = httpx.post(f"{reward_url}/v1/rewards", json={"groups": [group], "spec": {"components": COMPONENTS}}, timeout=120)
+    r = httpx.post(
+        f"{reward_url}/v1/rewards", json={"groups": [group], "spec": {"components": COMPONENTS}}, timeout=120
+    )
     assert r.status_code == 200, r.text
     rows = r.json()["results"][0]["rewards"]
     passes = [x["components"]["code_pass"] for x in rows]
@@ -78,7 +80,9 @@ def test_code_rewards_score_each_program_by_its_tests(reward_url: str) -> None:
 
 
 def test_assert_style_tests_and_a_bash_program(reward_url: str) -> None:
-    label = json.dumps({"asserts": ["assert double(2) == 4", "assert double(-1) == -2", "assert double(0) == 1"]})
+    label = json.dumps(
+        {"asserts": ["assert double(2) == 4", "assert double(-1) == -2", "assert double(0) == 1"]}
+    )
     bash = json.dumps({"language": "bash", "inputs": ["3\n"], "outputs": ["6"]})
     groups = [
         {"id": "a", "task": "code", "label": label, "trajectories": [
@@ -86,7 +90,9 @@ def test_assert_style_tests_and_a_bash_program(reward_url: str) -> None:
         {"id": "b", "task": "code", "label": bash, "trajectories": [
             {"id": "y", "group_id": "b", "text": "```bash\nread n; echo $((n * 2))\n```"}]},
     ]  # fmt: skip
-    r = httpx.post(f"{reward_url}/v1/rewards", json={"groups": groups, "spec": {"components": COMPONENTS}}, timeout=60)
+    r = httpx.post(
+        f"{reward_url}/v1/rewards", json={"groups": groups, "spec": {"components": COMPONENTS}}, timeout=60
+    )
     a, b = (g["rewards"][0] for g in r.json()["results"])
     assert a["components"]["code_pass"] == pytest.approx(2 / 3) and a["components"]["code_all"] == 0.0
     assert b["components"]["code_all"] == 1.0
@@ -98,7 +104,12 @@ def test_openrlhf_and_slime_protocols_take_the_code_task(reward_url: str) -> Non
     assert o["rewards"] == [1.0, 0.0] and o["scores"] == [1.0, 0.0]
     s = httpx.post(
         f"{reward_url}/v1/slime/reward/components?task=code",
-        json={"prompt": "add", "response": HALF, "label": json.loads(TESTS), "spec": {"components": COMPONENTS}},
+        json={
+            "prompt": "add",
+            "response": HALF,
+            "label": json.loads(TESTS),
+            "spec": {"components": COMPONENTS},
+        },
         timeout=60,
     ).json()
     assert s["code_pass"] == 0.75 and s["status"] == "ok"
@@ -123,11 +134,16 @@ def test_verl_reward_function_scores_code(reward_url: str) -> None:
 
 
 def test_an_unreachable_sandbox_is_each_items_sandbox_error() -> None:
-    from reward_svc.core import score_group
     from loom.contracts.wire import Group, RewardSpec
+    from reward_svc.core import score_group
 
     group = Group.model_validate(
-        {"id": "g", "task": "code", "label": TESTS, "trajectories": [{"id": "t", "group_id": "g", "text": RIGHT}]}
+        {
+            "id": "g",
+            "task": "code",
+            "label": TESTS,
+            "trajectories": [{"id": "t", "group_id": "g", "text": RIGHT}],
+        }
     )
     result = score_group(group, RewardSpec(components=COMPONENTS), lambda items, t: [])
     assert result.rewards[0].status == "sandbox_error" and result.rewards[0].total == 0.0

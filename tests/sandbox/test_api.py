@@ -15,7 +15,11 @@ from loom.contracts.sandbox import Limits, RunRequest
 def test_run_and_batch_answer_typed_outcomes(sandbox_url: str) -> None:
     r = httpx.post(f"{sandbox_url}/v1/sandbox/run", json={"code": "print(input()[::-1])", "stdin": "abc\n"})
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["stdout"] == "cba\n"
-    runs = [{"code": "print(1)"}, {"code": "import os\nwhile True: os.fork()"}, {"language": "bash", "code": "exit 4"}]
+    runs = [
+        {"code": "print(1)"},
+        {"code": "import os\nwhile True: os.fork()"},
+        {"language": "bash", "code": "exit 4"},
+    ]
     b = httpx.post(f"{sandbox_url}/v1/sandbox/batch", json={"runs": runs}, timeout=60).json()["results"]
     assert [x["status"] for x in b][0::2] == ["ok", "runtime_error"] and b[2]["exit_code"] == 4
     assert b[1]["status"] in ("runtime_error", "timeout")
@@ -59,7 +63,9 @@ def test_run_code_refuses_what_loom_does_not_run(sandbox_url: str) -> None:
 def test_a_full_sandbox_is_429_busy_and_the_client_waits_it_out(sandbox_url: str) -> None:
     slow = {"code": "import time\ntime.sleep(3)", "limits": {"wall_s": 10}}
     with httpx.Client(timeout=60) as http:
-        holder = threading.Thread(target=lambda: http.post(f"{sandbox_url}/v1/sandbox/batch", json={"runs": [slow] * 6}))
+        holder = threading.Thread(
+            target=lambda: http.post(f"{sandbox_url}/v1/sandbox/batch", json={"runs": [slow] * 6})
+        )
         holder.start()
         try:
             for _ in range(100):
@@ -67,7 +73,9 @@ def test_a_full_sandbox_is_429_busy_and_the_client_waits_it_out(sandbox_url: str
                     break
             r = httpx.post(f"{sandbox_url}/v1/sandbox/run", json={"code": "print(1)"})
             assert r.status_code == 429 and r.json()["error"] == "busy" and "Retry-After" in r.headers
-            waited = SandboxClient(sandbox_url, busy_wait_s=60).run(RunRequest(code="print(7)", limits=Limits()))
+            waited = SandboxClient(sandbox_url, busy_wait_s=60).run(
+                RunRequest(code="print(7)", limits=Limits())
+            )
             assert waited.status == "ok" and waited.stdout == "7\n"
         finally:
             holder.join(60)

@@ -4,6 +4,7 @@ and the other runs survive. Real bubblewrap, real rlimits and cgroups; no stand-
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import socket
@@ -162,7 +163,8 @@ def test_data_dir_policy_store_and_repo_are_absent(pool: SandboxPool, tmp_path: 
     repo = Path(__file__).resolve().parents[2]
     code = (
         "import os\n"
-        f"for p in [{str(data / 'manifest.json')!r}, {str(repo / 'pyproject.toml')!r}, '/root', '/work', '/home']:\n"
+        f"for p in [{str(data / 'manifest.json')!r}, {str(repo / 'pyproject.toml')!r},\n"
+        "          '/root', '/work', '/home']:\n"
         "    print(p, os.path.exists(p))\n"
     )
     r = run(pool, code)
@@ -178,9 +180,9 @@ def test_no_network_to_loopback_or_outward(pool: SandboxPool) -> None:
     code = (
         "import socket, os\n"
         f"s = socket.socket()\ns.settimeout(2)\nprint('loopback', s.connect_ex(('127.0.0.1', {port})))\n"
-        "print('interfaces', sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') else [])\n"
         "print('routes', open('/proc/net/route').read().count(chr(10)) - 1)\n"
-        "try:\n    socket.getaddrinfo('example.com', 80)\n    print('RESOLVED')\nexcept OSError:\n    print('no dns')\n"
+        "try:\n    socket.getaddrinfo('example.com', 80)\n    print('RESOLVED')\n"
+        "except OSError:\n    print('no dns')\n"
     )
     r = run(pool, code)
     try:
@@ -220,7 +222,7 @@ def test_ptrace_reaches_nothing_outside(pool: SandboxPool) -> None:
     )
     r = run(pool, code)
     assert r.status == "ok" and "attach -1 3" in r.stdout, r  # ESRCH: the host's pid does not exist here
-    pids = eval(r.stdout.split("pids ", 1)[1])
+    pids = ast.literal_eval(r.stdout.split("pids ", 1)[1])
     assert max(pids) < 10, r  # its own pid namespace: bwrap's init and the program
 
 
@@ -246,12 +248,12 @@ def test_the_next_run_on_a_warm_slot_sees_nothing_of_the_last() -> None:
         )
         assert one.submit(first).result().stdout == "started\n"
         second = RunRequest(
-            code="import os\nprint(os.listdir('/tmp'), sorted(p for p in os.listdir('/proc') if p.isdigit()))",
+            code="import os\nprint(os.listdir('/tmp'), [p for p in os.listdir('/proc') if p.isdigit()])",
             limits=FAST,
         )
         r = one.submit(second).result()
         assert r.status == "ok" and "left" not in r.stdout, r
-        assert len(eval(r.stdout.split("] ", 1)[1])) <= 2, r
+        assert len(ast.literal_eval(r.stdout.split("] ", 1)[1])) <= 2, r
         assert_nothing_left(one)
 
 
