@@ -248,6 +248,12 @@ class SandboxPool:
     def _replace(self, runner: _Runner, job: _Job) -> None:
         """The runner is stuck past its run's wall time: answer its run, kill it, start a fresh slot."""
         log.warning("sandbox slot %d stuck past its wall time: replaced", runner.slot.index)
+        runner.retired = True
+        runner.slot.stop("killed")
+        with self._lock:
+            self.stats.replaced += 1
+            if not self._closed:
+                self._runners[self._runners.index(runner)] = self._new_runner()
         self._answer(
             job,
             RunResult(
@@ -256,10 +262,3 @@ class SandboxPool:
                 wall_s=time.monotonic() - (job.started or 0.0),
             ),
         )
-        runner.retired = True
-        runner.slot.stop("killed")
-        with self._lock:
-            self.stats.replaced += 1
-            if self._closed:
-                return
-            self._runners[self._runners.index(runner)] = self._new_runner()

@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ SECRET = "loom-test-service-token-4f1c9e"
 
 
 @pytest.fixture(scope="module")
-def pool() -> SandboxPool:
+def pool() -> Iterator[SandboxPool]:
     old = os.environ.get("LOOM_SERVICE_TOKEN")
     os.environ["LOOM_SERVICE_TOKEN"] = SECRET  # the service's own environment holds a token
     with SandboxPool(2, queue_size=16) as p:
@@ -286,3 +287,72 @@ def test_limits_are_capped_at_the_service_maximum() -> None:
         r = one.submit(RunRequest(code="import time\ntime.sleep(30)", limits=Limits(wall_s=60))).result()
         assert r.status == "timeout" and r.wall_s < 30, r
     threading.enumerate()  # the pool's threads ended with it
+
+
+@pytest.fixture(scope="module")
+def rlimit_pool() -> Iterator[SandboxPool]:
+    """A pool without cgroups: what a host that lets the service make none gets (rlimits alone)."""
+    with SandboxPool(1, queue_size=4, use_cgroup=False) as p:
+        assert p.health()["cgroup"] is False
+        yield p
+
+
+def test_without_a_cgroup_rlimits_bound_forks_memory_and_leftovers(rlimit_pool: SandboxPool) -> None:
+    bomb = run(rlimit_pool, "import os\nwhile True:\n    os.fork()")
+    assert bomb.status in ("runtime_error", "timeout"), bomb
+    assert run(rlimit_pool, "x = bytearray(10 * 1024**3)").status == "memory"
+    child = run(rlimit_pool, "import os\nif os.fork() == 0:\n    while True:\n        pass\nprint('parent')")
+    assert child.status == "ok"
+    assert_nothing_left(rlimit_pool)
+    fut = rlimit_pool.submit(RunRequest(language="bash", code="(sleep 60 &); sleep 60", limits=FAST))
+    runner = rlimit_pool._runners[0]
+    for _ in range(100):
+        if runner.slot.pid is not None:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(runner.slot.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    assert fut.result(timeout=20).status == "killed"
+    assert_nothing_left(rlimit_pool)  # the slot's uid was swept
+    assert_pool_works(rlimit_pool)
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+def test_a_stuck_runner_is_replaced_and_its_run_reported() -> None:
+    """A runner that stops answering (its bwrap frozen by the cgroup freezer: SIGKILL waits until it
+    thaws, as for a process stuck in the kernel) is replaced by the health check: its run is answered
+    ``killed``, not lost, and the next run goes to a fresh slot."""
+    frozen = FREEZER / f"loom-test-{os.getpid()}"
+    try:
+        frozen.mkdir()
+    except OSError:
+        pytest.skip("no writable cgroup v1 freezer on this host")
+    try:
+        with SandboxPool(1, queue_size=4, grace_s=1.0) as one:
+            fut = one.submit(
+                RunRequest(code="import time\ntime.sleep(30)", limits=FAST.model_copy(update={"wall_s": 1}))
+            )
+            runner = one._runners[0]
+            for _ in range(100):
+                if runner.slot.pid is not None:
+                    break
+                time.sleep(0.05)
+            (frozen / "cgroup.procs").write_text(str(runner.slot.pid))
+            (frozen / "freezer.state").write_text("FROZEN")
+            r = fut.result(timeout=30)
+            assert r.status == "killed" and "replaced" in (r.detail or ""), r
+            assert one.health()["replaced"] == 1 and one._runners[0] is not runner
+            (frozen / "freezer.state").write_text("THAWED")
+            assert_pool_works(one)
+            runner.thread.join(10)
+            assert not runner.thread.is_alive()
+    finally:
+        (frozen / "freezer.state").write_text("THAWED")
+        for _ in range(50):
+            try:
+                frozen.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
