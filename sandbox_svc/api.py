@@ -28,7 +28,9 @@ app = create_queue_app(
     errors=(429,),
 )
 app.state.ready_checks["bubblewrap"] = lambda: (
-    (True, "installed") if bwrap_path() else (False, "bubblewrap is not installed (deploy/setup.sh)")
+    (True, "installed")
+    if bwrap_path(get_sandbox_settings().bwrap)
+    else (False, "bubblewrap is not installed (deploy/setup.sh)")
 )
 
 _lock = threading.Lock()

@@ -17,6 +17,12 @@ class SandboxSettings(BaseSettings):
     slots: int = Field(default=2, ge=1, description="warm runner slots: runs at once per process")
     queue: int = Field(default=128, ge=0, description="admitted runs waiting for a slot; beyond: 429 busy")
     grace_s: float = Field(default=5.0, gt=0, description="past a run's wall time, its slot is replaced")
+    python: str = Field(
+        default="/usr/bin/python3",
+        pattern=r"^/usr/",
+        description="Python runs' interpreter (only /usr is bound)",
+    )
+    bwrap: str = Field(default="", description="the bubblewrap binary; empty: /usr/bin/bwrap")
     max_cpu_s: float = Field(default=60.0, gt=0)
     max_wall_s: float = Field(default=120.0, gt=0)
     max_memory_mb: int = Field(default=4096, ge=16)

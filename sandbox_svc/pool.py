@@ -95,6 +95,8 @@ class SandboxPool:
         grace_s: float = 5.0,
         uid_base: int | None = None,
         use_cgroup: bool = True,
+        python: str = "/usr/bin/python3",
+        bwrap: str = "",
     ) -> None:
         self.n_slots = max(1, slots)
         self.capacity = self.n_slots + max(0, queue_size)
@@ -108,7 +110,8 @@ class SandboxPool:
             tmp_mb=512,
         )
         self.grace_s = grace_s
-        self.bwrap = bwrap_path()
+        self.bwrap = bwrap_path(bwrap)
+        self.python = python
         self.stats = PoolStats()
         self._tag = f"{os.getpid()}-{id(self) % 10000}"
         # each process's slots get their own uids, so NPROC and signals never cross processes
@@ -131,11 +134,15 @@ class SandboxPool:
             queue_size=s.queue,  # type: ignore[attr-defined]
             max_limits=s.max_limits(),  # type: ignore[attr-defined]
             grace_s=s.grace_s,  # type: ignore[attr-defined]
+            python=s.python,  # type: ignore[attr-defined]
+            bwrap=s.bwrap,  # type: ignore[attr-defined]
         )
 
     def _new_runner(self) -> _Runner:
         index = next(self._index)
-        return _Runner(self, Slot.prepare(index, self._uid_base, self._tag, self._use_cgroup))
+        slot = Slot.prepare(index, self._uid_base, self._tag, self._use_cgroup)
+        slot.python = self.python
+        return _Runner(self, slot)
 
     # ------------------------------------------------------------------------- public
 

@@ -36,9 +36,10 @@ _STUB_PASSWD = "sandbox:x:1000:1000:sandbox:/tmp:/usr/sbin/nologin\n"
 _STUB_GROUP = "sandbox:x:1000:\n"
 
 
-def bwrap_path() -> str | None:
-    """The bubblewrap binary, or None where it is not installed (deploy/setup.sh installs it)."""
-    for p in (os.environ.get("LOOM_SANDBOX_BWRAP", ""), BWRAP, "/usr/local/bin/bwrap"):
+def bwrap_path(preferred: str = "") -> str | None:
+    """The bubblewrap binary (``preferred``, else the usual places), or None where it is not
+    installed (deploy/setup.sh installs it)."""
+    for p in (preferred, BWRAP, "/usr/local/bin/bwrap"):
         if p and os.access(p, os.X_OK):
             return p
     return None
@@ -53,6 +54,7 @@ class Slot:
     uid: int | None
     group: SlotGroup | None
     etc: Path
+    python: str = "/usr/bin/python3"  # the interpreter of Python runs: under /usr, the only host tree bound
     pid: int | None = None  # the running bwrap, for the health check
     stop_reason: RunStatus | None = None  # set from outside to end the current run
     group_limits: tuple[int, int] | None = field(default=None)
@@ -119,9 +121,9 @@ class Slot:
         self.etc.rmdir()
 
 
-def _interpreter(language: str) -> list[str]:
+def _interpreter(language: str, python: str) -> list[str]:
     if language == "python":
-        return [os.environ.get("LOOM_SANDBOX_PYTHON", "/usr/bin/python3"), "-I", "-B", "/code/main"]
+        return [python, "-I", "-B", "/code/main"]
     return ["/bin/bash", "/code/main"]
 
 
@@ -159,7 +161,7 @@ def command(bwrap: str, req: RunRequest, slot: Slot, code_fd: int) -> list[str]:
         "--remount-ro", "/dev",  # its tmpfs is unbounded; device nodes stay usable
         "--chdir", "/tmp",
         "--",
-        *_interpreter(req.language),
+        *_interpreter(req.language, slot.python),
     ]  # fmt: skip
 
 
