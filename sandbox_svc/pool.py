@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from loom.contracts.sandbox import Limits, RunRequest, RunResult
 from sandbox_svc.runner import Slot, bwrap_path, run
+from sandbox_svc.seccomp import program
 
 log = logging.getLogger("sandbox_svc.pool")
 
@@ -97,6 +98,7 @@ class SandboxPool:
         use_cgroup: bool = True,
         python: str = "/usr/bin/python3",
         bwrap: str = "",
+        use_seccomp: bool = True,
     ) -> None:
         self.n_slots = max(1, slots)
         self.capacity = self.n_slots + max(0, queue_size)
@@ -112,6 +114,7 @@ class SandboxPool:
         self.grace_s = grace_s
         self.bwrap = bwrap_path(bwrap)
         self.python = python
+        self.seccomp = program() if use_seccomp else None
         self.stats = PoolStats()
         self._tag = f"{os.getpid()}-{id(self) % 10000}"
         # each process's slots get their own uids, so NPROC and signals never cross processes
@@ -141,7 +144,7 @@ class SandboxPool:
     def _new_runner(self) -> _Runner:
         index = next(self._index)
         slot = Slot.prepare(index, self._uid_base, self._tag, self._use_cgroup)
-        slot.python = self.python
+        slot.python, slot.seccomp = self.python, self.seccomp
         return _Runner(self, slot)
 
     # ------------------------------------------------------------------------- public
@@ -188,6 +191,7 @@ class SandboxPool:
                 "in_flight": self._in_flight,
                 "capacity": self.capacity,
                 "cgroup": any(r.slot.group is not None for r in self._runners),
+                "seccomp": self.seccomp is not None,
                 "runs": self.stats.runs,
                 "refused": self.stats.refused,
                 "replaced": self.stats.replaced,

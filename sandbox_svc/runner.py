@@ -55,6 +55,7 @@ class Slot:
     group: SlotGroup | None
     etc: Path
     python: str = "/usr/bin/python3"  # the interpreter of Python runs: under /usr, the only host tree bound
+    seccomp: bytes | None = None  # the filter its programs start under (sandbox_svc/seccomp.py)
     pid: int | None = None  # the running bwrap, for the health check
     stop_reason: RunStatus | None = None  # set from outside to end the current run
     group_limits: tuple[int, int] | None = field(default=None)
@@ -127,7 +128,9 @@ def _interpreter(language: str, python: str) -> list[str]:
     return ["/bin/bash", "/code/main"]
 
 
-def command(bwrap: str, req: RunRequest, slot: Slot, code_fd: int) -> list[str]:
+def command(
+    bwrap: str, req: RunRequest, slot: Slot, code_fd: int, seccomp_fd: int | None = None
+) -> list[str]:
     lim = req.limits
     return [
         bwrap,
@@ -155,11 +158,14 @@ def command(bwrap: str, req: RunRequest, slot: Slot, code_fd: int) -> list[str]:
         "--proc", "/proc",
         "--dev", "/dev",
         "--size", str(lim.tmp_mb << 20),
+        "--tmpfs", "/dev/shm",  # POSIX semaphores and shared memory (multiprocessing), bounded as /tmp
+        "--size", str(lim.tmp_mb << 20),
         "--tmpfs", "/tmp",
         "--ro-bind-data", str(code_fd), "/code/main",
         "--remount-ro", "/",
         "--remount-ro", "/dev",  # its tmpfs is unbounded; device nodes stay usable
         "--chdir", "/tmp",
+        *(("--seccomp", str(seccomp_fd)) if seccomp_fd is not None else ()),
         "--",
         *_interpreter(req.language, slot.python),
     ]  # fmt: skip
@@ -238,16 +244,17 @@ def run(req: RunRequest, slot: Slot, bwrap: str | None = None) -> RunResult:
         group.reset()
         cpu0 = group.cpu_s()
     slot.stop_reason = None
-    code_fd = _memfd("code", req.code.encode("utf-8", "surrogatepass"))
-    stdin_fd = _memfd("stdin", req.stdin.encode("utf-8", "surrogatepass"))
+    code_fd = _memfd("code", req.code.encode())
+    stdin_fd = _memfd("stdin", req.stdin.encode())
+    filter_fd = _memfd("seccomp", slot.seccomp) if slot.seccomp is not None else None
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(
-            command(bwrap, req, slot, code_fd),
+            command(bwrap, req, slot, code_fd, filter_fd),
             stdin=stdin_fd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(code_fd,),
+            pass_fds=(code_fd,) if filter_fd is None else (code_fd, filter_fd),
             preexec_fn=_child_setup(slot, group, lim),
             close_fds=True,
             env={},  # bwrap's own processes are visible inside: they carry nothing of the service
@@ -257,6 +264,8 @@ def run(req: RunRequest, slot: Slot, bwrap: str | None = None) -> RunResult:
     finally:
         os.close(code_fd)
         os.close(stdin_fd)
+        if filter_fd is not None:
+            os.close(filter_fd)
     slot.pid = proc.pid
     try:
         out, err, truncated, ended_by = _collect(proc, lim, t0, slot)

@@ -214,17 +214,35 @@ def test_killing_the_runner_is_a_killed_outcome(pool: SandboxPool) -> None:
     assert_pool_works(pool)
 
 
+PTRACE = (
+    "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "print('attach', libc.ptrace(16, {pid}, 0, 0), ctypes.get_errno())\n"
+    "print('pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+)
+
+
 def test_ptrace_reaches_nothing_outside(pool: SandboxPool) -> None:
-    host_pid = os.getpid()
-    code = (
-        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-        f"print('attach', libc.ptrace(16, {host_pid}, 0, 0), ctypes.get_errno())\n"
-        "print('pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
-    )
-    r = run(pool, code)
-    assert r.status == "ok" and "attach -1 3" in r.stdout, r  # ESRCH: the host's pid does not exist here
+    r = run(pool, PTRACE.format(pid=os.getpid()))
+    assert r.status == "ok" and "attach -1 1\n" in r.stdout, r  # EPERM: seccomp refuses ptrace itself
     pids = ast.literal_eval(r.stdout.split("pids ", 1)[1])
     assert max(pids) < 10, r  # its own pid namespace: bwrap's init and the program
+
+
+def test_seccomp_refuses_namespaces_and_tracing_but_not_processes(pool: SandboxPool) -> None:
+    code = (
+        "import ctypes, os, subprocess, threading, multiprocessing as mp\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
+        "print('traceme', libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"
+        "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+        "print(subprocess.run(['echo', 'child'], capture_output=True, text=True).stdout, end='')\n"
+        "with mp.Pool(2) as p:\n    print('pool', p.map(abs, [-1, -2]))\n"
+    )
+    r = run(pool, code)
+    assert pool.health()["seccomp"] is True
+    assert r.status == "ok", r
+    assert "unshare -1 1\n" in r.stdout and "traceme -1 1\n" in r.stdout, r
+    assert "thread\nchild\npool [1, 2]\n" in r.stdout, r
 
 
 def test_a_gigabyte_of_output_is_cut_at_the_output_limit(pool: SandboxPool) -> None:
@@ -291,9 +309,9 @@ def test_limits_are_capped_at_the_service_maximum() -> None:
 
 @pytest.fixture(scope="module")
 def rlimit_pool() -> Iterator[SandboxPool]:
-    """A pool without cgroups: what a host that lets the service make none gets (rlimits alone)."""
-    with SandboxPool(1, queue_size=4, use_cgroup=False) as p:
-        assert p.health()["cgroup"] is False
+    """A pool without cgroups or seccomp: what a host that allows neither gets (namespaces and rlimits)."""
+    with SandboxPool(1, queue_size=4, use_cgroup=False, use_seccomp=False) as p:
+        assert p.health()["cgroup"] is False and p.health()["seccomp"] is False
         yield p
 
 
@@ -315,6 +333,8 @@ def test_without_a_cgroup_rlimits_bound_forks_memory_and_leftovers(rlimit_pool: 
     assert fut.result(timeout=20).status == "killed"
     assert_nothing_left(rlimit_pool)  # the slot's uid was swept
     assert_pool_works(rlimit_pool)
+    traced = run(rlimit_pool, PTRACE.format(pid=os.getpid()))
+    assert "attach -1 3\n" in traced.stdout, traced  # without seccomp: ESRCH, the host's pid is not there
 
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
