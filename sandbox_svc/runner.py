@@ -15,6 +15,7 @@ every process the run started; the slot's cgroup is then emptied as well.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import selectors
@@ -30,6 +31,10 @@ from loom.contracts.sandbox import Limits, RunRequest, RunResult, RunStatus
 from sandbox_svc.cgroups import SlotGroup, make_group
 
 BWRAP = "/usr/bin/bwrap"
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:  # not glibc: --die-with-parent still ends the sandbox with bwrap
+    _LIBC = None
 _PR_SET_PDEATHSIG = 1
 _MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "memory exhausted", "std::bad_alloc")
 _STUB_PASSWD = "sandbox:x:1000:1000:sandbox:/tmp:/usr/sbin/nologin\n"
@@ -196,12 +201,8 @@ def _child_setup(slot: Slot, group: SlotGroup | None, lim: Limits) -> Callable[[
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except Exception:  # --die-with-parent still ends the sandbox with bwrap
-            pass
+        if _LIBC is not None:  # loaded in the parent: the child only calls it (no import after fork)
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
     return setup
 
