@@ -19,6 +19,7 @@ import ctypes
 import os
 import resource
 import selectors
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -176,14 +177,57 @@ def command(
     ]  # fmt: skip
 
 
+_SH, _PRLIMIT, _SETPRIV = (shutil.which(t, path="/usr/bin:/bin") for t in ("sh", "prlimit", "setpriv"))
+# joins the cgroup files named by its first $1 arguments, then execs the rest
+_JOIN = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1"; shift; n=$((n-1)); done; exec "$@"'
+
+
+def exec_chain(slot: Slot, group: SlotGroup | None, lim: Limits) -> list[str] | None:
+    """The commands bwrap is exec'd through (``sh`` joins the slot's cgroup, util-linux's ``prlimit``
+    sets the rlimits, ``setpriv`` takes the slot's uid and the parent-death signal), so the service
+    never runs Python code in a forked child: the pool's threads make a ``preexec_fn`` unsafe (a lock
+    held by another thread at the fork stays held in the child), and without one ``subprocess`` may
+    use ``vfork``, not a full fork of the service. None where those tools are missing (then
+    ``_child_setup`` does the same in a ``preexec_fn``)."""
+    if not (_SH and _PRLIMIT and _SETPRIV):
+        return None
+    cpu = max(1, int(-(-lim.cpu_s // 1)))
+    mem, fsize = lim.memory_mb << 20, lim.tmp_mb << 20
+    limits = [
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--as={mem}",
+        f"--nofile={lim.open_files}",
+        f"--fsize={fsize}",
+        "--core=0",
+    ]
+    nproc = _nproc(slot, group, lim)
+    if nproc is not None:
+        limits.append(f"--nproc={nproc}")
+    join = (
+        [_SH, "-c", _JOIN, "sh", str(len(group.procs_files())), *map(str, group.procs_files())]
+        if group
+        else []
+    )
+    ident = [f"--reuid={slot.uid}", f"--regid={slot.uid}", "--clear-groups"] if slot.uid is not None else []
+    return [*join, _PRLIMIT, *limits, "--", _SETPRIV, *ident, "--pdeathsig", "KILL", "--"]
+
+
+def _nproc(slot: Slot, group: SlotGroup | None, lim: Limits) -> int | None:
+    """RLIMIT_NPROC where no cgroup bounds processes: under the slot's own uid the run's allowance;
+    under the service's user what that user runs now plus the allowance."""
+    if group is not None:
+        return None
+    if slot.uid is not None:
+        return lim.processes + 2
+    return _user_processes(os.getuid()) + lim.processes + 2
+
+
 def _child_setup(slot: Slot, group: SlotGroup | None, lim: Limits) -> Callable[[], None]:
     """Runs in the forked child before it execs bwrap: cgroup, rlimits, then the slot's uid."""
     cpu = max(1, int(-(-lim.cpu_s // 1)))
     mem = lim.memory_mb << 20
     uid = slot.uid
-    # without a cgroup or a uid of its own, NPROC counts every process of the service's user: the
-    # run may add ``processes`` to what that user runs now
-    shared_nproc = _user_processes(os.getuid()) + lim.processes + 2 if group is None and uid is None else None
+    nproc = _nproc(slot, group, lim)
 
     def setup() -> None:
         if group is not None:
@@ -193,10 +237,8 @@ def _child_setup(slot: Slot, group: SlotGroup | None, lim: Limits) -> Callable[[
         resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files))
         resource.setrlimit(resource.RLIMIT_FSIZE, (lim.tmp_mb << 20, lim.tmp_mb << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if group is None and uid is not None:  # the slot's own uid: NPROC counts this run alone
-            resource.setrlimit(resource.RLIMIT_NPROC, (lim.processes + 2, lim.processes + 2))
-        elif shared_nproc is not None:
-            resource.setrlimit(resource.RLIMIT_NPROC, (shared_nproc, shared_nproc))
+        if nproc is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         if uid is not None:
             os.setgroups([])
             os.setgid(uid)
@@ -250,13 +292,14 @@ def run(req: RunRequest, slot: Slot, bwrap: str | None = None) -> RunResult:
     filter_fd = _memfd("seccomp", slot.seccomp) if slot.seccomp is not None else None
     t0 = time.monotonic()
     try:
+        chain = exec_chain(slot, group, lim)
         proc = subprocess.Popen(
-            command(bwrap, req, slot, code_fd, filter_fd),
+            [*(chain or ()), *command(bwrap, req, slot, code_fd, filter_fd)],
             stdin=stdin_fd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             pass_fds=(code_fd,) if filter_fd is None else (code_fd, filter_fd),
-            preexec_fn=_child_setup(slot, group, lim),
+            preexec_fn=None if chain is not None else _child_setup(slot, group, lim),
             close_fds=True,
             env={},  # bwrap's own processes are visible inside: they carry nothing of the service
         )
