@@ -24,10 +24,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loom.contracts.sandbox import Limits, RunRequest, RunResult
-from sandbox_svc.runner import Slot, bwrap_path, run
+from sandbox_svc.runner import Slot, bwrap_path, prestart, run
 from sandbox_svc.seccomp import program
 
 log = logging.getLogger("sandbox_svc.pool")
+
+# every slot of this process, of every pool, gets an index of its own: its uid is the base plus it
+_SLOT_INDEX = itertools.count()
 
 
 class Busy(Exception):
@@ -64,7 +67,10 @@ class _Runner:
         self.thread.start()
 
     def _loop(self) -> None:
+        shape = self.pool.capped(RunRequest(code=""))
         while not self.retired:
+            if self.pool.prestart:
+                prestart(shape, self.slot, self.pool.bwrap)  # the next run finds its sandbox set up
             job = self.pool._queue.get()
             if job is None:
                 break
@@ -80,6 +86,7 @@ class _Runner:
                 result = RunResult(status="sandbox_error", detail=f"runner failed: {type(exc).__name__}")
             self.job = None
             self.pool._answer(job, result)
+            shape = job.request
         if self.retired:
             self.slot.close()
 
@@ -99,6 +106,7 @@ class SandboxPool:
         python: str = "/usr/bin/python3",
         bwrap: str = "",
         use_seccomp: bool = True,
+        prestart: bool = True,
     ) -> None:
         self.n_slots = max(1, slots)
         self.capacity = self.n_slots + max(0, queue_size)
@@ -114,13 +122,13 @@ class SandboxPool:
         self.grace_s = grace_s
         self.bwrap = bwrap_path(bwrap)
         self.python = python
+        self.prestart = prestart
         self.seccomp = program() if use_seccomp else None
         self.stats = PoolStats()
         self._tag = f"{os.getpid()}-{id(self) % 10000}"
         # each process's slots get their own uids, so NPROC and signals never cross processes
-        self._uid_base = uid_base if uid_base is not None else 200_000 + (os.getpid() % 4096) * 256
+        self._uid_base = uid_base if uid_base is not None else 200_000 + (os.getpid() % 4096) * 4096
         self._use_cgroup = use_cgroup
-        self._index = itertools.count()
         self._lock = threading.Lock()
         self._in_flight = 0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -142,7 +150,7 @@ class SandboxPool:
         )
 
     def _new_runner(self) -> _Runner:
-        index = next(self._index)
+        index = next(_SLOT_INDEX) % 4096
         slot = Slot.prepare(index, self._uid_base, self._tag, self._use_cgroup)
         slot.python, slot.seccomp = self.python, self.seccomp
         return _Runner(self, slot)

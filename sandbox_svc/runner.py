@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class Slot:
     etc: Path
     python: str = "/usr/bin/python3"  # the interpreter of Python runs: under /usr, the only host tree bound
     seccomp: bytes | None = None  # the filter its programs start under (sandbox_svc/seccomp.py)
+    warm: Warm | None = None  # a sandbox started for the next run, waiting for its program
     pid: int | None = None  # the running bwrap, for the health check
     stop_reason: RunStatus | None = None  # set from outside to end the current run
     group_limits: tuple[int, int] | None = field(default=None)
@@ -121,6 +123,9 @@ class Slot:
         os.waitpid(pid, 0)
 
     def close(self) -> None:
+        if self.warm is not None:
+            self.warm.discard()
+            self.warm = None
         if self.group is not None:
             self.group.remove()
         for p in self.etc.iterdir():
@@ -128,10 +133,12 @@ class Slot:
         self.etc.rmdir()
 
 
-def _interpreter(language: str, python: str) -> list[str]:
+def _interpreter(language: str, python: str, code_fd: int) -> list[str]:
+    """The interpreter, reading the program from ``code_fd`` (a pipe the runner writes it into
+    when the run starts: until then the sandbox waits, set up, with its interpreter loaded)."""
     if language == "python":
-        return [python, "-I", "-B", "/code/main"]
-    return ["/bin/bash", "/code/main"]
+        return [python, "-I", "-B", f"/dev/fd/{code_fd}"]
+    return ["/bin/bash", f"/dev/fd/{code_fd}"]
 
 
 def command(
@@ -167,13 +174,12 @@ def command(
         "--tmpfs", "/dev/shm",  # POSIX semaphores and shared memory (multiprocessing), bounded as /tmp
         "--size", str(lim.tmp_mb << 20),
         "--tmpfs", "/tmp",
-        "--ro-bind-data", str(code_fd), "/code/main",
         "--remount-ro", "/",
         "--remount-ro", "/dev",  # its tmpfs is unbounded; device nodes stay usable
         "--chdir", "/tmp",
         *(("--seccomp", str(seccomp_fd)) if seccomp_fd is not None else ()),
         "--",
-        *_interpreter(req.language, slot.python),
+        *_interpreter(req.language, slot.python, code_fd),
     ]  # fmt: skip
 
 
@@ -275,42 +281,123 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def run(req: RunRequest, slot: Slot, bwrap: str | None = None) -> RunResult:
-    """Run ``req`` in ``slot``; never raises for anything the program does."""
-    bwrap = bwrap or bwrap_path()
-    if bwrap is None:
-        return RunResult(status="sandbox_error", detail="bubblewrap is not installed (deploy/setup.sh)")
-    lim = req.limits
+@dataclass
+class Warm:
+    """A started sandbox waiting for its program: bwrap set up, the interpreter loaded and blocked
+    reading the program's pipe. ``key`` is the language and limits it was started with."""
+
+    proc: subprocess.Popen[bytes]
+    code_w: int
+    stdin_w: int
+    key: str
+
+    def discard(self) -> None:
+        for fd in (self.code_w, self.stdin_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(self.proc.pid, 0)
+        except ChildProcessError:
+            pass
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def warm_key(req: RunRequest) -> str:
+    return f"{req.language}:{req.limits.model_dump_json()}"
+
+
+def start(shape: RunRequest, slot: Slot, bwrap: str) -> Warm | RunResult:
+    """Start a sandbox for runs of ``shape``'s language and limits, waiting for its program."""
+    lim = shape.limits
     group = slot.limit_group(lim)
-    cpu0 = None
-    if group is not None:
-        group.reset()
-        cpu0 = group.cpu_s()
-    slot.stop_reason = None
-    code_fd = _memfd("code", req.code.encode())
-    stdin_fd = _memfd("stdin", req.stdin.encode())
+    code_r, code_w = os.pipe()
+    stdin_r, stdin_w = os.pipe()
+    if slot.uid is not None:  # the interpreter reopens its program's pipe (/dev/fd/N) under the slot's uid
+        os.fchown(code_r, slot.uid, slot.uid)
     filter_fd = _memfd("seccomp", slot.seccomp) if slot.seccomp is not None else None
-    t0 = time.monotonic()
     try:
         chain = exec_chain(slot, group, lim)
         proc = subprocess.Popen(
-            [*(chain or ()), *command(bwrap, req, slot, code_fd, filter_fd)],
-            stdin=stdin_fd,
+            [*(chain or ()), *command(bwrap, shape, slot, code_r, filter_fd)],
+            stdin=stdin_r,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(code_fd,) if filter_fd is None else (code_fd, filter_fd),
+            pass_fds=(code_r,) if filter_fd is None else (code_r, filter_fd),
             preexec_fn=None if chain is not None else _child_setup(slot, group, lim),
             close_fds=True,
             env={},  # bwrap's own processes are visible inside: they carry nothing of the service
         )
     except OSError as exc:
+        os.close(code_w)
+        os.close(stdin_w)
         return RunResult(status="sandbox_error", detail=f"could not start bubblewrap: {exc}")
     finally:
-        os.close(code_fd)
-        os.close(stdin_fd)
+        os.close(code_r)
+        os.close(stdin_r)
         if filter_fd is not None:
             os.close(filter_fd)
+    return Warm(proc, code_w, stdin_w, warm_key(shape))
+
+
+def _feed(warm: Warm, code: bytes, stdin: bytes) -> threading.Thread:
+    """Write the program, then its stdin, in a thread of its own: a program that never reads its
+    stdin blocks only this writer, which ends with the run (its pipe breaks)."""
+
+    def write() -> None:
+        for fd, data in ((warm.code_w, code), (warm.stdin_w, stdin)):
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError:  # the run ended (or never read it): nothing more to give
+                pass
+            finally:
+                os.close(fd)
+
+    t = threading.Thread(target=write, name=f"sandbox-feed-{warm.proc.pid}", daemon=True)
+    t.start()
+    return t
+
+
+def run(req: RunRequest, slot: Slot, bwrap: str | None = None) -> RunResult:
+    """Run ``req`` in ``slot`` (in its warm sandbox when one waits with the same language and
+    limits, else in one started now); never raises for anything the program does."""
+    bwrap = bwrap or bwrap_path()
+    if bwrap is None:
+        return RunResult(status="sandbox_error", detail="bubblewrap is not installed (deploy/setup.sh)")
+    warm, slot.warm = slot.warm, None
+    if warm is not None and (warm.key != warm_key(req) or _exited(warm.proc.pid)):
+        warm.discard()
+        if slot.group is not None:
+            slot.group.kill_all()
+        warm = None
+    if warm is None:
+        started = start(req, slot, bwrap)
+        if isinstance(started, RunResult):
+            return started
+        warm = started
+    return _finish(warm, req, slot)
+
+
+def _finish(warm: Warm, req: RunRequest, slot: Slot) -> RunResult:
+    lim, proc = req.limits, warm.proc
+    group = slot.group
+    cpu0 = None
+    if group is not None:
+        group.reset()
+        cpu0 = group.cpu_s()
+    slot.stop_reason = None
     slot.pid = proc.pid
+    t0 = time.monotonic()
+    feeder = _feed(warm, req.code.encode(), req.stdin.encode())
     try:
         out, err, truncated, ended_by = _collect(proc, lim, t0, slot)
         _, wait_status, usage = os.wait4(proc.pid, 0)
@@ -322,12 +409,25 @@ def run(req: RunRequest, slot: Slot, bwrap: str | None = None) -> RunResult:
         proc.stderr.close()
         if group is not None:
             group.kill_all()
+        else:
+            slot.kill_uid()
+        feeder.join(5)
     wall = time.monotonic() - t0
     cpu = usage.ru_utime + usage.ru_stime  # bwrap's own; the run's from its cgroup where accounted
     cpu1 = group.cpu_s() if group is not None else None
     if cpu0 is not None and cpu1 is not None:
         cpu = max(cpu, cpu1 - cpu0)
     return _outcome(proc.returncode, out, err, truncated, ended_by, wall, cpu, lim, group)
+
+
+def prestart(shape: RunRequest, slot: Slot, bwrap: str | None) -> None:
+    """Leave a sandbox for the slot's next run waiting, set up for ``shape``'s language and limits
+    (the last run's: consecutive runs of a reward batch share them)."""
+    if bwrap is None or slot.warm is not None:
+        return
+    started = start(shape.model_copy(update={"code": "", "stdin": ""}), slot, bwrap)
+    if isinstance(started, Warm):
+        slot.warm = started
 
 
 def _collect(

@@ -43,24 +43,37 @@ def run(pool: SandboxPool, code: str, language: str = "python", stdin: str = "",
     ).result()
 
 
-def uid_processes(uids: list[int]) -> list[int]:
-    """Host pids whose real uid is one of the pool's slot uids."""
+def _status(pid: int) -> dict[str, str]:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(line.split(":", 1) for line in lines if ":" in line)
+
+
+def uid_processes(pool: SandboxPool) -> list[int]:
+    """Host pids run by the pool's slot uids, less the warm sandboxes waiting for the next run."""
+    uids = pool.slot_uids()
+    warm = {r.slot.warm.proc.pid for r in pool._runners if r.slot.warm is not None}
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
-        try:
-            for line in (d / "status").read_text().splitlines():
-                if line.startswith("Uid:") and int(line.split()[1]) in uids:
-                    out.append(int(d.name))
-        except OSError:
+        st = _status(int(d.name))
+        if not st or int(st["Uid"].split()[0]) not in uids:
             continue
+        pid, chain = int(d.name), set()
+        while pid > 1 and pid not in chain:
+            chain.add(pid)
+            pid = int(_status(pid).get("PPid", "0").strip() or 0)
+        if not chain & warm:
+            out.append(int(d.name))
     return out
 
 
 def assert_nothing_left(pool: SandboxPool) -> None:
     for _ in range(50):
-        left = uid_processes(pool.slot_uids())
+        left = uid_processes(pool)
         if not left:
             return
         time.sleep(0.1)
