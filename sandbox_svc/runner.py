@@ -9,8 +9,13 @@ service is bound: not its data dir, policy store, repository, virtualenv or envi
 Limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_NOFILE, RLIMIT_FSIZE (the tmpfs size), RLIMIT_CORE 0 and, when
 the slot has no cgroup, RLIMIT_NPROC under the slot's own uid; the slot's cgroup (when the host lets
 us make one) bounds memory and processes of the whole run. The runner's clock bounds wall time and the
-output it keeps. At the end of a run the pid namespace's init (bwrap) is gone, so the kernel kills
-every process the run started; the slot's cgroup is then emptied as well.
+output it keeps; a seccomp filter (``sandbox_svc/seccomp.py``) bounds the syscalls. At the end of a
+run the pid namespace's init (bwrap) is gone, so the kernel kills every process the run started; the
+slot's cgroup (or, without one, the slot's uid) is then emptied as well.
+
+A sandbox is started before its program is known (``start``: the interpreter reads the program from a
+pipe), so a slot keeps the next run's sandbox warm (``prestart``) and a run only writes its program
+and stdin into it (``run``).
 """
 
 from __future__ import annotations
