@@ -147,3 +147,31 @@ def test_an_unreachable_sandbox_is_each_items_sandbox_error() -> None:
     )
     result = score_group(group, RewardSpec(components=COMPONENTS), lambda items, t: [])
     assert result.rewards[0].status == "sandbox_error" and result.rewards[0].total == 0.0
+
+
+def test_a_reward_worker_scores_code_over_the_queue(broker_env, loom_worker, sandbox_url: str) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """``reward.score_group`` on a real reward worker process, which reaches the sandbox service at
+    ``LOOM_REWARD_SANDBOX_URL``, as the gateway's pipeline publishes code groups."""
+    from loom.contracts.wire import Group, RewardResult, RewardSpec
+    from reward_svc.tasks import submit_group
+
+    broker_env.extra_env["LOOM_REWARD_SANDBOX_URL"] = sandbox_url
+    broker_env.extra_env["LOOM_REWARD_WORKERS"] = "1"
+    loom_worker("reward", broker_env)
+    group = Group.model_validate(
+        {
+            "id": "q",
+            "task": "code",
+            "label": TESTS,
+            "trajectories": [
+                {"id": "a", "group_id": "q", "text": RIGHT},
+                {"id": "b", "group_id": "q", "text": BOMB},
+            ],
+        }
+    )
+    spec = RewardSpec(components=COMPONENTS)  # type: ignore[arg-type]
+    res = RewardResult.model_validate(
+        submit_group(group, spec, app=broker_env.app("reward")).get(timeout=120)
+    )
+    assert [r.components["code_pass"] for r in res.rewards] == [1.0, 0.0]
+    assert [r.status for r in res.rewards] == ["ok", "ok"]
