@@ -481,6 +481,16 @@ def _collect(
                 break
     finally:
         sel.close()
+    pause = 0.001
+    while ended_by is None and died_at is None and not _exited(proc.pid):
+        # its output is closed but it runs on (it closed stdout and stderr itself): the wall still holds
+        if slot.stop_reason is not None:
+            ended_by = slot.stop_reason
+        elif time.monotonic() >= deadline:
+            ended_by = "timeout"
+        else:
+            time.sleep(pause)
+            pause = min(0.05, pause * 2)
     if ended_by is not None or slot.stop_reason is not None or died_at is not None:
         ended_by = ended_by or slot.stop_reason
         _kill(proc, slot)
