@@ -128,7 +128,7 @@ def test_verl_reward_function_scores_code(reward_url: str) -> None:
 
     out = compute_score_batch(
         ["code"] * 2, [RIGHT, HANG], [json.loads(TESTS)] * 2, [{"task": "code", "uid": "u"}] * 2,
-        loom_url=reward_url, loom_components=[{"name": "code_all"}],
+        loom_url=reward_url, loom_components=[{"name": "code_all", "params": {"timeout_s": 1}}],
     )  # fmt: skip
     assert [o["score"] for o in out] == [1.0, 0.0]
 
