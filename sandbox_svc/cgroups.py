@@ -149,6 +149,39 @@ class SlotGroup:
                 pass
 
 
+def _parents() -> list[Path]:
+    """The directories this process's slot groups are made in, per hierarchy."""
+    if (ROOT / "cgroup.controllers").exists():
+        return [ROOT / _own_path("").lstrip("/")]
+    return [ROOT / c / _own_path(c).lstrip("/") for c in ("memory", "pids", "cpuacct") if (ROOT / c).is_dir()]
+
+
+def sweep_stale(prefix: str = "loom-sandbox-") -> int:
+    """Remove the slot groups left by sandbox processes that are gone (killed before their pool
+    closed): group names carry their process's pid (``<prefix><pid>-...``), and a group whose pid is
+    not a live process of this pid namespace is stale. Its processes, if any outlived it, are killed
+    first. Returns how many groups were removed."""
+    removed = 0
+    for parent in _parents():
+        try:
+            children = [d for d in parent.iterdir() if d.is_dir() and d.name.startswith(prefix)]
+        except OSError:
+            continue
+        for d in children:
+            pid = d.name[len(prefix) :].split("-", 1)[0]
+            if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                continue
+            v2 = (ROOT / "cgroup.controllers").exists()
+            group = SlotGroup(2, {"unified": d}) if v2 else SlotGroup(1, {parent.name: d})
+            group.kill_all()
+            try:
+                d.rmdir()
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 def make_group(name: str) -> SlotGroup | None:
     """A fresh group ``name`` under this process's own, or None where the host does not allow one."""
     try:

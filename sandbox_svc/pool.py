@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loom.contracts.sandbox import Limits, RunRequest, RunResult
+from sandbox_svc.cgroups import sweep_stale
 from sandbox_svc.runner import Slot, bwrap_path, prestart, run
 from sandbox_svc.seccomp import program
 
@@ -133,6 +134,8 @@ class SandboxPool:
         self._in_flight = 0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
+        if use_cgroup:
+            sweep_stale()
         self._runners = [self._new_runner() for _ in range(self.n_slots)]
         self._health = threading.Thread(target=self._check_health, name="sandbox-health", daemon=True)
         self._health.start()

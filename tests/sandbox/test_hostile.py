@@ -8,6 +8,7 @@ import ast
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -395,3 +396,22 @@ def test_a_program_that_closes_its_output_still_times_out_at_the_wall(pool: Sand
     r = run(pool, "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)", wall_s=1)
     assert r.status == "timeout", r  # the runner's clock, not the health check (killed)
     assert_pool_works(pool)
+
+
+def test_groups_left_by_a_killed_sandbox_process_are_swept() -> None:
+    from sandbox_svc.cgroups import make_group, sweep_stale
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    group = make_group(f"loom-sandbox-{dead.pid}-0-0")
+    if group is None:
+        pytest.skip("no writable cgroup on this host")
+    mine = make_group(f"loom-sandbox-{os.getpid()}-test-0")
+    assert mine is not None
+    try:
+        assert sweep_stale() >= 1
+        assert not any(d.exists() for d in group.dirs.values())
+        assert all(d.exists() for d in mine.dirs.values())  # a live process's groups stay
+    finally:
+        mine.remove()
+        group.remove()
