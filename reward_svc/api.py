@@ -41,7 +41,7 @@ from reward_svc.protocols import (
     slime_group,
 )
 from reward_svc.reflection import DensityStats
-from reward_svc.tasks import celery_app
+from reward_svc.tasks import celery_app, sandbox_client
 
 log = logging.getLogger("reward_svc.api")
 
@@ -115,12 +115,16 @@ async def score_groups(
     ]
     plans = [plan_group(without(g, r), spec) for g, r in zip(groups, refused, strict=True)]
     items = [item for p in plans for _, item in p.math]
+    runs = [run for p in plans for run in p.runs]  # every group's tests in one sandbox batch
     verdicts = await get_pool().acheck_many(items, spec.timeout_s) if items else []
-    results, k = [], 0
+    outcomes = await sandbox_client().arun_batch(runs) if runs else []
+    results, k, j = [], 0, 0
     for g, r, p in zip(groups, refused, plans, strict=True):
-        scored = finish_group(p, verdicts[k : k + len(p.math)], _state)
+        n = len(p.runs)
+        scored = finish_group(p, verdicts[k : k + len(p.math)], _state, outcomes[j : j + n])
         results.append(with_refused(scored, g, r, spec))
         k += len(p.math)
+        j += n
     elapsed = time.perf_counter() - t0
     for res in results:
         res.score_s = elapsed

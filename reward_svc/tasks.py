@@ -51,6 +51,22 @@ def _verifier() -> Any:
         return _pool
 
 
+_client: Any = None
+
+
+def sandbox_client() -> Any:
+    """The process's sandbox client (``loom.clients.sandbox``): code rewards run their tests in the
+    sandbox service, never in the reward process."""
+    global _client
+    with _lock:
+        if _client is None:
+            from loom.clients.sandbox import SandboxClient
+            from loom.contracts.reward_settings import get_reward_settings
+
+            _client = SandboxClient(get_reward_settings().sandbox_url or None)
+        return _client
+
+
 def _parsed(group: dict[str, Any], spec: dict[str, Any] | None) -> tuple[Group, RewardSpec]:
     """A reward task's ``Group`` and ``RewardSpec`` from their JSON, the spec checked."""
     from loom.contracts.rewards import check_spec
@@ -67,7 +83,9 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
 
     key = score_group_task.request.id or ""
     mark("score_start", key)
-    out = score_group(*_parsed(group, spec), _verifier().check_many).model_dump(mode="json")
+    out = score_group(
+        *_parsed(group, spec), _verifier().check_many, run_code=sandbox_client().run_batch
+    ).model_dump(mode="json")
     mark("score_end", key)
     return out
 
@@ -107,7 +125,9 @@ async def _score_members(backend: Any, members: dict[str, tuple[Any, Any]], orde
         group, spec = members[key]
         mark("score_start", key)
         try:
-            result = await ascore_group(*_parsed(group, spec), pool.acheck_many)
+            result = await ascore_group(
+                *_parsed(group, spec), pool.acheck_many, run_code=sandbox_client().arun_batch
+            )
         except Exception as exc:  # this member fails, as its own score_group task would
             backend.store_result(key, exc, states.FAILURE)
         else:

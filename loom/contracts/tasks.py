@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from loom.contracts.sandbox import BatchRequest, BatchResult
 from loom.contracts.settings import SERVICES
 from loom.contracts.wire import (
     Group,
@@ -59,6 +60,7 @@ CUT_GROUP = TaskDef("reflect.cut_group", (Group, ReflectParams, None), RevisionP
 ASSEMBLE_GROUP = TaskDef("reflect.assemble_group", (Group, ReflectParams, RevisionPlan, None), Group)
 TRAIN_STEP = TaskDef("learner.train_step", (TrainBatch,), StepResult)
 SCORE_ATTENTION = TaskDef("learner.score_attention")  # keyword arguments: token_ids, steps, delta, zero_from
+SANDBOX_RUN_BATCH = TaskDef("sandbox.run_batch", (BatchRequest,), BatchResult)
 
 
 def ping(service: str) -> TaskDef:
@@ -79,6 +81,7 @@ TASKS: dict[str, TaskDef] = {
         ASSEMBLE_GROUP,
         TRAIN_STEP,
         SCORE_ATTENTION,
+        SANDBOX_RUN_BATCH,
         *(ping(s) for s in SERVICES),
     )
 }

@@ -36,12 +36,12 @@ MAX_ATTENTION_STEPS = 4096
 Mode = Literal["plain", "streaming", "tree", "spawn"]
 SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node"]
 FinishReason = Literal["stop", "length", "abort", "error"]
-RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid"]
+RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid", "sandbox_error"]
 Estimator = Literal["grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "rea", "apr"]
 
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-TaskKind = Literal["math", "choice", "countdown", "arithmetic"]
+TaskKind = Literal["math", "choice", "countdown", "arithmetic", "code"]
 
 
 def _finite_numbers(value: Any, path: str = "") -> Any:
