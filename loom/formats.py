@@ -99,9 +99,12 @@ def ends_with(ids: list[int], marker: list[int]) -> bool:
 def encode_with_markers(tokenizer: Any, text: str, markers: Iterable[str]) -> list[int]:
     """``text``'s ids with every occurrence of a multi-token marker written as its canonical ids and
     the text between encoded piece by piece. Single-token markers need no split: the tokenizer
-    writes an added token as its id wherever it occurs, so the text is encoded whole around them."""
+    writes an added token as its id wherever it occurs, so the text is encoded whole around them.
+    Only the markers ``text`` holds are looked up (``MarkerError`` for one the tokenizer cannot write)."""
     multi = sorted(
-        (m for m in set(markers) if m and len(marker_ids(tokenizer, m)) > 1), key=len, reverse=True
+        (m for m in set(markers) if m and m in text and len(marker_ids(tokenizer, m)) > 1),
+        key=len,
+        reverse=True,
     )
 
     def plain(piece: str) -> list[int]:

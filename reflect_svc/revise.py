@@ -36,7 +36,7 @@ from loom.contracts.wire import (
     Segment,
     Trajectory,
 )
-from loom.formats import DEFAULT_MARKERS, Markers, encode_with_markers
+from loom.formats import DEFAULT_MARKERS, MarkerError, Markers, encode_with_markers
 from loom.revisions import is_correct, keep_revision, keep_revisions, reflect_meta
 from loom.vocab import outside_vocabulary
 from reflect_svc.chunking import Thinking, chunk_thinking
@@ -252,7 +252,10 @@ def plan_revisions(
     detections = _detect(group, params, label, thinkings, decode, verdicts or [])
     plans = _plans(group, params, thinkings, detections, infos)
     # the forced ending's markers (``</think>``) as their canonical ids, whatever the tokenizer
-    forced = encode_with_markers(tokenizer, params.forced_ending, markers.special_tokens())
+    try:
+        forced = encode_with_markers(tokenizer, params.forced_ending, markers.special_tokens())
+    except MarkerError as exc:
+        raise InputError(["params", "forced_ending"], str(exc)) from None
     taken = {t.id for t in group.trajectories}
     cuts, requests = [], []
     for k, p in enumerate(plans):

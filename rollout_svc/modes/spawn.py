@@ -47,7 +47,6 @@ from loom.contracts.wire import (
     Trajectory,
 )
 from loom.formats import (
-    DEFAULT_MARKERS,
     DEFAULT_SPAWN,
     MarkerError,
     SpawnSyntax,
@@ -197,12 +196,12 @@ class _Spawner:
     ):
         self.group_id, self.engine, self.tokenizer, self.cfg = group_id, engine, tokenizer, cfg
         self.syntax, self.sampling = cfg.syntax, request.sampling
-        self.markers = [*_markers(self.syntax), cfg.think_close, DEFAULT_MARKERS.think_open]
-        try:
-            self.close_ids = marker_ids(tokenizer, self.syntax.spawn_close)
-            self.think_ids = marker_ids(tokenizer, cfg.think_close)
+        self.markers = [*_markers(self.syntax), cfg.think_close]
+        try:  # every marker the mode inserts or matches, checked before any call
+            ids = {m: marker_ids(tokenizer, m) for m in self.markers}
         except MarkerError as exc:
             raise ModeError(f"spawn: {exc}") from None
+        self.close_ids, self.think_ids = ids[self.syntax.spawn_close], ids[cfg.think_close]
         # the close marker is one token: a stop id; several: a stop id sequence where the engine
         # matches one, else its text as the stop string (the ids still decide: ``decode_span``)
         self.by_ids = len(self.close_ids) == 1 or "stop_sequences" in engine.capabilities

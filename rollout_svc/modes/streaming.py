@@ -78,13 +78,6 @@ class _Sequence:
         self.mask += [mask] * len(ids)
 
 
-def _marker(tokenizer: Any, marker: str) -> list[int]:
-    try:
-        return marker_ids(tokenizer, marker)
-    except MarkerError as exc:
-        raise ModeError(f"streaming: {exc}") from None
-
-
 def _matched(c: Completion, marker: list[int]) -> bool:
     """Did ``c`` stop on ``marker`` (its generated ids end with the marker's canonical ids)?"""
     return c.finish_reason == "stop" and ends_with(c.token_ids, marker)
@@ -113,9 +106,16 @@ class _Plan:
 
 
 def _plan(tokenizer: Any, cfg: StreamingParams) -> _Plan:
+    try:
+        return _encoded(tokenizer, cfg)
+    except MarkerError as exc:
+        raise ModeError(f"streaming: {exc}") from None
+
+
+def _encoded(tokenizer: Any, cfg: StreamingParams) -> _Plan:
     m = DEFAULT_MARKERS
     eot, skip, eor, eoa = (
-        _marker(tokenizer, x) for x in (m.thought_end, m.skip, m.reasoning_end, m.answer_end)
+        marker_ids(tokenizer, x) for x in (m.thought_end, m.skip, m.reasoning_end, m.answer_end)
     )
 
     def encode(text: str) -> list[int]:
