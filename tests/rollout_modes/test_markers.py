@@ -20,6 +20,7 @@ from loom.contracts.settings import Settings  # noqa: E402
 from loom.contracts.wire import RolloutRequest, SamplingParams, Trajectory  # noqa: E402
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, encode_with_markers, marker_ids  # noqa: E402
 from loom.runtime import configure_process  # noqa: E402
+from rollout_svc.engines.base import UnsupportedCapability  # noqa: E402
 
 ATOL = 1e-4
 
@@ -30,11 +31,15 @@ def tok() -> Any:
     return qwen3_style_tokenizer()
 
 
-def run_group(path: Path, tok: Any, request: RolloutRequest) -> Any:
+def run_group(path: Path, tok: Any, request: RolloutRequest, id_sequences: bool = True) -> Any:
+    """``request``'s group on the torch engine; ``id_sequences=False``: the engine without its
+    ``stop_sequences`` capability, as the vLLM client is (stops on single ids and on text only)."""
     from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.rollout import generate_group
 
     engine = TorchEngine(path, cache_entries=8)
+    if not id_sequences:
+        engine.capabilities = engine.capabilities - {"stop_sequences"}
     try:
         return asyncio.run(generate_group(request, engine, lambda: tok, Settings()))
     finally:
@@ -95,6 +100,8 @@ def test_streaming_matches_and_inserts_multi_token_markers(tok: Any, tmp_path: P
     first = t.completion_ids[streams[0].start : streams[0].end]
     assert first == r1  # the spelled-out <EOT> did not end the thought; its canonical ids did
     assert t.finish_reason == "stop" and "ended_early" not in t.meta
+    with pytest.raises(UnsupportedCapability, match="stop_sequences"):
+        run_group(tmp_path / "m", tok, request, id_sequences=False)
 
 
 def test_spawn_matches_a_multi_token_close_and_joins_canonical_ids(tok: Any, tmp_path: Path) -> None:
@@ -151,3 +158,8 @@ def test_spawn_matches_a_multi_token_close_and_joins_canonical_ids(tok: Any, tmp
     assert [link.message for link in group.threads] == ["7", "7"]
     for t in group.trajectories:
         assert_teacher_forced(model, t)
+    # where the engine cannot stop on id sequences, the close's text stops the parent and its ids
+    # still decide: the same group, id for id
+    by_text = run_group(tmp_path / "m", tok, request, id_sequences=False)
+    assert [t.completion_ids for t in by_text.trajectories] == [t.completion_ids for t in group.trajectories]
+    assert by_text.meta["rollouts"][0]["status"] == "ok"
