@@ -163,3 +163,33 @@ def test_spawn_matches_a_multi_token_close_and_joins_canonical_ids(tok: Any, tmp
     by_text = run_group(tmp_path / "m", tok, request, id_sequences=False)
     assert [t.completion_ids for t in by_text.trajectories] == [t.completion_ids for t in group.trajectories]
     assert by_text.meta["rollouts"][0]["status"] == "ok"
+
+
+def test_a_spawn_close_spelled_with_other_ids_never_spawns(tok: Any, tmp_path: Path) -> None:
+    """The close marker's text written one id per character is not the marker: on the torch engine
+    the parent does not stop there and ends unclosed; where the close's text is the stop (no id
+    sequences) the stop fires and the ids refuse it. Both are format errors, and no child runs."""
+    syntax = DEFAULT_SPAWN
+    markers = [syntax.spawn_open, syntax.spawn_close, syntax.join_open, syntax.join_close, "</think>"]
+    prompt = encode(tok, "[spawn] 3 4 7\n")
+    head = f"{syntax.spawn_open}\n{syntax.spawn_child.format(i=0, node=0)} 3+4\n"
+    spelled = [i for ch in syntax.spawn_close for i in encode(tok, ch)]
+    assert spelled != marker_ids(tok, syntax.spawn_close) and tok.decode(spelled) == syntax.spawn_close
+    completion = encode_with_markers(tok, head, markers) + spelled + [tok.eos_token_id]
+    fitted_qwen3(tok, [prompt + completion], tmp_path / "m")
+    request = RolloutRequest(
+        group_id="g-spelled",
+        mode="spawn",
+        prompt="[spawn] 3 4 7\n",
+        sampling=SamplingParams(n=1, max_tokens=64, temperature=0.0),
+    )
+    by_ids = run_group(tmp_path / "m", tok, request)
+    by_text = run_group(tmp_path / "m", tok, request, id_sequences=False)
+    assert [t.completion_ids for t in by_ids.trajectories] == [completion]
+    assert [t.completion_ids for t in by_text.trajectories] == [completion[:-1]]  # stopped on the text
+    reasons = [g.meta["rollouts"][0] for g in (by_ids, by_text)]
+    assert [r["status"] for r in reasons] == ["format_error", "format_error"]
+    assert [r["reason"] for r in reasons] == [
+        "unclosed spawn block",
+        "spawn close marker not written as its canonical token ids",
+    ]
