@@ -177,6 +177,12 @@ class SamplingParams(Contract):
         default_factory=list, max_length=64
     )
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_sequences: list[Annotated[list[int], Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="stop when the generated ids end with one of these (a marker that is several tokens;"
+        " engines with the 'stop_sequences' capability)",
+    )
     logprobs: int = Field(default=0, ge=0, le=20, description="top-k log-probs per token (0 = sampled only)")
     # vLLM's logits processors, applied in vLLM's order (docs/interop-engine.md): the neutral defaults
     # leave sampling exactly as without them
