@@ -7,7 +7,6 @@ path): ``uvicorn reward_svc.api:app`` alone serves every route below.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ from pydantic import BaseModel
 from loom.contracts.reward_settings import get_reward_settings
 from loom.contracts.rewards import COMPONENT_PARAMS, RequestError, check_spec, check_timeout
 from loom.contracts.wire import Group, RewardRequest, RewardResult, RewardSpec, TaskKind
+from loom.runtime import Shared
 from loom.service import create_queue_app
 from reward_svc.core import (
     Refused,
@@ -53,27 +53,9 @@ app = create_queue_app(
 
 _settings = get_reward_settings()
 _state = DensityStats()
-_pool_lock = threading.Lock()
-_pool: VerifierPool | None = None
-
-
-def get_pool() -> VerifierPool:
-    """The process's verifier pool, started on first use (forks need math-verify imported first)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = VerifierPool.from_settings(_settings)
-        return _pool
-
-
-def _close_pool() -> None:
-    global _pool
-    with _pool_lock:
-        if _pool is not None:
-            _pool.close()
-            _pool = None
-
-
+_pool: Shared[VerifierPool] = Shared(lambda: VerifierPool.from_settings(_settings))
+get_pool = _pool.get  # the process's verifier pool, started on first use
+_close_pool = _pool.close
 app.router.on_shutdown.append(_close_pool)
 
 

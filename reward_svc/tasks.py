@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import threading
 from typing import Any
 
 from celery import Celery, Task, states
@@ -32,39 +31,32 @@ from loom.contracts.tasks import MATCH_TEXTS, SCORE_GROUP, SCORE_GROUPS
 from loom.contracts.wire import Group, RewardSpec
 from loom.queue import make_celery, send, task_of
 from loom.results import stored_metas
+from loom.runtime import Shared
 from loom.timeline import mark
 
 celery_app = make_celery("reward")
 
-_lock = threading.Lock()
-_pool: Any = None
+
+def _make_verifier() -> Any:
+    from loom.contracts.reward_settings import get_reward_settings
+    from reward_svc.pool import VerifierPool
+
+    return VerifierPool.from_settings(get_reward_settings())
 
 
-def _verifier() -> Any:
-    global _pool
-    with _lock:
-        if _pool is None:
-            from loom.contracts.reward_settings import get_reward_settings
-            from reward_svc.pool import VerifierPool
-
-            _pool = VerifierPool.from_settings(get_reward_settings())
-        return _pool
+_verifier = Shared(_make_verifier).get  # one verifier pool per worker process, started on first use
 
 
-_client: Any = None
+def _make_sandbox_client() -> Any:
+    from loom.clients.sandbox import SandboxClient
+    from loom.contracts.reward_settings import get_reward_settings
+
+    return SandboxClient(get_reward_settings().sandbox_url or None)
 
 
-def sandbox_client() -> Any:
-    """The process's sandbox client (``loom.clients.sandbox``): code rewards run their tests in the
-    sandbox service, never in the reward process."""
-    global _client
-    with _lock:
-        if _client is None:
-            from loom.clients.sandbox import SandboxClient
-            from loom.contracts.reward_settings import get_reward_settings
-
-            _client = SandboxClient(get_reward_settings().sandbox_url or None)
-        return _client
+# the process's sandbox client (loom/clients/sandbox.py): code rewards run their tests in the sandbox
+# service, never in the reward process
+sandbox_client = Shared(_make_sandbox_client).get
 
 
 def _parsed(group: dict[str, Any], spec: dict[str, Any] | None) -> tuple[Group, RewardSpec]:

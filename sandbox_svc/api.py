@@ -7,13 +7,13 @@ Retry-After, never an unbounded wait; ``/readyz`` fails while bubblewrap is miss
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from loom.contracts.sandbox import BatchRequest, BatchResult, RunRequest, RunResult
+from loom.runtime import Shared
 from loom.service import create_queue_app
 from sandbox_svc.config import get_sandbox_settings
 from sandbox_svc.fusion import RunCodeRequest, RunCodeResponse, from_result, to_run
@@ -33,27 +33,9 @@ app.state.ready_checks["bubblewrap"] = lambda: (
     else (False, "bubblewrap is not installed (deploy/setup.sh)")
 )
 
-_lock = threading.Lock()
-_pool: SandboxPool | None = None
-
-
-def get_pool() -> SandboxPool:
-    """The process's pool, started on first use."""
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = SandboxPool.from_settings(get_sandbox_settings())
-        return _pool
-
-
-def _close_pool() -> None:
-    global _pool
-    with _lock:
-        if _pool is not None:
-            _pool.close()
-            _pool = None
-
-
+_pool: Shared[SandboxPool] = Shared(lambda: SandboxPool.from_settings(get_sandbox_settings()))
+get_pool = _pool.get  # the process's pool, started on first use
+_close_pool = _pool.close
 app.router.on_shutdown.append(_close_pool)
 
 

@@ -7,29 +7,25 @@ one per worker process, started on first use.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 from loom.contracts.sandbox import BatchRequest, BatchResult
 from loom.contracts.tasks import SANDBOX_RUN_BATCH
 from loom.queue import make_celery, task_of
+from loom.runtime import Shared
 
 celery_app = make_celery("sandbox")
 
-_lock = threading.Lock()
-_pool: Any = None
+
+def _make_sandbox() -> Any:
+    from sandbox_svc.config import get_sandbox_settings
+    from sandbox_svc.pool import SandboxPool
+
+    return SandboxPool.from_settings(get_sandbox_settings())
 
 
-def _sandbox() -> Any:
-    global _pool
-    with _lock:
-        if _pool is None:
-            from sandbox_svc.config import get_sandbox_settings
-            from sandbox_svc.pool import SandboxPool
-
-            _pool = SandboxPool.from_settings(get_sandbox_settings())
-        return _pool
+_sandbox = Shared(_make_sandbox).get  # the worker's warm slots, shared by its task threads
 
 
 @task_of(celery_app, SANDBOX_RUN_BATCH)
