@@ -86,29 +86,36 @@ def test_a_checkpoint_published_in_parts_is_one_immutable_version_of_the_keys_na
     assert declare(server.url, PUBLISHER_KEY, files, version=5).json()["version"] == 5
 
 
-def test_two_uploads_of_one_version_the_second_commit_is_a_conflict(gateway: tuple[Server, Any]) -> None:
+def weights_of(checkpoint: Path, flip: int | None = None) -> dict[str, bytes]:
+    """A checkpoint's weights and config as upload files; ``flip``: one weight byte that many bytes
+    from the end changed (another version of the same shapes)."""
+    weights = bytearray((checkpoint / "model.safetensors").read_bytes())
+    if flip is not None:
+        weights[-flip] ^= 0x01
+    return {"model.safetensors": bytes(weights), "config.json": (checkpoint / "config.json").read_bytes()}
+
+
+def send_all(url: str, key: str, upload: str, files: dict[str, bytes]) -> None:
+    for path, data in files.items():
+        assert put(url, key, upload, path, data).status_code == 204
+
+
+def test_two_uploads_of_one_version_the_second_commit_is_a_conflict(
+    gateway: tuple[Server, Any], checkpoint: Path
+) -> None:
     server, settings = gateway
-    first = {"model.safetensors": b"first"}
-    second = {"model.safetensors": b"second"}
+    first = weights_of(checkpoint)
+    second = weights_of(checkpoint, flip=7)
     a = declare(server.url, PUBLISHER_KEY, first).json()
     b = declare(server.url, PUBLISHER_KEY, second).json()
     assert a["version"] == b["version"] == 1
     for ticket, files in ((a, first), (b, second)):
-        assert (
-            put(
-                server.url,
-                PUBLISHER_KEY,
-                ticket["upload_id"],
-                "model.safetensors",
-                files["model.safetensors"],
-            ).status_code
-            == 204
-        )
+        send_all(server.url, PUBLISHER_KEY, ticket["upload_id"], files)
     assert commit(server.url, PUBLISHER_KEY, a["upload_id"]).status_code == 201
     r = commit(server.url, PUBLISHER_KEY, b["upload_id"])
     assert r.status_code == 409, r.text
     folder = PolicyStore(settings.policy_store_path, create=False).namespace("alice").path_of(1)
-    assert (folder / "model.safetensors").read_bytes() == b"first"
+    assert (folder / "model.safetensors").read_bytes() == first["model.safetensors"]
 
 
 def test_a_tampered_or_truncated_upload_is_refused_and_the_previous_version_stays(
@@ -117,7 +124,8 @@ def test_a_tampered_or_truncated_upload_is_refused_and_the_previous_version_stay
     server, settings = gateway
     PolicyPublisher(server.url, PUBLISHER_KEY).publish_dir(checkpoint)
     weights = (checkpoint / "model.safetensors").read_bytes()
-    files = {"model.safetensors": weights, "config.json": b"{}"}
+    config = (checkpoint / "config.json").read_bytes()
+    files = {"model.safetensors": weights, "config.json": config}
     ticket = declare(server.url, PUBLISHER_KEY, files).json()
     upload = ticket["upload_id"]
     tampered = bytearray(weights)
@@ -125,9 +133,9 @@ def test_a_tampered_or_truncated_upload_is_refused_and_the_previous_version_stay
     r = put(server.url, PUBLISHER_KEY, upload, "model.safetensors", bytes(tampered))
     assert r.status_code == 422 and r.json()["error"] == "integrity_error", r.text
     assert "model.safetensors" in r.json()["detail"]
-    r = put(server.url, PUBLISHER_KEY, upload, "config.json", b"{}  ")  # past the declared size
+    r = put(server.url, PUBLISHER_KEY, upload, "config.json", config + b"  ")  # past the declared size
     assert r.status_code == 422 and r.json()["error"] == "integrity_error"
-    assert put(server.url, PUBLISHER_KEY, upload, "config.json", b"{}").status_code == 204
+    assert put(server.url, PUBLISHER_KEY, upload, "config.json", config).status_code == 204
     half = len(weights) // 2  # truncated: the first part arrives, the rest never does
     assert put(server.url, PUBLISHER_KEY, upload, "model.safetensors", weights[:half]).status_code == 204
     r = put(server.url, PUBLISHER_KEY, upload, "model.safetensors", weights[half:], offset=half + 1)
@@ -163,15 +171,17 @@ def test_a_key_without_the_policy_scope_is_forbidden(gateway: tuple[Server, Any]
     assert info.value.status == 403
 
 
-def test_another_keys_versions_and_uploads_are_invisible(gateway: tuple[Server, Any]) -> None:
+def test_another_keys_versions_and_uploads_are_invisible(
+    gateway: tuple[Server, Any], checkpoint: Path
+) -> None:
     server, _ = gateway
-    files = {"model.safetensors": b"alice's"}
+    files = weights_of(checkpoint)
     ticket = declare(server.url, PUBLISHER_KEY, files).json()
     upload = ticket["upload_id"]
     # bob cannot send to, or commit, alice's upload: it does not exist for him
-    assert put(server.url, OTHER_KEY, upload, "model.safetensors", b"alice's").status_code == 404
+    assert put(server.url, OTHER_KEY, upload, "config.json", files["config.json"]).status_code == 404
     assert commit(server.url, OTHER_KEY, upload).status_code == 404
-    assert put(server.url, PUBLISHER_KEY, upload, "model.safetensors", b"alice's").status_code == 204
+    send_all(server.url, PUBLISHER_KEY, upload, files)
     assert commit(server.url, PUBLISHER_KEY, upload).status_code == 201
     mine = httpx.get(f"{server.url}/v1/policies/1", headers=auth(PUBLISHER_KEY))
     theirs = httpx.get(f"{server.url}/v1/policies/1", headers=auth(OTHER_KEY))
