@@ -429,3 +429,63 @@ def test_a_key_named_like_the_learners_namespace_cannot_publish(gateway: tuple[S
     r = declare(server.url, LOOM_NAMED_KEY, {"model.safetensors": b"x"})
     assert r.status_code == 403 and "not 'loom'" in r.json()["detail"], r.text
     assert httpx.get(f"{server.url}/v1/policies", headers=auth(LOOM_NAMED_KEY)).json() == []
+
+
+def test_a_key_deletes_its_versions_unless_its_work_names_them_and_aborts_its_uploads(
+    gateway: tuple[Server, Any], checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over HTTP: a version named by a queued job of the key is a 409 to delete, another key's is a
+    404 as a missing one, an upload is aborted with ``DELETE``, and a namespace over its quota is a 413."""
+    server, settings = gateway
+    publisher = PolicyPublisher(server.url, PUBLISHER_KEY)
+    assert [publisher.publish_dir(checkpoint).version for _ in range(2)] == [1, 2]
+    job = {"job_key": "pinned", "prompts": ["1 + 1 = ?"], "policy_version": 1, "policy_namespace": "alice"}
+    assert httpx.post(f"{server.url}/v1/jobs", json=job, headers=auth(PUBLISHER_KEY)).status_code == 201
+    r = httpx.delete(f"{server.url}/v1/policies/1", headers=auth(PUBLISHER_KEY))
+    assert r.status_code == 409 and "queued or running" in r.json()["detail"], r.text
+    assert httpx.delete(f"{server.url}/v1/policies/2", headers=auth(OTHER_KEY)).status_code == 404
+    assert httpx.delete(f"{server.url}/v1/policies/2", headers=auth(PUBLISHER_KEY)).status_code == 204
+    assert [r.version for r in publisher.versions()] == [1]
+
+    ticket = declare(server.url, PUBLISHER_KEY, weights_of(checkpoint)).json()
+    assert ticket["version"] == 3  # 2 is never given again
+    route = f"{server.url}/v1/policies/uploads/{ticket['upload_id']}"
+    assert httpx.delete(route, headers=auth(OTHER_KEY)).status_code == 404
+    assert httpx.delete(route, headers=auth(PUBLISHER_KEY)).status_code == 204
+    assert commit(server.url, PUBLISHER_KEY, ticket["upload_id"]).status_code == 404
+
+    size = sum(f["size"] for f in publisher.version(1).files)  # every file of the one version left
+    monkeypatch.setenv("LOOM_GATEWAY_POLICY_QUOTA_BYTES", str(size + 1000))
+    r = declare(server.url, PUBLISHER_KEY, weights_of(checkpoint))
+    assert r.status_code == 413 and r.json()["error"] == "quota_exceeded", r.text
+    assert (r.json()["quota"], r.json()["in_use"]) == ("policy_bytes", size)
+
+
+def test_a_part_cut_off_by_its_sender_is_dropped_without_an_unhandled_error(
+    gateway: tuple[Server, Any], checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A PUT whose client went away mid-body logged an unhandled-error traceback."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    server, _ = gateway
+    files = weights_of(checkpoint)
+    upload = declare(server.url, PUBLISHER_KEY, files).json()["upload_id"]
+    where = urlsplit(server.url)
+    with socket.create_connection((where.hostname, where.port)) as conn:
+        conn.sendall(
+            (
+                f"PUT /v1/policies/uploads/{upload}/files/model.safetensors HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {PUBLISHER_KEY}\r\n"
+                f"Content-Length: {len(files['model.safetensors'])}\r\n\r\n"
+            ).encode()
+            + files["model.safetensors"][:1000]
+        )
+        time.sleep(0.5)
+    time.sleep(1.0)
+    assert not [r for r in caplog.records if r.exc_info], [
+        r.getMessage() for r in caplog.records if r.exc_info
+    ]
+    r = put(server.url, PUBLISHER_KEY, upload, "model.safetensors", files["model.safetensors"])
+    assert r.status_code == 204, r.text  # the cut-off part was dropped: the file starts again from 0
