@@ -180,3 +180,26 @@ def test_an_upload_that_lost_its_version_race_frees_its_slot_and_an_upload_can_b
     assert declare(up, base).version == 2
     with pytest.raises(PublishError):  # an aborted upload is gone
         up.commit("alice", more[0].upload_id)
+
+
+def test_a_lora_adapter_is_checked_against_the_deployments_base_not_the_base_it_names(
+    tmp_path: Path, base: Path
+) -> None:
+    """An adapter is a LoRA of the deployment's base whatever its ``base_model_name_or_path`` says;
+    tensors of another rank than its config's, or extra modules, are refused."""
+    pytest.importorskip("peft")
+    from loom.store.checks import check_checkpoint
+    from tests.rollout.test_policy_load_isolation import adapter_of
+
+    bounds = Bounds.of(base, factor=4.0)
+    adapter = adapter_of(base, tmp_path / "adapter", "/etc")
+    paths = [p.name for p in adapter.iterdir()]
+    check_checkpoint(adapter, paths, "lora", bounds)  # the named base is not read
+
+    acfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**acfg, "r": 8}))
+    with pytest.raises(CheckpointRefused, match="the base model needs"):
+        check_checkpoint(adapter, paths, "lora", bounds)
+    (adapter / "adapter_config.json").write_text(json.dumps({**acfg, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(CheckpointRefused, match="modules_to_save"):
+        check_checkpoint(adapter, paths, "lora", bounds)
