@@ -196,7 +196,7 @@ class RemotePolicyWriter:
                     detail if isinstance(detail, str) else json.dumps(detail)
                 )
             raise PublishUnavailable(f"the policy store answered {resp.status_code}")
-        return resp.json()
+        return None if resp.status_code == 204 else resp.json()
 
     async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
         body = await self._call("POST", f"/v1/store/ns/{namespace}/uploads", json=req.model_dump(mode="json"))

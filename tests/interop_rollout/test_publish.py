@@ -272,6 +272,21 @@ def test_uploads_forwarded_to_the_learners_store_are_pulled_by_a_replica_on_anot
             assert PolicyPublisher(server.url, OTHER_KEY).versions() == []
             r = declare(server.url, PUBLISHER_KEY, {"model.safetensors": b"x"}, version=1)
             assert r.status_code == 409, r.text
+            # the store's host checks what is forwarded against its own base model, aborts, deletes
+            files = weights_of(checkpoint)
+            cfg = json.loads(files["config.json"])
+            files["config.json"] = json.dumps({**cfg, "num_hidden_layers": 64}).encode()
+            upload = declare(server.url, PUBLISHER_KEY, files).json()["upload_id"]
+            send_all(server.url, PUBLISHER_KEY, upload, files)
+            r = commit(server.url, PUBLISHER_KEY, upload)
+            assert r.status_code == 422 and r.json()["error"] == "invalid_checkpoint", r.text
+            assert "num_hidden_layers 64" in r.json()["detail"]
+            upload = declare(server.url, PUBLISHER_KEY, weights_of(checkpoint)).json()["upload_id"]
+            route = f"{server.url}/v1/policies/uploads/{upload}"
+            assert httpx.delete(route, headers=auth(PUBLISHER_KEY)).status_code == 204
+            assert httpx.delete(route, headers=auth(PUBLISHER_KEY)).status_code == 404
+            assert PolicyPublisher(server.url, PUBLISHER_KEY).publish_dir(checkpoint).version == 2
+            assert httpx.delete(f"{server.url}/v1/policies/2", headers=auth(PUBLISHER_KEY)).status_code == 204
         assert not (tmp_path / "gw" / "policy").exists()  # nothing written on the gateway's host
         store = PolicyStore(learner.policy_store_path, create=False).namespace("alice")
         assert store.versions() == [1]
