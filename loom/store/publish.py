@@ -11,6 +11,7 @@ The gateway's ``/v1/policies`` routes (gateway/routes/policies.py) publish throu
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -101,6 +102,12 @@ def policy_writer(settings: Settings, base_dir: Path | None = None) -> PolicyWri
     return LocalPolicyWriter.from_settings(settings, base_dir=base_dir)
 
 
+@functools.lru_cache(maxsize=8)
+def bounds_of(base_dir: Path, factor: float, max_params: int) -> Bounds:
+    """The bounds of a deployment's base model, read once per process (its config does not change)."""
+    return Bounds.of(base_dir, factor, max_params)
+
+
 def register_roots(limits: PublishLimits) -> list[Path]:
     return [Path(r.strip()) for r in limits.register_roots.split(",") if r.strip()]
 
@@ -118,7 +125,11 @@ class LocalPolicyWriter:
         unit tests only; every service passes its ``LOOM_MODEL``)."""
         limits = limits or PublishLimits()
         store = PolicyStore(settings.policy_store_path)
-        bounds = None if base_dir is None else Bounds.of(base_dir, limits.size_factor, limits.max_params)
+        bounds = (
+            None
+            if base_dir is None
+            else functools.partial(bounds_of, base_dir, limits.size_factor, limits.max_params)
+        )
         uploads = Uploads(
             store,
             max_bytes=limits.max_bytes,

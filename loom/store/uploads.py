@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -114,8 +114,8 @@ class Uploads:
     """Uploads and registrations into the namespaces of ``store``'s root (``<root>/.uploads/``),
     each version sealed by ``PolicyStore.seal``; at most ``max_bytes`` a version and ``quota_bytes``
     a namespace (its versions and open uploads together), an upload not committed within ``ttl_s``
-    dropped. ``bounds``: what a version's config and weights may declare (loom/store/checks.py),
-    checked before a version is sealed; None checks nothing (the learner's own tests only).
+    dropped. ``bounds``: what a version's config and weights may declare (loom/store/checks.py), or
+    what makes them when first needed, checked before a version is sealed; None checks nothing.
     ``private``: folders a registered path may never be in or hold (the data dir)."""
 
     def __init__(
@@ -125,7 +125,7 @@ class Uploads:
         max_bytes: int,
         ttl_s: float,
         quota_bytes: int | None = None,
-        bounds: Bounds | None = None,
+        bounds: Bounds | Callable[[], Bounds] | None = None,
         private: tuple[Path, ...] = (),
     ) -> None:
         self.store = store.namespace(None)
@@ -307,8 +307,10 @@ class Uploads:
             )
 
     def _check(self, folder: Path, paths: list[str], kind: str) -> None:
+        """``check_checkpoint`` under the bounds (read from the base model when first needed)."""
         if self.bounds is not None:
-            check_checkpoint(folder, paths, kind, self.bounds)
+            bounds = self.bounds if isinstance(self.bounds, Bounds) else self.bounds()
+            check_checkpoint(folder, paths, kind, bounds)
 
     def _next_version(self, ns: PolicyStore, asked: int | None) -> int:
         latest = ns.latest()
