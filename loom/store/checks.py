@@ -277,10 +277,12 @@ class Bounds:
 
 
 def tensors_in(folder: Path, paths: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor of the ``.safetensors`` files among ``paths``: name -> (shape, file)."""
+    """Every tensor of the top-level ``.safetensors`` files among ``paths`` (what transformers and
+    peft load; a subfolder's, such as the learner's ``adapter/`` beside its merged weights, is not
+    loaded): name -> (shape, file)."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for rel in paths:
-        if not rel.endswith(".safetensors"):
+        if not rel.endswith(".safetensors") or "/" in rel:
             continue
         for name, shape in safetensors_header(folder / rel, rel).items():
             if name in out:

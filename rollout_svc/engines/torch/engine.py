@@ -253,7 +253,7 @@ class TorchEngine(Engine):
                 # sizes and shapes from the files' text before anything is allocated (a version
                 # published before the store checked them, or a registered folder changed since)
                 folder = Path(policy.path)
-                weights = [p.relative_to(folder).as_posix() for p in folder.rglob("*.safetensors")]
+                weights = [p.name for p in folder.glob("*.safetensors")]
                 check_checkpoint(folder, weights, policy.kind, self._bounds())
                 if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
                     model = load_adapter(policy.path, self.model_path, self.device)
