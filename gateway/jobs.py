@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 from gateway.models import JobRequest
@@ -19,6 +20,25 @@ from loom.contracts.wire import RolloutRequest
 from loom.timeline import mark
 
 log = logging.getLogger("loom.gateway.jobs")
+
+
+# the workers' typed failures that are the request's own doing (docs/security.md, "Error answers")
+INVALID_PARAMS = frozenset({"ModeError", "InvalidPrompt", "UnsupportedCapability", "ValidationError"})
+ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/[^\s'\"(),;]+")
+
+
+def job_error(exc: BaseException, req: JobRequest, job_id: str) -> str:
+    """What a failed job's ``error`` says: a typed kind and a sentence, never a server path or an
+    exception's text from a worker (which may name the store's folders); the log keeps both.
+    ``policy_load_error``: the version named could not be loaded; ``invalid_params``: the request's
+    own parameters, with the worker's sentence (its paths masked); else ``internal_error``."""
+    kind = type(exc).__name__
+    if kind == "PolicyLoadError":
+        which = "the served policy" if req.policy_version is None else f"policy version {req.policy_version}"
+        return f"policy_load_error: {which} could not be loaded (the operator's log has the reason)"
+    if kind in INVALID_PARAMS:
+        return f"invalid_params: {ABSOLUTE_PATH.sub('<path>', str(exc))}"
+    return f"internal_error: the job failed; the gateway's log has the reason (job {job_id})"
 
 
 def at_policy(request: RolloutRequest, req: JobRequest) -> RolloutRequest:
@@ -86,7 +106,7 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
         return "interrupted"
     except Exception as exc:
         log.exception("job %s failed", job_id)
-        error = f"{type(exc).__name__}: {exc}"
+        error = job_error(exc, req, job_id)
         await asyncio.to_thread(state.jobs.finish, job_id, "failed", error=error, counters=counters)
         return "failed"
     if await asyncio.to_thread(state.jobs.finish, job_id, "succeeded", counters=counters):

@@ -102,7 +102,11 @@ class JobView(Contract):
     n_done: int
     error: str | None = None
     counters: dict[str, float] = Field(default_factory=dict)
-    groups: list[ScoredGroup] = Field(default_factory=list)
+    groups: list[ScoredGroup] = Field(
+        default_factory=list, description="one page of the stored groups, in prompt order, from `offset`"
+    )
+    offset: int = Field(default=0, description="the page's first group among the stored ones")
+    next_offset: int | None = Field(default=None, description="the next page's offset; None: the last page")
 
 
 def _span(lo: int, hi: int) -> Any:

@@ -345,6 +345,16 @@ class JobStore(WorkStore[JobRow]):
         )
         return [(int(r["seq"]), json.loads(r["payload"])) for r in rows]
 
+    def page(self, job_id: str, offset: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """How many groups ``job_id`` has stored, and the payloads of ``limit`` of them from the
+        ``offset``-th in prompt order (a large job's view is read a page at a time)."""
+        row = self.db.one("SELECT COUNT(*) FROM job_groups WHERE job_id=?", (job_id,))
+        rows = self.db.all(
+            "SELECT payload FROM job_groups WHERE job_id=? ORDER BY idx LIMIT ? OFFSET ?",
+            (job_id, limit, offset),
+        )
+        return (0 if row is None else int(row[0])), [json.loads(r["payload"]) for r in rows]
+
     def done_indices(self, job_id: str) -> set[int]:
         return {int(r["idx"]) for r in self.db.all("SELECT idx FROM job_groups WHERE job_id=?", (job_id,))}
 

@@ -35,6 +35,7 @@ from loom.queue import send
 from loom.service import create_queue_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
 from loom.store.routes import add_store_routes
+from zoo.registry import resolve_model_path
 
 
 class AttentionRequest(Contract):
@@ -134,7 +135,9 @@ def build_app(
         out = await asyncio.to_thread(_run, celery_app, SCORE_ATTENTION, kwargs, wait)
         return AttentionScores.model_validate(out)
 
-    add_store_routes(app, internal)  # the policy store for replicas on other hosts (LOOM_POLICY_STORE_URL)
+    # the policy store for replicas on other hosts (LOOM_POLICY_STORE_URL); what trainers publish
+    # through it is checked against the deployment's base model (loom/store/checks.py)
+    add_store_routes(app, internal, resolve_model_path(app.state.settings.model))
     return app
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -17,6 +17,7 @@ from gateway.quotas import QuotaExceeded, job_cost
 from gateway.routes.deps import (
     EXISTING,
     NOT_FOUND,
+    Gateway,
     GatewayDep,
     cancel,
     end_event,
@@ -27,7 +28,7 @@ from gateway.routes.deps import (
     submit,
     view,
 )
-from gateway.state import GatewayState
+from gateway.state import GatewayState, JobRow
 from loom.service import LoomRoute, error_responses
 from loom.timeline import mark
 
@@ -65,11 +66,37 @@ async def submit_job(body: JobRequest, request: Request, gw: GatewayDep) -> Any:
     )
 
 
+PAGE = 64  # groups in a job's view by default: a 4096-prompt job's 6 MB is read a page at a time
+MAX_PAGE = 512
+
+
+def job_view(gw: Gateway, row: JobRow, offset: int = 0, limit: int = PAGE) -> JobView:
+    """``row``'s view with one page of its groups (in a thread: reading and parsing a page of a
+    large job must not hold the event loop every other request waits on)."""
+    n_done, payloads = gw.state.jobs.page(row.id, offset, limit)
+    groups = [ScoredGroup.model_validate(p) for p in payloads]
+    after = offset + len(groups)
+    return view(
+        JobView,
+        row,
+        n_done=n_done,
+        groups=groups,
+        offset=offset,
+        next_offset=after if after < n_done else None,
+    )
+
+
 @router.get("/{job_id}", response_model=JobView, responses=NOT_FOUND)
-async def get_job(job_id: str, request: Request, gw: GatewayDep) -> JobView:
-    row = owned(gw.state.jobs.get(job_id), request, "job", job_id)
-    groups = [ScoredGroup.model_validate(p) for _, p in gw.state.jobs.groups(job_id)]
-    return view(JobView, row, n_done=len(groups), groups=sorted(groups, key=lambda g: g.index))
+async def get_job(
+    job_id: str,
+    request: Request,
+    gw: GatewayDep,
+    offset: Annotated[int, Query(ge=0, le=2**31, description="the first group of the page")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="groups in the page")] = PAGE,
+) -> JobView:
+    """The job and one page of its scored groups (``next_offset`` names the next page)."""
+    row = owned(await asyncio.to_thread(gw.state.jobs.get, job_id), request, "job", job_id)
+    return await asyncio.to_thread(job_view, gw, row, offset, limit)
 
 
 @router.post("/{job_id}/cancel", response_model=JobView, responses=NOT_FOUND)
@@ -79,7 +106,8 @@ async def cancel_job(job_id: str, request: Request, gw: GatewayDep) -> JobView:
     has ended is left as it is."""
     owned(gw.state.jobs.get(job_id), request, "job", job_id)
     await cancel(gw, gw.state.jobs, job_id)
-    return await get_job(job_id, request, gw)
+    row = owned(await asyncio.to_thread(gw.state.jobs.get, job_id), request, "job", job_id)
+    return await asyncio.to_thread(job_view, gw, row)
 
 
 class CountedStream(StreamingResponse):

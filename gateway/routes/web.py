@@ -15,7 +15,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Query, Request
@@ -30,7 +30,7 @@ from gateway.ratelimit import retry_after_header
 from gateway.routes.deps import TERMINAL, Gateway, GatewayDep, end_event, owned, owner, refused, sse
 from gateway.routes.jobs import CountedStream
 from gateway.routes.runs import finite_metrics
-from gateway.state import GatewayState
+from gateway.state import GatewayState, JobRow
 from gateway.web import STATIC, TEMPLATES
 from gateway.web.listing import owned_items
 from gateway.web.views import group_view
@@ -170,20 +170,37 @@ async def run_page(
     )
 
 
-@router.get("/jobs/{job_id}")
-async def job_page(job_id: str, request: Request, gw: GatewayDep) -> HTMLResponse:
-    row = owned(gw.state.jobs.get(job_id), request, "job", job_id)
-    payloads = sorted((p for _, p in gw.state.jobs.groups(job_id)), key=lambda p: int(p.get("index", 0)))
+JOB_PAGE = 64  # groups on one job page (a 4096-prompt job is read and rendered a page at a time)
+
+
+def job_html(gw: Gateway, row: JobRow, key: str, offset: int) -> HTMLResponse:
+    """One page of a job's groups, read and rendered (called in a thread: a large page must not hold
+    the event loop other keys' requests wait on)."""
+    n_done, payloads = gw.state.jobs.page(row.id, offset, JOB_PAGE)
+    after = offset + len(payloads)
     return render(
         "job.html",
-        key=owner(request),
+        key=key,
         job=row,
         mode=row.request.get("mode", "plain"),
         counters=row.counters,
+        n_done=n_done,
         groups=[group_view(p) for p in payloads],
+        next_offset=after if after < n_done else None,
         running=row.status not in TERMINAL,
         refresh=3 if row.status not in TERMINAL else None,  # a running job's page follows it
     )
+
+
+@router.get("/jobs/{job_id}")
+async def job_page(
+    job_id: str,
+    request: Request,
+    gw: GatewayDep,
+    offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
+) -> HTMLResponse:
+    row = owned(await asyncio.to_thread(gw.state.jobs.get, job_id), request, "job", job_id)
+    return await asyncio.to_thread(job_html, gw, row, owner(request), offset)
 
 
 # ---------------------------------------------------------------------------------- run's curves

@@ -18,8 +18,11 @@ class GatewayClient(ServiceClient):
         """POST /v1/jobs (idempotent by ``body['job_key']``); returns the job id."""
         return str(self.post("/v1/jobs", json=body)["id"])
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        return dict(self.get(f"/v1/jobs/{job_id}"))
+    def job(self, job_id: str, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """GET /v1/jobs/{id}: the job and one page of its groups from ``offset`` (``next_offset`` names
+        the next page; the gateway's default page when ``limit`` is None)."""
+        params = {"offset": offset, **({} if limit is None else {"limit": limit})}
+        return dict(self.get(f"/v1/jobs/{job_id}", params=params))
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         """POST /v1/jobs/{id}/cancel: nothing more of the job is generated or scored; its view."""

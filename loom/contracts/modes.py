@@ -166,9 +166,9 @@ class TreeParams(ModeParams):
     continuations: int = Field(2, ge=1, le=64)  # T
     iterations: int = Field(1, ge=1, le=8)  # L: expansion rounds (TreeRL's EPTree)
     strategy: Literal["attention", "entropy", "random"] = "attention"
-    delta: int = Field(4, ge=1)
+    delta: int = Field(4, ge=1, le=MAX_TOKENS)
     quantile: float = Field(0.8, ge=0.0, le=1.0)
-    min_distance: int = Field(512, ge=0)
+    min_distance: int = Field(512, ge=0, le=MAX_TOKENS)
     separator: str = Field("\n\n", min_length=1)
     fallback_separator: str = Field("\n", min_length=1)
     end_marker: str = "</think>"

@@ -11,7 +11,9 @@ goes through a ``PolicyWriter`` (``policy_writer``). The package's modules, one 
 - ``layout``: paths, namespaces, version folders, ``LATEST``, opening files without links;
 - ``manifest``: hashing and the manifest's reading and writing;
 - ``local``: the directory store, the learner's publishing;
-- ``uploads``: trainers' uploads in parts and registered paths, under a namespace lock;
+- ``uploads``: trainers' uploads in parts and registered paths, under a namespace lock; the
+  namespace's quota, aborting, deleting;
+- ``checks``: a version's config and safetensors headers bounded by the deployment's base model;
 - ``publish``: the writers (local, or forwarded to the store's host);
 - ``remote``: the HTTP client, pulling into a cache, the cache's lock; ``open_policy_store``;
 - ``routes``: the store host's FastAPI routes (imported by the service that mounts them only);

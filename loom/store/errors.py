@@ -8,6 +8,8 @@ submission check too).
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PublishError(Exception):
     """A refused publication; ``status``/``error`` are the HTTP answer's (the gateway's and the
@@ -20,7 +22,7 @@ class PublishError(Exception):
         super().__init__(detail)
         self.detail = detail
 
-    def body(self) -> dict[str, str]:
+    def body(self) -> dict[str, Any]:
         return {"error": self.error, "detail": self.detail}
 
 
@@ -40,6 +42,20 @@ class IntegrityError(PublishError):
 
 class PublishForbidden(PublishError):
     status, error = 403, "forbidden"
+
+
+class QuotaExceeded(PublishError):
+    """A namespace's versions and uploads would hold more than its key's quota: waiting frees nothing,
+    deleting a version or aborting an upload does (413, as a key's datasets, docs/security.md)."""
+
+    status, error = 413, "quota_exceeded"
+
+    def __init__(self, detail: str, *, quota: str, limit: int, requested: int, in_use: int) -> None:
+        super().__init__(detail)
+        self.extra = {"quota": quota, "limit": limit, "requested": requested, "in_use": in_use}
+
+    def body(self) -> dict[str, Any]:
+        return {**super().body(), **self.extra}
 
 
 class PublishUnavailable(PublishError):

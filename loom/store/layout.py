@@ -21,6 +21,7 @@ from loom.contracts.wire import PolicyVersion
 RECORD = "policy.json"  # a version's PolicyVersion
 MANIFEST = "manifest.json"  # a version's files: [{path, size, sha256}]
 LATEST = "LATEST"
+FLOOR = "FLOOR"  # the newest version number a namespace ever had: a deleted one is never reused
 NAMESPACES = "ns"  # <root>/ns/<name>/: a trainer's versions
 UPLOADS = ".uploads"  # <root>/.uploads/<id>/: uploads not yet committed (loom/store/uploads.py)
 REGISTERED = "registered"  # meta key: the version's files are at its path, on a shared filesystem
@@ -65,6 +66,18 @@ def read_latest(root: Path) -> int | None:
     """The version ``<root>/LATEST`` names, or None when there is no marker."""
     marker = root / LATEST
     return int(marker.read_text().strip()) if marker.exists() else None
+
+
+def read_floor(root: Path) -> int:
+    """The newest version ``root`` ever held (``FLOOR``, written when one is deleted), 0 without one."""
+    marker = root / FLOOR
+    return int(marker.read_text().strip()) if marker.exists() else 0
+
+
+def write_floor(root: Path, version: int) -> None:
+    tmp = root / f".FLOOR-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(str(max(version, read_floor(root))))
+    os.replace(tmp, root / FLOOR)
 
 
 def write_latest(root: Path, version: int) -> None:

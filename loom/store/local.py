@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from loom.contracts.policies import LEARNER_NAMESPACE, PolicyMatch, PolicyRef, i
 from loom.contracts.wire import PolicyVersion
 from loom.store.errors import IntegrityError, PublishNotFound
 from loom.store.layout import (
+    LATEST,
     REGISTERED,
     namespace_parts,
     namespace_root,
@@ -31,6 +33,7 @@ from loom.store.layout import (
     temporary,
     version_dir,
     versions_in,
+    write_floor,
     write_latest,
 )
 from loom.store.manifest import file_hashes, hash_stream, read_files, write_records
@@ -61,8 +64,8 @@ class PolicyStore:
 
     def latest(self) -> PolicyVersion | None:
         marked = read_latest(self.root)
-        if marked is not None:
-            return self.get(marked)
+        if marked is not None and (found := self.get(marked)) is not None:
+            return found
         vs = self.versions()
         return self.get(vs[-1]) if vs else None
 
@@ -190,6 +193,20 @@ class PolicyStore:
                 raise IntegrityError(
                     f"policy version {version}: {f['path']} is not the file hashed at publish"
                 )
+
+    def delete(self, version: int) -> None:
+        """Remove version ``version``: renamed away first (a reader sees it whole or not at all), its
+        number kept as the floor (``write_floor``) and LATEST moved to the newest left."""
+        final = self.path_of(version)
+        gone = temporary(self.root, version, "deleted-" + uuid.uuid4().hex[:8])
+        os.rename(final, gone)
+        write_floor(self.root, version)
+        shutil.rmtree(gone, ignore_errors=True)
+        left = self.versions()
+        if left:
+            write_latest(self.root, left[-1])
+        else:
+            (self.root / LATEST).unlink(missing_ok=True)
 
     def prune(self, keep: int = 3) -> list[int]:
         """Delete all but the newest ``keep`` versions; returns the deleted ones."""

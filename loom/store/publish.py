@@ -11,6 +11,7 @@ The gateway's ``/v1/policies`` routes (gateway/routes/policies.py) publish throu
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket, is_namespace
 from loom.contracts.settings import Settings
 from loom.service_token import service_headers
+from loom.store.checks import Bounds, CheckpointRefused
 from loom.store.errors import (
     IntegrityError,
     PublishConflict,
@@ -30,6 +32,7 @@ from loom.store.errors import (
     PublishForbidden,
     PublishNotFound,
     PublishUnavailable,
+    QuotaExceeded,
 )
 from loom.store.local import PolicyStore
 from loom.store.uploads import Uploads
@@ -52,6 +55,21 @@ class PublishLimits(BaseSettings):
     upload_ttl_s: float = Field(
         default=3600.0, gt=0, description="an upload not committed within this many seconds is dropped"
     )
+    quota_bytes: int = Field(
+        default=64 * 1024**3,
+        ge=1,
+        description="bytes a key's namespace may hold: its versions' files and its open uploads' "
+        "declared files",
+    )
+    size_factor: float = Field(
+        default=4.0,
+        ge=1.0,
+        description="a version's config may declare at most this many times the deployment base model's "
+        "parameters, layers, hidden and intermediate size and positions (loom/store/checks.py)",
+    )
+    max_params: int = Field(
+        default=0, ge=0, description="parameters a version may declare; 0: size_factor x the base model's"
+    )
 
 
 class PolicyWriter(Protocol):
@@ -70,13 +88,24 @@ class PolicyWriter(Protocol):
 
     async def refs(self, namespace: str) -> list[PolicyRef]: ...
 
+    async def abort(self, namespace: str, upload_id: str) -> None: ...
 
-def policy_writer(settings: Settings) -> PolicyWriter:
-    """The store this process publishes into: the local one, or the learner's over HTTP
-    (``LOOM_POLICY_STORE_URL``, the service token)."""
+    async def delete(self, namespace: str, version: int, pinned: set[int]) -> None: ...
+
+
+def policy_writer(settings: Settings, base_dir: Path | None = None) -> PolicyWriter:
+    """The store this process publishes into: the local one, whose versions are checked against the
+    deployment's base model at ``base_dir`` (loom/store/checks.py), or the learner's over HTTP
+    (``LOOM_POLICY_STORE_URL``, the service token), which checks them against its own."""
     if settings.policy_store_url:
         return RemotePolicyWriter(settings.policy_store_url, settings.service_token)
-    return LocalPolicyWriter.from_settings(settings)
+    return LocalPolicyWriter.from_settings(settings, base_dir=base_dir)
+
+
+@functools.lru_cache(maxsize=8)
+def bounds_of(base_dir: Path, factor: float, max_params: int) -> Bounds:
+    """The bounds of a deployment's base model, read once per process (its config does not change)."""
+    return Bounds.of(base_dir, factor, max_params)
 
 
 def register_roots(limits: PublishLimits) -> list[Path]:
@@ -88,11 +117,27 @@ class LocalPolicyWriter:
         self.uploads, self.roots = uploads, roots
 
     @classmethod
-    def from_settings(cls, settings: Settings, limits: PublishLimits | None = None) -> LocalPolicyWriter:
-        """The writer into ``settings``' store under ``limits`` (default: ``LOOM_GATEWAY_POLICY_*``)."""
+    def from_settings(
+        cls, settings: Settings, limits: PublishLimits | None = None, *, base_dir: Path | None = None
+    ) -> LocalPolicyWriter:
+        """The writer into ``settings``' store under ``limits`` (default: ``LOOM_GATEWAY_POLICY_*``),
+        its versions bounded by the base model at ``base_dir`` (None: not checked, the store's own
+        unit tests only; every service passes its ``LOOM_MODEL``)."""
         limits = limits or PublishLimits()
         store = PolicyStore(settings.policy_store_path)
-        uploads = Uploads(store, max_bytes=limits.max_bytes, ttl_s=limits.upload_ttl_s)
+        bounds = (
+            None
+            if base_dir is None
+            else functools.partial(bounds_of, base_dir, limits.size_factor, limits.max_params)
+        )
+        uploads = Uploads(
+            store,
+            max_bytes=limits.max_bytes,
+            ttl_s=limits.upload_ttl_s,
+            quota_bytes=limits.quota_bytes,
+            bounds=bounds,
+            private=(settings.data_dir,),
+        )
         return cls(uploads, register_roots(limits))
 
     async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
@@ -121,6 +166,12 @@ class LocalPolicyWriter:
             return []
         return await asyncio.to_thread(self.uploads.store.namespace(namespace).refs)
 
+    async def abort(self, namespace: str, upload_id: str) -> None:
+        await asyncio.to_thread(self.uploads.abort, namespace, upload_id)
+
+    async def delete(self, namespace: str, version: int, pinned: set[int]) -> None:
+        await asyncio.to_thread(self.uploads.delete, namespace, version, pinned)
+
 
 class RemotePolicyWriter:
     """The internal publishing routes of the store's host (``add_publish_routes``)."""
@@ -146,12 +197,17 @@ class RemotePolicyWriter:
             kinds = {403: PublishForbidden, 404: PublishNotFound, 409: PublishConflict}
             if resp.status_code == 422 and body.get("error") == "integrity_error":
                 raise IntegrityError(str(detail))
+            if resp.status_code == 422 and body.get("error") == "invalid_checkpoint":
+                raise CheckpointRefused(str(detail))
+            if resp.status_code == 413 and body.get("error") == "quota_exceeded":
+                extra = {k: body.get(k) for k in ("quota", "limit", "requested", "in_use")}
+                raise QuotaExceeded(str(detail), **extra)
             if resp.status_code in kinds or resp.status_code == 422:
                 raise kinds.get(resp.status_code, PublishError)(
                     detail if isinstance(detail, str) else json.dumps(detail)
                 )
             raise PublishUnavailable(f"the policy store answered {resp.status_code}")
-        return resp.json()
+        return None if resp.status_code == 204 else resp.json()
 
     async def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
         body = await self._call("POST", f"/v1/store/ns/{namespace}/uploads", json=req.model_dump(mode="json"))
@@ -179,3 +235,11 @@ class RemotePolicyWriter:
         return [
             PolicyRef.model_validate(r) for r in await self._call("GET", f"/v1/store/ns/{namespace}/refs")
         ]
+
+    async def abort(self, namespace: str, upload_id: str) -> None:
+        await self._call("DELETE", f"/v1/store/ns/{namespace}/uploads/{upload_id}")
+
+    async def delete(self, namespace: str, version: int, pinned: set[int]) -> None:
+        await self._call(
+            "POST", f"/v1/store/ns/{namespace}/v/{version}/delete", json={"pinned": sorted(pinned)}
+        )

@@ -17,12 +17,16 @@ the store is on another host (``RemotePolicyWriter``, loom/store/publish.py; doc
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
 
 from loom.contracts.errors import ErrorBody
 from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket, is_namespace
@@ -30,6 +34,8 @@ from loom.service_token import UNAUTHORIZED
 from loom.store.errors import PublishError
 from loom.store.local import PolicyStore
 from loom.store.publish import LocalPolicyWriter
+
+log = logging.getLogger("loom.store")
 
 
 def _store(app: FastAPI, namespace: str | None) -> PolicyStore:
@@ -79,10 +85,11 @@ def _file_of(app: FastAPI, namespace: str | None, version: int, path: str) -> St
     )
 
 
-def add_store_routes(app: FastAPI, guard: Any) -> None:
+def add_store_routes(app: FastAPI, guard: Any, base_dir: Path | None = None) -> None:
     """Mount the store routes on ``app``; they serve ``app.state.settings.policy_store_path``: the
     learner's versions under ``/v1/store``, a trainer's under ``/v1/store/ns/{namespace}``, and the
-    internal publishing routes the gateway forwards its ``/v1/policies`` uploads to."""
+    internal publishing routes the gateway forwards its ``/v1/policies`` uploads to, whose versions
+    are checked against the deployment's base model at ``base_dir`` (loom/store/checks.py)."""
 
     answers: dict[int | str, dict[str, Any]] = {
         **UNAUTHORIZED,
@@ -95,7 +102,7 @@ def add_store_routes(app: FastAPI, guard: Any) -> None:
     ):
         _add_read_routes(app, guard, answers, prefix, namespace_of, name)
 
-    add_publish_routes(app, guard)
+    add_publish_routes(app, guard, base_dir)
 
 
 def _learner_namespace() -> None:
@@ -139,18 +146,18 @@ def _add_read_routes(
         return _file_of(app, namespace, version, path)
 
 
-def add_publish_routes(app: FastAPI, guard: Any) -> None:
+def add_publish_routes(app: FastAPI, guard: Any, base_dir: Path | None = None) -> None:
     """The internal publishing routes (``/v1/store/ns/{namespace}/...``): the gateway, which checked
     the key, its ``policy`` scope and its namespace, forwards a trainer's upload here when the store
     is on another host (``LOOM_POLICY_STORE_URL``)."""
     prefix = "/v1/store/ns/{namespace}"
     answers: dict[int | str, dict[str, Any]] = {
         **UNAUTHORIZED,
-        **{s: {"model": ErrorBody} for s in (403, 404, 409, 422)},
+        **{s: {"model": ErrorBody} for s in (403, 404, 409, 413, 422)},
     }
 
     def writer() -> LocalPolicyWriter:
-        return LocalPolicyWriter.from_settings(app.state.settings)
+        return LocalPolicyWriter.from_settings(app.state.settings, base_dir=base_dir)
 
     @app.post(f"{prefix}/uploads", tags=["store"], dependencies=[guard], responses=answers, status_code=201)
     async def declare(namespace: str, body: UploadRequest) -> UploadTicket:
@@ -165,7 +172,33 @@ def add_publish_routes(app: FastAPI, guard: Any) -> None:
     async def put(
         namespace: str, upload_id: str, path: str, request: Request, offset: int = 0
     ) -> dict[str, int]:
-        return {"received": await answer(writer().put(namespace, upload_id, path, offset, request.stream()))}
+        try:
+            return {
+                "received": await answer(writer().put(namespace, upload_id, path, offset, request.stream()))
+            }
+        except ClientDisconnect:  # the sender went away mid-part: the file starts again from 0
+            log.info("upload %s: %s cut off at the client's end", upload_id, path)
+            return {"received": 0}
+
+    @app.delete(
+        f"{prefix}/uploads/{{upload_id}}",
+        tags=["store"],
+        dependencies=[guard],
+        responses=answers,
+        status_code=204,
+    )
+    async def abort(namespace: str, upload_id: str) -> None:
+        await answer(writer().abort(namespace, upload_id))
+
+    @app.post(
+        f"{prefix}/v/{{version}}/delete",
+        tags=["store"],
+        dependencies=[guard],
+        responses=answers,
+        status_code=204,
+    )
+    async def delete(namespace: str, version: int, body: Pins) -> None:
+        await answer(writer().delete(namespace, version, set(body.pinned)))
 
     @app.post(
         f"{prefix}/uploads/{{upload_id}}/commit",
@@ -184,6 +217,12 @@ def add_publish_routes(app: FastAPI, guard: Any) -> None:
     @app.get(f"{prefix}/refs", tags=["store"], dependencies=[guard], responses=answers)
     async def refs(namespace: str) -> list[PolicyRef]:
         return await answer(writer().refs(namespace))
+
+
+class Pins(BaseModel):
+    """The versions the gateway's state says the namespace's queued and running work names."""
+
+    pinned: list[int] = Field(default_factory=list, max_length=100_000)
 
 
 T = TypeVar("T")

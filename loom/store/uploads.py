@@ -18,15 +18,30 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loom.contracts.policies import PolicyRef, RegisterRequest, UploadRequest, UploadTicket, is_namespace
+from loom.contracts.policies import (
+    PolicyRef,
+    RegisterRequest,
+    UploadRequest,
+    UploadTicket,
+    file_path_problem,
+    is_namespace,
+)
 from loom.contracts.wire import PolicyVersion
-from loom.store.errors import IntegrityError, PublishConflict, PublishError, PublishForbidden, PublishNotFound
-from loom.store.layout import REGISTERED, UPLOADS, temporary
+from loom.store.checks import Bounds, check_checkpoint
+from loom.store.errors import (
+    IntegrityError,
+    PublishConflict,
+    PublishError,
+    PublishForbidden,
+    PublishNotFound,
+    QuotaExceeded,
+)
+from loom.store.layout import REGISTERED, UPLOADS, read_floor, temporary
 from loom.store.local import PolicyStore, policy_ref
 from loom.store.manifest import file_hashes, sha256_of
 
@@ -97,13 +112,28 @@ def _seal_new(
 
 class Uploads:
     """Uploads and registrations into the namespaces of ``store``'s root (``<root>/.uploads/``),
-    each version sealed by ``PolicyStore.seal``; at most ``max_bytes`` a version, an upload not
-    committed within ``ttl_s`` dropped."""
+    each version sealed by ``PolicyStore.seal``; at most ``max_bytes`` a version and ``quota_bytes``
+    a namespace (its versions and open uploads together), an upload not committed within ``ttl_s``
+    dropped. ``bounds``: what a version's config and weights may declare (loom/store/checks.py), or
+    what makes them when first needed, checked before a version is sealed; None checks nothing.
+    ``private``: folders a registered path may never be in or hold (the data dir)."""
 
-    def __init__(self, store: PolicyStore, *, max_bytes: int, ttl_s: float) -> None:
+    def __init__(
+        self,
+        store: PolicyStore,
+        *,
+        max_bytes: int,
+        ttl_s: float,
+        quota_bytes: int | None = None,
+        bounds: Bounds | Callable[[], Bounds] | None = None,
+        private: tuple[Path, ...] = (),
+    ) -> None:
         self.store = store.namespace(None)
         self.max_bytes, self.ttl_s = max_bytes, ttl_s
+        self.quota_bytes = quota_bytes
+        self.bounds = bounds
         self.dir = self.store.base / UPLOADS
+        self.private = tuple(Path(os.path.abspath(p)) for p in (self.store.base, *private))
 
     def declare(self, namespace: str, req: UploadRequest) -> UploadTicket:
         ns = self._ns(namespace)
@@ -121,6 +151,7 @@ class Uploads:
                 raise PublishConflict(
                     f"{len(open_here)} uploads of this namespace are open: commit or let one expire"
                 )
+            self._fits(ns, total, open_here)
             version = self._next_version(ns, req.version)
             upload_id = uuid.uuid4().hex
             folder = self.dir / upload_id
@@ -156,8 +187,17 @@ class Uploads:
         if missing:
             raise IntegrityError(f"not every declared file arrived intact: {', '.join(missing)} missing")
         ns = self._ns(namespace)
+        try:
+            self._check(folder / "files", [f["path"] for f in record["files"]], record["kind"])
+        except PublishError:
+            shutil.rmtree(folder, ignore_errors=True)  # it can never commit: its slot is freed
+            raise
         with self._locked(namespace):
-            self._above_latest(ns, record["version"])
+            try:
+                self._above_latest(ns, record["version"])
+            except PublishConflict:  # another upload took the number: this one can never commit
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
             ns.root.mkdir(parents=True, exist_ok=True)
             tmp = temporary(ns.root, record["version"], upload_id)
             os.rename(folder / "files", tmp)
@@ -183,16 +223,28 @@ class Uploads:
             raise PublishError("path must be absolute and normalized")
         if not any(given.is_relative_to(r) and given != r for r in roots):
             raise PublishForbidden("path is not under a register root (LOOM_GATEWAY_POLICY_REGISTER_ROOTS)")
+        if any(given.is_relative_to(p) or p.is_relative_to(given) for p in self.private):
+            # the store's versions are its namespaces' own, and the data dir holds every key's state
+            raise PublishForbidden("path is in, or holds, Loom's own data: register a folder of your own")
         if not given.is_dir() or given.resolve() != given:
             raise PublishError("path is not a folder reached without links")
         for p in given.rglob("*"):
             if p.is_symlink():
                 raise PublishError(f"{p.relative_to(given)} is a link: a registered folder holds none")
-        files = file_hashes(given)
-        if not files:
+        listed = [p.relative_to(given).as_posix() for p in sorted(given.rglob("*")) if p.is_file()]
+        for rel in listed:  # the uploads' allow-list: checkpoint files only, nothing hidden
+            problem = file_path_problem(rel)
+            if problem is not None:
+                raise PublishError(f"the folder holds a file a version may not: {problem}")
+        if not listed:
             raise PublishError("the folder holds no file")
+        self._check(given, listed, req.kind)
+        files = file_hashes(given)
         ns = self._ns(namespace)
         with self._locked(namespace):
+            self._fits(
+                ns, sum(f["size"] for f in files), [r for r in self._records() if r["namespace"] == namespace]
+            )
             version = self._next_version(ns, req.version)
             ns.root.mkdir(parents=True, exist_ok=True)
             tmp = temporary(ns.root, version, uuid.uuid4().hex)
@@ -216,9 +268,53 @@ class Uploads:
             )
         return self.store.namespace(namespace)
 
+    def abort(self, namespace: str, upload_id: str) -> None:
+        """Drop an open upload and free its slot (another namespace's: not found, like a missing one)."""
+        folder, _ = self._upload(namespace, upload_id)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def delete(self, namespace: str, version: int, pinned: set[int]) -> None:
+        """Delete ``namespace``'s version ``version`` unless it is one of ``pinned`` (what its queued
+        and running work names: 409). Its number is never taken again (the namespace's floor), so a
+        replica's cached copy of it can never be mistaken for a later upload."""
+        ns = self._ns(namespace)
+        with self._locked(namespace):
+            if ns.get(version) is None:
+                raise PublishNotFound(f"no policy version {version}")
+            if version in pinned:
+                raise PublishConflict(f"version {version} is named by this key's queued or running work")
+            ns.delete(version)
+
+    def used_bytes(self, ns: PolicyStore, open_here: list[dict[str, Any]]) -> int:
+        """What ``ns`` holds against its quota: its versions' files (registered ones too) and the
+        declared files of its open uploads."""
+        held = sum(f["size"] for ref in ns.refs() for f in ref.files)
+        return held + sum(f["size"] for r in open_here for f in r["files"])
+
+    def _fits(self, ns: PolicyStore, total: int, open_here: list[dict[str, Any]]) -> None:
+        if self.quota_bytes is None:
+            return
+        used = self.used_bytes(ns, open_here)
+        if used + total > self.quota_bytes:
+            raise QuotaExceeded(
+                f"the version's {total} bytes do not fit beside the {used} this key's versions and "
+                f"uploads hold; a key may hold {self.quota_bytes} (LOOM_GATEWAY_POLICY_QUOTA_BYTES): "
+                "delete a version (DELETE /v1/policies/{version}) or abort an upload",
+                quota="policy_bytes",
+                limit=self.quota_bytes,
+                requested=total,
+                in_use=used,
+            )
+
+    def _check(self, folder: Path, paths: list[str], kind: str) -> None:
+        """``check_checkpoint`` under the bounds (read from the base model when first needed)."""
+        if self.bounds is not None:
+            bounds = self.bounds if isinstance(self.bounds, Bounds) else self.bounds()
+            check_checkpoint(folder, paths, kind, bounds)
+
     def _next_version(self, ns: PolicyStore, asked: int | None) -> int:
         latest = ns.latest()
-        newest = 0 if latest is None else latest.version
+        newest = max(0 if latest is None else latest.version, read_floor(ns.root))
         if asked is None:
             return newest + 1
         self._above_latest(ns, asked)
@@ -227,10 +323,11 @@ class Uploads:
     @staticmethod
     def _above_latest(ns: PolicyStore, version: int) -> None:
         latest = ns.latest()
+        newest = max(0 if latest is None else latest.version, read_floor(ns.root))
         if ns.get(version) is not None:
             raise PublishConflict(f"version {version} exists: a published version never changes")
-        if latest is not None and version <= latest.version:
-            raise PublishConflict(f"version {version} is not above the newest, {latest.version}")
+        if version <= newest:
+            raise PublishConflict(f"version {version} is not above the newest, {newest}")
 
     def _upload(self, namespace: str, upload_id: str) -> tuple[Path, dict[str, Any]]:
         """The upload's folder and record; another namespace's upload is not found, like a missing one."""

@@ -3,6 +3,7 @@ the learner API that holds the policy store), real keys, a real small checkpoint
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -59,7 +60,21 @@ class Server:
         self.thread.join(10)
 
 
+_BASE: list[Path] = []
+
+
+def base_model() -> Path:
+    """The deployment's base model of these tests: a model of the trainers' checkpoints' shape
+    (``build_model_dir``), which what they publish is checked against (loom/store/checks.py)."""
+    if not _BASE:
+        from tests.rollout.conftest import build_model_dir
+
+        _BASE.append(build_model_dir(Path(tempfile.mkdtemp(prefix="loom-base-")), seed=0))
+    return _BASE[0]
+
+
 def gateway_settings(data_dir: Path, **extra: Any) -> Settings:
+    extra.setdefault("model", str(base_model()))
     return Settings(
         data_dir=data_dir,
         broker_url="embedded",

@@ -86,29 +86,36 @@ def test_a_checkpoint_published_in_parts_is_one_immutable_version_of_the_keys_na
     assert declare(server.url, PUBLISHER_KEY, files, version=5).json()["version"] == 5
 
 
-def test_two_uploads_of_one_version_the_second_commit_is_a_conflict(gateway: tuple[Server, Any]) -> None:
+def weights_of(checkpoint: Path, flip: int | None = None) -> dict[str, bytes]:
+    """A checkpoint's weights and config as upload files; ``flip``: one weight byte that many bytes
+    from the end changed (another version of the same shapes)."""
+    weights = bytearray((checkpoint / "model.safetensors").read_bytes())
+    if flip is not None:
+        weights[-flip] ^= 0x01
+    return {"model.safetensors": bytes(weights), "config.json": (checkpoint / "config.json").read_bytes()}
+
+
+def send_all(url: str, key: str, upload: str, files: dict[str, bytes]) -> None:
+    for path, data in files.items():
+        assert put(url, key, upload, path, data).status_code == 204
+
+
+def test_two_uploads_of_one_version_the_second_commit_is_a_conflict(
+    gateway: tuple[Server, Any], checkpoint: Path
+) -> None:
     server, settings = gateway
-    first = {"model.safetensors": b"first"}
-    second = {"model.safetensors": b"second"}
+    first = weights_of(checkpoint)
+    second = weights_of(checkpoint, flip=7)
     a = declare(server.url, PUBLISHER_KEY, first).json()
     b = declare(server.url, PUBLISHER_KEY, second).json()
     assert a["version"] == b["version"] == 1
     for ticket, files in ((a, first), (b, second)):
-        assert (
-            put(
-                server.url,
-                PUBLISHER_KEY,
-                ticket["upload_id"],
-                "model.safetensors",
-                files["model.safetensors"],
-            ).status_code
-            == 204
-        )
+        send_all(server.url, PUBLISHER_KEY, ticket["upload_id"], files)
     assert commit(server.url, PUBLISHER_KEY, a["upload_id"]).status_code == 201
     r = commit(server.url, PUBLISHER_KEY, b["upload_id"])
     assert r.status_code == 409, r.text
     folder = PolicyStore(settings.policy_store_path, create=False).namespace("alice").path_of(1)
-    assert (folder / "model.safetensors").read_bytes() == b"first"
+    assert (folder / "model.safetensors").read_bytes() == first["model.safetensors"]
 
 
 def test_a_tampered_or_truncated_upload_is_refused_and_the_previous_version_stays(
@@ -117,7 +124,8 @@ def test_a_tampered_or_truncated_upload_is_refused_and_the_previous_version_stay
     server, settings = gateway
     PolicyPublisher(server.url, PUBLISHER_KEY).publish_dir(checkpoint)
     weights = (checkpoint / "model.safetensors").read_bytes()
-    files = {"model.safetensors": weights, "config.json": b"{}"}
+    config = (checkpoint / "config.json").read_bytes()
+    files = {"model.safetensors": weights, "config.json": config}
     ticket = declare(server.url, PUBLISHER_KEY, files).json()
     upload = ticket["upload_id"]
     tampered = bytearray(weights)
@@ -125,9 +133,9 @@ def test_a_tampered_or_truncated_upload_is_refused_and_the_previous_version_stay
     r = put(server.url, PUBLISHER_KEY, upload, "model.safetensors", bytes(tampered))
     assert r.status_code == 422 and r.json()["error"] == "integrity_error", r.text
     assert "model.safetensors" in r.json()["detail"]
-    r = put(server.url, PUBLISHER_KEY, upload, "config.json", b"{}  ")  # past the declared size
+    r = put(server.url, PUBLISHER_KEY, upload, "config.json", config + b"  ")  # past the declared size
     assert r.status_code == 422 and r.json()["error"] == "integrity_error"
-    assert put(server.url, PUBLISHER_KEY, upload, "config.json", b"{}").status_code == 204
+    assert put(server.url, PUBLISHER_KEY, upload, "config.json", config).status_code == 204
     half = len(weights) // 2  # truncated: the first part arrives, the rest never does
     assert put(server.url, PUBLISHER_KEY, upload, "model.safetensors", weights[:half]).status_code == 204
     r = put(server.url, PUBLISHER_KEY, upload, "model.safetensors", weights[half:], offset=half + 1)
@@ -163,15 +171,17 @@ def test_a_key_without_the_policy_scope_is_forbidden(gateway: tuple[Server, Any]
     assert info.value.status == 403
 
 
-def test_another_keys_versions_and_uploads_are_invisible(gateway: tuple[Server, Any]) -> None:
+def test_another_keys_versions_and_uploads_are_invisible(
+    gateway: tuple[Server, Any], checkpoint: Path
+) -> None:
     server, _ = gateway
-    files = {"model.safetensors": b"alice's"}
+    files = weights_of(checkpoint)
     ticket = declare(server.url, PUBLISHER_KEY, files).json()
     upload = ticket["upload_id"]
     # bob cannot send to, or commit, alice's upload: it does not exist for him
-    assert put(server.url, OTHER_KEY, upload, "model.safetensors", b"alice's").status_code == 404
+    assert put(server.url, OTHER_KEY, upload, "config.json", files["config.json"]).status_code == 404
     assert commit(server.url, OTHER_KEY, upload).status_code == 404
-    assert put(server.url, PUBLISHER_KEY, upload, "model.safetensors", b"alice's").status_code == 204
+    send_all(server.url, PUBLISHER_KEY, upload, files)
     assert commit(server.url, PUBLISHER_KEY, upload).status_code == 201
     mine = httpx.get(f"{server.url}/v1/policies/1", headers=auth(PUBLISHER_KEY))
     theirs = httpx.get(f"{server.url}/v1/policies/1", headers=auth(OTHER_KEY))
@@ -262,6 +272,21 @@ def test_uploads_forwarded_to_the_learners_store_are_pulled_by_a_replica_on_anot
             assert PolicyPublisher(server.url, OTHER_KEY).versions() == []
             r = declare(server.url, PUBLISHER_KEY, {"model.safetensors": b"x"}, version=1)
             assert r.status_code == 409, r.text
+            # the store's host checks what is forwarded against its own base model, aborts, deletes
+            files = weights_of(checkpoint)
+            cfg = json.loads(files["config.json"])
+            files["config.json"] = json.dumps({**cfg, "num_hidden_layers": 64}).encode()
+            upload = declare(server.url, PUBLISHER_KEY, files).json()["upload_id"]
+            send_all(server.url, PUBLISHER_KEY, upload, files)
+            r = commit(server.url, PUBLISHER_KEY, upload)
+            assert r.status_code == 422 and r.json()["error"] == "invalid_checkpoint", r.text
+            assert "num_hidden_layers 64" in r.json()["detail"]
+            upload = declare(server.url, PUBLISHER_KEY, weights_of(checkpoint)).json()["upload_id"]
+            route = f"{server.url}/v1/policies/uploads/{upload}"
+            assert httpx.delete(route, headers=auth(PUBLISHER_KEY)).status_code == 204
+            assert httpx.delete(route, headers=auth(PUBLISHER_KEY)).status_code == 404
+            assert PolicyPublisher(server.url, PUBLISHER_KEY).publish_dir(checkpoint).version == 2
+            assert httpx.delete(f"{server.url}/v1/policies/2", headers=auth(PUBLISHER_KEY)).status_code == 204
         assert not (tmp_path / "gw" / "policy").exists()  # nothing written on the gateway's host
         store = PolicyStore(learner.policy_store_path, create=False).namespace("alice")
         assert store.versions() == [1]
@@ -419,3 +444,63 @@ def test_a_key_named_like_the_learners_namespace_cannot_publish(gateway: tuple[S
     r = declare(server.url, LOOM_NAMED_KEY, {"model.safetensors": b"x"})
     assert r.status_code == 403 and "not 'loom'" in r.json()["detail"], r.text
     assert httpx.get(f"{server.url}/v1/policies", headers=auth(LOOM_NAMED_KEY)).json() == []
+
+
+def test_a_key_deletes_its_versions_unless_its_work_names_them_and_aborts_its_uploads(
+    gateway: tuple[Server, Any], checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over HTTP: a version named by a queued job of the key is a 409 to delete, another key's is a
+    404 as a missing one, an upload is aborted with ``DELETE``, and a namespace over its quota is a 413."""
+    server, settings = gateway
+    publisher = PolicyPublisher(server.url, PUBLISHER_KEY)
+    assert [publisher.publish_dir(checkpoint).version for _ in range(2)] == [1, 2]
+    job = {"job_key": "pinned", "prompts": ["1 + 1 = ?"], "policy_version": 1, "policy_namespace": "alice"}
+    assert httpx.post(f"{server.url}/v1/jobs", json=job, headers=auth(PUBLISHER_KEY)).status_code == 201
+    r = httpx.delete(f"{server.url}/v1/policies/1", headers=auth(PUBLISHER_KEY))
+    assert r.status_code == 409 and "queued or running" in r.json()["detail"], r.text
+    assert httpx.delete(f"{server.url}/v1/policies/2", headers=auth(OTHER_KEY)).status_code == 404
+    assert httpx.delete(f"{server.url}/v1/policies/2", headers=auth(PUBLISHER_KEY)).status_code == 204
+    assert [r.version for r in publisher.versions()] == [1]
+
+    ticket = declare(server.url, PUBLISHER_KEY, weights_of(checkpoint)).json()
+    assert ticket["version"] == 3  # 2 is never given again
+    route = f"{server.url}/v1/policies/uploads/{ticket['upload_id']}"
+    assert httpx.delete(route, headers=auth(OTHER_KEY)).status_code == 404
+    assert httpx.delete(route, headers=auth(PUBLISHER_KEY)).status_code == 204
+    assert commit(server.url, PUBLISHER_KEY, ticket["upload_id"]).status_code == 404
+
+    size = sum(f["size"] for f in publisher.version(1).files)  # every file of the one version left
+    monkeypatch.setenv("LOOM_GATEWAY_POLICY_QUOTA_BYTES", str(size + 1000))
+    r = declare(server.url, PUBLISHER_KEY, weights_of(checkpoint))
+    assert r.status_code == 413 and r.json()["error"] == "quota_exceeded", r.text
+    assert (r.json()["quota"], r.json()["in_use"]) == ("policy_bytes", size)
+
+
+def test_a_part_cut_off_by_its_sender_is_dropped_without_an_unhandled_error(
+    gateway: tuple[Server, Any], checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A PUT whose client went away mid-body logged an unhandled-error traceback."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    server, _ = gateway
+    files = weights_of(checkpoint)
+    upload = declare(server.url, PUBLISHER_KEY, files).json()["upload_id"]
+    where = urlsplit(server.url)
+    with socket.create_connection((where.hostname, where.port)) as conn:
+        conn.sendall(
+            (
+                f"PUT /v1/policies/uploads/{upload}/files/model.safetensors HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {PUBLISHER_KEY}\r\n"
+                f"Content-Length: {len(files['model.safetensors'])}\r\n\r\n"
+            ).encode()
+            + files["model.safetensors"][:1000]
+        )
+        time.sleep(0.5)
+    time.sleep(1.0)
+    assert not [r for r in caplog.records if r.exc_info], [
+        r.getMessage() for r in caplog.records if r.exc_info
+    ]
+    r = put(server.url, PUBLISHER_KEY, upload, "model.safetensors", files["model.safetensors"])
+    assert r.status_code == 204, r.text  # the cut-off part was dropped: the file starts again from 0

@@ -105,7 +105,7 @@ def test_policy_load_crosses_the_pipe(own_engine: Any, model_dir: Path, tmp_path
 def test_errors_keep_their_type(own_engine: Any, arun: Any) -> None:
     # the torch engine serves LoRA versions (merged, tests/learner/test_lora.py): a missing adapter
     # is a PolicyLoadError across the process boundary
-    with pytest.raises(PolicyLoadError, match="not a LoRA adapter"):
+    with pytest.raises(PolicyLoadError, match="adapter_config.json is missing"):
         arun(own_engine.load_policy(PolicyVersion(version=1, path="/nowhere", kind="lora")))
     from rollout_svc.engines.base import Layout
 

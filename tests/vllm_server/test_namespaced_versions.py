@@ -59,9 +59,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     then publishes a LoRA adapter as version 3. The learner API (the store's host) stays up for the
     replica's pulls; the gateway only for the uploads."""
     root = tmp_path_factory.mktemp("ns-versions")
-    learner = gateway_settings(root / "learner")
+    learner = gateway_settings(root / "learner", model=str(TINY))  # what is published is of its shape
     with start_learner_api(learner) as store_host:
-        with start_gateway(gateway_settings(root / "gw", policy_store_url=store_host.url)) as gateway:
+        gw = gateway_settings(root / "gw", policy_store_url=store_host.url, model=str(TINY))
+        with start_gateway(gw) as gateway:
             publishers = {
                 "alice": PolicyPublisher(gateway.url, PUBLISHER_KEY),
                 "bob": PolicyPublisher(gateway.url, OTHER_KEY),

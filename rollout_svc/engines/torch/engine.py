@@ -41,6 +41,8 @@ import torch
 from loom.architectures import UnsupportedModel, resolve_dtype
 from loom.contracts.wire import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from loom.layout import group_positions
+from loom.store.checks import Bounds, CheckpointRefused, check_checkpoint
+from loom.store.publish import PublishLimits
 from rollout_svc.engines.base import (
     Capability,
     Completion,
@@ -235,13 +237,26 @@ class TorchEngine(Engine):
     async def load_policy(self, policy: PolicyVersion) -> None:
         await asyncio.to_thread(self.load_policy_sync, policy)
 
+    def _bounds(self) -> Bounds:
+        """What a version may declare beside the engine's base (the store's publishing bounds)."""
+        limits = PublishLimits()
+        return Bounds.of(self.model_path, limits.size_factor, limits.max_params)
+
     def load_policy_sync(self, policy: PolicyVersion) -> None:
         if policy.kind == "lora" and importlib.util.find_spec("peft") is None:
             raise UnsupportedCapability(self.name, "lora", "install peft (pip install 'loom[lora]')")
         with self._load_lock:
             if self._loaded == (policy.version, str(policy.path)):
                 return  # several groups asked for the same new version: it is loaded once
+            name = f"policy version {policy.version}" + (
+                f" of namespace {policy.namespace!r}" if policy.namespace else ""
+            )
             try:
+                # sizes and shapes from the files' text before anything is allocated (a version
+                # published before the store checked them, or a registered folder changed since)
+                folder = Path(policy.path)
+                weights = [p.name for p in folder.glob("*.safetensors")]
+                check_checkpoint(folder, weights, policy.kind, self._bounds())
                 if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
                     model = load_adapter(policy.path, self.model_path, self.device)
                 else:
@@ -249,9 +264,15 @@ class TorchEngine(Engine):
                 model = model.to(getattr(torch, self.dtype))  # published in float32: the engine's dtype
                 attention = check_model(model)
                 if attention != self.attention:  # the capabilities and the decode masks are the base's
-                    raise ValueError(f"policy {policy.path} changes the architecture ({attention})")
-            except (OSError, ValueError) as exc:  # no such directory, not a checkpoint, an unknown model
-                raise PolicyLoadError(f"could not load policy {policy.path!r}: {exc}") from exc
+                    raise ValueError(f"the version changes the architecture ({attention})")
+            except Exception as exc:  # noqa: BLE001 (any failure: a typed answer; its text names paths)
+                log.warning("could not load %s from %s: %s: %s", name, policy.path, type(exc).__name__, exc)
+                reason = (
+                    exc.detail
+                    if isinstance(exc, CheckpointRefused)
+                    else "its files are not a checkpoint this engine serves"
+                )
+                raise PolicyLoadError(f"could not load {name}: {reason}") from None
             with self._exclusive():
                 self.model = model
                 self.scheduler.decode.forget()  # CUDA graphs captured on the old weights

@@ -4,7 +4,6 @@ visibility mask (``block_mask``) is shared with the engine's decoding."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,19 +46,19 @@ def check_model(model: Any) -> Attention:
 
 
 def load_adapter(adapter: str | Path, base: str | Path, device: str = "cpu", dtype: Dtype = "float32") -> Any:
-    """A peft LoRA adapter directory (a ``kind=lora`` policy version) merged into its base: W + (alpha/r)
-    B A on every target module, so the engine decodes a plain model at full speed. The base is the
-    adapter's ``base_model_name_or_path`` when that directory exists here, else ``base`` (the model the
-    engine was started with: another host's path in the adapter config must not break loading)."""
-    from peft import PeftModel
+    """A peft LoRA adapter directory (a ``kind=lora`` policy version) merged into ``base`` (the model
+    the engine was started with): W + (alpha/r) B A on every target module, so the engine decodes a
+    plain model at full speed. The adapter's ``base_model_name_or_path`` is never read: a path there
+    would pick weights the adapter's publisher may not see (another key's version folder) and tell
+    them which folders exist here (docs/security.md, "Publishing policy versions")."""
+    from peft import PeftConfig, PeftModel
 
     adapter = Path(adapter)
-    config = adapter / "adapter_config.json"
-    if not config.is_file():
-        raise ValueError(f"{adapter} is not a LoRA adapter (no adapter_config.json)")
-    named = json.loads(config.read_text()).get("base_model_name_or_path")
-    base_path = Path(named) if named and Path(named).is_dir() else Path(base)
-    model = PeftModel.from_pretrained(load_model(base_path, "cpu"), str(adapter))
+    if not (adapter / "adapter_config.json").is_file():
+        raise ValueError("not a LoRA adapter (no adapter_config.json)")
+    config = PeftConfig.from_pretrained(str(adapter))
+    config.base_model_name_or_path = str(base)
+    model = PeftModel.from_pretrained(load_model(base, "cpu"), str(adapter), config=config)
     merged: Any = model.merge_and_unload()  # merged in float32, then cast
     return merged.to(device=device, dtype=getattr(torch, dtype)).eval()
 
