@@ -68,7 +68,7 @@ def test_runs_of_two_keys_together_each_train_as_alone(stack: Any, tmp_path: Pat
         return state.runs.create(owner=owners[seed], request=body(seed))[0]
 
     solo = {seed: create(seed) for seed in owners}
-    for seed, run in solo.items():  # each alone on the deployment
+    for run in solo.values():  # each alone on the deployment
         run_all(stack, state, tmp_path, [run])
     together = {seed: create(seed) for seed in owners}
     run_all(stack, state, tmp_path, list(together.values()))
