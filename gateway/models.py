@@ -357,6 +357,6 @@ def lineage_of(run_id: str, req: RunRequest) -> Lineage:
     """The lineage run ``run_id`` trains: its own namespace, from the base its request names."""
     return Lineage(
         namespace=run_namespace(run_id),
-        base_namespace=req.policy_namespace,
+        base_namespace=req.policy_namespace if req.initial_policy_version else None,  # 0: the base model
         base_version=req.initial_policy_version,
     )

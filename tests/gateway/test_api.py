@@ -51,6 +51,12 @@ def test_keys_are_stored_as_hashes_and_checked_in_constant_time() -> None:
         parse_keys("bad:1234")
 
 
+def test_a_key_cannot_be_named_like_a_runs_lineage() -> None:
+    """Runs train in namespaces named ``run-<id>`` (docs/security.md): no key may publish there."""
+    with pytest.raises(ValueError, match="run-"):
+        parse_keys(f"run-0123456789abcdef:{'0' * 64}")
+
+
 def test_keys_cli_prints_a_key_once_and_its_entry(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["new", "alice"]) == 0
     out = capsys.readouterr().out.splitlines()
