@@ -274,7 +274,7 @@ def test_a_policy_path_outside_the_store_is_refused_and_a_bad_version_is_422(
     r = c.post("/v1/policy", json={"version": 2})
     assert r.status_code == 422 and r.json()["error"] == "load_failed", r.text
     assert "config" not in r.text and str(store.root) not in r.text
-    r = c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 2}})
+    r = c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 2}, "policy_version": 1})
     assert r.status_code == 200  # the engine still serves its model
 
 
