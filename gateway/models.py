@@ -55,7 +55,13 @@ class JobRequest(Contract):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     reward: RewardSpec = Field(default_factory=RewardSpec)
     adaptive: AdaptiveParams | None = None
-    policy_version: int | None = Field(default=None, ge=0, le=MAX_VERSION)
+    policy_version: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_VERSION,
+        description="the policy version the job's groups are generated with; None: the deployment's "
+        "base model (version 0), never what a replica last loaded (docs/security.md)",
+    )
     policy_namespace: str | None = Field(
         default=None,
         max_length=64,

@@ -326,7 +326,8 @@ class RolloutRequest(Contract):
         default=None,
         ge=0,
         description="generate with this policy version or a newer one; an engine holding an older "
-        "version loads it from the policy store first (how every replica catches up)",
+        "version loads it from the policy store first (how every replica catches up); None: the "
+        "deployment's base model (version 0), never whatever the engine holds",
     )
     policy_namespace: str | None = Field(
         default=None,
