@@ -229,3 +229,34 @@ def test_runs_train_their_own_lineages_each_as_if_alone(model_dir, tmp_path, bat
     again = shared.train_step(batch("run-a", 1))
     assert again.metrics["replayed"] == 1.0 and again.policy_version == 2
     assert again.policy is not None and again.policy.namespace == "run-a"
+
+
+def test_a_run_from_a_keys_version_continues_its_numbering_in_the_runs_namespace(
+    model_dir, tmp_path, batch_parts
+):
+    """A run's base is one of its key's published versions: its first step trains from those weights
+    (as a learner whose model is that checkpoint) and publishes the next number in the run's own
+    namespace; the key's namespace is left as it was."""
+    import shutil
+
+    store = PolicyStore(tmp_path / "store")
+    alice = store.namespace("alice")
+    alice.publish(3, lambda d: shutil.copytree(model_dir, d, dirs_exist_ok=True))
+    groups, rewards = batch_parts(seed=7)
+    lineage = Lineage(namespace="run-x", base_namespace="alice", base_version=3)
+    spec = LossSpec(warmup_steps=4)
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)  # the deployment's base model: other weights than alice's version
+    LlamaForCausalLM(AutoConfig.from_pretrained(model_dir)).save_pretrained(tmp_path / "deployed")
+    learner = Learner(LearnerSettings(model=tmp_path / "deployed", store=tmp_path / "store"))
+    got = learner.train_step(TrainBatch(step=0, lineage=lineage, groups=groups, rewards=rewards, loss=spec))
+    assert got.policy_version == 4 and got.policy is not None and got.policy.namespace == "run-x"
+    assert alice.versions() == [3] and store.namespace("run-x").versions() == [4]
+    assert lineage.at(3) == ("alice", 3) and lineage.at(4) == ("run-x", 4)
+    # the same step from that checkpoint alone: its first warmup step, the same update
+    alone = Learner(LearnerSettings(model=model_dir, store=tmp_path / "alone"))
+    ref = alone.train_step(TrainBatch(step=0, groups=groups, rewards=rewards, loss=spec))
+    assert got.metrics["lr"] == ref.metrics["lr"] == spec.lr / 4
+    assert got.metrics["loss"] == pytest.approx(ref.metrics["loss"], rel=1e-5, abs=1e-6)
+    assert _same(_state(learner.model), _state(alone.model), atol=1e-6)
