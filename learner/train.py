@@ -177,15 +177,19 @@ class Learner:
         if key in self.resident:
             self.resident.move_to_end(key)
             return
-        if lineage is None:
-            self.resident[key] = self._open(self.home, self.base_path, 0)
-        else:
-            store = self.home.namespace(lineage.namespace)
-            self.resident[key] = self._open(store, *self._base_of(lineage))
-        while len(self.resident) > self.cfg.resident_runs:
+        base = (self.base_path, 0) if lineage is None else self._base_of(lineage)
+        # room first: the memory never holds more than ``resident_runs`` lineages, not even mid-switch
+        while len(self.resident) >= self.cfg.resident_runs:
             self.resident.popitem(last=False)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        store = self.home if lineage is None else self.home.namespace(lineage.namespace)
+        try:
+            self.resident[key] = self._open(store, *base)
+        except Exception:
+            if not self.resident:  # the learner always holds one lineage: its own, again
+                self.resident[None] = self._open(self.home, self.base_path, 0)
+            raise
 
     def _base_of(self, lineage: Lineage) -> tuple[Path, int]:
         """The checkpoint ``lineage`` starts from and its version: the deployment's base model
