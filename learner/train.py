@@ -37,6 +37,7 @@ from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
 from loom.architectures import attention_of, attn_implementation, lora_targets, resolve_dtype
 from loom.contracts.wire import Lineage, LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
+from loom.runtime import MODEL_LOADS
 from loom.store import PolicyStore
 from loom.store.layout import REGISTERED
 from loom.vocab import outside_vocabulary
@@ -144,7 +145,8 @@ class Learner:
         base with a fresh optimizer when it has published none."""
         cfg = self.cfg
         latest = store.latest()
-        model = self._load(latest, base_path)
+        with MODEL_LOADS:  # one checkpoint at a time per process (loom.runtime)
+            model = self._load(latest, base_path)
         if cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.torch_compile != "off":
@@ -256,7 +258,8 @@ class Learner:
     def reference_model(self) -> Any:
         """pi_ref for the KL term: the base model, frozen (loaded on first use)."""
         if self._ref is None:
-            self._ref = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
+            with MODEL_LOADS:
+                self._ref = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
             self._ref = self._ref.to(self.device).eval()
             for p in self._ref.parameters():
                 p.requires_grad_(False)

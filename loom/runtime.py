@@ -10,10 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 from loom.contracts.settings import Settings, get_settings
 
 _configured = False
+
+# transformers builds a model under process-wide patches (the meta device, skipped initialisation):
+# two checkpoints loading at once in one process can leave one of them with meta tensors ("Cannot
+# copy out of meta tensor"). A process that holds a learner and an engine (launch/inprocess.py, where
+# a run's train step loads its lineage while the engine loads another run's version) loads in turn.
+MODEL_LOADS = threading.Lock()
 
 
 def configure_process(settings: Settings | None = None) -> None:
