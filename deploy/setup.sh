@@ -84,3 +84,19 @@ if [ ! -x /usr/bin/chromium ]; then
     echo "deploy/setup.sh: no apt-get; install chromium at /usr/bin/chromium for tests/web" >&2
   fi
 fi
+# The sandbox tier (docs/sandbox.md) runs model-written programs in bubblewrap; tests/sandbox skip
+# only where it is absent. Installed where missing, when root and apt exist.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq -o DPkg::Lock::Timeout=600
+    env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 bubblewrap
+  elif ! command -v apt-get >/dev/null 2>&1; then
+    echo "deploy/setup.sh: no apt-get; install bubblewrap (bwrap) for the sandbox service and tests/sandbox" >&2
+  else
+    echo "deploy/setup.sh: not root; run 'sudo apt-get install bubblewrap' for the sandbox service and tests/sandbox" >&2
+  fi
+fi
+# The sandbox runs programs with the system interpreter (LOOM_SANDBOX_PYTHON, default /usr/bin/python3).
+if [ ! -x /usr/bin/python3 ]; then
+  echo "deploy/setup.sh: /usr/bin/python3 is missing; the sandbox's Python runs need it (apt-get install python3)" >&2
+fi

@@ -14,4 +14,5 @@ SERVICE_PACKAGES: dict[str, str] = {
     "reward": "reward_svc",
     "reflect": "reflect_svc",
     "learner": "learner",
+    "sandbox": "sandbox_svc",
 }

@@ -117,6 +117,8 @@ def worker_main(argv: Sequence[str]) -> int:
         pool = RewardSettings().pool
     if args.service == "learner":
         tasks.set_nproc(learner_nproc(args.nproc))
+    if args.service == "sandbox":  # the task threads share the process's one pool of warm slots
+        pool = "threads"
     tasks.celery_app.worker_main(worker_argv(args.service, settings, concurrency, pool) + list(extra))
     return 0
 

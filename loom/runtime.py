@@ -11,10 +11,13 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from loom.contracts.settings import Settings, get_settings
 
 _configured = False
+T = TypeVar("T")
 
 # transformers builds a model under process-wide patches (the meta device, skipped initialisation):
 # two checkpoints loading at once in one process can leave one of them with meta tensors ("Cannot
@@ -56,3 +59,26 @@ def set_torch_threads(n: int) -> None:
             torch.set_num_interop_threads(1)
         except RuntimeError:  # parallel work already started; the intra-op count is what matters
             pass
+
+
+class Shared(Generic[T]):
+    """One object per process made on first use (a verifier pool, a sandbox pool): ``get`` makes it
+    under a lock, so the threads of a worker or an API share one; ``close`` closes it, and the next
+    ``get`` makes a new one (an API's shutdown, a test's reset)."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._obj: T | None = None
+
+    def get(self) -> T:
+        with self._lock:
+            if self._obj is None:
+                self._obj = self._make()
+            return self._obj
+
+    def close(self) -> None:
+        with self._lock:
+            obj, self._obj = self._obj, None
+        if obj is not None:
+            obj.close()  # type: ignore[attr-defined]

@@ -36,7 +36,7 @@ from loom.contracts.wire import (
     Segment,
     Trajectory,
 )
-from loom.formats import DEFAULT_MARKERS, Markers
+from loom.formats import DEFAULT_MARKERS, MarkerError, Markers, encode_with_markers
 from loom.revisions import is_correct, keep_revision, keep_revisions, reflect_meta
 from loom.vocab import outside_vocabulary
 from reflect_svc.chunking import Thinking, chunk_thinking
@@ -251,7 +251,11 @@ def plan_revisions(
             return RevisionPlan(match_texts=texts)
     detections = _detect(group, params, label, thinkings, decode, verdicts or [])
     plans = _plans(group, params, thinkings, detections, infos)
-    forced = list(tokenizer.encode(params.forced_ending, add_special_tokens=False))
+    # the forced ending's markers (``</think>``) as their canonical ids, whatever the tokenizer
+    try:
+        forced = encode_with_markers(tokenizer, params.forced_ending, markers.special_tokens())
+    except MarkerError as exc:
+        raise InputError(["params", "forced_ending"], str(exc)) from None
     taken = {t.id for t in group.trajectories}
     cuts, requests = [], []
     for k, p in enumerate(plans):

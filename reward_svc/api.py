@@ -7,7 +7,6 @@ path): ``uvicorn reward_svc.api:app`` alone serves every route below.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ from pydantic import BaseModel
 from loom.contracts.reward_settings import get_reward_settings
 from loom.contracts.rewards import COMPONENT_PARAMS, RequestError, check_spec, check_timeout
 from loom.contracts.wire import Group, RewardRequest, RewardResult, RewardSpec, TaskKind
+from loom.runtime import Shared
 from loom.service import create_queue_app
 from reward_svc.core import (
     Refused,
@@ -41,7 +41,7 @@ from reward_svc.protocols import (
     slime_group,
 )
 from reward_svc.reflection import DensityStats
-from reward_svc.tasks import celery_app
+from reward_svc.tasks import celery_app, sandbox_client
 
 log = logging.getLogger("reward_svc.api")
 
@@ -53,27 +53,9 @@ app = create_queue_app(
 
 _settings = get_reward_settings()
 _state = DensityStats()
-_pool_lock = threading.Lock()
-_pool: VerifierPool | None = None
-
-
-def get_pool() -> VerifierPool:
-    """The process's verifier pool, started on first use (forks need math-verify imported first)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = VerifierPool.from_settings(_settings)
-        return _pool
-
-
-def _close_pool() -> None:
-    global _pool
-    with _pool_lock:
-        if _pool is not None:
-            _pool.close()
-            _pool = None
-
-
+_pool: Shared[VerifierPool] = Shared(lambda: VerifierPool.from_settings(_settings))
+get_pool = _pool.get  # the process's verifier pool, started on first use
+_close_pool = _pool.close
 app.router.on_shutdown.append(_close_pool)
 
 
@@ -115,12 +97,16 @@ async def score_groups(
     ]
     plans = [plan_group(without(g, r), spec) for g, r in zip(groups, refused, strict=True)]
     items = [item for p in plans for _, item in p.math]
+    runs = [run for p in plans for run in p.runs]  # every group's tests in one sandbox batch
     verdicts = await get_pool().acheck_many(items, spec.timeout_s) if items else []
-    results, k = [], 0
+    outcomes = await sandbox_client().arun_batch(runs) if runs else []
+    results, k, j = [], 0, 0
     for g, r, p in zip(groups, refused, plans, strict=True):
-        scored = finish_group(p, verdicts[k : k + len(p.math)], _state)
+        n = len(p.runs)
+        scored = finish_group(p, verdicts[k : k + len(p.math)], _state, outcomes[j : j + n])
         results.append(with_refused(scored, g, r, spec))
         k += len(p.math)
+        j += n
     elapsed = time.perf_counter() - t0
     for res in results:
         res.score_s = elapsed

@@ -14,9 +14,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.contracts.rewards import NEEDS_ACCURACY, AccuracyParams, RequestError
+from loom.contracts.rewards import NEEDS_ACCURACY, NEEDS_CODE, AccuracyParams, CodeParams, RequestError
+from loom.contracts.sandbox import RunRequest, RunResult
 from loom.contracts.wire import Group, RewardResult, RewardSpec, TrajectoryReward
 from reward_svc.accuracy import plan, read_gold
+from reward_svc.code import CodeTests, CodeVerdict, judge, plan_runs, read_tests
 from reward_svc.context import GroupContext
 from reward_svc.mathverify import MathItem, Verdict
 from reward_svc.registry import REGISTRY
@@ -24,6 +26,9 @@ from reward_svc.trace import view_of
 
 VerifyFn = Callable[[Sequence[MathItem], int], list[Verdict]]
 AsyncVerifyFn = Callable[[Sequence[MathItem], int], Awaitable[list[Verdict]]]
+# the sandbox service's batch call (``loom.clients.sandbox.SandboxClient.run_batch``)
+RunCodeFn = Callable[[Sequence[RunRequest]], list[RunResult]]
+AsyncRunCodeFn = Callable[[Sequence[RunRequest]], Awaitable[list[RunResult]]]
 
 
 def check_request(groups: Sequence[Group], max_items: int) -> None:
@@ -86,16 +91,27 @@ class Plan:
     verdicts: list[Verdict | None]
     math: list[tuple[int, MathItem]] = field(default_factory=list)
     needs_accuracy: bool = False
+    # the code task: its tests, each trajectory's verdict (decided, or judged from its runs)
+    tests: CodeTests | None = None
+    code_verdicts: list[CodeVerdict | None] = field(default_factory=list)
+    code: list[tuple[int, list[RunRequest]]] = field(default_factory=list)
+
+    @property
+    def runs(self) -> list[RunRequest]:
+        """Every run of the plan's code trajectories, in order (one sandbox batch)."""
+        return [r for _, runs in self.code for r in runs]
 
 
 def plan_group(group: Group, spec: RewardSpec) -> Plan:
     needs = any(c.name in NEEDS_ACCURACY for c in spec.components)
     p = Plan(group, spec, [None] * len(group.trajectories), needs_accuracy=needs)
-    if not needs:
-        return p
     acc = next((c for c in spec.components if c.name == "accuracy"), None)
     params = AccuracyParams.model_validate(acc.params if acc else {})
     task = params.task or group.task or "math"
+    if any(c.name in NEEDS_CODE for c in spec.components) or (needs and task == "code"):
+        _plan_code(p, spec)
+    if not needs or task == "code":
+        return p
     gold = read_gold(task, group.label, group.meta)
     for i, traj in enumerate(group.trajectories):
         decided = plan(task, gold, traj.text, params)
@@ -106,11 +122,45 @@ def plan_group(group: Group, spec: RewardSpec) -> Plan:
     return p
 
 
-def finish_group(p: Plan, math_verdicts: Sequence[Verdict], state: Any = None) -> RewardResult:
+def _plan_code(p: Plan, spec: RewardSpec) -> None:
+    comp = next((c for c in spec.components if c.name in NEEDS_CODE), None)
+    params = CodeParams.model_validate(comp.params if comp else {})
+    tests = read_tests(p.group.label)
+    p.tests = tests if isinstance(tests, CodeTests) else None
+    p.code_verdicts = [None] * len(p.group.trajectories)
+    for i, traj in enumerate(p.group.trajectories):
+        planned = plan_runs(tests, traj.text, params)
+        if isinstance(planned, CodeVerdict):
+            p.code_verdicts[i] = planned
+        else:
+            p.code.append((i, planned))
+
+
+def _judge_code(p: Plan, results: Sequence[RunResult]) -> None:
+    """Each code trajectory's verdict from its runs' outcomes; its status is the trajectory's."""
+    k = 0
+    for i, runs in p.code:
+        assert p.tests is not None
+        p.code_verdicts[i] = judge(p.tests, list(results[k : k + len(runs)]))
+        k += len(runs)
+    for i, decided in enumerate(p.code_verdicts):
+        if decided is not None and p.verdicts[i] is None:
+            p.verdicts[i] = Verdict(decided.status, correct=decided.all_passed, detail=decided.detail)
+
+
+def finish_group(
+    p: Plan, math_verdicts: Sequence[Verdict], state: Any = None, code_results: Sequence[RunResult] = ()
+) -> RewardResult:
     for (i, _), v in zip(p.math, math_verdicts, strict=True):
         p.verdicts[i] = v
+    if p.code_verdicts:
+        if len(code_results) != len(p.runs):
+            raise ValueError(f"{len(code_results)} run outcomes for {len(p.runs)} runs")
+        _judge_code(p, code_results)
     trajs = p.group.trajectories
     ctx = GroupContext(group=p.group, views=[view_of(t) for t in trajs], state=state)
+    if p.code_verdicts:
+        ctx.cache["code"] = p.code_verdicts
     if p.needs_accuracy:
         ctx.correct = [float(v is not None and v.status == "ok" and v.correct) for v in p.verdicts]
     values = {c.name: REGISTRY[c.name](ctx, c.params) for c in p.spec.components}
@@ -133,24 +183,39 @@ def _finite(x: float) -> float:
     return float(x) if math.isfinite(x) else 0.0
 
 
-def score_group(group: Group, spec: RewardSpec, verify: VerifyFn, state: Any = None) -> RewardResult:
-    """Plan, verify (blocking), compose. ``verify`` is ``VerifierPool.check_many``."""
+def _no_sandbox(runs: Sequence[RunRequest]) -> list[RunResult]:
+    return [RunResult(status="sandbox_error", detail="no sandbox service configured") for _ in runs]
+
+
+def score_group(
+    group: Group, spec: RewardSpec, verify: VerifyFn, state: Any = None, run_code: RunCodeFn = _no_sandbox
+) -> RewardResult:
+    """Plan, verify (blocking), run code, compose. ``verify`` is ``VerifierPool.check_many``,
+    ``run_code`` the sandbox client's ``run_batch``."""
     t0 = time.perf_counter()
     p = plan_group(group, spec)
     verdicts = verify([item for _, item in p.math], spec.timeout_s) if p.math else []
-    result = finish_group(p, verdicts, state)
+    result = finish_group(p, verdicts, state, run_code(p.runs) if p.runs else [])
     result.score_s = time.perf_counter() - t0
     return result
 
 
+async def _ano_sandbox(runs: Sequence[RunRequest]) -> list[RunResult]:
+    return _no_sandbox(runs)
+
+
 async def ascore_group(
-    group: Group, spec: RewardSpec, verify: AsyncVerifyFn, state: Any = None
+    group: Group,
+    spec: RewardSpec,
+    verify: AsyncVerifyFn,
+    state: Any = None,
+    run_code: AsyncRunCodeFn = _ano_sandbox,
 ) -> RewardResult:
-    """``score_group`` with the verifier awaited (``VerifierPool.acheck_many``): the groups of one
-    reward task share the pool at once."""
+    """``score_group`` with the verifier and the sandbox awaited (``VerifierPool.acheck_many``,
+    ``SandboxClient.arun_batch``): the groups of one reward task share them at once."""
     t0 = time.perf_counter()
     p = plan_group(group, spec)
     verdicts = await verify([item for _, item in p.math], spec.timeout_s) if p.math else []
-    result = finish_group(p, verdicts, state)
+    result = finish_group(p, verdicts, state, await run_code(p.runs) if p.runs else [])
     result.score_s = time.perf_counter() - t0
     return result

@@ -4,6 +4,7 @@ component's params model are the contract's (``loom.contracts.rewards.COMPONENT_
 from __future__ import annotations
 
 from reward_svc.accuracy import accuracy
+from reward_svc.code import code_all, code_pass
 from reward_svc.context import ComponentFn
 from reward_svc.efficiency import efficiency
 from reward_svc.format import format_deep, format_spawn, format_stream, format_think
@@ -22,4 +23,6 @@ REGISTRY: dict[str, ComponentFn] = {
     "length_deep": length_deep,
     "efficiency": efficiency,
     "reflection": reflection,
+    "code_pass": code_pass,
+    "code_all": code_all,
 }

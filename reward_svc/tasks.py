@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import threading
 from typing import Any
 
 from celery import Celery, Task, states
@@ -32,23 +31,32 @@ from loom.contracts.tasks import MATCH_TEXTS, SCORE_GROUP, SCORE_GROUPS
 from loom.contracts.wire import Group, RewardSpec
 from loom.queue import make_celery, send, task_of
 from loom.results import stored_metas
+from loom.runtime import Shared
 from loom.timeline import mark
 
 celery_app = make_celery("reward")
 
-_lock = threading.Lock()
-_pool: Any = None
+
+def _make_verifier() -> Any:
+    from loom.contracts.reward_settings import get_reward_settings
+    from reward_svc.pool import VerifierPool
+
+    return VerifierPool.from_settings(get_reward_settings())
 
 
-def _verifier() -> Any:
-    global _pool
-    with _lock:
-        if _pool is None:
-            from loom.contracts.reward_settings import get_reward_settings
-            from reward_svc.pool import VerifierPool
+_verifier = Shared(_make_verifier).get  # one verifier pool per worker process, started on first use
 
-            _pool = VerifierPool.from_settings(get_reward_settings())
-        return _pool
+
+def _make_sandbox_client() -> Any:
+    from loom.clients.sandbox import SandboxClient
+    from loom.contracts.reward_settings import get_reward_settings
+
+    return SandboxClient(get_reward_settings().sandbox_url or None)
+
+
+# the process's sandbox client (loom/clients/sandbox.py): code rewards run their tests in the sandbox
+# service, never in the reward process
+sandbox_client = Shared(_make_sandbox_client).get
 
 
 def _parsed(group: dict[str, Any], spec: dict[str, Any] | None) -> tuple[Group, RewardSpec]:
@@ -67,7 +75,9 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
 
     key = score_group_task.request.id or ""
     mark("score_start", key)
-    out = score_group(*_parsed(group, spec), _verifier().check_many).model_dump(mode="json")
+    out = score_group(
+        *_parsed(group, spec), _verifier().check_many, run_code=sandbox_client().run_batch
+    ).model_dump(mode="json")
     mark("score_end", key)
     return out
 
@@ -107,7 +117,9 @@ async def _score_members(backend: Any, members: dict[str, tuple[Any, Any]], orde
         group, spec = members[key]
         mark("score_start", key)
         try:
-            result = await ascore_group(*_parsed(group, spec), pool.acheck_many)
+            result = await ascore_group(
+                *_parsed(group, spec), pool.acheck_many, run_code=sandbox_client().arun_batch
+            )
         except Exception as exc:  # this member fails, as its own score_group task would
             backend.store_result(key, exc, states.FAILURE)
         else:

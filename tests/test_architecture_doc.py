@@ -9,7 +9,17 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("loom", "zoo", "gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner", "launch")
+PACKAGES = (
+    "loom",
+    "zoo",
+    "gateway",
+    "rollout_svc",
+    "reward_svc",
+    "reflect_svc",
+    "learner",
+    "sandbox_svc",
+    "launch",
+)
 DOC = ROOT / "docs" / "architecture.md"
 PATH = re.compile(r"`((?:" + "|".join(PACKAGES) + r")/(?:[\w/]*(?:\.py|/))?)`")
 

@@ -481,8 +481,9 @@ def streaming_request(layout: str) -> Any:
 
 def test_streaming_is_exact_or_refused_by_name(root: Path, tokenizer: Any) -> None:
     """Interleaved streaming on a windowed model is an ordinary sequence (exact); its group layout is
-    refused by the engine (``UnsupportedCapability``); a tokenizer without the trace markers as single
-    tokens (a ChatML tokenizer) is refused by the mode, naming the marker."""
+    refused by the engine (``UnsupportedCapability``); a tokenizer that cannot write a trace marker
+    (a word-level one that reads it as its unknown token) is refused by the mode, naming the marker.
+    (A tokenizer that writes a marker in several tokens streams: tests/rollout_modes/test_markers.py.)"""
     import asyncio
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -517,7 +518,7 @@ def test_streaming_is_exact_or_refused_by_name(root: Path, tokenizer: Any) -> No
             unk_token="[UNK]",
             eos_token="<|im_end|>",
         )
-        with pytest.raises(ModeError, match="'<EOT>' to be one token"):
+        with pytest.raises(ModeError, match="cannot write the marker '<EOT>'"):
             run("interleaved", chatml)
     finally:
         engine.stop_scheduler()

@@ -16,6 +16,7 @@ PACKAGES = (
     "reward_svc",
     "reflect_svc",
     "learner",
+    "sandbox_svc",
     "bench",
 )
 CITATION = re.compile(r"docs/algorithms\.md §(\d+(?:\.\d+)?)")

@@ -21,6 +21,9 @@ class RewardSettings(BaseSettings):
         "verifier processes either way; prefork adds a pipe hop of the whole group per task)",
     )
     workers: int = Field(default=2, ge=1, description="verification worker processes per API/Celery process")
+    sandbox_url: str = Field(
+        default="", description="the sandbox service code rewards run in; empty: the settings' sandbox port"
+    )
     # A recycled worker loses its warm sympy / math-verify caches: on 1600 realistic items with 2
     # workers, recycling every 300 gave 0.58-0.67 of 2x one core, none 0.75-0.86 (bench/reward.py).
     # Memory is bounded by max_rss_growth_mb and the worker's address-space cap, not by this count.

@@ -70,6 +70,13 @@ class ReflectionParams(Params):
     stat_key: str = Field(default="default", max_length=64)
 
 
+# ``code_pass`` / ``code_all`` (docs/sandbox.md "Code rewards"): the tests' limits per run.
+class CodeParams(Params):
+    timeout_s: float = Field(default=5.0, gt=0, le=60, description="CPU seconds per test (wall: twice)")
+    memory_mb: int = Field(default=512, ge=16, le=8192)
+    output_bytes: int = Field(default=1 << 20, ge=1024, le=16 << 20)
+
+
 # Component name -> its params model; reward_svc.registry.REGISTRY has the same keys.
 COMPONENT_PARAMS: dict[str, type[Params]] = {
     "accuracy": AccuracyParams,
@@ -83,10 +90,14 @@ COMPONENT_PARAMS: dict[str, type[Params]] = {
     "length_deep": NoParams,
     "efficiency": EfficiencyParams,
     "reflection": ReflectionParams,
+    "code_pass": CodeParams,
+    "code_all": CodeParams,
 }
 
 # Components that read the accuracy verdicts (the verifier runs only when one is requested).
 NEEDS_ACCURACY = frozenset({"accuracy", "length_kimi", "length_refined", "efficiency"})
+# Components that read the code verdicts (the sandbox runs only when one is requested or the task is code).
+NEEDS_CODE = frozenset({"code_pass", "code_all"})
 
 
 class RequestError(ValueError):

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-SERVICES: tuple[str, ...] = ("gateway", "rollout", "reward", "reflect", "learner")
+SERVICES: tuple[str, ...] = ("gateway", "rollout", "reward", "reflect", "learner", "sandbox")
 
 TRACKERS: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
 
@@ -24,6 +24,7 @@ DEFAULT_PORTS: dict[str, int] = {
     "reward": 8402,
     "reflect": 8403,
     "learner": 8404,
+    "sandbox": 8405,
     "engine": 8410,
 }
 
@@ -66,6 +67,7 @@ class Settings(BaseSettings):
     reward_port: int = DEFAULT_PORTS["reward"]
     reflect_port: int = DEFAULT_PORTS["reflect"]
     learner_port: int = DEFAULT_PORTS["learner"]
+    sandbox_port: int = DEFAULT_PORTS["sandbox"]
     engine_port: int = DEFAULT_PORTS["engine"]
     max_body_bytes: int = Field(default=16 * 1024 * 1024, description="larger request bodies get 413")
     # --- read deadlines of every Loom HTTP server (loom/service.py, docs/security.md "Read timeouts")

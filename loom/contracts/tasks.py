@@ -15,17 +15,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from loom.contracts import wire
+from loom.contracts.sandbox import BatchRequest, BatchResult
 from loom.contracts.settings import SERVICES
-from loom.contracts.wire import (
-    Group,
-    ReflectParams,
-    RevisionPlan,
-    RewardResult,
-    RewardSpec,
-    RolloutRequest,
-    StepResult,
-    TrainBatch,
-)
 
 
 @dataclass(frozen=True)
@@ -47,18 +39,23 @@ class TaskDef:
             raise ValueError(f"task {self.name!r}: {self.service!r} is not a service ({SERVICES})")
 
 
-GENERATE_GROUP = TaskDef("rollout.generate_group", (RolloutRequest,), Group)
+GENERATE_GROUP = TaskDef("rollout.generate_group", (wire.RolloutRequest,), wire.Group)
 LOAD_POLICY = TaskDef("rollout.load_policy")  # keyword arguments: version, path, kind
-SCORE_GROUP = TaskDef("reward.score_group", (Group, RewardSpec), RewardResult)
+SCORE_GROUP = TaskDef("reward.score_group", (wire.Group, wire.RewardSpec), wire.RewardResult)
 # several groups in one task, each result stored under its member's own key: [[key, group, spec], ...]
 SCORE_GROUPS = TaskDef("reward.score_groups", (None,))
 MATCH_TEXTS = TaskDef("reward.match_texts", (None,))  # reward_svc.match.MatchRequest -> MatchResponse
-REVISE_GROUP = TaskDef("reflect.revise_group", (Group, ReflectParams), Group)  # /v1/reflect over the queue
-# the RL step's reflection stages (gateway/step.py): cut -> generate the revisions -> assemble -> score
-CUT_GROUP = TaskDef("reflect.cut_group", (Group, ReflectParams, None), RevisionPlan)  # verdicts: [bool]
-ASSEMBLE_GROUP = TaskDef("reflect.assemble_group", (Group, ReflectParams, RevisionPlan, None), Group)
-TRAIN_STEP = TaskDef("learner.train_step", (TrainBatch,), StepResult)
+# /v1/reflect over the queue
+REVISE_GROUP = TaskDef("reflect.revise_group", (wire.Group, wire.ReflectParams), wire.Group)
+# the RL step's reflection stages (gateway/step.py): cut -> generate the revisions -> assemble -> score;
+# the cut's third argument: the gold detector's verdicts, [bool]
+CUT_GROUP = TaskDef("reflect.cut_group", (wire.Group, wire.ReflectParams, None), wire.RevisionPlan)
+ASSEMBLE_GROUP = TaskDef(
+    "reflect.assemble_group", (wire.Group, wire.ReflectParams, wire.RevisionPlan, None), wire.Group
+)
+TRAIN_STEP = TaskDef("learner.train_step", (wire.TrainBatch,), wire.StepResult)
 SCORE_ATTENTION = TaskDef("learner.score_attention")  # keyword arguments: token_ids, steps, delta, zero_from
+SANDBOX_RUN_BATCH = TaskDef("sandbox.run_batch", (BatchRequest,), BatchResult)
 
 
 def ping(service: str) -> TaskDef:
@@ -79,6 +76,7 @@ TASKS: dict[str, TaskDef] = {
         ASSEMBLE_GROUP,
         TRAIN_STEP,
         SCORE_ATTENTION,
+        SANDBOX_RUN_BATCH,
         *(ping(s) for s in SERVICES),
     )
 }

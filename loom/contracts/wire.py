@@ -36,12 +36,12 @@ MAX_ATTENTION_STEPS = 4096
 Mode = Literal["plain", "streaming", "tree", "spawn"]
 SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node"]
 FinishReason = Literal["stop", "length", "abort", "error"]
-RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid"]
+RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid", "sandbox_error"]
 Estimator = Literal["grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "rea", "apr"]
 
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-TaskKind = Literal["math", "choice", "countdown", "arithmetic"]
+TaskKind = Literal["math", "choice", "countdown", "arithmetic", "code"]
 
 
 def _finite_numbers(value: Any, path: str = "") -> Any:
@@ -177,6 +177,12 @@ class SamplingParams(Contract):
         default_factory=list, max_length=64
     )
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_sequences: list[Annotated[list[int], Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="stop when the generated ids end with one of these (a marker that is several tokens;"
+        " engines with the 'stop_sequences' capability)",
+    )
     logprobs: int = Field(default=0, ge=0, le=20, description="top-k log-probs per token (0 = sampled only)")
     # vLLM's logits processors, applied in vLLM's order (docs/interop-engine.md): the neutral defaults
     # leave sampling exactly as without them

@@ -18,7 +18,8 @@ from typing import Literal
 from loom.contracts.wire import PolicyVersion, SamplingParams
 from loom.vocab import outside_vocabulary
 
-Capability = Literal["group_positions", "attention_scores", "prefix_cache", "lora"]
+# stop_sequences: SamplingParams.stop_token_sequences (a marker that is several tokens, exact on ids)
+Capability = Literal["group_positions", "attention_scores", "prefix_cache", "lora", "stop_sequences"]
 
 
 class EngineError(RuntimeError):

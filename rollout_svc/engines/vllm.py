@@ -446,6 +446,10 @@ class VLLMEngine(Engine):
             raise UnsupportedCapability(
                 self.name, "group_positions", "vLLM has no custom position ids; use the interleaved layout"
             )
+        if params.stop_token_sequences:  # vLLM stops on single ids and on text, not on id sequences
+            raise UnsupportedCapability(
+                self.name, "stop_sequences", "a marker of several tokens needs the torch engine"
+            )
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         for _ in range(4):

@@ -19,6 +19,13 @@ child indices, an empty message, too many children, a spawn too deep, an unclose
 ends the rollout with a format failure: the offending call gets ``finish_reason="abort"`` and
 ``meta["status"] = "format_error"``, the rollout's calls stop after their current step, and
 ``Group.meta["rollouts"][r]["status"]`` says ``format_error`` with the reason. Never an exception.
+
+Markers with any tokenizer (docs/models.md): the spawn close marker is matched on its canonical ids
+(``loom.formats.marker_ids``): one id a stop token id, several a stop id sequence on an engine with
+``stop_sequences`` (the torch engine); elsewhere (vLLM) its text is the stop string and the ids still
+decide (a close written with other ids is a format error). The join block, a child's prompt and
+its markers are inserted as canonical ids (``encode_with_markers``), and a child's returned message
+is read after the canonical ids of ``think_close``: nothing re-tokenizes a call's history.
 """
 
 from __future__ import annotations
@@ -39,9 +46,16 @@ from loom.contracts.wire import (
     ThreadLink,
     Trajectory,
 )
-from loom.formats import DEFAULT_SPAWN, SpawnSyntax
+from loom.formats import (
+    DEFAULT_SPAWN,
+    MarkerError,
+    SpawnSyntax,
+    encode_with_markers,
+    ends_with,
+    marker_ids,
+)
 from rollout_svc.engines.base import Completion, Engine
-from rollout_svc.modes import group_of, sample_seed, trajectory_id
+from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
 
 # ------------------------------------------------------------------------------------------------
 # parsing (pure)
@@ -182,15 +196,18 @@ class _Spawner:
     ):
         self.group_id, self.engine, self.tokenizer, self.cfg = group_id, engine, tokenizer, cfg
         self.syntax, self.sampling = cfg.syntax, request.sampling
-        self.close_id = tokenizer.convert_tokens_to_ids(self.syntax.spawn_close)
-        self.single = (  # the close marker is one token: stop on its id, else on its text
-            isinstance(self.close_id, int)
-            and self.close_id != tokenizer.unk_token_id
-            and tokenizer.encode(self.syntax.spawn_close, add_special_tokens=False) == [self.close_id]
-        )
+        self.markers = [*_markers(self.syntax), cfg.think_close]
+        try:  # every marker the mode inserts or matches, checked before any call
+            ids = {m: marker_ids(tokenizer, m) for m in self.markers}
+        except MarkerError as exc:
+            raise ModeError(f"spawn: {exc}") from None
+        self.close_ids, self.think_ids = ids[self.syntax.spawn_close], ids[cfg.think_close]
+        # the close marker is one token: a stop id; several: a stop id sequence where the engine
+        # matches one, else its text as the stop string (the ids still decide: ``decode_span``)
+        self.by_ids = len(self.close_ids) == 1 or "stop_sequences" in engine.capabilities
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_with_markers(self.tokenizer, text, self.markers)
 
     async def rollout(self, r: int, prompt_ids: list[int]) -> _Rollout:
         ro = _Rollout(r, self.cfg.max_total_tokens)
@@ -238,7 +255,10 @@ class _Spawner:
         call.finish, call.stop_reason = c.finish_reason, c.stop_reason
         if ro.status != "ok":
             return False
-        spawned = c.finish_reason == "stop" and c.stop_reason in (self.close_id, self.syntax.spawn_close)
+        spawned = c.finish_reason == "stop" and ends_with(c.token_ids, self.close_ids)
+        if c.finish_reason == "stop" and c.stop_reason == self.syntax.spawn_close and not spawned:
+            self.format_error(ro, call, "spawn close marker not written as its canonical token ids")
+            return False
         if not spawned:
             text = self.tokenizer.decode(call.ids, skip_special_tokens=False)
             after_join = text.rsplit(self.syntax.join_close, 1)[-1]
@@ -249,13 +269,14 @@ class _Spawner:
         return spawned
 
     async def generate(self, call: _Call, budget: int, seed_key: int) -> Completion:
-        sampling, syntax = self.sampling, self.syntax
+        sampling, syntax, close = self.sampling, self.syntax, self.close_ids
         params = sampling.model_copy(
             update={
                 "n": 1,
                 "max_tokens": budget,
-                "stop": [] if self.single else [syntax.spawn_close],
-                "stop_token_ids": [self.close_id] if self.single else [],
+                "stop": [] if self.by_ids else [syntax.spawn_close],
+                "stop_token_ids": close if len(close) == 1 else [],
+                "stop_token_sequences": [close] if len(close) > 1 and self.by_ids else [],
                 "seed": sample_seed(sampling.seed, seed_key, call.spans),
             }
         )
@@ -297,12 +318,21 @@ class _Spawner:
         )
         messages = []
         for ch, res in zip(children, results, strict=True):
-            text = self.tokenizer.decode(res.completion_ids, skip_special_tokens=True)
-            msg = child_message(text, cfg.think_close, self.syntax.no_solution)
+            msg = self.returned_message(res.completion_ids)
             messages.append(msg)
             ro.links.append(ThreadLink(parent=call.id, child=ch.id, message=msg))
         call.sequential += max(ch.sequential for ch in children)
         return messages, children
+
+    def returned_message(self, ids: list[int]) -> str:
+        """What a child returns (``child_message``'s rule on ids): the text after the first canonical
+        ``think_close`` ids, else ``no_solution``; found on ids, so a tokenizer that marks
+        ``</think>`` special (and drops it when decoding) returns the same message."""
+        close, n = self.think_ids, len(self.think_ids)
+        at = next((k + n for k in range(len(ids) - n + 1) if ids[k : k + n] == close), None)
+        if at is None:
+            return self.syntax.no_solution
+        return self.tokenizer.decode(ids[at:], skip_special_tokens=True).strip() or self.syntax.no_solution
 
     @staticmethod
     def format_error(ro: _Rollout, call: _Call, reason: str) -> None:

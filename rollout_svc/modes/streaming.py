@@ -17,6 +17,12 @@ Latency (AdaSR appendix F): sentence t arrives when a reader at ``reading_wpm`` 
 read C_1..C_t; round t starts at max(arrival_t, end of round t-1) and lasts its measured generation
 time. ``timing["latency_s"]`` is the delay from the last sentence's arrival to the first answer token;
 ``meta["latency_tokens"]`` counts the tokens decoded in that window (engine-independent).
+
+Markers with any tokenizer (docs/models.md): each marker is its canonical ids
+(``loom.formats.marker_ids``). A one-token marker is a stop token id (every engine); a marker of
+several tokens is a stop id sequence (``stop_token_sequences``, the ``stop_sequences`` capability:
+the torch engine), matched when the generated ids end with exactly its canonical ids. A forced marker
+and the revealed sentences' ``<EOS>`` are inserted as those ids; the history is never re-tokenized.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 from loom.contracts.modes import StreamingParams
 from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
-from loom.formats import DEFAULT_MARKERS
+from loom.formats import DEFAULT_MARKERS, MarkerError, encode_with_markers, ends_with, marker_ids
 from rollout_svc.engines.base import Completion, Engine, Layout
 from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
 
@@ -72,15 +78,13 @@ class _Sequence:
         self.mask += [mask] * len(ids)
 
 
-def _marker_id(tokenizer: Any, marker: str) -> int:
-    tid = tokenizer.convert_tokens_to_ids(marker)
-    if tid is None or tid == tokenizer.unk_token_id:
-        raise ModeError(f"streaming needs {marker!r} to be one token of the model's tokenizer")
-    return int(tid)
+def _matched(c: Completion, marker: list[int]) -> bool:
+    """Did ``c`` stop on ``marker`` (its generated ids end with the marker's canonical ids)?"""
+    return c.finish_reason == "stop" and ends_with(c.token_ids, marker)
 
 
-def _ended_by_eos(c: Completion, stop_ids: list[int]) -> bool:
-    return c.finish_reason == "stop" and c.stop_reason not in stop_ids
+def _ended_by_eos(c: Completion, markers: list[list[int]]) -> bool:
+    return c.finish_reason == "stop" and not any(_matched(c, m) for m in markers)
 
 
 @dataclass(frozen=True)
@@ -91,20 +95,31 @@ class _Plan:
     observations: list[list[int]]
     connector: list[int]
     arrivals: list[float]
-    eot: int
-    skip: int
-    eor: int
-    eoa: int
+    eot: list[int]
+    skip: list[int]
+    eor: list[int]
+    eoa: list[int]
+
+    @property
+    def multi_token(self) -> list[list[int]]:
+        return [m for m in (self.eot, self.skip, self.eor, self.eoa) if len(m) > 1]
 
 
 def _plan(tokenizer: Any, cfg: StreamingParams) -> _Plan:
+    try:
+        return _encoded(tokenizer, cfg)
+    except MarkerError as exc:
+        raise ModeError(f"streaming: {exc}") from None
+
+
+def _encoded(tokenizer: Any, cfg: StreamingParams) -> _Plan:
     m = DEFAULT_MARKERS
     eot, skip, eor, eoa = (
-        _marker_id(tokenizer, x) for x in (m.thought_end, m.skip, m.reasoning_end, m.answer_end)
+        marker_ids(tokenizer, x) for x in (m.thought_end, m.skip, m.reasoning_end, m.answer_end)
     )
 
     def encode(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return encode_with_markers(tokenizer, text, m.special_tokens())
 
     observations = [encode(f"{cfg.sentence_prefix}{s}{m.sentence_end}") for s in cfg.sentences]
     connector = encode(cfg.connector)
@@ -157,9 +172,10 @@ class _Sample:
             if t == len(plan.observations) - 1:
                 self.latency_tokens += len(c.token_ids)
             eos = _ended_by_eos(c, stops)
-            needed = not eos and (c.finish_reason == "length" or c.stop_reason == plan.skip)
+            skipped = _matched(c, plan.skip)
+            needed = not eos and (c.finish_reason == "length" or skipped)
             forced = self.force(c, plan.eot, needed)
-            self.seq.generated(c, "stream", t, forced or [], {"skipped": c.stop_reason == plan.skip})
+            self.seq.generated(c, "stream", t, forced or [], {"skipped": skipped})
             if eos:
                 self.ended = "stream"
                 return
@@ -206,13 +222,16 @@ class _Sample:
         seq = self.seq
         return self.engine.room(seq.ids + extra, self.layout_of(seq.groups + [group] * len(extra))) == 0
 
-    async def step(self, stop_ids: list[int], max_tokens: int, round_: int) -> tuple[Completion, float]:
+    async def step(self, stops: list[list[int]], max_tokens: int, round_: int) -> tuple[Completion, float]:
+        """Decode until one of the markers ``stops``: a one-token marker is a stop id, a longer one
+        a stop id sequence (exact on its canonical ids)."""
         params = self.sampling.model_copy(
             update={
                 "n": 1,
                 "max_tokens": max_tokens,
                 "stop": [],
-                "stop_token_ids": stop_ids,
+                "stop_token_ids": [m[0] for m in stops if len(m) == 1],
+                "stop_token_sequences": [m for m in stops if len(m) > 1],
                 "seed": sample_seed(self.sampling.seed, self.i, round_),
             }
         )
@@ -220,13 +239,14 @@ class _Sample:
         c = (await self.engine.generate(self.seq.ids, params, self.layout_of(list(self.seq.groups))))[0]
         return c, time.perf_counter() - t0
 
-    def force(self, c: Completion, marker: int, needed: bool) -> list[int] | None:
-        """The forced end marker after ``c`` ([] when none is needed), None when ``c`` and the
-        marker would leave the context no room for a later round (the sample ends after ``c``)."""
-        marker_ids = [marker] if needed else []
-        if self.full_with(list(c.token_ids) + marker_ids, TARGET):
+    def force(self, c: Completion, marker: list[int], needed: bool) -> list[int] | None:
+        """The forced end marker's canonical ids after ``c`` ([] when none is needed), None when
+        ``c`` and the marker would leave the context no room for a later round (the sample ends
+        after ``c``)."""
+        forced = list(marker) if needed else []
+        if self.full_with(list(c.token_ids) + forced, TARGET):
             return None
-        return marker_ids
+        return forced
 
     def trajectory(self, group_id: str) -> Trajectory:
         seq, cfg, arrivals, n_prompt = self.seq, self.cfg, self.plan.arrivals, len(self.prompt_ids)
@@ -270,6 +290,8 @@ async def streaming(
     if cfg.layout == "group_positions":
         engine.require("group_positions", "use mode_params.layout='interleaved' on this engine")
     plan = _plan(tokenizer, cfg)
+    if plan.multi_token:
+        engine.require("stop_sequences", "a streaming marker of several tokens needs the torch engine")
     samples = [_Sample(i, prompt_ids, engine, request, cfg, plan) for i in range(request.sampling.n)]
     trajectories = await asyncio.gather(*(s.run(group_id) for s in samples))
     return group_of(

@@ -5,7 +5,8 @@ every operation, each answer checked for a 5xx (none allowed) and against the Op
 Each app is built in-process as ``uvicorn <package>.api:app`` would run it, with what it needs to
 answer without a 5xx: the gateway and the learner on an embedded broker in a temporary data dir (a
 real learner worker consumes it), the rollout service with the real torch engine and the tiny model,
-the reward service with its real verifier pool, the reflect service over HTTP to the rollout and
+the reward service with its real verifier pool, the sandbox service with its real pool (the fuzzed
+programs run in bubblewrap), the reflect service over HTTP to the rollout and
 reward apps (served by uvicorn in threads). ``POST /v1/ping`` is left out: it waits on a round trip
 through every queue by design (up to its ``timeout``, 600 s).
 
@@ -275,6 +276,24 @@ def reflect_schema(loom_settings: Any) -> Iterator[Any]:
                 os.environ.pop(k, None)
             get_reflect_settings.cache_clear()
             importlib.import_module("reward_svc.api")._close_pool()
+
+
+@pytest.fixture(scope="module")
+def sandbox_schema(loom_settings: Any) -> Iterator[Any]:
+    """The sandbox service with its real pool (bubblewrap): fuzzed programs run, isolated."""
+    from sandbox_svc.runner import bwrap_path
+
+    if bwrap_path() is None:
+        pytest.skip("bubblewrap is not installed (deploy/setup.sh)")
+    with _module_app("sandbox_svc", loom_settings) as app:
+        yield _schema(app)
+    importlib.import_module("sandbox_svc.api")._close_pool()
+
+
+def test_sandbox(sandbox_schema: Any) -> None:
+    sent, failures = fuzz(sandbox_schema)
+    print(f"{sent} requests")
+    assert sent and not failures, "\n\n".join(failures)
 
 
 def test_gateway(gateway_schema: Any) -> None:

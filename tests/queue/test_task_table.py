@@ -23,6 +23,7 @@ WORKERS = {
     "reward": "reward_svc.tasks",
     "reflect": "reflect_svc.tasks",
     "learner": "learner.tasks",
+    "sandbox": "sandbox_svc.tasks",
 }
 PUBLISHERS = {REPO / "loom" / "queue.py", REPO / "gateway" / "pipeline.py"}
 

@@ -108,3 +108,27 @@ def test_accept_goes_on_past_eos_with_ignore_eos() -> None:
     params = SamplingParams(max_tokens=9, ignore_eos=True)
     c = Completion(token_ids=[], logprobs=[])
     assert not accept(c, 2, -0.1, None, 0, params, set(), {2}, tokenizer=None)
+
+
+def test_accept_stops_on_exactly_a_stop_id_sequence_after_min_tokens() -> None:
+    """A multi-token marker ends a sample when the generated ids end with exactly its ids (other
+    ids, or the ids reaching into the first ``min_tokens``, do not)."""
+    from zoo.tiny import load_tokenizer
+
+    tok = load_tokenizer()
+    seq = tok.encode("7+8", add_special_tokens=False)
+    assert len(seq) == 3
+    params = SamplingParams(max_tokens=20, stop_token_sequences=[seq], min_tokens=1)
+
+    def ends_at(ids: list[int]) -> tuple[int | None, Any]:
+        """The number of ids accepted when the sample ended (None: it goes on) and its stop reason."""
+        (c,) = new_outputs(params)
+        for k, t in enumerate(ids):
+            if accept(c, t, -0.1, None, 0, params, set(), {2}, tokenizer=tok):
+                return k + 1, c.stop_reason
+        return None, None
+
+    assert ends_at([seq[0], seq[1], seq[0], *seq, 5]) == (6, "7+8")
+    assert ends_at([*seq, 5]) == (None, None)  # its first id is inside min_tokens
+    assert ends_at([5, *seq]) == (4, "7+8")
+    assert ends_at([5, seq[0], seq[2], seq[1]]) == (None, None)  # the same ids in another order

@@ -63,3 +63,14 @@ def test_a_fresh_client_reloads_weights_it_cannot_verify(
         assert root == str(model_dir)  # the served model was loaded back
     finally:
         arun(fresh.close())
+
+
+def test_a_stop_id_sequence_is_refused_before_any_request(arun: Any) -> None:
+    """vLLM stops on single ids and on text, not on id sequences: a multi-token marker's stop is an
+    ``UnsupportedCapability`` naming it (no server is asked: the address below serves nothing)."""
+    from rollout_svc.engines.base import UnsupportedCapability
+
+    engine = VLLMEngine("http://127.0.0.1:9", retries=1)
+    assert "stop_sequences" not in engine.capabilities
+    with pytest.raises(UnsupportedCapability, match="stop_sequences"):
+        arun(engine.generate([1, 2], SamplingParams(stop_token_sequences=[[3, 4]])))

@@ -97,7 +97,7 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, FastAPI
     settings = Settings(data_dir=tmp_path_factory.mktemp("routes"), service_token=TOKEN)
     built = {"learner": learner_app(settings, celery_app=make_celery("learner", settings))}
     saved = {}
-    for service in ("rollout", "reward", "reflect"):
+    for service in ("rollout", "reward", "reflect", "sandbox"):
         app = importlib.import_module(f"{service}_svc.api").app
         saved[service] = app.state.settings
         app.state.settings = settings

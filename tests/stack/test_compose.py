@@ -254,3 +254,20 @@ def _tagged(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
 
 for _tag in ("!reset", "!override"):
     _ComposeTagLoader.add_constructor(_tag, _tagged)
+
+
+def test_every_path_the_dockerfile_copies_is_in_its_build_context() -> None:
+    """deploy/images/build.sh stages the image's context path by path: a package the Dockerfile copies
+    but the stage line leaves out fails the build (``COPY failed: file not found``)."""
+    build = (REPO / "deploy" / "images" / "build.sh").read_text()
+    body = build[build.index("build_loom() {") :]
+    line = next(ln for ln in body.splitlines() if ln.strip().startswith('stage "$ctx"'))  # loom's image
+    staged = set(line.split()[2:])
+    copied = {
+        parts[1].rstrip("/").split("/")[0]
+        for ln in DOCKERFILE.read_text().splitlines()
+        if (parts := ln.split()) and parts[0] == "COPY" and not parts[1].startswith("deploy/")
+    }
+    assert copied <= staged, copied - staged
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "bench"}
+    assert packages <= copied, packages - copied  # every first-party package goes into the image

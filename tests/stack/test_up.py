@@ -146,7 +146,7 @@ def _status(benv, *args: str) -> subprocess.CompletedProcess[str]:  # type: igno
 
 
 @pytest.mark.slow
-def test_up_smoke_brings_five_services_to_ready_and_round_trips_every_queue(broker_env, up) -> None:  # type: ignore[no-untyped-def]
+def test_up_smoke_brings_every_service_to_ready_and_round_trips_every_queue(broker_env, up) -> None:  # type: ignore[no-untyped-def]
     ports = _with_ports(broker_env)
     key_hash = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
     # a user's own keys: the stack adds its ephemeral key for the smoke ping next to them

@@ -79,7 +79,9 @@ class TorchEngine(Engine):
     """transformers in-process (CPU or GPU), Loom's reference implementation."""
 
     name = "torch"
-    capabilities = frozenset({"group_positions", "prefix_cache", "attention_scores", "lora"})
+    capabilities = frozenset(
+        {"group_positions", "prefix_cache", "attention_scores", "lora", "stop_sequences"}
+    )
 
     def __init__(
         self,

@@ -196,6 +196,16 @@ def stop_string(tokenizer: Any, gen_ids: list[int], stops: list[str], start: int
     return None
 
 
+def stop_sequence(gen_ids: list[int], params: SamplingParams) -> list[int] | None:
+    """The stop sequence the generated ids end with, exact on ids (a multi-token marker's canonical
+    ids, ``loom.formats.marker_ids``), wholly after the first ``min_tokens`` tokens."""
+    for seq in params.stop_token_sequences:
+        n = len(seq)
+        if len(gen_ids) - n >= params.min_tokens and gen_ids[len(gen_ids) - n :] == seq:
+            return seq
+    return None
+
+
 def accept(
     c: Completion,
     t: int,
@@ -218,6 +228,8 @@ def accept(
         c.finish_reason, c.stop_reason = "stop", t
     elif t in eos_ids and not params.ignore_eos:
         c.finish_reason, c.stop_reason = "stop", None
+    elif params.stop_token_sequences and (seq := stop_sequence(c.token_ids, params)) is not None:
+        c.finish_reason, c.stop_reason = "stop", tokenizer.decode(seq, skip_special_tokens=False)
     elif (
         params.stop
         and len(c.token_ids) > params.min_tokens

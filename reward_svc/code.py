@@ -1,0 +1,166 @@
+"""Code rewards (docs/sandbox.md "Code rewards"): the policy's program, run in the sandbox per test.
+
+The label holds the tests, as JSON: stdin/stdout cases (``{"inputs": [...], "outputs": [...]}``,
+the form of verl's ``sandbox_fusion`` reward and of PRIME/TACO-style datasets, or ``{"tests":
+[{"stdin", "stdout"}]}``), or assert-style checks (``{"asserts": ["assert f(1) == 2", ...]}``;
+verl's ``assert_case`` is read too). ``language`` is ``python`` (default) or ``bash``. The program is
+the last fenced code block of the answer (``extract_program``).
+
+Each test is its own sandbox run (a fresh namespace and tmp: one test's state never leaks into the
+next, and one test's hang costs only that test its wall time); an item's tests go to the sandbox in
+one batch with every other item's, so they run at once on its warm slots. ``code_pass`` is the
+fraction of tests passed, ``code_all`` 1 when every test passed; the ``accuracy`` of a ``code`` task
+is ``code_all``. Pure: the runs are made by the caller (``reward_svc.core``) through the sandbox
+service's client.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from loom.contracts.rewards import CodeParams
+from loom.contracts.sandbox import Language, Limits, RunRequest, RunResult
+from reward_svc.context import GroupContext
+
+_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+_LANGS: dict[str, Language] = {
+    "python": "python",
+    "py": "python",
+    "python3": "python",
+    "bash": "bash",
+    "sh": "bash",
+}
+
+
+@dataclass(frozen=True)
+class CodeTests:
+    language: Language
+    stdin: list[str]
+    stdout: list[str] | None  # None: assert-style (a test passes when its run exits 0)
+    asserts: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.asserts) if self.asserts is not None else len(self.stdin)
+
+
+@dataclass(frozen=True)
+class CodeVerdict:
+    status: str  # ok | no_answer | invalid | sandbox_error
+    passed: float = 0.0  # fraction of tests passed
+    detail: str | None = None
+
+    @property
+    def all_passed(self) -> bool:
+        return self.status == "ok" and self.passed == 1.0
+
+
+def extract_program(text: str) -> tuple[str | None, str] | None:
+    """(fence language or None, code) of the last fenced block; None when the text has none."""
+    blocks = _FENCE.findall(text)
+    if not blocks:
+        return None
+    tag, code = blocks[-1]
+    return (tag.lower() or None), code
+
+
+def read_tests(label: str | None) -> CodeTests | CodeVerdict:
+    """The tests of a label, or the ``invalid`` verdict every trajectory of the group gets."""
+    if label is None or not label.strip():
+        return CodeVerdict("invalid", detail="group has no label (the code task's tests)")
+    try:
+        raw: Any = json.loads(label)
+    except json.JSONDecodeError:
+        return CodeVerdict("invalid", detail="the label is not JSON tests")
+    if not isinstance(raw, dict):
+        return CodeVerdict("invalid", detail="the label's tests must be a JSON object")
+    language = _LANGS.get(str(raw.get("language", "python")).lower())
+    if language is None:
+        return CodeVerdict("invalid", detail=f"language {raw.get('language')!r} is not run by the sandbox")
+    asserts = raw.get("asserts", raw.get("assert_case"))
+    if isinstance(asserts, list) and asserts and all(isinstance(a, str) for a in asserts):
+        return CodeTests(language, [""] * len(asserts), None, list(asserts))
+    if isinstance(raw.get("tests"), list):
+        cases = raw["tests"]
+        if all(isinstance(c, dict) and isinstance(c.get("stdout"), str) for c in cases):
+            raw = {"inputs": [c.get("stdin", "") for c in cases], "outputs": [c["stdout"] for c in cases]}
+    ins, outs = raw.get("inputs"), raw.get("outputs")
+    if not (isinstance(ins, list) and isinstance(outs, list) and ins and len(ins) == len(outs)):
+        return CodeVerdict("invalid", detail="tests need inputs and outputs of one length, or asserts")
+    return CodeTests(language, [_text(i) for i in ins], [_text(o) for o in outs])
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def plan_runs(
+    tests: CodeTests | CodeVerdict, text: str | None, params: CodeParams
+) -> list[RunRequest] | CodeVerdict:
+    """The sandbox runs of one trajectory (one per test), or its verdict without running anything."""
+    if isinstance(tests, CodeVerdict):
+        return tests
+    if text is None:
+        return CodeVerdict("invalid", detail="trajectory has no text")
+    found = extract_program(text)
+    if found is None or not found[1].strip():
+        return CodeVerdict("no_answer", detail="no fenced code block")
+    tag, program = found
+    language = _LANGS.get(tag or "", tests.language)
+    limits = Limits(
+        cpu_s=params.timeout_s,
+        wall_s=params.timeout_s * 2,
+        memory_mb=params.memory_mb,
+        output_bytes=params.output_bytes,
+    )
+    if tests.asserts is not None:
+        return [
+            RunRequest(language=language, code=f"{program}\n\n{a}\n", limits=limits) for a in tests.asserts
+        ]
+    return [RunRequest(language=language, code=program, stdin=s, limits=limits) for s in tests.stdin]
+
+
+def same_output(got: str, want: str) -> bool:
+    """Outputs compared line by line with trailing whitespace dropped (the judges' usual rule)."""
+    a = [ln.rstrip() for ln in got.strip().splitlines()]
+    b = [ln.rstrip() for ln in want.strip().splitlines()]
+    return a == b
+
+
+def judge(tests: CodeTests, results: list[RunResult]) -> CodeVerdict:
+    """The verdict of one trajectory's runs: the fraction passed; a sandbox failure is
+    ``sandbox_error`` (not the policy's fault: reward 0 and a status a trainer can filter on)."""
+    if any(r.status == "sandbox_error" for r in results):
+        why = next(r.detail for r in results if r.status == "sandbox_error")
+        return CodeVerdict("sandbox_error", detail=why)
+    passed = 0
+    for i, r in enumerate(results):
+        if tests.stdout is None:
+            passed += r.status == "ok"
+        else:
+            passed += r.status == "ok" and same_output(r.stdout, tests.stdout[i])
+    outcomes = ",".join(r.status for r in results)
+    return CodeVerdict(
+        "ok", passed / len(results), detail=f"{passed}/{len(results)} passed ({outcomes})"[:500]
+    )
+
+
+def code_verdicts(ctx: GroupContext) -> list[CodeVerdict]:
+    verdicts = ctx.cache.get("code")
+    if verdicts is None:
+        raise ValueError("this component needs the code verdicts")
+    return list(verdicts)
+
+
+def code_pass(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
+    """The fraction of the item's tests its program passed."""
+    CodeParams.model_validate(params)
+    return [v.passed if v.status == "ok" else 0.0 for v in code_verdicts(ctx)]
+
+
+def code_all(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
+    """1 when the program passed every test, else 0."""
+    CodeParams.model_validate(params)
+    return [float(v.all_passed) for v in code_verdicts(ctx)]

@@ -1,0 +1,30 @@
+"""The sandbox queue: ``loom worker sandbox`` (a real Celery worker process on each broker) runs a
+``sandbox.run_batch`` published through the task table; a hostile run in the batch fails nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.contracts.sandbox import BatchRequest, BatchResult, Limits, RunRequest
+from loom.contracts.tasks import SANDBOX_RUN_BATCH
+from loom.queue import send
+from sandbox_svc.runner import bwrap_path
+
+pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed (deploy/setup.sh)")
+
+
+def test_a_batch_over_the_sandbox_queue(broker_env, loom_worker) -> None:  # type: ignore[no-untyped-def]
+    broker_env.extra_env["LOOM_SERVICE_TOKEN"] = "queue-test-token-91c"
+    loom_worker("sandbox", broker_env, concurrency=2)
+    app = broker_env.app("sandbox")
+    lim = Limits(cpu_s=1, wall_s=3)
+    batch = BatchRequest(
+        runs=[
+            RunRequest(code="import os\nprint(sorted(os.environ))", limits=lim),
+            RunRequest(code="while True: pass", limits=lim),
+            RunRequest(language="bash", code="read x; echo $((x+1))", stdin="41\n", limits=lim),
+        ]
+    )
+    out = BatchResult.model_validate(send(app, SANDBOX_RUN_BATCH, batch).get(timeout=120))
+    assert [r.status for r in out.results] == ["ok", "timeout", "ok"]
+    assert "LOOM" not in out.results[0].stdout and out.results[2].stdout == "42\n"
