@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loom.contracts.policies import RUN_PREFIX
+
 SCOPES: tuple[str, ...] = ("jobs", "runs", "policy", "admin")
 DEFAULT_SCOPES: frozenset[str] = frozenset({"jobs", "runs"})
 KEY_PREFIX = "loom_"
@@ -44,6 +46,8 @@ def parse_keys(spec: str) -> list[ApiKey]:
         if len(parts) not in (2, 3) or not parts[0]:
             raise ValueError(f"API key entry {parts[0]!r}: expected name:sha256hex[:scopes]")
         name, hexdigest = parts[0], parts[1].lower()
+        if name.startswith(RUN_PREFIX):  # runs' lineages are namespaces of that form
+            raise ValueError(f"API key {name!r}: a key's name must not start with {RUN_PREFIX!r}")
         if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
             raise ValueError(f"API key {name!r}: the hash must be 64 hex digits (sha256)")
         scopes = frozenset(parts[2].split("+")) if len(parts) == 3 else DEFAULT_SCOPES

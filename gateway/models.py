@@ -12,10 +12,12 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from gateway.adaptive import AdaptiveParams
 from loom.batching import TOTAL as TOTAL_REWARD
 from loom.contracts.estimators import check_estimator_params
+from loom.contracts.policies import run_namespace
 from loom.contracts.wire import (
     Contract,
     Estimator,
     Group,
+    Lineage,
     LossSpec,
     Mode,
     Params,
@@ -53,7 +55,13 @@ class JobRequest(Contract):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     reward: RewardSpec = Field(default_factory=RewardSpec)
     adaptive: AdaptiveParams | None = None
-    policy_version: int | None = Field(default=None, ge=0, le=MAX_VERSION)
+    policy_version: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_VERSION,
+        description="the policy version the job's groups are generated with; None: the deployment's "
+        "base model (version 0), never what a replica last loaded (docs/security.md)",
+    )
     policy_namespace: str | None = Field(
         default=None,
         max_length=64,
@@ -268,7 +276,19 @@ class RunRequest(Contract):
         "the filter (DAPO's re-sampling, verl's max_num_gen_batches); the step trains on at most batch_size "
         "of them, or on fewer when the last batch is drawn; 1 = no further batch",
     )
-    initial_policy_version: int = Field(default=0, ge=0, le=MAX_VERSION)
+    initial_policy_version: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_VERSION,
+        description="the run's base (docs/security.md \"Runs' lineages\"): 0, the deployment's base "
+        "model; else that version of policy_namespace, exactly (a full checkpoint)",
+    )
+    policy_namespace: str | None = Field(
+        default=None,
+        max_length=64,
+        description="the namespace initial_policy_version is numbered in: only this key's own (its "
+        "published versions); None: the deployment's. The run trains in a namespace of its own",
+    )
     trackers: list[TrackerSpec] | None = Field(
         default=None,
         max_length=3,
@@ -324,6 +344,10 @@ class RunView(Contract):
     completed_steps: int
     total_steps: int
     policy_version: int
+    lineage: Lineage = Field(description="the run's namespace and base (docs/security.md)")
+    versions: list[int] = Field(
+        default_factory=list, description="the versions the run's steps published in its namespace"
+    )
     batch_size: int
     error: str | None = None
     last_metrics: dict[str, float] = Field(default_factory=dict)
@@ -337,3 +361,12 @@ class DatasetInfo(Contract):
 class Created(Contract):
     id: str
     created: bool = Field(description="false when the idempotency key named an existing job/run")
+
+
+def lineage_of(run_id: str, req: RunRequest) -> Lineage:
+    """The lineage run ``run_id`` trains: its own namespace, from the base its request names."""
+    return Lineage(
+        namespace=run_namespace(run_id),
+        base_namespace=req.policy_namespace if req.initial_policy_version else None,  # 0: the base model
+        base_version=req.initial_policy_version,
+    )

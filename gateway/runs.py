@@ -30,7 +30,7 @@ from typing import Any
 
 from gateway import step as rl
 from gateway.datasets import load_dataset, step_indices
-from gateway.models import RunRequest, TaskItem
+from gateway.models import RunRequest, TaskItem, lineage_of
 from gateway.pipeline import Cancelled
 from gateway.state import GatewayState
 from gateway.step import Collected, Stages, StepConfig
@@ -146,6 +146,7 @@ class RunLoop:
         if row is None:
             raise KeyError(run_id)
         self.req = RunRequest.model_validate(row.config)
+        self.lineage = lineage_of(run_id, self.req)  # every version it trains is its own
         self.dataset: Sequence[TaskItem] = load_dataset(self.req.dataset, self.req.mode, data_dir)
         self.cfg = StepConfig.of(self.req)
         self.run_dir = data_dir / "runs" / run_id
@@ -172,8 +173,9 @@ class RunLoop:
             rows = step_indices(len(self.dataset), batch_size, self.req.schedule.seed, step, k)
             return [to_request(self.dataset[i], self.req) for i in rows]
 
+        namespace, version = self.lineage.at(gen_version)  # the base, or the run's own namespace
         collected = await rl.generate_step(
-            self.stages, self.cfg, f"{self.run_id}.s{step}", draw, batch_size, gen_version
+            self.stages, self.cfg, f"{self.run_id}.s{step}", draw, batch_size, version, namespace
         )
         return Generated(step, batch_size, gen_version, collected)
 
@@ -189,7 +191,9 @@ class RunLoop:
         counted = {"trained_groups": float(len(kept))}
         # No broadcast to the engines: the next step's requests name the new version, and each rollout
         # replica loads it from the policy store before generating (rollout_svc.rollout.catch_up).
-        trained = await rl.train(self.stages, f"{self.run_id}.train.s{gen.step}", gen.step, kept, self.cfg)
+        trained = await rl.train(
+            self.stages, f"{self.run_id}.train.s{gen.step}", gen.step, kept, self.cfg, self.lineage
+        )
         if trained.result is None:  # every prompt dropped (or filtered out): no update, the policy stays
             return version, {"skipped_update": 1.0, **counted}
         result = trained.result

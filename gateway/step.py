@@ -31,6 +31,7 @@ from gateway.adaptive import AdaptiveCounters, AdaptiveParams, Rounds, merge_gro
 from loom.batching import differs
 from loom.contracts.wire import (
     Group,
+    Lineage,
     LossSpec,
     ReflectParams,
     RevisionPlan,
@@ -126,7 +127,12 @@ class StepConfig:
 
 
 def rollout_request(
-    base: RolloutRequest, group_id: str, n: int, policy_version: int | None, round_: int = 0
+    base: RolloutRequest,
+    group_id: str,
+    n: int,
+    policy_version: int | None,
+    round_: int = 0,
+    policy_namespace: str | None = None,
 ) -> RolloutRequest:
     sampling = base.sampling.model_copy(update={"n": n})
     if sampling.seed is not None:  # a new round must not repeat the previous round's samples
@@ -134,6 +140,8 @@ def rollout_request(
     update: dict[str, Any] = {"group_id": group_id, "sampling": sampling}
     if policy_version is not None:
         update["policy_version"] = policy_version
+    if policy_namespace is not None:  # a run's lineage: its namespace's version (Lineage.at)
+        update["policy_namespace"] = policy_namespace
     return base.model_copy(update=update)
 
 
@@ -192,8 +200,10 @@ async def collect(
     requests: Sequence[RolloutRequest],
     cfg: StepConfig,
     policy_version: int | None = None,
+    policy_namespace: str | None = None,
 ) -> Collected:
-    """Scored groups for ``requests``: one round of ``sampling.n`` each, or adaptive rounds (§4)."""
+    """Scored groups for ``requests``: one round of ``sampling.n`` each, or adaptive rounds (§4), at
+    ``policy_version`` of ``policy_namespace`` (a run's lineage) or, both None, each request's own."""
     t0 = time.perf_counter()
     sampled: list[Scored] = []
     adaptive = cfg.adaptive
@@ -202,7 +212,7 @@ async def collect(
             scored_group(
                 stages,
                 f"{key_prefix}.p{i}",
-                rollout_request(r, f"{key_prefix}.p{i}", r.sampling.n, policy_version),
+                rollout_request(r, f"{key_prefix}.p{i}", r.sampling.n, policy_version, 0, policy_namespace),
                 cfg,
             )
             for i, r in enumerate(requests)
@@ -222,7 +232,12 @@ async def collect(
                 stages,
                 f"{key_prefix}.p{i}.r{rnd}",
                 rollout_request(
-                    requests[i], f"{key_prefix}.p{i}.r{rnd}", adaptive.samples_per_round, policy_version, rnd
+                    requests[i],
+                    f"{key_prefix}.p{i}.r{rnd}",
+                    adaptive.samples_per_round,
+                    policy_version,
+                    rnd,
+                    policy_namespace,
                 ),
                 cfg,
             )
@@ -282,14 +297,16 @@ async def generate_step(
     draw: Callable[[int], Sequence[RolloutRequest]],
     batch_size: int,
     policy_version: int | None = None,
+    policy_namespace: str | None = None,
 ) -> Collected:
     """A step's scored groups: the prompts of ``draw(0)``, then with ``cfg.filter_groups`` further
     draws (up to ``cfg.filter_max_batches``: DAPO's re-sampling) until ``batch_size`` groups pass."""
-    collected = await collect(stages, key, draw(0), cfg, policy_version)
+    collected = await collect(stages, key, draw(0), cfg, policy_version, policy_namespace)
     draws = 1
     while draws < cfg.filter_max_batches and len(passing(collected, cfg)) < batch_size:
         collected = merge_collected(
-            collected, await collect(stages, f"{key}.b{draws}", draw(draws), cfg, policy_version)
+            collected,
+            await collect(stages, f"{key}.b{draws}", draw(draws), cfg, policy_version, policy_namespace),
         )
         draws += 1
     collected.counters["gen_batches"] = float(draws)
@@ -301,11 +318,14 @@ def trained_groups(collected: Collected, cfg: StepConfig, batch_size: int) -> li
     return passing(collected, cfg)[:batch_size]
 
 
-def train_batch(step: int, kept: Sequence[Scored], cfg: StepConfig) -> TrainBatch:
+def train_batch(
+    step: int, kept: Sequence[Scored], cfg: StepConfig, lineage: Lineage | None = None
+) -> TrainBatch:
     """The learner's batch of ``kept``. The adaptive-sampling threshold stays in the config and in
     each group's pool statistics (``n_positive``); no estimator reads it, so the batch does not carry it."""
     return TrainBatch(
         step=step,
+        lineage=lineage,
         groups=[g for g, _ in kept],
         rewards=[r for _, r in kept],
         estimator=cfg.estimator,  # type: ignore[arg-type]
@@ -320,11 +340,18 @@ class Trained:
     result: StepResult | None
 
 
-async def train(stages: Stages, key: str, step: int, kept: Sequence[Scored], cfg: StepConfig) -> Trained:
-    """Train ``kept``; an empty step trains nothing and the policy stays."""
+async def train(
+    stages: Stages,
+    key: str,
+    step: int,
+    kept: Sequence[Scored],
+    cfg: StepConfig,
+    lineage: Lineage | None = None,
+) -> Trained:
+    """Train ``kept`` (on ``lineage``: a run's); an empty step trains nothing and the policy stays."""
     if not kept:
         return Trained(None, None)
-    batch = train_batch(step, kept, cfg)
+    batch = train_batch(step, kept, cfg, lineage)
     return Trained(batch, await stages.train(key, batch))
 
 

@@ -35,7 +35,9 @@ def submission_problem(
         return exc.body()
     field = "policy_version" if hasattr(req, "policy_version") else "initial_policy_version"
     namespace = getattr(req, "policy_namespace", None)
-    match: PolicyMatch = "exact" if getattr(req, "policy_match", None) == "exact" else "at_least"
+    # a run's base is that version itself (the learner starts its lineage from its files)
+    exact = getattr(req, "policy_match", None) == "exact" or field == "initial_policy_version"
+    match: PolicyMatch = "exact" if exact else "at_least"
     problem = policy_version_problem(getattr(req, field), field, settings, namespace, match)
     if problem is not None:
         return problem

@@ -8,9 +8,9 @@ through it; it lives in launch/ because only the launcher may import every servi
 - score / match: the reward core (``reward_svc.core.score_group``, ``reward_svc.match``), math-verify in
   its isolated pool, started only when an item needs it (Countdown and arithmetic are exact);
 - cut / revised: the reflect core (``reflect_svc.revise``) with the engine's tokenizer;
-- train: one ``learner.train.Learner`` step, whose published version the engine loads at once (the
-  product's replicas catch up from the policy store; here the engine is the only replica, so a request's
-  policy version is always the one it serves).
+- train: one ``learner.train.Learner`` step; a batch without a lineage (a bench's) has its published
+  version loaded at once (the engine is the only replica), a run's lineage is loaded when its next
+  requests name it, from the policy store, as a replica catches up.
 """
 
 from __future__ import annotations
@@ -80,9 +80,19 @@ class InProcessStages:
     async def generate(self, key: str, request: RolloutRequest) -> Group:
         from rollout_svc.rollout import generate_group
 
-        # the engine serves the learner's newest version already (``train``): nothing to catch up to
-        local = request.model_copy(update={"policy_version": None, "policy_namespace": None})
-        return await generate_group(local, self.engine, self._tokenizer, self.settings)
+        # a request naming no version is a bench's step on the learner's own namespace, whose newest
+        # version the engine loaded at ``train``: named here, since a replica serves None as the base
+        # model (rollout_svc.rollout.serves). A run's request names its lineage's version, which the
+        # engine loads from the policy store like any replica (several runs share this engine).
+        if request.policy_version is None:
+            request = request.model_copy(
+                update={
+                    "policy_version": self.engine.policy_version,
+                    "policy_namespace": self.engine.policy_namespace,
+                    "policy_match": "exact",
+                }
+            )
+        return await generate_group(request, self.engine, self._tokenizer, self.settings)
 
     async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
         return self.scorer.score(group, spec)
@@ -108,6 +118,8 @@ class InProcessStages:
         if self.learner is None:
             raise RuntimeError("these stages have no learner")
         result: StepResult = self.learner.train_step(batch)
+        if batch.lineage is not None:  # the run's next requests name its version (``generate``)
+            return result
         if result.policy is not None and result.policy.version != self.engine.policy_version:
             self.engine.load_policy_sync(result.policy)
         return result

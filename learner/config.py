@@ -107,6 +107,13 @@ class LearnerSettings(BaseSettings):
         "engines without adapter support; the adapter is kept beside it for resume",
     )
     save_optimizer: bool = True
+    resident_runs: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="runs' lineages (and the learner's own) whose model and optimizer stay in memory; "
+        "another is loaded from the policy store when its batch comes (docs/operations.md)",
+    )
     keep_versions: int = Field(default=0, ge=0, description="> 0: prune older versions after publishing")
     drop_zero: bool = Field(default=True, description="leave zero-advantage samples out of the update")
     activation_checkpointing: bool = Field(

@@ -1,9 +1,13 @@
 """The train step: advantages -> recomputed log-probs -> loss -> AdamW step -> new policy version.
 
-One ``Learner`` owns the policy: it resumes from the newest version in the policy store (weights and
-optimizer state), trains one optimizer step per ``TrainBatch`` (micro-batched by a token budget,
-gradients accumulated), and publishes each new version (full safetensors, or a LoRA adapter) to the
-store. A batch whose step was already published (a redelivered task) returns the stored result.
+One ``Learner`` trains every run's lineage (docs/security.md "Runs' lineages"): a batch names its
+run's ``Lineage`` and the learner switches to that lineage's state (``Resident``: model, optimizer,
+newest record), held in memory for the ``resident_runs`` most recently trained and otherwise loaded
+from the policy store (its newest version: weights and optimizer state; or its base). It trains one
+optimizer step per ``TrainBatch`` (micro-batched by a token budget, gradients accumulated) and
+publishes the new version (full safetensors, or a LoRA adapter) into the lineage's namespace. A batch
+whose (lineage, step) was already published (a redelivered task) returns the stored result. A batch
+without a lineage trains the learner's own namespace (benches, direct callers of /v1/train_step).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import math
 import shutil
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +36,10 @@ from learner.estimators import TokenAdvantages
 from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
 from loom.architectures import attention_of, attn_implementation, lora_targets, resolve_dtype
-from loom.contracts.wire import LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
+from loom.contracts.wire import Lineage, LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
+from loom.runtime import MODEL_LOADS
 from loom.store import PolicyStore
+from loom.store.layout import REGISTERED
 from loom.vocab import outside_vocabulary
 from zoo.registry import resolve_model_path  # re-exported: bench/learner.py names it
 
@@ -72,43 +79,135 @@ def _load_causal_lm(path: Path, dtype: str = "float32", device: str = "cpu") -> 
     )
 
 
+@dataclass
+class Resident:
+    """One lineage's training state in memory: its store view, model, optimizer and newest record.
+    Every step publishes the weights and (``save_optimizer``) the optimizer state to the store, so a
+    state dropped from memory is rebuilt from there (``Learner._open``) as it was."""
+
+    store: PolicyStore
+    model: Any
+    optimizer: Any
+    token_budget: int
+    version: int
+    record: PolicyVersion | None
+    base_path: Path  # the checkpoint the lineage starts from (a LoRA adapter's base)
+    base_version: int = 0  # warmup counts the optimizer steps above it
+
+
 class Learner:
     def __init__(self, cfg: LearnerSettings, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
         # one process, or N ranks (learner/distributed.py): each trains its share, gradients summed,
         # rank 0 publishes; decided here once, the train step calls the same methods either way
         self.ranks = layout(ranks, cfg.sharding)
-        self.store = PolicyStore(cfg.store)
+        self.home = PolicyStore(cfg.store)  # the learner's own namespace (batches without a lineage)
         self.base_path = resolve_model_path(cfg.model)
         self.device = self.ranks.device(cfg.device)
-        latest = self.store.latest()
-        self.model = self._load(latest)
+        self._ref: Any = None
+        self._gathered: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        # the lineages held in memory, least recently trained first; the last is the one training
+        # (docs/operations.md "Runs on one learner")
+        self.resident: OrderedDict[str | None, Resident] = OrderedDict()
+        self.resident[None] = self._open(self.home, self.base_path, 0)
+
+    # the state of the lineage training now (``_switch``)
+    @property
+    def state(self) -> Resident:
+        return next(reversed(self.resident.values()))
+
+    @property
+    def model(self) -> Any:
+        return self.state.model
+
+    @property
+    def optimizer(self) -> Any:
+        return self.state.optimizer
+
+    @property
+    def store(self) -> PolicyStore:
+        return self.state.store
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def record(self) -> PolicyVersion | None:
+        return self.state.record
+
+    @property
+    def token_budget(self) -> int:
+        return self.state.token_budget
+
+    def _open(self, store: PolicyStore, base_path: Path, base_version: int) -> Resident:
+        """A lineage's state from the store: its newest version (weights, optimizer state), or its
+        base with a fresh optimizer when it has published none."""
+        cfg = self.cfg
+        latest = store.latest()
+        with MODEL_LOADS:  # one checkpoint at a time per process (loom.runtime)
+            model = self._load(latest, base_path)
         if cfg.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.torch_compile != "off":
-            compile_layers(self.model, cfg.torch_compile)
-        self.token_budget = micro_batch_budget(self.model, cfg, self.compute_dtype())
-        self.model.to(self.device)
-        self.model.train()
-        self.ranks.prepare(self.model, "bf16" if self.compute_dtype() is not None else "no")
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            compile_layers(model, cfg.torch_compile)
+        budget = micro_batch_budget(model, cfg, self.compute_dtype())
+        model.to(self.device)
+        model.train()
+        self.ranks.prepare(model, "bf16" if self.compute_dtype() is not None else "no")
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
             lr=LossSpec().lr,
             betas=cfg.betas,
             weight_decay=cfg.weight_decay,
         )
-        self.version = latest.version if latest else 0
-        self.record = latest
-        if latest is not None and (Path(latest.path) / OPTIMIZER_FILE).exists():
-            state = torch.load(
-                Path(latest.path) / OPTIMIZER_FILE, map_location=self.device, weights_only=True
-            )
-            self.ranks.load_optimizer(self.model, self.optimizer, state)
-        self._ref: Any = None
-        self._gathered: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        saved = None if latest is None else Path(latest.path) / OPTIMIZER_FILE
+        if saved is not None and saved.exists():
+            state = torch.load(saved, map_location=self.device, weights_only=True)
+            self.ranks.load_optimizer(model, optimizer, state)
         if latest is not None:
-            self.ranks.resume(self.model, self.optimizer, self.store.root, latest.version)
+            self.ranks.resume(model, optimizer, store.root, latest.version)
             log.info("learner resumed from policy version %d (%s)", latest.version, latest.path)
+        version = latest.version if latest is not None else base_version
+        return Resident(store, model, optimizer, budget, version, latest, base_path, base_version)
+
+    def _switch(self, lineage: Lineage | None) -> None:
+        """Make ``lineage`` (None: the learner's own namespace) the one training: its resident state,
+        or its state loaded from the store; the least recently trained beyond ``resident_runs`` leave
+        memory (their state is in the store: every step published it)."""
+        key = None if lineage is None else lineage.namespace
+        if key in self.resident:
+            self.resident.move_to_end(key)
+            return
+        base = (self.base_path, 0) if lineage is None else self._base_of(lineage)
+        # room first: the memory never holds more than ``resident_runs`` lineages, not even mid-switch
+        while len(self.resident) >= self.cfg.resident_runs:
+            self.resident.popitem(last=False)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        store = self.home if lineage is None else self.home.namespace(lineage.namespace)
+        try:
+            self.resident[key] = self._open(store, *base)
+        except Exception:
+            if not self.resident:  # the learner always holds one lineage: its own, again
+                self.resident[None] = self._open(self.home, self.base_path, 0)
+            raise
+
+    def _base_of(self, lineage: Lineage) -> tuple[Path, int]:
+        """The checkpoint ``lineage`` starts from and its version: the deployment's base model
+        (version 0), or a full version of the named namespace (the gateway checked that it is the
+        run's key's own: docs/security.md)."""
+        if lineage.base_version == 0:
+            return self.base_path, 0
+        view = self.home.namespace(lineage.base_namespace)
+        record = view.get(lineage.base_version)
+        if record is None:
+            raise ValueError(f"the base of lineage {lineage.namespace!r} is not in the policy store")
+        if record.kind != "full":
+            raise ValueError(f"the base of lineage {lineage.namespace!r} is a LoRA adapter, not a checkpoint")
+        if record.meta.get(REGISTERED):  # a registered path stays its trainer's: checked before loading
+            view.verify(record.version)
+        return view.source_of(record), record.version
 
     def segment_attention(self) -> bool:
         """Attention per trajectory in packed rows: the setting, or when unset everywhere but CUDA."""
@@ -132,13 +231,13 @@ class Learner:
         return torch.bfloat16 if mode == "bf16" or (mode == "auto" and self.device.type == "cuda") else None
 
     # ------------------------------------------------------------------ model I/O
-    def _load(self, latest: PolicyVersion | None) -> Any:
+    def _load(self, latest: PolicyVersion | None, base_path: Path) -> Any:
         if self.cfg.lora_rank > 0:
             try:
                 from peft import LoraConfig, PeftModel, get_peft_model
             except ImportError as exc:  # optional dependency
                 raise RuntimeError("lora_rank > 0 needs the 'peft' package (pip install peft)") from exc
-            base = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
+            base = _load_causal_lm(base_path, self.cfg.dtype, self.device.type)
             if latest is not None:
                 adapter = Path(latest.path) / ADAPTER_DIR if latest.kind == "full" else Path(latest.path)
                 return PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
@@ -153,13 +252,14 @@ class Learner:
                 task_type="CAUSAL_LM",
             )
             return get_peft_model(base, lcfg)
-        path = Path(latest.path) if latest is not None else self.base_path
+        path = Path(latest.path) if latest is not None else base_path
         return _load_causal_lm(path, self.cfg.dtype, self.device.type)
 
     def reference_model(self) -> Any:
         """pi_ref for the KL term: the base model, frozen (loaded on first use)."""
         if self._ref is None:
-            self._ref = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
+            with MODEL_LOADS:
+                self._ref = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
             self._ref = self._ref.to(self.device).eval()
             for p in self._ref.parameters():
                 p.requires_grad_(False)
@@ -170,6 +270,8 @@ class Learner:
         """One optimizer step per batch, read top to bottom: advantages, the passes (PPO's epochs:
         recompute log-probs, loss, backward, clip, AdamW), then the new version is published."""
         self.ranks.share_batch(batch)  # rank 0: the helper ranks train the same batch
+        self._switch(batch.lineage)
+        # a redelivery is a step this lineage has published already: (lineage, step), never the step alone
         if self.record is not None and self.record.meta.get("step") == batch.step:
             return self._replayed(batch, self.record)
         t0 = time.perf_counter()
@@ -181,7 +283,7 @@ class Learner:
         metrics = assigned.metrics()
         if not assigned.samples:
             return self._skipped(batch, metrics)
-        lr = warmup_lr(batch.loss.lr, batch.loss.warmup_steps, self.version)
+        lr = warmup_lr(batch.loss.lr, batch.loss.warmup_steps, self.version - self.state.base_version)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         passes = self._passes(assigned.samples, batch, metrics)
@@ -200,7 +302,8 @@ class Learner:
                 "trained_tokens_per_s": n_tokens / elapsed if elapsed > 0 else 0.0,
             }
         )
-        record = self.publish({"step": batch.step, "metrics": metrics, "n_tokens": n_tokens})
+        lineage = {} if batch.lineage is None else {"lineage": batch.lineage.model_dump(mode="json")}
+        record = self.publish({"step": batch.step, "metrics": metrics, "n_tokens": n_tokens, **lineage})
         return StepResult(
             step=batch.step, policy_version=record.version, metrics=metrics, n_tokens=n_tokens, policy=record
         )
@@ -339,14 +442,14 @@ class Learner:
             )
         finally:
             self._gathered = None
-        self.version, self.record = record.version, record
+        self.state.version, self.state.record = record.version, record
         return record
 
     def _publish(self, meta: dict[str, Any]) -> PolicyVersion:
         lora = self.cfg.lora_rank > 0 and not self.cfg.lora_merge
         kind: Literal["full", "lora"] = "lora" if lora else "full"
         record = self.store.publish(
-            self.version + 1, self._write, kind=kind, meta={"base": str(self.base_path), **meta}
+            self.version + 1, self._write, kind=kind, meta={"base": str(self.state.base_path), **meta}
         )
         if self.cfg.keep_versions > 0:
             self.store.prune(self.cfg.keep_versions)
@@ -356,7 +459,7 @@ class Learner:
         if self._gathered is not None:  # FSDP: the state dicts every rank gathered for rank 0
             model_sd, optim_sd = self._gathered
             self.model.save_pretrained(str(out), state_dict=model_sd, safe_serialization=True)
-            _copy_tokenizer(self.base_path, out)
+            _copy_tokenizer(self.state.base_path, out)
             if optim_sd is not None:
                 torch.save(optim_sd, out / OPTIMIZER_FILE)
             return
@@ -367,7 +470,7 @@ class Learner:
             del merged
         else:
             self.model.save_pretrained(str(out), safe_serialization=True)
-        _copy_tokenizer(self.base_path, out)
+        _copy_tokenizer(self.state.base_path, out)
         if self.cfg.save_optimizer:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
 

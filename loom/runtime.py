@@ -19,6 +19,12 @@ from loom.contracts.settings import Settings, get_settings
 _configured = False
 T = TypeVar("T")
 
+# transformers builds a model under process-wide patches (the meta device, skipped initialisation):
+# two checkpoints loading at once in one process can leave one of them with meta tensors ("Cannot
+# copy out of meta tensor"). A process that holds a learner and an engine (launch/inprocess.py, where
+# a run's train step loads its lineage while the engine loads another run's version) loads in turn.
+MODEL_LOADS = threading.Lock()
+
 
 def configure_process(settings: Settings | None = None) -> None:
     global _configured

@@ -117,9 +117,11 @@ def serves(
 ) -> bool:
     """Whether the policy ``engine`` holds answers a request for ``version`` of ``namespace``: that
     version (``match`` "exact") or a newer one of the same namespace; version 0, the base model every
-    engine starts from, belongs to every namespace."""
+    engine starts from, belongs to every namespace. No version is version 0, the deployment's base
+    model, exactly (never whatever the replica loaded last, which may be another key's:
+    docs/security.md "The base-model rule")."""
     if version is None:
-        return True
+        version, match = 0, "exact"
     if engine.policy_version != 0 and engine.policy_namespace != namespace:
         return False
     return engine.policy_version == version if match == "exact" else engine.policy_version >= version
@@ -163,8 +165,8 @@ async def holding_policy(
             gate.loading = True
             try:
                 await gate.changed.wait_for(lambda: gate.held == 0)
-                if version is not None and not serves(engine, version, namespace, match):
-                    await _load(engine, version, namespace, match, settings)
+                if not serves(engine, version, namespace, match):  # None: the base (``serves``)
+                    await _load(engine, version or 0, namespace, match, settings)
             finally:
                 gate.loading = False
                 gate.changed.notify_all()

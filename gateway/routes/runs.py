@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from gateway.datasets import DatasetError, load_dataset, open_owned, owner_admit, store_jsonl
-from gateway.models import MAX_VERSION, Created, RunRequest, RunView, TaskItem
+from gateway.models import MAX_VERSION, Created, RunRequest, RunView, TaskItem, lineage_of
 from gateway.quotas import QuotaExceeded, run_cost, too_long
 from gateway.routes.datasets import invalid_dataset
 from gateway.routes.deps import (
@@ -81,9 +81,29 @@ async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
 
 @router.get("/{run_id}", response_model=RunView, responses=NOT_FOUND)
 async def get_run(run_id: str, request: Request, gw: GatewayDep) -> RunView:
+    """The run, its lineage (its own namespace, its base) and the versions it has published."""
     row = owned(gw.state.runs.get(run_id), request, "run", run_id)
-    last = gw.state.runs.steps(run_id, row.completed_steps - 2)
-    return view(RunView, row, last_metrics=finite_metrics(last[-1] if last else {}))
+    steps = await asyncio.to_thread(gw.state.runs.steps, run_id)
+    lineage = lineage_of(run_id, RunRequest.model_validate(row.config))
+    # the versions its steps published (a skipped update publishes none), in its own namespace
+    versions = sorted({int(m["policy_version"]) for m in steps} - {lineage.base_version})
+    last = steps[-1:]
+    metrics = finite_metrics(last[-1] if last else {})
+    return view(RunView, row, last_metrics=metrics, lineage=lineage, versions=versions)
+
+
+@router.get("/{run_id}/samples", responses=NOT_FOUND)
+async def run_samples(
+    run_id: str,
+    request: Request,
+    gw: GatewayDep,
+    step: int | None = Query(None, ge=0, le=MAX_VERSION),
+    after: int = Query(-1, ge=-1, le=MAX_VERSION),
+) -> list[dict[str, Any]]:
+    """The scored groups the run stored (a few per step, as the run page shows them): one step's
+    (``step``) or every step's after ``after``; each ``{step, idx, group_id, group, rewards}``."""
+    owned(gw.state.runs.get(run_id), request, "run", run_id)
+    return await asyncio.to_thread(gw.state.runs.samples, run_id, step, after)
 
 
 @router.get("/{run_id}/metrics", responses=NOT_FOUND)

@@ -30,6 +30,21 @@ SHA256_RE = re.compile(r"[0-9a-f]{64}")
 LEARNER_NAMESPACE = "loom"  # how PolicyRef and the docs name the learner's own versions (None in code)
 
 
+RUN_PREFIX = "run-"  # a run's lineage: the namespace named after its id (gateway run ids start so)
+
+
+def run_namespace(run_id: str) -> str:
+    """The namespace a run trains in: its id, which starts with ``RUN_PREFIX``; key names cannot
+    (gateway/keys.py), so a run's lineage is never a key's namespace."""
+    if not run_id.startswith(RUN_PREFIX) or NAMESPACE_RE.fullmatch(run_id) is None:
+        raise ValueError(f"{run_id!r} is not a run id")
+    return run_id
+
+
+def is_run_namespace(name: str | None) -> bool:
+    return name is not None and name.startswith(RUN_PREFIX) and NAMESPACE_RE.fullmatch(name) is not None
+
+
 def is_namespace(name: str | None) -> bool:
     """A trainer's namespace name (a key's name): letters, digits and ``_.-``, not "loom"."""
     return name is not None and name != LEARNER_NAMESPACE and NAMESPACE_RE.fullmatch(name) is not None

@@ -332,7 +332,8 @@ class RolloutRequest(Contract):
         default=None,
         ge=0,
         description="generate with this policy version or a newer one; an engine holding an older "
-        "version loads it from the policy store first (how every replica catches up)",
+        "version loads it from the policy store first (how every replica catches up); None: the "
+        "deployment's base model (version 0), never whatever the engine holds",
     )
     policy_namespace: str | None = Field(
         default=None,
@@ -446,8 +447,39 @@ class LossSpec(Contract):
     tis_cap: float = Field(default=2.0, gt=0.0, le=1e4, description="C, the TIS truncation cap")
 
 
+class Lineage(Contract):
+    """The policy lineage a run trains (docs/security.md "Runs' lineages"): its own namespace, and the
+    version it starts from. The run's versions continue its base's numbering in the run's namespace:
+    ``base_version`` is the base itself, every later version the run's own (``at``)."""
+
+    namespace: str = Field(
+        pattern=r"^run-[A-Za-z0-9_.-]{1,60}$",
+        description="the run's namespace (its id: loom.contracts.policies.run_namespace); a key's name "
+        "never starts with 'run-', so no key publishes into a run's lineage",
+    )
+    base_namespace: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="the namespace of the base: None, the deployment's (version 0: its base model); "
+        "else the run's key's own published versions",
+    )
+    base_version: int = Field(default=0, ge=0, le=2**31)
+
+    def at(self, version: int) -> tuple[str | None, int]:
+        """(namespace, version) of the lineage's ``version``: the base at ``base_version``, the run's
+        own namespace above it."""
+        if version < self.base_version:
+            raise ValueError(f"version {version} is below the lineage's base {self.base_version}")
+        return (self.base_namespace, version) if version == self.base_version else (self.namespace, version)
+
+
 class TrainBatch(Contract):
     step: int = Field(ge=0)
+    lineage: Lineage | None = Field(
+        default=None,
+        description="the run this batch trains: the learner trains (and detects a redelivery) per "
+        "lineage; None: the learner's own namespace (benches, direct callers of /v1/train_step)",
+    )
     groups: list[Group] = Field(min_length=1)
     rewards: list[RewardResult] = Field(min_length=1)
     estimator: Estimator = "grpo"

@@ -51,6 +51,12 @@ def test_keys_are_stored_as_hashes_and_checked_in_constant_time() -> None:
         parse_keys("bad:1234")
 
 
+def test_a_key_cannot_be_named_like_a_runs_lineage() -> None:
+    """Runs train in namespaces named ``run-<id>`` (docs/security.md): no key may publish there."""
+    with pytest.raises(ValueError, match="run-"):
+        parse_keys(f"run-0123456789abcdef:{'0' * 64}")
+
+
 def test_keys_cli_prints_a_key_once_and_its_entry(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["new", "alice"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -284,3 +290,11 @@ def test_a_policy_version_no_replica_could_load_is_422_at_submission(tmp_path: P
         r = submit("v3", 3)
         assert r.status_code == 422 and "the newest is 2" in r.json()["detail"][0]["msg"]
         assert run(2).status_code == 201 and run(3).status_code == 422
+        # a run's base in another key's namespace is answered as a missing version
+        store.namespace("someone").publish(2, lambda d: (d / "weights").write_text("w"))
+        body = {"dataset": {"builtin": "arith", "size": 4}, "initial_policy_version": 2}
+        r = client.post("/v1/runs", json={**body, "policy_namespace": "someone"}, headers=auth(RUNS_KEY))
+        assert r.status_code == 422 and r.json()["detail"][0]["type"] == "unknown_policy_version"
+        store.namespace("runner").publish(2, lambda d: (d / "weights").write_text("w"))  # RUNS_KEY's own
+        r = client.post("/v1/runs", json={**body, "policy_namespace": "runner"}, headers=auth(RUNS_KEY))
+        assert r.status_code == 201, r.text

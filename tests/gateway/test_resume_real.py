@@ -70,8 +70,12 @@ def test_killed_gateway_resumes_a_run_of_real_services(
     trained = trained_steps(metrics)
     assert trained, "no step trained: the test would show nothing"
     assert view["policy_version"] == metrics[-1]["policy_version"] == len(trained)
-    # the learner published exactly one version per trained step, each for a distinct step
-    store = PolicyStore(tmp_path / "loom-data" / "policy")
+    # the learner published exactly one version per trained step, each for a distinct step, all in
+    # the run's own lineage (docs/security.md "Runs' lineages")
+    assert view["lineage"]["namespace"] == run_id and view["versions"] == list(range(1, len(trained) + 1))
+    root = PolicyStore(tmp_path / "loom-data" / "policy")
+    assert root.versions() == []
+    store = root.namespace(run_id)
     assert store.versions() == list(range(1, len(trained) + 1))
     published = [store.get(v) for v in store.versions()]
     assert [p.meta["step"] for p in published if p is not None] == trained

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from learner.assign import assign_batch
 from learner.config import LearnerSettings
 from learner.train import OPTIMIZER_FILE, Learner
-from loom.contracts.wire import LossSpec, RewardResult, TrainBatch, TrajectoryReward
+from loom.contracts.wire import Lineage, LossSpec, RewardResult, TrainBatch, TrajectoryReward
 from loom.store import PolicyStore
 
 
@@ -190,3 +190,73 @@ def test_lora_with_fsdp_sharding_is_refused_with_its_reason(model_dir, tmp_path)
         LearnerSettings(model=model_dir, store=tmp_path, mixed_precision="fp16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sharding\n  Input should be 'replicate' or 'fsdp'"):
         LearnerSettings(model=model_dir, store=tmp_path, sharding="ddp")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("resident", [1, 3])
+def test_runs_train_their_own_lineages_each_as_if_alone(model_dir, tmp_path, batch_parts, resident):
+    """Two runs' steps interleaved on one learner train each run's own policy, step for step as the
+    run alone would (the same step numbers are no redelivery of each other); ``resident=1`` switches
+    through the store every step. A redelivery is per (lineage, step)."""
+    runs = {"run-a": (1, 2), "run-b": (3, 4)}
+
+    def batch(run: str, step: int) -> TrainBatch:
+        groups, rewards = batch_parts(seed=runs[run][step])
+        return TrainBatch(step=step, lineage=Lineage(namespace=run), groups=groups, rewards=rewards)
+
+    keys = ("loss", "grad_norm", "samples")
+    solo = {}
+    for run in runs:
+        alone = Learner(LearnerSettings(model=model_dir, store=tmp_path / run))
+        solo[run] = [alone.train_step(batch(run, k)) for k in (0, 1)]
+    shared = Learner(LearnerSettings(model=model_dir, store=tmp_path / "shared", resident_runs=resident))
+    got: dict[str, list] = {run: [] for run in runs}
+    for step in (0, 1):
+        for run in runs:
+            got[run].append(shared.train_step(batch(run, step)))
+    store = PolicyStore(tmp_path / "shared")
+    assert store.versions() == []  # nothing trains the learner's own namespace
+    for run in runs:
+        for mine, alone in zip(got[run], solo[run], strict=True):
+            assert "replayed" not in mine.metrics
+            assert mine.policy is not None and mine.policy.namespace == run
+            assert mine.policy_version == alone.policy_version and mine.n_tokens == alone.n_tokens
+            for k in keys:
+                assert mine.metrics[k] == pytest.approx(alone.metrics[k], rel=1e-5, abs=1e-6), (run, k)
+        assert store.namespace(run).versions() == [1, 2]
+        mine_w = AutoModelForCausalLM.from_pretrained(store.namespace(run).path_of(2))
+        alone_w = AutoModelForCausalLM.from_pretrained(PolicyStore(tmp_path / run).namespace(run).path_of(2))
+        assert _same(_state(mine_w), _state(alone_w), atol=1e-5)
+    again = shared.train_step(batch("run-a", 1))
+    assert again.metrics["replayed"] == 1.0 and again.policy_version == 2
+    assert again.policy is not None and again.policy.namespace == "run-a"
+
+
+def test_a_run_from_a_keys_version_continues_its_numbering_in_the_runs_namespace(
+    model_dir, tmp_path, batch_parts
+):
+    """A run's base is one of its key's published versions: its first step trains from those weights
+    (as a learner whose model is that checkpoint) and publishes the next number in the run's own
+    namespace; the key's namespace is left as it was."""
+    import shutil
+
+    store = PolicyStore(tmp_path / "store")
+    alice = store.namespace("alice")
+    alice.publish(3, lambda d: shutil.copytree(model_dir, d, dirs_exist_ok=True))
+    groups, rewards = batch_parts(seed=7)
+    lineage = Lineage(namespace="run-x", base_namespace="alice", base_version=3)
+    spec = LossSpec(warmup_steps=4)
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)  # the deployment's base model: other weights than alice's version
+    LlamaForCausalLM(AutoConfig.from_pretrained(model_dir)).save_pretrained(tmp_path / "deployed")
+    learner = Learner(LearnerSettings(model=tmp_path / "deployed", store=tmp_path / "store"))
+    got = learner.train_step(TrainBatch(step=0, lineage=lineage, groups=groups, rewards=rewards, loss=spec))
+    assert got.policy_version == 4 and got.policy is not None and got.policy.namespace == "run-x"
+    assert alice.versions() == [3] and store.namespace("run-x").versions() == [4]
+    assert lineage.at(3) == ("alice", 3) and lineage.at(4) == ("run-x", 4)
+    # the same step from that checkpoint alone: its first warmup step, the same update
+    alone = Learner(LearnerSettings(model=model_dir, store=tmp_path / "alone"))
+    ref = alone.train_step(TrainBatch(step=0, groups=groups, rewards=rewards, loss=spec))
+    assert got.metrics["lr"] == ref.metrics["lr"] == spec.lr / 4
+    assert got.metrics["loss"] == pytest.approx(ref.metrics["loss"], rel=1e-5, abs=1e-6)
+    assert _same(_state(learner.model), _state(alone.model), atol=1e-6)

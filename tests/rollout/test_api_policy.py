@@ -96,15 +96,38 @@ def test_policy_route_loads_a_store_version_and_trajectories_carry_it(
     c, engine = client
     r = c.post("/v1/policy", json={"version": 1})
     assert r.status_code == 200 and r.json()["policy_version"] == 1
-    g = Group.model_validate(
-        c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 6}}).json()
-    )
+    body = {"prompt": "hi", "sampling": {"max_tokens": 6}, "policy_version": 1}
+    g = Group.model_validate(c.post("/v1/rollouts", json=body).json())
     (t,) = g.trajectories
     assert t.policy_version == 1
     new_model = load_model(store.path_of(1))
     ref = teacher_forced_logprobs(new_model, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
     assert t.logprobs == pytest.approx(ref, abs=1e-4)
     assert c.post("/v1/policy", json={"version": 7}).status_code == 404
+
+
+def test_a_request_without_a_version_gets_the_base_model_not_what_the_replica_holds(
+    client: Any, store: PolicyStore, tmp_path: Path
+) -> None:
+    """The replica last served another key's private version; a request naming no version is served
+    the deployment's base model (version 0), its trajectories labelled so (docs/security.md)."""
+    c, engine = client
+    from rollout_svc.api import app
+
+    # version 0 is the deployment's model (LOOM_MODEL): here the engine's own
+    app.state.settings = app.state.settings.model_copy(update={"model": str(engine.model_path)})
+    alice = store.namespace("alice")
+    alice.publish(1, lambda d: build_model_dir(d, seed=1))
+    body = {"prompt": "hi", "sampling": {"max_tokens": 6, "seed": 3}}
+    private = {**body, "policy_version": 1, "policy_namespace": "alice", "policy_match": "exact"}
+    r = c.post("/v1/rollouts", json=private)
+    assert r.status_code == 200, r.text
+    assert engine.policy_namespace == "alice" and engine.policy_version == 1
+    (t,) = Group.model_validate(c.post("/v1/rollouts", json=body).json()).trajectories
+    assert (t.policy_namespace, t.policy_version) == (None, 0)
+    base = load_model(Path(engine.model_path))
+    ref = teacher_forced_logprobs(base, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
+    assert t.logprobs == pytest.approx(ref, abs=1e-4)
 
 
 def test_vllm_client_publishes_a_policy_to_loom_engine(
@@ -251,7 +274,7 @@ def test_a_policy_path_outside_the_store_is_refused_and_a_bad_version_is_422(
     r = c.post("/v1/policy", json={"version": 2})
     assert r.status_code == 422 and r.json()["error"] == "load_failed", r.text
     assert "config" not in r.text and str(store.root) not in r.text
-    r = c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 2}})
+    r = c.post("/v1/rollouts", json={"prompt": "hi", "sampling": {"max_tokens": 2}, "policy_version": 1})
     assert r.status_code == 200  # the engine still serves its model
 
 

@@ -140,3 +140,23 @@ def test_a_runs_steps_and_samples_reach_the_page(client: TestClient, tmp_path: P
     page = client.get(f"/ui/runs/{run_id}").text
     assert "Samples of step 1" in page and "Compute 1+1." in page and 'data-trajectory="g1/1"' in page
     assert "Compute 0+1." in client.get(f"/ui/runs/{run_id}?step=0").text
+
+
+def test_a_runs_answer_names_its_lineage_and_its_samples_are_read_through_the_api(
+    client: TestClient,
+) -> None:
+    """``GET /v1/runs/{id}``: the run's own namespace, its base and the versions it published;
+    ``GET /v1/runs/{id}/samples``: the scored groups the run page shows, for the run's key only."""
+    run_id = client.post("/v1/runs", json=RUN, headers=auth(RUNS_KEY)).json()["id"]
+    state = client.app.state.gateway_state  # type: ignore[attr-defined]
+    for step in range(2):
+        state.runs.add_samples(run_id, step, [scored(step)])
+        assert state.runs.complete_step(run_id, step, {"step": step, "policy_version": step + 1}, step + 1, 1)
+    run = client.get(f"/v1/runs/{run_id}", headers=auth(RUNS_KEY)).json()
+    assert run["lineage"] == {"namespace": run_id, "base_namespace": None, "base_version": 0}
+    assert run["versions"] == [1, 2] and run["policy_version"] == 2
+    samples = client.get(f"/v1/runs/{run_id}/samples", headers=auth(RUNS_KEY)).json()
+    assert [(s["step"], s["group_id"]) for s in samples] == [(0, "g0"), (1, "g1")]
+    one = client.get(f"/v1/runs/{run_id}/samples", params={"step": 1}, headers=auth(RUNS_KEY)).json()
+    assert [Group.model_validate(s["group"]).id for s in one] == ["g1"]
+    assert client.get(f"/v1/runs/{run_id}/samples", headers=auth(ADMIN_KEY)).status_code == 404

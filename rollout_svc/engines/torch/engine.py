@@ -41,6 +41,7 @@ import torch
 from loom.architectures import UnsupportedModel, resolve_dtype
 from loom.contracts.wire import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from loom.layout import group_positions
+from loom.runtime import MODEL_LOADS
 from loom.store.checks import Bounds, CheckpointRefused, check_checkpoint
 from loom.store.publish import PublishLimits
 from rollout_svc.engines.base import (
@@ -257,10 +258,11 @@ class TorchEngine(Engine):
                 folder = Path(policy.path)
                 weights = [p.name for p in folder.glob("*.safetensors")]
                 check_checkpoint(folder, weights, policy.kind, self._bounds())
-                if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
-                    model = load_adapter(policy.path, self.model_path, self.device)
-                else:
-                    model = load_model(policy.path, self.device)
+                with MODEL_LOADS:  # one checkpoint at a time per process (loom.runtime)
+                    if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
+                        model = load_adapter(policy.path, self.model_path, self.device)
+                    else:
+                        model = load_model(policy.path, self.device)
                 model = model.to(getattr(torch, self.dtype))  # published in float32: the engine's dtype
                 attention = check_model(model)
                 if attention != self.attention:  # the capabilities and the decode masks are the base's
