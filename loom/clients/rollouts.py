@@ -39,6 +39,7 @@ import httpx
 from loom.clients.base import Closing, EventLines, LoomHTTPError, response_body
 from loom.clients.gateway import GatewayClient
 from loom.contracts.estimators import TREERL_REWARD_KEY
+from loom.contracts.jobs import ScoredGroup
 from loom.contracts.modes import ModeLimits, ModeParams, _Context, parse_mode_params
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import (
@@ -101,16 +102,17 @@ class RolloutGroup:
     node_values: dict[str, float] | None = None
 
     @classmethod
-    def from_event(cls, payload: Mapping[str, Any]) -> RolloutGroup:
-        """A ``ScoredGroup`` (gateway/models.py) as the gateway stores and streams it."""
-        group = None if payload.get("group") is None else Group.model_validate(payload["group"])
-        rewards = None if payload.get("rewards") is None else RewardResult.model_validate(payload["rewards"])
+    def from_event(cls, payload: ScoredGroup | Mapping[str, Any]) -> RolloutGroup:
+        """A ``ScoredGroup`` (loom/contracts/jobs.py) as the gateway stores and streams it, parsed
+        with the gateway's own model."""
+        scored = payload if isinstance(payload, ScoredGroup) else ScoredGroup.model_validate(payload)
+        group, rewards = scored.group, scored.rewards
         if group is None:
-            return cls(int(payload["index"]), None, rewards, [])
+            return cls(scored.index, None, rewards, [])
         by_id = {r.trajectory_id: r for r in rewards.rewards} if rewards is not None else {}
         advantages, values = tree_advantages(group, by_id) if group.tree else ({}, None)
         samples = [_sample(t, by_id.get(t.id), advantages.get(t.id)) for t in group.trajectories]
-        return cls(int(payload["index"]), group, rewards, samples, values)
+        return cls(scored.index, group, rewards, samples, values)
 
 
 def _sample(t: Trajectory, r: TrajectoryReward | None, advantages: list[float] | None) -> RolloutSample:
