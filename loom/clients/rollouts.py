@@ -214,17 +214,15 @@ def job_body(
 ) -> dict[str, Any]:
     """The ``JobRequest`` body (gateway/models.py) of one call. ``prompts``: texts, or task dicts
     ``{"prompt", "label", "task", "mode_params"}`` (per-item mode parameters, e.g. streaming's
-    sentences, merged over ``mode_params``). The mode parameters of every item are checked here with
-    the mode's model (``loom.contracts.modes``): a bad one is a ``ModeError`` naming it before any
-    job exists. The policy fields are sent only when given."""
+    sentences, merged over ``mode_params``). The mode parameters are parsed once, by the gateway at
+    submission: a bad one is a 422 naming it (``LoomHTTPError``) before any job exists
+    (docs/architecture.md, "Contracts"). The policy fields are sent only when given."""
     samp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
     common = _params_dict(mode_params)
     tasks: list[dict[str, Any]] = []
     for p in prompts:
         item: dict[str, Any] = {"prompt": p} if isinstance(p, str) else dict(p)
-        params = {**common, **dict(item.get("mode_params") or {})}
-        parse_mode_params(_probe(mode, samp, params))
-        item["mode_params"] = params
+        item["mode_params"] = {**common, **dict(item.get("mode_params") or {})}
         tasks.append({k: v for k, v in item.items() if v is not None and v != {}})
     body: dict[str, Any] = {
         "job_key": job_key or f"rollouts-{uuid.uuid4().hex}",
@@ -247,8 +245,14 @@ def job_body(
     return body
 
 
-def _probe(mode: Mode, sampling: SamplingParams, params: dict[str, Any]) -> RolloutRequest:
-    return RolloutRequest(mode=mode, prompt="x", sampling=sampling, mode_params=params)
+def check_mode_params(
+    mode: Mode, params: ModeParams | Mapping[str, Any] | None, item: Mapping[str, Any]
+) -> None:
+    """A trainer adapter's configuration checked once, when it is built (``ModeError`` naming the
+    parameter), so a bad setting fails before the first rollout; ``item``: the per-item parameters
+    a real prompt would bring (streaming's sentences). Each request's own parse is the gateway's."""
+    merged = {**_params_dict(params), **item}
+    parse_mode_params(RolloutRequest(mode=mode, prompt="x", mode_params=merged))
 
 
 def _params_dict(params: ModeParams | Mapping[str, Any] | None) -> dict[str, Any]:

@@ -361,6 +361,12 @@ class RolloutRequest(PolicyAt):
     label: str | None = None
     task: TaskKind | None = None
     mode_params: Params = Field(default_factory=dict)
+    mode_params_resolved: bool = Field(
+        default=False,
+        description="mode_params is the gateway's resolved form (loom.contracts.modes.resolved_form: "
+        "every field, checked and defaults filled at submission), which the rollout worker takes "
+        "without parsing again; the public /v1/rollouts parses whatever it is sent",
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
