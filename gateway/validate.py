@@ -22,7 +22,7 @@ from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params, resol
 from loom.contracts.policies import PolicyMatch, is_namespace
 from loom.contracts.rewards import RequestError, check_spec
 from loom.contracts.settings import Settings
-from loom.contracts.wire import Params, PolicyVersion, SamplingParams
+from loom.contracts.wire import Params, PolicyVersion
 from loom.store import PolicyStoreError, open_policy_store
 
 MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in dataset's items differ
@@ -57,7 +57,7 @@ def check_submission(
         return Checked(problem, req)
     job = isinstance(req, JobRequest)
     limits = ModeLimits.from_settings(settings)
-    sampling = generated_sampling(req)
+    sampling = req.generated_sampling()
     resolved: dict[str, Params] = {}
     for i, item in enumerate(items):
         request = to_request(item, req).model_copy(update={"sampling": sampling})
@@ -86,14 +86,6 @@ def check_submission(
         for item in items
     ]
     return Checked(None, req.model_copy(update={"prompts": None, "tasks": tasks, "mode_params": {}}))
-
-
-def generated_sampling(req: Any) -> SamplingParams:
-    """The sampling the rollout worker sees for ``req``'s prompts, which the mode's request defaults
-    follow: adaptive rounds generate ``samples_per_round`` responses a request (gateway/step.py)."""
-    if req.adaptive is None:
-        return req.sampling  # type: ignore[no-any-return]
-    return req.sampling.model_copy(update={"n": req.adaptive.samples_per_round})  # type: ignore[no-any-return]
 
 
 def policy_version_problem(

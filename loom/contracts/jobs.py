@@ -67,6 +67,14 @@ class Generation(Contract):
         "is /v1/reflect's own)",
     )
 
+    def generated_sampling(self) -> SamplingParams:
+        """The sampling each of its rollout requests is generated with, which a mode's request
+        defaults follow: adaptive rounds generate ``samples_per_round`` responses a request
+        (gateway/step.py, docs/algorithms.md §4)."""
+        if self.adaptive is None:
+            return self.sampling
+        return self.sampling.model_copy(update={"n": self.adaptive.samples_per_round})
+
 
 class TaskItem(Contract):
     prompt: str = Field(min_length=1, max_length=100_000)

@@ -295,6 +295,17 @@ def resolved_form(params: ModeParams) -> dict[str, Any]:
     return params.model_dump(mode="json")
 
 
+def resolved_request(
+    request: RolloutRequest, limits: ModeLimits | None = None, sampling: SamplingParams | None = None
+) -> RolloutRequest:
+    """``request`` with its mode params parsed (``ModeError`` naming a bad one) and carried in their
+    resolved form; ``sampling``: the one the worker will generate with when it is not the request's
+    own (adaptive rounds), which the request-dependent defaults follow."""
+    probe = request if sampling is None else request.model_copy(update={"sampling": sampling})
+    form = resolved_form(parse_mode_params(probe, limits))
+    return request.model_copy(update={"mode_params": form, "mode_params_resolved": True})
+
+
 def mode_params_of(request: RolloutRequest, limits: ModeLimits | None = None) -> ModeParams:
     """``request``'s mode params as its mode's model: rebuilt from the gateway's resolved form when
     ``request.mode_params_resolved`` (checked there with the deployment's limits), else parsed

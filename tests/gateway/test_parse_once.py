@@ -21,7 +21,7 @@ from loom.clients.rollouts import RolloutGroup, job_body
 from loom.contracts import modes
 from loom.contracts.settings import Settings
 from loom.contracts.wire import RolloutRequest
-from tests.gateway.helpers import JOBS_KEY, auth
+from tests.gateway.helpers import JOBS_KEY, RUNS_KEY, auth
 from tests.gateway.test_api import make_client
 
 
@@ -115,3 +115,31 @@ def test_a_direct_rollout_request_is_parsed_by_the_rollout_service(
     assert bad.status_code == 422 and "mode_params.branches must be in [0, 64]" in bad.text
     assert good.status_code == 200 and good.json()["tree"], good.text
     assert parses == ["tree", "tree"]
+
+
+def test_a_runs_rollout_requests_are_parsed_once_each_at_the_gateway(
+    tmp_path: Path, stages: InProcessStages, parses: list[str]
+) -> None:
+    """A run's items enter at the gateway: its loop parses each step's requests there, and the
+    rollout core takes them without a second parse (the submission's check is the run's own)."""
+    from gateway.runs import RunLoop
+    from gateway.trackers import Trackers
+
+    tree = {"strategy": "random", "branches": 1, "continuations": 1, "initial": 2, "min_distance": 2}
+    body = {
+        "dataset": {"builtin": "arith", "size": 4},
+        "mode": "tree",
+        "mode_params": tree,
+        "sampling": {"n": 2, "max_tokens": 8},
+        "schedule": {"steps": 1, "batch_size": 2},
+    }
+    with make_client(tmp_path) as client:
+        r = client.post("/v1/runs", json=body, headers=auth(RUNS_KEY))
+        assert r.status_code == 201, r.text
+        state = client.app.state.gateway.state  # type: ignore[attr-defined]
+        assert parses == ["tree"]  # the submission's check
+        parses.clear()
+        loop = RunLoop(r.json()["id"], state, stages, tmp_path, trackers=Trackers([]))
+        gen = asyncio.run(loop.generate(0, 2, 0))
+    assert len(gen.collected.groups) == 2 and all(g is not None and g[0].tree for g in gen.collected.groups)
+    assert parses == ["tree", "tree"]  # one per rollout request, none in the rollout core
