@@ -21,37 +21,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from typing import Generic, TypeVar
 
-from pydantic import Field, model_validator
+from loom.contracts.jobs import AdaptiveParams, ExitRule, FillOrder
+from loom.contracts.wire import Group, PoolStats, RewardResult, Trajectory, TrajectoryReward
 
-from loom.contracts.wire import Contract, Group, PoolStats, RewardResult, Trajectory, TrajectoryReward
-
-ExitRule = Literal["positive", "balanced"]
-FillOrder = Literal["first", "random"]
+__all__ = ["AdaptiveParams", "ExitRule", "FillOrder"]  # the contract's, re-exported for the rounds' callers
 T = TypeVar("T")
-
-
-class AdaptiveParams(Contract):
-    """Reinforce-Ada's hyper-parameters with docs/algorithms.md §4 defaults, written once: the run's
-    and the job's ``adaptive`` field (gateway/models.py) and the rounds below read this one model."""
-
-    n: int = Field(default=4, ge=1, le=256, description="update group size (kept responses per prompt)")
-    samples_per_round: int = Field(default=8, ge=1, le=256, description="M")
-    max_rounds: int = Field(default=4, ge=1, le=32, description="R")
-    threshold: float = Field(default=0.7, ge=-1e6, le=1e6, description="positive iff reward > threshold")
-    exit: ExitRule = "balanced"
-    fill: FillOrder = "first"
-    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="the random fill's seed")
-
-    @model_validator(mode="after")
-    def _can_fill(self) -> AdaptiveParams:
-        if self.samples_per_round * self.max_rounds < self.n:
-            raise ValueError(
-                f"samples_per_round * max_rounds = {self.samples_per_round * self.max_rounds} can never "
-                f"fill an update group of n = {self.n}"
-            )
-        return self
 
 
 AdaptiveConfig = AdaptiveParams  # the name the benches use (bench/adaptive.py)

@@ -42,10 +42,10 @@ def job_error(exc: BaseException, req: JobRequest, job_id: str) -> str:
 
 
 def at_policy(request: RolloutRequest, req: JobRequest) -> RolloutRequest:
-    """``request`` at the job's policy namespace and match (the version is ``collect``'s)."""
-    return request.model_copy(
-        update={"policy_namespace": req.policy_namespace, "policy_match": req.policy_match}
-    )
+    """``request`` at the job's policy namespace and match (the version is ``collect``'s), its mode
+    parameters the resolved form the submission stored (gateway/validate.py)."""
+    at = {"policy_namespace": req.policy_namespace, "policy_match": req.policy_match}
+    return request.model_copy(update={**at, "mode_params_resolved": True})
 
 
 async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: int = 8) -> str:

@@ -9,74 +9,34 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from gateway.adaptive import AdaptiveParams
 from loom.batching import TOTAL as TOTAL_REWARD
 from loom.contracts.estimators import check_estimator_params
+from loom.contracts.jobs import Generation, JobStatus, JobView, ScoredGroup, TaskItem
 from loom.contracts.policies import run_namespace
 from loom.contracts.wire import (
+    MAX_VERSION,
     Contract,
     Estimator,
-    Group,
     Lineage,
     LossSpec,
-    Mode,
     Params,
-    ReflectParams,
-    RewardResult,
-    RewardSpec,
+    PolicyAt,
     SamplingParams,
     TaskKind,
 )
 
 DATASET_ID = re.compile(r"ds-[0-9a-f]{24}")  # a stored dataset (gateway/datasets.py)
-MAX_VERSION = 2**53  # policy versions and step numbers: exact in JSON and in SQLite's 64-bit integers
+__all__ = ["MAX_VERSION", "JobStatus", "JobView", "ScoredGroup", "TaskItem"]  # the contracts', re-exported
 
-JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 RunStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
-class TaskItem(Contract):
-    prompt: str = Field(min_length=1, max_length=100_000)
-    label: str | None = None
-    task: TaskKind | None = None
-    mode_params: Params = Field(
-        default_factory=dict, description="per-item mode parameters (e.g. streaming sentences)"
-    )
-
-
-class JobRequest(Contract):
+class JobRequest(Generation, PolicyAt):
     job_key: str = Field(min_length=1, max_length=200, description="client idempotency key")
     prompts: list[Annotated[str, Field(min_length=1, max_length=100_000)]] | None = Field(
         default=None, max_length=4096
     )
     tasks: list[TaskItem] | None = Field(default=None, max_length=4096)
-    mode: Mode = "plain"
-    mode_params: Params = Field(default_factory=dict)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
-    reward: RewardSpec = Field(default_factory=RewardSpec)
-    adaptive: AdaptiveParams | None = None
-    policy_version: int | None = Field(
-        default=None,
-        ge=0,
-        le=MAX_VERSION,
-        description="the policy version the job's groups are generated with; None: the deployment's "
-        "base model (version 0), never what a replica last loaded (docs/security.md)",
-    )
-    policy_namespace: str | None = Field(
-        default=None,
-        max_length=64,
-        description="the namespace policy_version is numbered in: only this key's own (its name, where "
-        "it publishes: docs/interop-rollout.md); None: Loom's learner",
-    )
-    policy_match: Literal["at_least", "exact"] = Field(
-        default="at_least", description="'exact': trajectories of that version only, never a newer one"
-    )
-    reflect: bool | ReflectParams = Field(
-        default=False,
-        description="REA-RL revisions (docs/algorithms.md §3): the reflection params, or true for their "
-        "defaults; the revised group is scored once with this request's reward spec (ReflectParams.reward "
-        "is /v1/reflect's own)",
-    )
 
     @model_validator(mode="after")
     def _one_source(self) -> JobRequest:
@@ -84,37 +44,12 @@ class JobRequest(Contract):
             raise ValueError("give exactly one of prompts or tasks")
         if not (self.prompts or self.tasks):
             raise ValueError("no prompts")
-        if self.policy_version is None and (
-            self.policy_namespace is not None or self.policy_match == "exact"
-        ):
-            raise ValueError("policy_namespace and policy_match 'exact' need a policy_version")
         return self
 
     def items(self) -> list[TaskItem]:
         if self.tasks is not None:
             return list(self.tasks)
         return [TaskItem(prompt=p) for p in self.prompts or []]
-
-
-class ScoredGroup(Contract):
-    index: int
-    group: Group | None = Field(default=None, description="None: dropped by adaptive sampling")
-    rewards: RewardResult | None = None
-
-
-class JobView(Contract):
-    id: str
-    job_key: str
-    status: JobStatus
-    n_prompts: int
-    n_done: int
-    error: str | None = None
-    counters: dict[str, float] = Field(default_factory=dict)
-    groups: list[ScoredGroup] = Field(
-        default_factory=list, description="one page of the stored groups, in prompt order, from `offset`"
-    )
-    offset: int = Field(default=0, description="the page's first group among the stored ones")
-    next_offset: int | None = Field(default=None, description="the next page's offset; None: the last page")
 
 
 def _span(lo: int, hi: int) -> Any:
@@ -243,24 +178,14 @@ class TrackerSpec(Contract):
         return v
 
 
-class RunRequest(Contract):
+class RunRequest(Generation):
     run_key: str | None = Field(default=None, max_length=200, description="client idempotency key")
     dataset: DatasetSpec
-    mode: Mode = "plain"
-    mode_params: Params = Field(default_factory=dict)
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(n=4))
-    reward: RewardSpec = Field(default_factory=RewardSpec)
-    adaptive: AdaptiveParams | None = None
     estimator: Estimator = "grpo"
     estimator_params: Params = Field(default_factory=dict)
     loss: LossSpec = Field(default_factory=LossSpec)
     schedule: Schedule = Field(default_factory=Schedule)
-    reflect: bool | ReflectParams = Field(
-        default=False,
-        description="REA-RL revisions (docs/algorithms.md §3): the reflection params, or true for their "
-        "defaults; the revised group is scored once with this request's reward spec (ReflectParams.reward "
-        "is /v1/reflect's own)",
-    )
     filter_groups: str | None = Field(
         default=None,
         max_length=64,

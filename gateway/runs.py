@@ -37,6 +37,7 @@ from gateway.step import Collected, Stages, StepConfig
 from gateway.stepmetrics import has_signal, step_metrics, step_samples
 from gateway.trackers import Trackers, resolve
 from loom.batching import next_batch_size
+from loom.contracts.modes import ModeLimits, resolved_request
 from loom.contracts.settings import get_settings
 from loom.contracts.wire import Group, RewardResult, RolloutRequest
 
@@ -171,7 +172,10 @@ class RunLoop:
 
         def draw(k: int) -> list[RolloutRequest]:
             rows = step_indices(len(self.dataset), batch_size, self.req.schedule.seed, step, k)
-            return [to_request(self.dataset[i], self.req) for i in rows]
+            # parsed here, once per request; the rollout worker takes the resolved form as it is
+            return [resolved_request(to_request(self.dataset[i], self.req), limits, sampling) for i in rows]
+
+        limits, sampling = ModeLimits.from_settings(get_settings()), self.req.generated_sampling()
 
         namespace, version = self.lineage.at(gen_version)  # the base, or the run's own namespace
         collected = await rl.generate_step(

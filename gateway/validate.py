@@ -1,38 +1,54 @@
 """What the gateway checks at submission beyond the schema: each item's mode parameters (as the
 rollout service will parse them), the reward spec (as the reward service will) and the policy version
 asked for (as a rollout replica will look it up in the policy store). A job or run that would fail in
-every worker is a 422 naming the field, not a 201 followed by a failed job."""
+every worker is a 422 naming the field, not a 201 followed by a failed job.
+
+A job's mode parameters are parsed here once per distinct item and stored in their resolved form
+(``loom.contracts.modes.resolved_form``: the deployment's limits and the request's defaults filled
+in), which the rollout worker takes without parsing again (docs/architecture.md, "Contracts")."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import HTTPException
 
 from gateway.auth import KEY_NAME
-from gateway.models import TaskItem
+from gateway.models import JobRequest, TaskItem
 from gateway.runs import to_request
-from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params
+from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params, resolved_form
 from loom.contracts.policies import PolicyMatch, is_namespace
 from loom.contracts.rewards import RequestError, check_spec
 from loom.contracts.settings import Settings
-from loom.contracts.wire import PolicyVersion
+from loom.contracts.wire import Params, PolicyVersion
 from loom.store import PolicyStoreError, open_policy_store
 
 MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in dataset's items differ
 # only in their sentences, so the first ones stand for the rest)
 
 
-def submission_problem(
+@dataclass(frozen=True)
+class Checked:
+    """A submission's check: the 422 body of its first problem (None: none), and the request to
+    store (a job's with every item's mode parameters resolved; a run's as sent)."""
+
+    problem: dict[str, Any] | None
+    request: Any
+
+
+def check_submission(
     items: Sequence[TaskItem], req: Any, settings: Settings, per_item_loc: str | None
-) -> dict[str, Any] | None:
-    """The 422 body for the first problem found, or None. ``per_item_loc``: the body field the items
-    came from (``tasks``), so an item's own mode_params are reported at their index."""
+) -> Checked:
+    """``req`` checked with its ``items``. ``per_item_loc``: the body field the items came from
+    (``tasks``), so an item's own mode_params are reported at their index. A job's items (at most
+    4096) are each resolved; a run's dataset may hold 100,000 items, whose first ``MAX_CHECKED``
+    distinct mode_params are checked (a built-in dataset's items differ only in their sentences)."""
     try:
         check_spec(req.reward, loc=("body", "reward"))
     except RequestError as exc:
-        return exc.body()
+        return Checked(exc.body(), req)
     field = "policy_version" if hasattr(req, "policy_version") else "initial_policy_version"
     namespace = getattr(req, "policy_namespace", None)
     # a run's base is that version itself (the learner starts its lineage from its files)
@@ -40,28 +56,38 @@ def submission_problem(
     match: PolicyMatch = "exact" if exact else "at_least"
     problem = policy_version_problem(getattr(req, field), field, settings, namespace, match)
     if problem is not None:
-        return problem
+        return Checked(problem, req)
+    job = isinstance(req, JobRequest)
     limits = ModeLimits.from_settings(settings)
-    seen: set[str] = set()
+    sampling = req.generated_sampling()
+    resolved: dict[str, Params] = {}
     for i, item in enumerate(items):
-        request = to_request(item, req)
+        request = to_request(item, req).model_copy(update={"sampling": sampling})
         key = repr(sorted(request.mode_params.items()))
-        if key in seen:
+        if key in resolved:
             continue
-        if len(seen) >= MAX_CHECKED:
+        if not job and len(resolved) >= MAX_CHECKED:
             break
-        seen.add(key)
         try:
-            parse_mode_params(request, limits)
+            resolved[key] = resolved_form(parse_mode_params(request, limits))
         except ModeError as exc:
             loc: list[str | int] = ["body", "mode_params"]
             if per_item_loc is not None and item.mode_params:
                 loc = ["body", per_item_loc, i, "mode_params"]
-            return {
+            body = {
                 "error": "validation_error",
                 "detail": [{"loc": loc, "msg": str(exc), "type": "mode_error"}],
             }
-    return None
+            return Checked(body, req)
+    if not job:
+        return Checked(None, req)
+    tasks = [
+        item.model_copy(
+            update={"mode_params": resolved[repr(sorted({**req.mode_params, **item.mode_params}.items()))]}
+        )
+        for item in items
+    ]
+    return Checked(None, req.model_copy(update={"prompts": None, "tasks": tasks, "mode_params": {}}))
 
 
 def policy_version_problem(

@@ -117,7 +117,7 @@ async def rollouts(body: RolloutRequest) -> Group | JSONResponse:
     try:
         engine = await get_engine_async(settings)
         return await generate_group(
-            body,
+            body.model_copy(update={"mode_params_resolved": False}),  # an edge: it parses what it gets
             engine,
             lambda: get_tokenizer(settings),
             settings,

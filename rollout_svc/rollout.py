@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from loom.contracts.modes import ModeLimits, parse_mode_params
+from loom.contracts.modes import ModeLimits, mode_params_of
 from loom.contracts.policies import PolicyMatch, is_namespace
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, LogprobsProcessing, PolicyVersion, RolloutRequest, SamplingParams
@@ -82,7 +82,7 @@ async def _generate(
     tokenizer: Callable[[], Any],
     settings: Settings,
 ) -> Group:
-    params = parse_mode_params(request, ModeLimits.from_settings(settings))
+    params = mode_params_of(request, ModeLimits.from_settings(settings))
     return await run(request, prompt_ids, group_id, engine, tokenizer, params, settings)
 
 

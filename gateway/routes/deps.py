@@ -22,7 +22,7 @@ from gateway.manager import Manager
 from gateway.models import Created, TaskItem
 from gateway.quotas import Cost, QuotaExceeded, Quotas
 from gateway.state import Conflict, GatewayState, JobRow, RunRow, WorkStore
-from gateway.validate import submission_problem
+from gateway.validate import check_submission
 from loom.contracts.settings import Settings
 from loom.queue import queue_depths
 from loom.service import error_responses
@@ -157,9 +157,10 @@ async def submit(
     """Check a submission (its ``items``: 422 naming the first problem, at ``per_item_loc`` for an
     item's own), store it in ``store`` (idempotent by its key) and start it: 201 when new, 200 when the
     key names the same request, 409 when it names a different one, the quota's answer when over."""
-    problem = await asyncio.to_thread(submission_problem, items, body, gw.settings, per_item_loc)
-    if problem is not None:
-        return JSONResponse(status_code=422, content=problem)
+    checked = await asyncio.to_thread(check_submission, items, body, gw.settings, per_item_loc)
+    if checked.problem is not None:
+        return JSONResponse(status_code=422, content=checked.problem)
+    body = checked.request
     kind = store.kind
     create_row = partial(store.create, owner=owner(request), request=body, cost=cost, quotas=gw.quotas)
     try:

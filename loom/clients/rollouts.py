@@ -39,6 +39,7 @@ import httpx
 from loom.clients.base import Closing, EventLines, LoomHTTPError, response_body
 from loom.clients.gateway import GatewayClient
 from loom.contracts.estimators import TREERL_REWARD_KEY
+from loom.contracts.jobs import ScoredGroup
 from loom.contracts.modes import ModeLimits, ModeParams, _Context, parse_mode_params
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import (
@@ -101,16 +102,17 @@ class RolloutGroup:
     node_values: dict[str, float] | None = None
 
     @classmethod
-    def from_event(cls, payload: Mapping[str, Any]) -> RolloutGroup:
-        """A ``ScoredGroup`` (gateway/models.py) as the gateway stores and streams it."""
-        group = None if payload.get("group") is None else Group.model_validate(payload["group"])
-        rewards = None if payload.get("rewards") is None else RewardResult.model_validate(payload["rewards"])
+    def from_event(cls, payload: ScoredGroup | Mapping[str, Any]) -> RolloutGroup:
+        """A ``ScoredGroup`` (loom/contracts/jobs.py) as the gateway stores and streams it, parsed
+        with the gateway's own model."""
+        scored = payload if isinstance(payload, ScoredGroup) else ScoredGroup.model_validate(payload)
+        group, rewards = scored.group, scored.rewards
         if group is None:
-            return cls(int(payload["index"]), None, rewards, [])
+            return cls(scored.index, None, rewards, [])
         by_id = {r.trajectory_id: r for r in rewards.rewards} if rewards is not None else {}
         advantages, values = tree_advantages(group, by_id) if group.tree else ({}, None)
         samples = [_sample(t, by_id.get(t.id), advantages.get(t.id)) for t in group.trajectories]
-        return cls(int(payload["index"]), group, rewards, samples, values)
+        return cls(scored.index, group, rewards, samples, values)
 
 
 def _sample(t: Trajectory, r: TrajectoryReward | None, advantages: list[float] | None) -> RolloutSample:
@@ -212,17 +214,15 @@ def job_body(
 ) -> dict[str, Any]:
     """The ``JobRequest`` body (gateway/models.py) of one call. ``prompts``: texts, or task dicts
     ``{"prompt", "label", "task", "mode_params"}`` (per-item mode parameters, e.g. streaming's
-    sentences, merged over ``mode_params``). The mode parameters of every item are checked here with
-    the mode's model (``loom.contracts.modes``): a bad one is a ``ModeError`` naming it before any
-    job exists. The policy fields are sent only when given."""
+    sentences, merged over ``mode_params``). The mode parameters are parsed once, by the gateway at
+    submission: a bad one is a 422 naming it (``LoomHTTPError``) before any job exists
+    (docs/architecture.md, "Contracts"). The policy fields are sent only when given."""
     samp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
     common = _params_dict(mode_params)
     tasks: list[dict[str, Any]] = []
     for p in prompts:
         item: dict[str, Any] = {"prompt": p} if isinstance(p, str) else dict(p)
-        params = {**common, **dict(item.get("mode_params") or {})}
-        parse_mode_params(_probe(mode, samp, params))
-        item["mode_params"] = params
+        item["mode_params"] = {**common, **dict(item.get("mode_params") or {})}
         tasks.append({k: v for k, v in item.items() if v is not None and v != {}})
     body: dict[str, Any] = {
         "job_key": job_key or f"rollouts-{uuid.uuid4().hex}",
@@ -245,8 +245,14 @@ def job_body(
     return body
 
 
-def _probe(mode: Mode, sampling: SamplingParams, params: dict[str, Any]) -> RolloutRequest:
-    return RolloutRequest(mode=mode, prompt="x", sampling=sampling, mode_params=params)
+def check_mode_params(
+    mode: Mode, params: ModeParams | Mapping[str, Any] | None, item: Mapping[str, Any]
+) -> None:
+    """A trainer adapter's configuration checked once, when it is built (``ModeError`` naming the
+    parameter), so a bad setting fails before the first rollout; ``item``: the per-item parameters
+    a real prompt would bring (streaming's sentences). Each request's own parse is the gateway's."""
+    merged = {**_params_dict(params), **item}
+    parse_mode_params(RolloutRequest(mode=mode, prompt="x", mode_params=merged))
 
 
 def _params_dict(params: ModeParams | Mapping[str, Any] | None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loom.clients.rollouts import AsyncRollouts, RolloutSample, job_body
+from loom.clients.rollouts import AsyncRollouts, RolloutSample, check_mode_params
 from loom.clients.trainer_rows import check_tree_initial, trainer_mode_params, trainer_samples
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
@@ -98,8 +98,7 @@ class LoomGenerate:
     ) -> None:
         given = trainer_mode_params(mode, mode_params, "slime")
         # a bad parameter fails here, not mid-rollout (streaming's sentences come with each sample)
-        probe = {"prompt": "x", "mode_params": {"sentences": ["x."]} if mode == "streaming" else {}}
-        job_body([probe], mode=mode, mode_params=mode_params)
+        check_mode_params(mode, mode_params, {"sentences": ["x."]} if mode == "streaming" else {})
         self.url, self.api_key, self.timeout = url, api_key, timeout
         self.mode, self.mode_params, self._initial = mode, mode_params, given.get("initial")
         self.sampling, self.reward, self.task = dict(sampling or {}), reward, task

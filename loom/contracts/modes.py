@@ -3,12 +3,15 @@ table of mode names (docs/algorithms.md §2). Pure: pydantic and ``loom`` only, 
 validates a submission's ``mode_params`` exactly as the rollout service will parse them, without
 importing the service.
 
-``parse_mode_params(request, limits)`` is the one entry: unknown keys are refused, ints must be ints,
+``parse_mode_params(request, limits)`` is the one parse, at the edge a request enters (the gateway at
+submission, the rollout service for a direct ``/v1/rollouts``): unknown keys are refused, ints must be ints,
 floats accept ints, bools are strict, ``null`` means the default, and a bad value is a ``ModeError``
 whose message names the parameter. ``ModeLimits`` carries the deployment's bounds and defaults
 (``LOOM_ROLLOUT_SEGMENT_CAP``, ``LOOM_ROLLOUT_READING_WPM``, ``LOOM_ATTENTION_TIMEOUT_S``); the
 request's own sampling gives the defaults that follow it (tree ``initial``, streaming
-``deep_max_tokens``).
+``deep_max_tokens``). What the gateway parsed travels as ``resolved_form`` (every field, defaults
+and limits filled in) and ``mode_params_of`` rebuilds the model from it without a second parse
+(docs/architecture.md, "Contracts").
 """
 
 from __future__ import annotations
@@ -285,6 +288,36 @@ def parse_mode_params(request: RolloutRequest, limits: ModeLimits | None = None)
         return model.model_validate(mp, context=_Context(limits or ModeLimits(), request.sampling))
     except ValidationError as exc:
         raise ModeError(_message(model, exc)) from None
+
+
+def resolved_form(params: ModeParams) -> dict[str, Any]:
+    """``params`` as the gateway sends them on: every field, so no hop fills a default of its own."""
+    return params.model_dump(mode="json")
+
+
+def resolved_request(
+    request: RolloutRequest, limits: ModeLimits | None = None, sampling: SamplingParams | None = None
+) -> RolloutRequest:
+    """``request`` with its mode params parsed (``ModeError`` naming a bad one) and carried in their
+    resolved form; ``sampling``: the one the worker will generate with when it is not the request's
+    own (adaptive rounds), which the request-dependent defaults follow."""
+    probe = request if sampling is None else request.model_copy(update={"sampling": sampling})
+    form = resolved_form(parse_mode_params(probe, limits))
+    return request.model_copy(update={"mode_params": form, "mode_params_resolved": True})
+
+
+def mode_params_of(request: RolloutRequest, limits: ModeLimits | None = None) -> ModeParams:
+    """``request``'s mode params as its mode's model: rebuilt from the gateway's resolved form when
+    ``request.mode_params_resolved`` (checked there with the deployment's limits), else parsed
+    (``parse_mode_params``). A form that lacks a field (a job stored before resolved forms) is parsed."""
+    model = MODE_PARAMS.get(request.mode)
+    if (
+        request.mode_params_resolved
+        and model is not None
+        and set(request.mode_params) == set(model.model_fields)
+    ):
+        return model.model_construct(**request.mode_params)
+    return parse_mode_params(request, limits)
 
 
 def _message(model: type[ModeParams], exc: ValidationError) -> str:

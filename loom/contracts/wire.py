@@ -319,18 +319,17 @@ class Group(Contract):
         return self
 
 
-class RolloutRequest(Contract):
-    group_id: str | None = None
-    mode: Mode = "plain"
-    prompt: str | None = Field(default=None, max_length=1_000_000)
-    prompt_ids: list[int] | None = None
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
-    label: str | None = None
-    task: TaskKind | None = None
-    mode_params: Params = Field(default_factory=dict)
+MAX_VERSION = 2**53  # policy versions and step numbers: exact in JSON and in SQLite's 64-bit integers
+
+
+class PolicyAt(Contract):
+    """The policy a request's groups are generated with: the fields a rollout request, a job and a
+    run's requests share (docs/interop-rollout.md), and their one rule."""
+
     policy_version: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_VERSION,
         description="generate with this policy version or a newer one; an engine holding an older "
         "version loads it from the policy store first (how every replica catches up); None: the "
         "deployment's base model (version 0), never whatever the engine holds",
@@ -339,20 +338,41 @@ class RolloutRequest(Contract):
         default=None,
         max_length=64,
         description="the namespace policy_version is numbered in (a trainer's published versions, "
-        "docs/interop-rollout.md); None: Loom's learner store",
+        "docs/interop-rollout.md; through the gateway only the key's own); None: Loom's learner store",
     )
     policy_match: Literal["at_least", "exact"] = Field(
         default="at_least", description="'exact': that version and no newer one"
     )
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> RolloutRequest:
-        if (self.prompt is None) == (self.prompt_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_ids")
+    def _version_for_policy(self) -> PolicyAt:
         if self.policy_version is None and (
             self.policy_namespace is not None or self.policy_match == "exact"
         ):
             raise ValueError("policy_namespace and policy_match 'exact' need a policy_version")
+        return self
+
+
+class RolloutRequest(PolicyAt):
+    group_id: str | None = None
+    mode: Mode = "plain"
+    prompt: str | None = Field(default=None, max_length=1_000_000)
+    prompt_ids: list[int] | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    label: str | None = None
+    task: TaskKind | None = None
+    mode_params: Params = Field(default_factory=dict)
+    mode_params_resolved: bool = Field(
+        default=False,
+        description="mode_params is the gateway's resolved form (loom.contracts.modes.resolved_form: "
+        "every field, checked and defaults filled at submission), which the rollout worker takes "
+        "without parsing again; the public /v1/rollouts parses whatever it is sent",
+    )
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RolloutRequest:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_ids")
         return self
 
 

@@ -18,7 +18,7 @@ from learner.estimators.treerl import assign as treerl_assign
 from loom.clients.base import LoomHTTPError
 from loom.clients.rollouts import AsyncRollouts, RolloutGroup, Rollouts, env_mask, job_body, trained_mask
 from loom.contracts.estimators import TreerlParams
-from loom.contracts.modes import ModeError, TreeParams
+from loom.contracts.modes import TreeParams
 from loom.contracts.wire import Segment, Trajectory
 from tests.interop_rollout.loom_stack import TRAINER_KEY, LoomStack
 from zoo.tiny import STREAM_HEADER, load_model, load_tokenizer, make_problems, plain_prompt, spawn_prompt
@@ -252,13 +252,17 @@ def test_typed_mode_params_are_sent_as_the_keys_that_differ(stack: LoomStack) ->
     assert g.group is not None and g.group.meta["strategy"] == "random"
 
 
-def test_a_bad_mode_parameter_fails_before_any_job_exists() -> None:
-    # nothing listens on port 9: a request that went out would be a connection error instead
-    with Rollouts("http://127.0.0.1:9", TRAINER_KEY, reconnects=0) as rollouts:
-        with pytest.raises(ModeError, match="streaming needs mode_params.sentences"):
-            rollouts.submit([STREAM_HEADER], mode="streaming")
-        with pytest.raises(ModeError, match=r"mode_params.branches must be in \[0, 64\]"):
-            rollouts.submit(["x"], mode="tree", mode_params={"branches": 100})
+def test_a_bad_mode_parameter_is_the_gateways_422_naming_it(stack: LoomStack) -> None:
+    """The client sends mode parameters as given; the gateway parses them once, at submission, and
+    refuses a bad one before any job exists."""
+    with Rollouts(stack.url, TRAINER_KEY) as rollouts:
+        for kwargs, msg in (
+            ({"mode": "streaming"}, "streaming needs mode_params.sentences"),
+            ({"mode": "tree", "mode_params": {"branches": 100}}, "mode_params.branches must be in [0, 64]"),
+        ):
+            with pytest.raises(LoomHTTPError) as err:
+                rollouts.submit([STREAM_HEADER], **kwargs)
+            assert err.value.status == 422 and msg in json.dumps(err.value.body), err.value.body
 
 
 def test_the_gateway_refusal_names_the_field(stack: LoomStack) -> None:
