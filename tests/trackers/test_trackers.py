@@ -49,27 +49,24 @@ class Stages:
     """Two trajectories a group: one right (accuracy 1), one wrong; the learner reports a loss that
     falls with the step."""
 
-    async def generate_and_score(
-        self, items: Sequence[tuple[str, RolloutRequest]], spec: RewardSpec, reflect: bool
-    ) -> list[tuple[Group, RewardResult]]:
-        out = []
-        for key, req in items:
-            trajs = [
-                Trajectory(id=f"{key}.{i}", group_id=key, completion_ids=[1] * (3 + i), text=f"answer {i}")
-                for i in range(2)
-            ]
-            rewards = [
-                TrajectoryReward(
-                    trajectory_id=t.id,
-                    total=1.0 - i + 0.1,
-                    components={"accuracy": 1.0 - i, "format": 0.1},
-                    status="ok" if i == 0 else "no_answer",
-                )
-                for i, t in enumerate(trajs)
-            ]
-            group = Group(id=key, prompt=req.prompt, trajectories=trajs)
-            out.append((group, RewardResult(group_id=key, rewards=rewards)))
-        return out
+    async def generate(self, key: str, request: RolloutRequest) -> Group:
+        trajs = [
+            Trajectory(id=f"{key}.{i}", group_id=key, completion_ids=[1] * (3 + i), text=f"answer {i}")
+            for i in range(2)
+        ]
+        return Group(id=key, prompt=request.prompt, trajectories=trajs)
+
+    async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
+        rewards = [
+            TrajectoryReward(
+                trajectory_id=t.id,
+                total=1.0 - i + 0.1,
+                components={"accuracy": 1.0 - i, "format": 0.1},
+                status="ok" if i == 0 else "no_answer",
+            )
+            for i, t in enumerate(group.trajectories)
+        ]
+        return RewardResult(group_id=group.id, rewards=rewards)
 
     async def train(self, key: str, batch: TrainBatch) -> StepResult:
         metrics = {"loss": 1.0 / (batch.step + 1), "clip_frac": 0.01 * batch.step}
