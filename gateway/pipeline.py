@@ -8,7 +8,7 @@ every stage restartable: a re-published task whose key already has a result retu
 
 Every stage is a coroutine: a job or run waiting on its tasks holds futures, not threads. Results are
 read for the whole process by one ``loom.results.ResultHub`` thread; publishing (blocking broker I/O)
-runs on a small pool of ``publishers`` threads. Fixed costs are shared (``Coalescer``, issue 34):
+runs on a small pool of ``publishers`` threads. Fixed costs are shared (``Coalescer``):
 the groups whose generation results come back together (one engine batch) are scored by ONE reward
 task (``reward.score_groups``), each group's result still stored and read under its own
 ``<key>.score`` as soon as it is scored, so the keys, the restarts and the cancels work per group

@@ -1,4 +1,4 @@
-"""Loom's second built-in model (issue 29): a small Llama trained by ``loom train-search`` on
+"""Loom's second built-in model: a small Llama trained by ``loom train-search`` on
 Countdown search traces (zoo/search/traces.py) in the plain, reflect, stream and spawn formats, plus
 the tiny model's arithmetic. The prompts, markers and parsers are the tiny model's (zoo.tiny), so
 every rollout mode serves either model; ``zoo.tiny`` stays the fast model of the tests.

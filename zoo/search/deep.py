@@ -1,4 +1,4 @@
-"""Four-number Countdown search traces (issue 38's APR item): a search deep enough for spawn/join to
+"""Four-number Countdown search traces (APR's four-number problems): a search deep enough for spawn/join to
 pay, written in the three-number model's line format (zoo/search/traces.py) one level further down.
 The built-in model ``deep`` writes them (zoo/search/deep_train.py); ``bench/apr.py --gold-only
 --numbers 4`` measures their path lengths and ``bench/apr.py --model deep --numbers 4`` the model's

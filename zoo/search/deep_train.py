@@ -1,5 +1,5 @@
 """``loom train-deep``: the search model fine-tuned on four-number Countdown (zoo/search/deep.py), the
-model issue 38's APR item needs, shipped as the built-in model ``deep`` (zoo/search/deep_checkpoint;
+model APR's four-number problems need, shipped as the built-in model ``deep`` (zoo/search/deep_checkpoint;
 docs/models.md, docs/benchmarks/apr.md).
 
 It starts from the search checkpoint (``--init``; its tokenizer unchanged), keeps its 1024 positions

@@ -1,4 +1,4 @@
-"""Loom's fourth built-in model, ``reflect`` (issue 38): the search model fine-tuned on reflect traces
+"""Loom's fourth built-in model, ``reflect``: the search model fine-tuned on reflect traces
 whose answer first appears mid-reasoning, after reflections that do work, so that REA-RL's
 truncation has overthinking to remove and its reflection reward has reflections worth keeping.
 

@@ -1,4 +1,4 @@
-"""Loom's third built-in model, ``stream`` (issue 38): the search model fine-tuned on streaming traces
+"""Loom's third built-in model, ``stream``: the search model fine-tuned on streaming traces
 whose reading phase can be wasteful, as real models' is, so that AdaSR's HRPO has something to shorten.
 
 The search model's streaming thoughts are already their shortest form (``n=3 5 7``, ``t=22`` or the

@@ -1,4 +1,4 @@
-"""The search model's problems (issue 29): three-number Countdown with few solving first moves, so the
+"""The search model's problems: three-number Countdown with few solving first moves, so the
 written search has several steps before it finds one, and the tiny model's arithmetic.
 
 ``search_problems`` draws from zoo.tiny.tasks.make_problems (same seeds, same held-out hash split)

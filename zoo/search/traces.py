@@ -1,4 +1,4 @@
-"""Countdown search traces (issue 29): the search written out move by move, with backtracking, in the
+"""Countdown search traces: the search written out move by move, with backtracking, in the
 plain, reflect, stream and spawn formats Loom serves. The prompts, markers, spawn syntax and parsers
 are the tiny model's (zoo/tiny/traces.py), so every mode runs both models unchanged; what differs is
 the reasoning: the tiny model writes the gold steps, this one searches for them.

@@ -1,4 +1,4 @@
-"""The search model's row of the recipe table (zoo/recipes.py; ``loom train-search``, issue 29): from
+"""The search model's row of the recipe table (zoo/recipes.py; ``loom train-search``): from
 a seed, on CPU or a GPU, in two phases of its own over the one recipe's loop (zoo/recipe.py).
 
 Data (zoo/search/traces.py): Countdown search traces in the plain (two search orders per problem),
