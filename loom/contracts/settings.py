@@ -114,6 +114,12 @@ class Settings(BaseSettings):
     )
     engine_retries: int = Field(default=3, ge=0, description="engine retries on connection errors / 5xx")
     engine_prefix_cache_entries: int = Field(default=32, ge=0, description="torch engine prefix-KV entries")
+    engine_max_loras: int = Field(
+        default=2,
+        ge=0,
+        description="`loom engine`: runtime LoRA adapters held at once (/v1/load_lora_adapter; each "
+        "a merged copy of the model on its device); one more is refused with a 400",
+    )
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
         description="the torch engine's weights and KV cache: 'auto' is the checkpoint's own dtype on "

@@ -249,6 +249,12 @@ class Engine(ABC):
     async def load_policy(self, policy: PolicyVersion) -> None:
         """Load ``policy`` (full checkpoint or LoRA adapter) and drop every cached prefix."""
 
+    async def adapted(self, adapter: str) -> Engine:
+        """A new engine serving this one's model with the LoRA adapter in the folder ``adapter``
+        merged (``loom engine``'s runtime adapters, each served under its own name); this engine is
+        left as it is. Needs the model's weights in process (the torch engine)."""
+        raise UnsupportedCapability(self.name, "lora", "runtime adapters by name need the torch engine")
+
     @abstractmethod
     async def reset_cache(self) -> None: ...
 

@@ -5,10 +5,12 @@ server by tests/vllm_server/test_protocol.py, so a client that works here does w
 - always: ``GET /health`` (200, empty body), ``GET /version``, ``GET /v1/models`` (the base model's
   card with ``root`` = its checkpoint, ``parent`` null, ``max_model_len``; one card per adapter);
 - ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` and
-  ``/v1/unload_lora_adapter``: vLLM's refusals of a bad request, in vLLM's order; a valid adapter
-  is then refused too (400, ``type`` ``UnsupportedCapability``, ``lora_refusal``), the model and the
-  served names untouched: the torch engine holds one model, and an adapter merged into it would
-  answer for the base model's name and every other (docs/vllm.md). An unload is vLLM's 404.
+  ``/v1/unload_lora_adapter``: vLLM's refusals of a bad request, in vLLM's order; then a valid
+  adapter is served under its own name beside the untouched base: merged into a copy of the base
+  (``Engine.adapted``: a second engine, same device and dtype), at most ``max_loras`` at once
+  (beyond: 400, ``lora_limit``), an adapter whose tensors are not LoRA factors of the base's
+  projections refused with the reason (400, no path in it). An unload drops that engine; an unknown
+  name is vLLM's 404 (docs/vllm.md).
 - ``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc`` (method ``loom_reload_weights``: the worker
   extension's contract, ``{"results": [{"loaded": ...}]}``; an unknown method is vLLM's 500),
   ``/reset_prefix_cache`` (``{"success": false}`` while requests run), ``/pause`` (``mode`` abort,
@@ -117,19 +119,23 @@ def attach_control_routes(
     model_name: str,
     model_path: str,
     served: set[str],
+    engines: dict[str, Engine] | None = None,
     *,
     dev_mode: bool | None = None,
     lora_updating: bool | None = None,
+    max_loras: int = 2,
 ) -> ControlState:
     """Add the control routes and the pause gate to ``app``; ``served`` is the set of model names
-    requests may use (the base and every loaded adapter), shared with the generation routes."""
+    requests may use (the base and every loaded adapter) and ``engines`` each adapter's engine by
+    its name, both shared with the generation routes; ``max_loras``: the adapters held at once."""
     state = ControlState(weights_path=model_path)
     app.state.control = state
     adapters: dict[str, str] = {}  # adapter name -> path
     _attach_pause_gate(app, state)
     _attach_info_routes(app, engine, model_name, model_path, adapters)
     if lora_updating_from_env() if lora_updating is None else lora_updating:
-        _attach_lora_routes(app, engine, model_name, served, adapters)
+        lora = _Loras(engine, model_name, served, adapters, {} if engines is None else engines, max_loras)
+        _attach_lora_routes(app, lora)
     if dev_mode_from_env() if dev_mode is None else dev_mode:
         _attach_dev_routes(app, engine, model_name, state)
     return state
@@ -257,25 +263,58 @@ def _lora_load_refusal(
     return None
 
 
-LORA_REFUSED = "UnsupportedCapability"
+LORA_LIMIT = "BadRequestError"
 
 
-def lora_refusal(name: str) -> JSONResponse:
-    """The answer to a valid adapter: ``loom engine`` serves no adapter beside its base model (its
-    torch engine merges a LoRA policy version into its one model, which would then answer for every
-    name). LoRA policies reach it as policy versions (``/collective_rpc`` reloads, the rollout
-    service's ``kind=lora`` versions), or through vLLM, which serves each adapter by its name."""
+def lora_limit(name: str, held: int) -> JSONResponse:
+    """The answer to one adapter more than the server holds: each is a whole merged model in memory."""
     return vllm_error(
         400,
-        f"Loading lora {name} failed: loom engine serves its base model only, not runtime LoRA "
-        "adapters by name; serve adapters with vLLM, or load the adapter as a policy version",
-        LORA_REFUSED,
+        f"Loading lora {name} failed: {held} LoRA adapters are loaded, the most this server holds "
+        "(LOOM_ENGINE_MAX_LORAS); unload one first",
+        LORA_LIMIT,
     )
 
 
-def _attach_lora_routes(
-    app: FastAPI, engine: Engine, model_name: str, served: set[str], adapters: dict[str, str]
-) -> None:
+@dataclass
+class _Loras:
+    """The runtime adapters: each one's path (the ``/v1/models`` card) and engine, by served name."""
+
+    base: Engine
+    model_name: str
+    served: set[str]
+    paths: dict[str, str]
+    engines: dict[str, Engine]
+    max_loras: int
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load or unload at a time
+
+    async def load(self, name: str, path: str) -> Response:
+        held = len(self.paths) - (name in self.paths)  # a load in place replaces its own
+        if held >= self.max_loras:
+            return lora_limit(name, held)
+        try:
+            engine = await self.base.adapted(path)
+        except EngineError as exc:  # the reason from the files' headers, no server path
+            return vllm_error(400, f"Loading lora {name} failed: {exc}", "BadRequestError")
+        old = self.engines.get(name)
+        self.engines[name], self.paths[name] = engine, path
+        self.served.add(name)
+        if old is not None:
+            await old.close()
+        return Response(status_code=200, content=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(self, name: str) -> Response:
+        if name not in self.paths:
+            return vllm_error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        self.served.discard(name)
+        del self.paths[name]
+        engine = self.engines.pop(name, None)
+        if engine is not None:
+            await engine.close()
+        return Response(status_code=200, content=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _attach_lora_routes(app: FastAPI, lora: _Loras) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> Response:
         got = await _lora_request(request, need_path=True)
@@ -283,10 +322,11 @@ def _attach_lora_routes(
             return got
         name, path = got
         load_inplace = (await request.json()).get("load_inplace")  # a JSON object: _lora_request read it
-        refused = _lora_load_refusal(name, path, model_name, adapters, load_inplace)
-        if refused is not None:
-            return refused
-        return lora_refusal(name)
+        async with lora.lock:
+            refused = _lora_load_refusal(name, path, lora.model_name, lora.paths, load_inplace)
+            if refused is not None:
+                return refused
+            return await lora.load(name, path)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> Response:
@@ -298,11 +338,8 @@ def _attach_lora_routes(
             return vllm_error(
                 400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput"
             )
-        if name not in adapters:
-            return vllm_error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-        del adapters[name]
-        served.discard(name)
-        return Response(status_code=200, content=f"Success: LoRA adapter '{name}' removed successfully.")
+        async with lora.lock:
+            return await lora.unload(name)
 
 
 def _attach_dev_routes(app: FastAPI, engine: Engine, model_name: str, state: ControlState) -> None:

@@ -100,6 +100,12 @@ class Served:
     names: set[str]
     model_path: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
+    adapters: dict[str, Engine] = field(default_factory=dict)  # a served name -> its own engine
+
+    async def engine_for(self, model: str) -> Engine:
+        """The engine that answers for ``model``: a runtime LoRA adapter's own, else the base's."""
+        adapter = self.adapters.get(model)
+        return adapter if adapter is not None else await self.engine()
 
 
 async def run(engine: Engine, job: Job) -> tuple[list[list[Completion]], list[PromptLogprobs | None]]:
@@ -331,7 +337,7 @@ def completion_routes(router: APIRouter, served: Served) -> None:
     async def completions(request: Request) -> Any:
         try:
             body, model = await open_request(request, served, SAMPLING | COMPLETION_ONLY)
-            engine, tokenizer = await served.engine(), await served.tokenizer()
+            engine, tokenizer = await served.engine_for(model), await served.tokenizer()
             flags = stream_flags(body)
             job, logprobs, echo_only = completion_job(body, served, engine, tokenizer, flags.stream)
             reply = Reply(body, job, request_id(body, "cmpl"), model)
@@ -538,7 +544,7 @@ def chat_routes(router: APIRouter, served: Served) -> None:
     async def chat(request: Request) -> Any:
         try:
             body, model = await open_request(request, served, SAMPLING | CHAT_ONLY)
-            engine, tokenizer = await served.engine(), await served.tokenizer()
+            engine, tokenizer = await served.engine_for(model), await served.tokenizer()
             flags = stream_flags(body)
             no_prompt_logprobs_in_stream(body, flags.stream)
             job, (conv,), k = await chat_job(body, [body.data.get("messages")], served, engine, tokenizer)
@@ -567,7 +573,7 @@ def chat_routes(router: APIRouter, served: Served) -> None:
         try:
             body, model = await open_request(request, served, SAMPLING | CHAT_ONLY)
             conversations = batch_conversations(body)
-            engine, tokenizer = await served.engine(), await served.tokenizer()
+            engine, tokenizer = await served.engine_for(model), await served.tokenizer()
             job, convs, k = await chat_job(body, conversations, served, engine, tokenizer)
             reply = Reply(body, job, request_id(body, "chatcmpl"), model)
             outs, _ = await run(engine, job)
@@ -877,8 +883,15 @@ def basic_routes(router: APIRouter, served: Served, guard: Sequence[Any] = ()) -
         return {"object": "list", "data": [card]}
 
 
-def engine_router(engine: Engine, model_name: str, tokenizer: Any, names: set[str]) -> APIRouter:
-    """The routes over one engine built already (``loom engine``); ``names`` may grow (LoRA adapters)."""
+def engine_router(
+    engine: Engine,
+    model_name: str,
+    tokenizer: Any,
+    names: set[str],
+    adapters: dict[str, Engine] | None = None,
+) -> APIRouter:
+    """The routes over one engine built already (``loom engine``); ``names`` and ``adapters`` (each
+    runtime LoRA adapter's engine, by its served name) grow and shrink as adapters are loaded."""
     path = getattr(engine, "model_path", None)
 
     async def get_engine() -> Engine:
@@ -889,6 +902,14 @@ def engine_router(engine: Engine, model_name: str, tokenizer: Any, names: set[st
 
     model_path = None if path is None else str(path)
     return create_router(
-        Served(get_engine, get_tokenizer, model_name, names, model_path, generation_defaults(path)),
+        Served(
+            get_engine,
+            get_tokenizer,
+            model_name,
+            names,
+            model_path,
+            generation_defaults(path),
+            {} if adapters is None else adapters,
+        ),
         server_info=False,
     )

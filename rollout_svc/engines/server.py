@@ -37,15 +37,23 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResp
 
 
 def create_engine_app(
-    engine: Engine, model_name: str, tokenizer: Any = None, model_path: str | None = None
+    engine: Engine,
+    model_name: str,
+    tokenizer: Any = None,
+    model_path: str | None = None,
+    max_loras: int = 2,
 ) -> FastAPI:
-    """``model_path``: the checkpoint served (``/v1/models`` root; reloads are checked against it)."""
+    """``model_path``: the checkpoint served (``/v1/models`` root; reloads are checked against it);
+    ``max_loras``: the runtime LoRA adapters held at once (each a merged copy of the model)."""
     app = FastAPI(title="Loom engine (vLLM-compatible)")
     app.state.engine = engine
     served = {model_name}  # the served name and every LoRA adapter loaded under its own name
+    adapters: dict[str, Engine] = {}  # each adapter's own engine, by its served name
     # the control plane first: its /health, /v1/models and /server_info answer as vLLM's do (control.py)
-    attach_control_routes(app, engine, model_name, model_path or model_name, served)
-    app.include_router(engine_router(engine, model_name, tokenizer, served))  # openai_api.py
+    attach_control_routes(
+        app, engine, model_name, model_path or model_name, served, adapters, max_loras=max_loras
+    )
+    app.include_router(engine_router(engine, model_name, tokenizer, served, adapters))  # openai_api.py
 
     @app.get("/loom/stats")
     async def stats() -> dict[str, Any]:
@@ -98,7 +106,9 @@ def build_app(
         logprobs_mode=settings.engine_logprobs_mode,
         dtype=settings.engine_dtype,
     )
-    return create_engine_app(engine, model or settings.model, engine.tokenizer, str(path))
+    return create_engine_app(
+        engine, model or settings.model, engine.tokenizer, str(path), settings.engine_max_loras
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -151,49 +151,105 @@ def test_a_reload_is_refused_before_it_touches_the_model_when_shapes_differ(
     assert sample() == before
 
 
-def test_a_valid_lora_adapter_is_refused_and_the_base_stays_untouched(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """``loom engine`` serves no runtime adapter beside its base (control.py ``lora_refusal``): a valid
-    peft adapter, whose weights would change the answers (checked against peft), is refused with the
-    documented 400 and the base model answers as before; nothing is listed or left to unload."""
+def _peft_adapter(folder: Path, seed: int, targets: list[str]) -> Any:
+    """A peft LoRA adapter of the tiny model saved in ``folder``, its B factors drawn large enough
+    that its answers differ from the base's; the peft model itself (the reference) is returned."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from rollout_svc.engines.control import LORA_REFUSED
+    from zoo.tiny import load_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(load_model(), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    peft_model.save_pretrained(str(folder))
+    return peft_model.eval()
+
+
+def test_lora_adapters_are_served_by_name_beside_the_untouched_base(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two runtime adapters loaded: the base, adapter 1 and adapter 2 each answer with their own
+    weights (log-probs equal to a teacher-forced pass of peft's model with that adapter, and of the
+    plain model for the base); ``/v1/models`` lists them with their parent; one adapter beyond
+    ``max_loras`` and one whose tensors do not fit the base are refused (the reason, no server
+    path); unloading restores the base-only listing and the unloaded name is then unknown."""
+    from safetensors.torch import load_file, save_file
+
+    from rollout_svc.engines.control import LORA_LIMIT
     from rollout_svc.engines.server import create_engine_app
     from rollout_svc.engines.torch import TorchEngine, teacher_forced_logprobs
     from zoo.tiny import CHECKPOINT_DIR, load_model, load_tokenizer
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-    torch.manual_seed(0)
-    peft_model = get_peft_model(load_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5)
-    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    refs = {
+        "a1": _peft_adapter(tmp_path / "a1", 0, ["q_proj", "v_proj"]),
+        "a2": _peft_adapter(tmp_path / "a2", 1, ["o_proj", "down_proj"]),
+        "tiny": load_model().eval(),
+    }
     engine = TorchEngine(CHECKPOINT_DIR, cache_entries=4)
-    client = TestClient(create_engine_app(engine, "tiny", load_tokenizer(), str(CHECKPOINT_DIR)))
+    app = create_engine_app(engine, "tiny", load_tokenizer(), str(CHECKPOINT_DIR), max_loras=2)
+    client = TestClient(app)
     ids = load_tokenizer().encode("[plain] 3+4", add_special_tokens=False)
-    body = {"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0.0, "logprobs": 0}
 
-    def answer() -> tuple[list[int], list[float]]:
+    def answer(model: str) -> tuple[list[int], list[float]]:
+        body = {"model": model, "prompt": ids, "max_tokens": 6, "temperature": 0.0, "logprobs": 0}
         r = client.post("/v1/completions", json={**body, "return_token_ids": True})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
-    before = answer()
-    r = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path / "adapter")})
-    assert r.status_code == 400 and r.json()["error"]["type"] == LORA_REFUSED, r.text
-    assert "base model only" in r.json()["error"]["message"]
+    def load(name: str, folder: Path) -> httpx.Response:
+        return client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
+
+    before = answer("tiny")
+    for name in ("a1", "a2"):
+        r = load(name, tmp_path / name)
+        assert r.status_code == 200 and r.text == f"Success: LoRA adapter '{name}' added successfully."
+    cards = client.get("/v1/models").json()["data"]
+    assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
+        ("tiny", None, str(CHECKPOINT_DIR)),
+        ("a1", "tiny", str(tmp_path / "a1")),
+        ("a2", "tiny", str(tmp_path / "a2")),
+    ]
+    got = {name: answer(name) for name in refs}
+    for name, (tokens, logprobs) in got.items():
+        assert logprobs == pytest.approx(
+            teacher_forced_logprobs(refs[name], ids + tokens, len(ids)), abs=1e-4
+        )
+    assert got["tiny"][0] == before[0] and got["tiny"][1] == pytest.approx(before[1], abs=1e-4)
+    for name in ("a1", "a2"):  # each adapter's own weights: the base's pass on its tokens differs
+        tokens, logprobs = got[name]
+        plain = teacher_forced_logprobs(refs["tiny"], ids + tokens, len(ids))
+        assert max(abs(a - b) for a, b in zip(logprobs, plain, strict=True)) > 1e-2, name
+    assert got["a1"] != got["a2"]
+
+    r = load("a3", tmp_path / "a1")  # a third one: over max_loras
+    assert r.status_code == 400 and r.json()["error"]["type"] == LORA_LIMIT, r.text
+    assert "2 LoRA adapters are loaded" in r.json()["error"]["message"]
+    bad = tmp_path / "bad"
+    _peft_adapter(bad, 2, ["q_proj"])
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    first = sorted(k for k in tensors if "lora_A" in k)[0]
+    tensors[first] = tensors[first][:, :-1].contiguous()  # one input column fewer than the base's
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 200
+    r = load("bad", bad)
+    error = r.json()["error"]
+    assert (
+        r.status_code == 400
+        and "has shape" in error["message"]
+        and "the base model needs" in error["message"]
+    )
+    assert str(tmp_path) not in error["message"], error
+
+    r = client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a1' removed successfully."
     assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["tiny"]
-    after = answer()
-    assert after[0] == before[0] and after[1] == pytest.approx(before[1], abs=1e-4)
-    base = teacher_forced_logprobs(load_model().eval(), ids + before[0], len(ids))
-    adapted = teacher_forced_logprobs(peft_model.eval(), ids + before[0], len(ids))
-    assert before[1] == pytest.approx(base, abs=1e-4)
-    assert max(abs(a - b) for a, b in zip(adapted, base, strict=True)) > 1e-2  # merging would show
-    r = client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
-    assert r.status_code == 404
+    r = client.post("/v1/completions", json={"model": "a1", "prompt": ids, "max_tokens": 2})
+    assert r.status_code == 404 and "`a1` does not exist" in r.json()["error"]["message"], r.text
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 404
+    assert answer("tiny")[1] == pytest.approx(before[1], abs=1e-4)
     engine.stop_scheduler()

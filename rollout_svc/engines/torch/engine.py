@@ -68,6 +68,7 @@ from rollout_svc.engines.torch.model import (
     load_adapter,
     load_model,
     load_tokenizer,
+    merge_adapter,
     prompt_logprobs,
 )
 from rollout_svc.engines.torch.prefix_cache import Key, PrefixCache, layers
@@ -282,6 +283,45 @@ class TorchEngine(Engine):
                 self.policy_version, self.policy_namespace = policy.version, policy.namespace
             self._loaded = (policy.version, str(policy.path))
         log.info("loaded policy version %d from %s", policy.version, policy.path)
+
+    async def adapted(self, adapter: str) -> TorchEngine:
+        return await asyncio.to_thread(self.adapted_sync, adapter)
+
+    def adapted_sync(self, adapter: str) -> TorchEngine:
+        """A second engine over a copy of this one's model with the adapter merged, on the same
+        device and dtype, with the same settings (its own prefix cache and scheduler); this engine is
+        untouched. The adapter's tensors must be LoRA factors of this base's projections
+        (``check_lora``), checked from the files' headers before anything is copied."""
+        if importlib.util.find_spec("peft") is None:
+            raise UnsupportedCapability(self.name, "lora", "install peft (pip install 'loom[lora]')")
+        folder = Path(adapter)
+        try:
+            check_checkpoint(folder, [p.name for p in folder.glob("*.safetensors")], "lora", self._bounds())
+            with MODEL_LOADS:  # one checkpoint at a time per process (loom.runtime)
+                model = merge_adapter(self.model, folder, self.model_path)
+            engine = TorchEngine(
+                self.model_path,
+                cache_entries=self.cache_entries,
+                logprobs_mode=self.logprobs_kind,
+                model=model,
+                tokenizer=self.tokenizer,
+                batching=self.batching,
+                max_batch_rows=self.max_batch_rows,
+                cuda_graphs=self.cuda_graphs,
+            )
+        except Exception as exc:  # noqa: BLE001 (any failure: a typed answer; its text names paths)
+            log.warning("could not load the adapter %s: %s: %s", adapter, type(exc).__name__, exc)
+            reason = (
+                exc.detail
+                if isinstance(exc, CheckpointRefused)
+                else "its files are not a LoRA adapter of this engine's base model"
+            )
+            raise PolicyLoadError(reason) from None
+        engine.policy_version, engine.policy_namespace = self.policy_version, self.policy_namespace
+        return engine
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.stop_scheduler)
 
     async def reset_cache(self) -> None:
         await asyncio.to_thread(self.reset_cache_sync)

@@ -63,6 +63,23 @@ def load_adapter(adapter: str | Path, base: str | Path, device: str = "cpu", dty
     return merged.to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
+def merge_adapter(base: Any, adapter: str | Path, base_path: str | Path) -> Any:
+    """A peft LoRA adapter directory merged into a copy of the model ``base`` (``loom engine``'s
+    runtime adapters: the served base stays as it is), merged in float32 as ``load_adapter`` does,
+    then put on ``base``'s own device and dtype. The adapter's ``base_model_name_or_path`` is never
+    read: it is replaced by ``base_path``, the checkpoint the engine serves (as in ``load_adapter``)."""
+    import copy
+
+    from peft import PeftConfig, PeftModel
+
+    param = next(base.parameters())
+    config = PeftConfig.from_pretrained(str(adapter))
+    config.base_model_name_or_path = str(base_path)
+    model = copy.deepcopy(base).to(device="cpu", dtype=torch.float32)
+    merged: Any = PeftModel.from_pretrained(model, str(adapter), config=config).merge_and_unload()
+    return merged.to(device=param.device, dtype=param.dtype).eval()
+
+
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
