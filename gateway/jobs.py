@@ -16,6 +16,7 @@ from gateway.pipeline import Cancelled, Coalescer
 from gateway.runs import to_request
 from gateway.state import GatewayState
 from gateway.step import Stages, StepConfig, collect, gather_all
+from loom.contracts.policies import is_run_namespace
 from loom.contracts.wire import RolloutRequest
 from loom.timeline import mark
 
@@ -48,6 +49,11 @@ def at_policy(request: RolloutRequest, req: JobRequest) -> RolloutRequest:
     return request.model_copy(update={**at, "mode_params_resolved": True})
 
 
+def _owner_of(state: GatewayState, run_id: str) -> str | None:
+    run = state.runs.get(run_id)
+    return None if run is None else run.owner
+
+
 async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: int = 8) -> str:
     """Run (or resume) a job: every prompt not yet stored goes through the pipeline; returns the status
     (``interrupted`` when the gateway stops: the job stays ``running`` and is resumed at the next start).
@@ -56,7 +62,9 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
     if row is None:
         raise KeyError(job_id)
     req = JobRequest.model_validate(row.request)
-    if req.policy_namespace not in (None, row.owner):  # submission refuses it; a stored row too
+    ns = req.policy_namespace
+    if ns not in (None, row.owner) and not (is_run_namespace(ns) and _owner_of(state, ns) == row.owner):
+        # the submission refuses it (gateway/validate.py ``visible``); a stored row too
         error = f"policy version {req.policy_version} is not in the policy store"
         await asyncio.to_thread(state.jobs.finish, job_id, "failed", error=error)
         return "failed"

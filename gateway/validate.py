@@ -9,7 +9,7 @@ in), which the rollout worker takes without parsing again (docs/architecture.md,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from gateway.auth import KEY_NAME
 from gateway.models import JobRequest, TaskItem
 from gateway.runs import to_request
 from loom.contracts.modes import ModeError, ModeLimits, parse_mode_params, resolved_form
-from loom.contracts.policies import PolicyMatch, is_namespace
+from loom.contracts.policies import PolicyMatch, is_namespace, is_run_namespace
 from loom.contracts.rewards import RequestError, check_spec
 from loom.contracts.settings import Settings
 from loom.contracts.wire import Params, PolicyVersion
@@ -39,12 +39,18 @@ class Checked:
 
 
 def check_submission(
-    items: Sequence[TaskItem], req: Any, settings: Settings, per_item_loc: str | None
+    items: Sequence[TaskItem],
+    req: Any,
+    settings: Settings,
+    per_item_loc: str | None,
+    owns_run: Callable[[str], bool] | None = None,
 ) -> Checked:
     """``req`` checked with its ``items``. ``per_item_loc``: the body field the items came from
     (``tasks``), so an item's own mode_params are reported at their index. A job's items (at most
     4096) are each resolved; a run's dataset may hold 100,000 items, whose first ``MAX_CHECKED``
-    distinct mode_params are checked (a built-in dataset's items differ only in their sentences)."""
+    distinct mode_params are checked (a built-in dataset's items differ only in their sentences).
+    ``owns_run``: whether a run's namespace is one of the requesting key's runs (a job may sample
+    its own runs' versions)."""
     try:
         check_spec(req.reward, loc=("body", "reward"))
     except RequestError as exc:
@@ -54,7 +60,8 @@ def check_submission(
     # a run's base is that version itself (the learner starts its lineage from its files)
     exact = getattr(req, "policy_match", None) == "exact" or field == "initial_policy_version"
     match: PolicyMatch = "exact" if exact else "at_least"
-    problem = policy_version_problem(getattr(req, field), field, settings, namespace, match)
+    runs = owns_run if field == "policy_version" else None  # a run's base: the key's own versions only
+    problem = policy_version_problem(getattr(req, field), field, settings, namespace, match, runs)
     if problem is not None:
         return Checked(problem, req)
     job = isinstance(req, JobRequest)
@@ -96,6 +103,7 @@ def policy_version_problem(
     settings: Settings,
     namespace: str | None = None,
     match: PolicyMatch = "at_least",
+    owns_run: Callable[[str], bool] | None = None,
 ) -> dict[str, Any] | None:
     """The 422 body when no rollout replica could serve ``version`` (``PolicyReader.find``, the
     lookup ``rollout_svc.rollout.catch_up`` loads by; version 0 is the base model every engine starts from;
@@ -103,10 +111,11 @@ def policy_version_problem(
     ``LOOM_POLICY_STORE`` (docker-compose mounts it) or, with ``LOOM_POLICY_STORE_URL``, the remote
     store's manifests (no file is pulled). A remote store that cannot answer is a 503
     ``policy_store_unavailable``. A ``namespace`` other than the requesting key's own is answered as
-    a namespace without the version (another key's versions are invisible)."""
+    a namespace without the version (another key's versions are invisible), but for one of its own
+    runs' lineages where ``owns_run`` says so."""
     if not version:
         return None
-    if namespace is not None and (namespace != KEY_NAME.get() or not is_namespace(namespace)):
+    if namespace is not None and not visible(namespace, KEY_NAME.get(), owns_run):
         return _missing(version, field, None)
     store = open_policy_store(settings, create=False)
     try:
@@ -116,6 +125,13 @@ def policy_version_problem(
     except PolicyStoreError as exc:
         raise HTTPException(503, {"error": "policy_store_unavailable", "detail": str(exc)}) from exc
     return _missing(version, field, latest)
+
+
+def visible(namespace: str, key: str | None, owns_run: Callable[[str], bool] | None) -> bool:
+    """Whether key ``key`` may name ``namespace``: its own, or the lineage of one of its runs."""
+    if is_run_namespace(namespace):
+        return owns_run is not None and owns_run(namespace)
+    return namespace == key and is_namespace(namespace)
 
 
 def _missing(version: int, field: str, latest: PolicyVersion | None) -> dict[str, Any]:

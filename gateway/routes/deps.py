@@ -157,7 +157,13 @@ async def submit(
     """Check a submission (its ``items``: 422 naming the first problem, at ``per_item_loc`` for an
     item's own), store it in ``store`` (idempotent by its key) and start it: 201 when new, 200 when the
     key names the same request, 409 when it names a different one, the quota's answer when over."""
-    checked = await asyncio.to_thread(check_submission, items, body, gw.settings, per_item_loc)
+    key = owner(request)
+
+    def owns_run(namespace: str) -> bool:  # a run's lineage is its id's namespace
+        run = gw.state.runs.get(namespace)
+        return run is not None and run.owner == key
+
+    checked = await asyncio.to_thread(check_submission, items, body, gw.settings, per_item_loc, owns_run)
     if checked.problem is not None:
         return JSONResponse(status_code=422, content=checked.problem)
     body = checked.request

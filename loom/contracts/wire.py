@@ -338,7 +338,8 @@ class PolicyAt(Contract):
         default=None,
         max_length=64,
         description="the namespace policy_version is numbered in (a trainer's published versions, "
-        "docs/interop-rollout.md; through the gateway only the key's own); None: Loom's learner store",
+        "docs/interop-rollout.md; through the gateway the key's own, or one of its runs' lineages, "
+        "run-<id>); None: Loom's learner store",
     )
     policy_match: Literal["at_least", "exact"] = Field(
         default="at_least", description="'exact': that version and no newer one"

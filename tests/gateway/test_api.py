@@ -298,3 +298,11 @@ def test_a_policy_version_no_replica_could_load_is_422_at_submission(tmp_path: P
         store.namespace("runner").publish(2, lambda d: (d / "weights").write_text("w"))  # RUNS_KEY's own
         r = client.post("/v1/runs", json={**body, "policy_namespace": "runner"}, headers=auth(RUNS_KEY))
         assert r.status_code == 201, r.text
+        # a job may name the lineage of one of its key's own runs, never another key's run
+        lineage = r.json()["id"]
+        store.namespace(lineage).publish(3, lambda d: (d / "weights").write_text("w"))
+        job = {"prompts": ["1+1"], "policy_version": 3, "policy_namespace": lineage}
+        own = client.post("/v1/jobs", json={**job, "job_key": "own-run"}, headers=auth(RUNS_KEY))
+        assert own.status_code == 201, own.text
+        other = client.post("/v1/jobs", json={**job, "job_key": "their-run"}, headers=auth(JOBS_KEY))
+        assert other.status_code == 422 and other.json()["detail"][0]["type"] == "unknown_policy_version"

@@ -2,7 +2,8 @@
 it against the gateway at argv[1] with API key argv[2], prints what it saw as one JSON line.
 
 Plan: {"run": RunRequest, "job": JobRequest, "unknown_version_job": JobRequest}: the run to its end
-(its final view and metrics), then the job to its end (its view), then the submission that must fail."""
+(its final view and metrics), then the job to its end (its view), then the submission that must fail;
+both jobs name the run's lineage (its namespace, the run's id), where its versions are."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def main() -> None:
         run_id = r.json()["id"]
         out["run"] = wait_final(client, f"/v1/runs/{run_id}", timeout)
         out["metrics"] = client.get(f"/v1/runs/{run_id}/metrics").json()
+        for job in ("job", "unknown_version_job"):
+            plan[job]["policy_namespace"] = out["run"]["lineage"]["namespace"]
         r = client.post("/v1/jobs", json=plan["job"])
         r.raise_for_status()
         out["job"] = wait_final(client, f"/v1/jobs/{r.json()['id']}", timeout)

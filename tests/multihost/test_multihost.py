@@ -317,7 +317,8 @@ def test_rollout_hosts_without_a_shared_filesystem_serve_every_policy_version(
     refused = seen["unknown_version_job"]
     assert refused["status_code"] == 422 and f"the newest is {STEPS}" in json.dumps(refused["body"])
 
-    learner_store = learner_dir / "policy"
+    lineage = seen["run"]["lineage"]["namespace"]  # the run's versions: its own namespace
+    learner_store = learner_dir / "policy" / "ns" / lineage
     # seen through each running process's own mount namespace (/proc/PID/root): the learner's store
     # exists for the learner only
     pids = {name: proc.pid for name, proc, _ in cluster.procs}
@@ -329,7 +330,7 @@ def test_rollout_hosts_without_a_shared_filesystem_serve_every_policy_version(
     # staleness 0: step k generated with version k, so each replica was asked for versions 1..STEPS-1
     # (and both served the job's groups at STEPS or at least one did: it holds what it was asked for)
     for host in ("rollout-a", "rollout-b"):
-        cache = dirs[host] / "policy-cache"
+        cache = dirs[host] / "policy-cache" / "ns" / lineage
         pulled = sorted(int(p.name[1:]) for p in cache.glob("v*"))
         assert set(range(1, STEPS)) <= set(pulled), (host, pulled, cluster.logs())
         assert not (dirs[host] / "policy").exists()  # nothing read from a local store
