@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
 from loom.contracts.errors import ErrorBody
@@ -221,6 +221,8 @@ def add_publish_routes(app: FastAPI, guard: Any, base_dir: Path | None = None) -
 
 class Pins(BaseModel):
     """The versions the gateway's state says the namespace's queued and running work names."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 422, never an empty pin list
 
     pinned: list[int] = Field(default_factory=list, max_length=100_000)
 

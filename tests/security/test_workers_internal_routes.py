@@ -105,14 +105,16 @@ def test_version_0_loads_the_base_model_back(rollout: Any) -> None:
     client, _, _ = rollout
     body = {"prompt": "Compute 12+30.", "sampling": {"n": 2, "max_tokens": 16, "seed": 7}}
 
-    def sample() -> list[list[int]]:
-        r = client.post("/v1/rollouts", json=body)
+    def sample(**at: Any) -> list[list[int]]:
+        r = client.post("/v1/rollouts", json={**body, **at})
         assert r.status_code == 200, r.text
         return [t["completion_ids"] for t in r.json()["trajectories"]]
 
     base = sample()
     assert client.post("/v1/policy", json={"version": 1}, headers=bearer(TOKEN)).json()["policy_version"] == 1
-    assert sample() != base  # version 1 is another model
+    assert sample(policy_version=1, policy_match="exact") != base  # version 1 is another model
+    assert sample() == base  # no version: the base model, whatever the replica holds (docs/security.md)
+    assert sample(policy_version=1, policy_match="exact") != base
     r = client.post("/v1/policy", json={"version": 0}, headers=bearer(TOKEN))
     assert r.status_code == 200 and r.json()["policy_version"] == 0, r.text
     assert sample() == base
