@@ -127,7 +127,8 @@ async def reload_under_requests(
     early = [
         asyncio.create_task(
             generate_group(
-                RolloutRequest(prompt_ids=prompt_ids, sampling=long, group_id=f"e{i}"),
+                # version 0 or newer: the base while it runs, v1 where abort sends it again after the update
+                RolloutRequest(prompt_ids=prompt_ids, sampling=long, group_id=f"e{i}", policy_version=0),
                 engine,
                 lambda: tokenizer,
                 settings,
@@ -153,7 +154,7 @@ async def reload_under_requests(
     await update
     short = SamplingParams(n=2, max_tokens=16, seed=2)
     late = await generate_group(
-        RolloutRequest(prompt_ids=prompt_ids, sampling=short, group_id="late"),
+        RolloutRequest(prompt_ids=prompt_ids, sampling=short, group_id="late", policy_version=v1.version),
         engine,
         lambda: tokenizer,
         settings,
