@@ -37,10 +37,10 @@ from loom.store.layout import (
     write_latest,
 )
 from loom.store.manifest import file_hashes, hash_stream, read_files, write_records
-from loom.store.reader import resolve, serving_of
+from loom.store.reader import ReaderBase, resolve
 
 
-class PolicyStore:
+class PolicyStore(ReaderBase):
     def __init__(self, root: str | Path, *, create: bool = True, namespace: str | None = None) -> None:
         """``create=False``: a reader that never makes the folder (the gateway: it writes nothing).
         ``namespace``: a trainer's versions (``<root>/ns/<name>``) instead of the learner's."""
@@ -71,16 +71,6 @@ class PolicyStore:
 
     def get(self, version: int) -> PolicyVersion | None:
         return read_record(self.root, version)
-
-    def serving(self, version: int) -> PolicyVersion | None:
-        """What a replica asked for ``version`` loads: that version, or the newest one above it when
-        it is gone (pruned); None when the store holds neither."""
-        return serving_of(self, version)
-
-    def find(
-        self, namespace: str | None, version: int | None, match: PolicyMatch = "at_least"
-    ) -> PolicyVersion | None:
-        return resolve(self.namespace(namespace), version, match)
 
     def loadable(
         self, namespace: str | None, version: int, match: PolicyMatch = "at_least"

@@ -55,6 +55,30 @@ class _Versions(Protocol):
     def latest(self) -> PolicyVersion | None: ...
 
 
+class ReaderBase:
+    """The lookups both readers answer the same way, from their own ``get``, ``latest`` and
+    ``namespace`` (the directory reads its folders, the remote store asks its server)."""
+
+    def namespace(self, name: str | None) -> ReaderBase:
+        raise NotImplementedError
+
+    def get(self, version: int) -> PolicyVersion | None:
+        raise NotImplementedError
+
+    def latest(self) -> PolicyVersion | None:
+        raise NotImplementedError
+
+    def serving(self, version: int) -> PolicyVersion | None:
+        """What a replica asked for ``version`` loads: that version, or the newest one above it when
+        it is gone (pruned); None when the store holds neither."""
+        return serving_of(self, version)
+
+    def find(
+        self, namespace: str | None, version: int | None, match: PolicyMatch = "at_least"
+    ) -> PolicyVersion | None:
+        return resolve(self.namespace(namespace), version, match)
+
+
 def serving_of(view: _Versions, version: int) -> PolicyVersion | None:
     """``version`` or, when it is gone (pruned), the newest version above it; else None."""
     found = view.get(version)

@@ -36,10 +36,10 @@ from loom.store.errors import (
 from loom.store.layout import REGISTERED, namespace_root, read_record, temporary, version_dir
 from loom.store.local import PolicyStore
 from loom.store.manifest import CHUNK, checked_files, write_records
-from loom.store.reader import PolicyReader, resolve, serving_of
+from loom.store.reader import PolicyReader, ReaderBase
 
 
-class RemotePolicyStore:
+class RemotePolicyStore(ReaderBase):
     def __init__(
         self,
         url: str,
@@ -81,14 +81,6 @@ class RemotePolicyStore:
     def latest(self) -> PolicyVersion | None:
         body = self._get_json(f"{self.prefix}/latest", time.monotonic() + self.timeout_s)
         return None if body is None else self.get(int(body["version"]))
-
-    def serving(self, version: int) -> PolicyVersion | None:
-        return serving_of(self, version)
-
-    def find(
-        self, namespace: str | None, version: int | None, match: PolicyMatch = "at_least"
-    ) -> PolicyVersion | None:
-        return resolve(self.namespace(namespace), version, match)
 
     def loadable(
         self, namespace: str | None, version: int, match: PolicyMatch = "at_least"
