@@ -79,6 +79,7 @@ class _Proc:
     popen: subprocess.Popen[bytes]
     req_w: int
     rep_r: int
+    writer: threading.Thread | None = None  # the last request's writer (it may outlive a killed call)
 
     def fds(self) -> tuple[int, int]:
         assert self.popen.stdout is not None and self.popen.stderr is not None
@@ -94,6 +95,8 @@ class _Proc:
         """Wait for bwrap (killed or ended) and close every pipe; its exit code as ``Popen`` says."""
         self.kill()
         code = self.popen.wait()
+        if self.writer is not None:  # its pipe broke with the process: it ends before its fd closes
+            self.writer.join(5)
         for fd in (self.req_w, self.rep_r):
             try:
                 os.close(fd)
@@ -144,7 +147,10 @@ def start_process(slot: Slot, limits: Limits, budget: SessionLimits, bwrap: str)
     finally:
         for fd in passed:
             os.close(fd)
-    os.write(code_w, SERVER)  # a few KB: the pipe's buffer holds it before the interpreter reads
+    try:
+        os.write(code_w, SERVER)  # a few KB: the pipe's buffer holds it before the interpreter reads
+    except OSError:  # bubblewrap ended already: the ready frame never comes, its stderr says why
+        pass
     os.close(code_w)
     proc = _Proc(popen, req_w, rep_r)
     out = _exchange(proc, None, limits.model_copy(update={"output_bytes": 1 << 16}), _START_S)
@@ -171,7 +177,8 @@ def _exchange(
     x, rep = _Exchange(), bytearray()
     out_fd, err_fd = proc.fds()
     if frame is not None:
-        threading.Thread(target=_write_all, args=(proc.req_w, frame), daemon=True).start()
+        proc.writer = threading.Thread(target=_write_all, args=(proc.req_w, frame), daemon=True)
+        proc.writer.start()
     sel = selectors.DefaultSelector()
     for fd in (out_fd, err_fd, proc.rep_r):
         os.set_blocking(fd, False)
