@@ -5,7 +5,10 @@ says why it ended, never an exception: ``ok`` (exit 0), ``runtime_error`` (a non
 signal of its own), ``timeout`` (CPU or wall time), ``memory``, ``output_limit``, ``killed`` (ended
 from outside: the health check, a killed runner), ``sandbox_error`` (the sandbox itself could not
 run it). The reward service's code rewards send these over HTTP (``loom/clients/sandbox.py``); the
-sandbox service's API and queue parse them once where they enter.
+sandbox service's API and queue parse them once where they enter. Sessions (the sandbox as a tool) are
+a Python interpreter kept across calls: ``SessionOpen`` in, ``SessionInfo`` out, then a
+``SessionCall`` per cell answered by a ``CallResult`` whose status adds ``session_lost`` (the session
+had ended; ``SessionInfo.ended`` says why).
 """
 
 from __future__ import annotations
