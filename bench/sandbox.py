@@ -7,8 +7,11 @@
 2. Start latency: one trivial program at a time, submit to outcome, p50 / p99, bare and sandboxed.
 3. Code rewards through the product path (the sandbox app under uvicorn on 127.0.0.1, the reward
    core calling it with ``loom.clients.sandbox``): items/s at 1, 4 and 16 tests per item.
+4. The sandbox as a tool: the same Python snippets as cells of interpreter sessions (one session per
+   slot, ``sandbox_svc.session``) and as one-shot runs in the pool, as many at once as there are
+   slots, side by side; calls/s of each and the ratio.
 
-    .venv/bin/python bench/sandbox.py [--slots 2] [--runs 120] [--items 24]
+    .venv/bin/python bench/sandbox.py [--slots 2] [--runs 120] [--items 24] [--only sessions]
 """
 
 from __future__ import annotations
@@ -75,7 +78,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=120, help="programs per leg")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--items", type=int, default=24, help="code-reward items per size")
+    ap.add_argument("--only", choices=("sessions",), default=None, help="run section 4 alone")
     args = ap.parse_args()
+    if args.only == "sessions":
+        print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
+              f"load {os.getloadavg()[0]:.2f}, {args.slots} slots")  # fmt: skip
+        sessions(args)
+        return
     from sandbox_svc.pool import SandboxPool
 
     os.environ["LOOM_SANDBOX_SLOTS"] = str(args.slots)
@@ -106,6 +115,41 @@ def main() -> None:
         for name, xs in (("bare subprocess", lat_b), ("sandbox pool", lat_s)):
             print(f"| {name} | {pct(xs, 0.5) * 1e3:.1f} | {pct(xs, 0.99) * 1e3:.1f} |")
     code_rewards(args)
+    sessions(args)
+
+
+SNIPPETS = [p.code for p in PROGRAMS if p.language == "python" and not p.stdin] + [
+    "import json\nprint(json.dumps({'k': list(range(50))})[:20])",
+    "print(len([w for w in 'the quick brown fox'.split() if 'o' in w]))",
+]
+
+
+def sessions(args: argparse.Namespace) -> None:
+    """Section 4: cells in sessions against one-shot runs of the same snippets, one run each leg."""
+    from loom.contracts.sandbox import SessionOpen
+    from sandbox_svc.pool import SandboxPool
+    from sandbox_svc.session import SessionManager
+
+    calls = [SNIPPETS[i % len(SNIPPETS)] for i in range(args.runs)]
+    per = [calls[k :: args.slots] for k in range(args.slots)]
+    with SandboxPool(args.slots, queue_size=args.runs) as pool, SessionManager(args.slots) as manager:
+        ids = [manager.open(SessionOpen()).id for _ in range(args.slots)]
+        assert all(manager.call(i, SNIPPETS[0]).status == "ok" for i in ids), "a session did not start"
+        assert all(pool.submit(RunRequest(code=c)).result().status == "ok" for c in SNIPPETS)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.slots) as ex:
+            oneshot = list(ex.map(lambda c: pool.submit(RunRequest(code=c)).result(), calls))
+        shot_rate = len(calls) / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.slots) as ex:
+            cells = list(ex.map(lambda k: [manager.call(ids[k], c) for c in per[k]], range(args.slots)))
+        cell_rate = len(calls) / (time.perf_counter() - t0)
+    assert all(r.status == "ok" for r in oneshot) and all(r.status == "ok" for rs in cells for r in rs)
+    assert [r.stdout for r in oneshot][: args.slots] == [rs[0].stdout for rs in cells][: args.slots]
+    print(f"\n## 4. the sandbox as a tool ({len(calls)} snippets, {args.slots} at once)")
+    print("| path | calls/s |\n|---|---|")
+    print(f"| one-shot runs (warm pool) | {shot_rate:.1f} |\n| session cells | {cell_rate:.1f} |")
+    print(f"\nratio session / one-shot: {cell_rate / shot_rate:.2f}")
 
 
 def code_rewards(args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ from functools import lru_cache
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from loom.contracts.sandbox import Limits
+from loom.contracts.sandbox import Limits, SessionLimits
 
 
 class SandboxSettings(BaseSettings):
@@ -30,6 +30,11 @@ class SandboxSettings(BaseSettings):
     max_open_files: int = Field(default=1024, ge=8)
     max_output_bytes: int = Field(default=16 << 20, ge=1024)
     max_tmp_mb: int = Field(default=512, ge=1)
+    sessions: int = Field(default=8, ge=1, description="interpreter sessions at once; beyond: 429 busy")
+    max_session_cpu_s: float = Field(default=600.0, gt=0, le=3600)
+    max_session_wall_s: float = Field(default=3600.0, gt=0, le=86400)
+    max_session_idle_s: float = Field(default=3600.0, gt=0, le=86400)
+    max_session_calls: int = Field(default=10_000, ge=1, le=100_000)
 
     def max_limits(self) -> Limits:
         return Limits(
@@ -40,6 +45,14 @@ class SandboxSettings(BaseSettings):
             open_files=self.max_open_files,
             output_bytes=self.max_output_bytes,
             tmp_mb=self.max_tmp_mb,
+        )
+
+    def max_session(self) -> SessionLimits:
+        return SessionLimits(
+            cpu_budget_s=self.max_session_cpu_s,
+            wall_budget_s=self.max_session_wall_s,
+            idle_ttl_s=self.max_session_idle_s,
+            max_calls=self.max_session_calls,
         )
 
 

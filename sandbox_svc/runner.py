@@ -138,16 +138,22 @@ class Slot:
         self.etc.rmdir()
 
 
-def _interpreter(language: str, python: str, code_fd: int) -> list[str]:
+def _interpreter(language: str, python: str, code_fd: int, args: tuple[str, ...] = ()) -> list[str]:
     """The interpreter, reading the program from ``code_fd`` (a pipe the runner writes it into
-    when the run starts: until then the sandbox waits, set up, with its interpreter loaded)."""
+    when the run starts: until then the sandbox waits, set up, with its interpreter loaded), with
+    the program's own ``args``."""
     if language == "python":
-        return [python, "-I", "-B", f"/dev/fd/{code_fd}"]
-    return ["/bin/bash", f"/dev/fd/{code_fd}"]
+        return [python, "-I", "-B", f"/dev/fd/{code_fd}", *args]
+    return ["/bin/bash", f"/dev/fd/{code_fd}", *args]
 
 
 def command(
-    bwrap: str, req: RunRequest, slot: Slot, code_fd: int, seccomp_fd: int | None = None
+    bwrap: str,
+    req: RunRequest,
+    slot: Slot,
+    code_fd: int,
+    seccomp_fd: int | None = None,
+    args: tuple[str, ...] = (),
 ) -> list[str]:
     lim = req.limits
     return [
@@ -184,7 +190,7 @@ def command(
         "--chdir", "/tmp",
         *(("--seccomp", str(seccomp_fd)) if seccomp_fd is not None else ()),
         "--",
-        *_interpreter(req.language, slot.python, code_fd),
+        *_interpreter(req.language, slot.python, code_fd, args),
     ]  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from loom.contracts import wire
-from loom.contracts.sandbox import BatchRequest, BatchResult
+from loom.contracts.sandbox import BatchRequest, BatchResult, CellsRequest, CellsResult
 from loom.contracts.settings import SERVICES
 
 
@@ -56,6 +56,8 @@ ASSEMBLE_GROUP = TaskDef(
 TRAIN_STEP = TaskDef("learner.train_step", (wire.TrainBatch,), wire.StepResult)
 SCORE_ATTENTION = TaskDef("learner.score_attention")  # keyword arguments: token_ids, steps, delta, zero_from
 SANDBOX_RUN_BATCH = TaskDef("sandbox.run_batch", (BatchRequest,), BatchResult)
+# cells in order in one fresh interpreter session of the worker, closed at the end (docs/sandbox.md)
+SANDBOX_RUN_CELLS = TaskDef("sandbox.run_cells", (CellsRequest,), CellsResult)
 
 
 def ping(service: str) -> TaskDef:
@@ -77,6 +79,7 @@ TASKS: dict[str, TaskDef] = {
         TRAIN_STEP,
         SCORE_ATTENTION,
         SANDBOX_RUN_BATCH,
+        SANDBOX_RUN_CELLS,
         *(ping(s) for s in SERVICES),
     )
 }
