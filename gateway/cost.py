@@ -26,12 +26,10 @@ counted twice. Pure: no HTTP, no database.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
-from gateway.quotas import Cost, run_cost
+from gateway.quotas import Cost
 from loom.contracts.jobs import TaskItem
 from loom.contracts.modes import (
-    ModeError,
     ModeLimits,
     ModeParams,
     SpawnParams,
@@ -68,55 +66,35 @@ def group_budget(request: RolloutRequest, limits: ModeLimits | None = None) -> C
     return Cost(n * samples, n * tokens)
 
 
-def prompt_budget(req: Any, mode_params: dict[str, Any], limits: ModeLimits | None = None) -> Cost:
-    """One prompt's worst case in a job or run ``req`` with ``mode_params``: its group budget at the
-    sampling it is generated with, times the rounds adaptive sampling may take, plus reflection's
-    revisions (one per trajectory)."""
-    sampling = req.generated_sampling()
+def job_budget(req: object, items: Sequence[TaskItem], limits: ModeLimits | None = None) -> Cost:
+    """A job's charge: every item's group budget at the sampling it is generated with, times the
+    rounds adaptive sampling may take, plus reflection's revisions. ``req``: a ``JobRequest`` whose
+    items carry their resolved mode parameters (gateway/validate.py)."""
+    sampling = req.generated_sampling()  # type: ignore[attr-defined]
     adaptive = getattr(req, "adaptive", None)
     rounds = 1 if adaptive is None else int(adaptive.max_rounds)
     reflect = getattr(req, "reflect", None)
     if reflect is True:
         reflect = ReflectParams()
     revise_tokens = int(reflect.max_tokens) if reflect else 0
-    request = RolloutRequest(
-        mode=req.mode, prompt="-", sampling=sampling, mode_params=mode_params, mode_params_resolved=True
-    )
-    one = group_budget(request, limits)
-    samples = rounds * one.samples * (2 if reflect else 1)
-    return Cost(samples, rounds * (one.tokens + one.samples * revise_tokens))
-
-
-def job_budget(req: Any, items: Sequence[TaskItem], limits: ModeLimits | None = None) -> Cost:
-    """A job's charge: the sum of its items' ``prompt_budget``. ``req``: a ``JobRequest`` whose items
-    carry their resolved mode parameters (gateway/validate.py)."""
     seen: dict[str, Cost] = {}
     samples = tokens = 0
     for item in items:
-        mode_params = {**req.mode_params, **item.mode_params}
+        mode_params = {**req.mode_params, **item.mode_params}  # type: ignore[attr-defined]
         key = repr(sorted(mode_params.items()))
         one = seen.get(key)
         if one is None:
-            one = seen[key] = prompt_budget(req, mode_params, limits)
-        samples += one.samples
-        tokens += one.tokens
+            request = RolloutRequest(
+                mode=req.mode,  # type: ignore[attr-defined]
+                prompt=item.prompt,
+                sampling=sampling,
+                mode_params=mode_params,
+                mode_params_resolved=True,
+            )
+            one = seen[key] = group_budget(request, limits)
+        samples += rounds * one.samples * (2 if reflect else 1)
+        tokens += rounds * (one.tokens + one.samples * revise_tokens)
     return Cost(samples, tokens)
-
-
-def run_budget(req: Any, limits: ModeLimits | None = None) -> tuple[Cost, int]:
-    """(a run's charge in flight, its samples over all its steps), as ``gateway.quotas.run_cost``
-    counts them but each prompt at its ``prompt_budget`` with the run's own mode parameters. Where
-    those do not parse alone (streaming's sentences come with each dataset item) a prompt costs
-    its samples per prompt (the submission's check refuses what is really wrong)."""
-    try:
-        per_prompt = prompt_budget(req, dict(req.mode_params), limits)
-    except ModeError:
-        return run_cost(req)
-    sched = req.schedule
-    largest = max(sched.batch_size, sched.max_batch) if sched.adaptive_batch else sched.batch_size
-    at_once = (sched.staleness + 1) * largest
-    total = sched.steps * largest * per_prompt.samples * req.filter_max_batches
-    return Cost(at_once * per_prompt.samples, at_once * per_prompt.tokens), total
 
 
 def produced(groups: Iterable[Group]) -> Cost:

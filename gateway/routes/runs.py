@@ -9,10 +9,9 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from gateway.cost import run_budget
 from gateway.datasets import DatasetError, load_dataset, open_owned, owner_admit, store_jsonl
 from gateway.models import MAX_VERSION, Created, RunRequest, RunView, TaskItem, lineage_of
-from gateway.quotas import QuotaExceeded, too_long
+from gateway.quotas import QuotaExceeded, run_cost, too_long
 from gateway.routes.datasets import invalid_dataset
 from gateway.routes.deps import (
     EXISTING,
@@ -26,7 +25,6 @@ from gateway.routes.deps import (
     submit,
     view,
 )
-from loom.contracts.modes import ModeLimits
 from loom.service import LoomRoute, error_responses
 
 router = APIRouter(prefix="/runs", tags=["runs"], route_class=LoomRoute)
@@ -68,7 +66,7 @@ async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
     a dataset first (the run's config keeps its id). Over a quota of the key: 422 or 429 (413: the
     inline JSONL past its dataset quota)."""
     await asyncio.to_thread(gw.backpressure.check)
-    cost, total = run_budget(body, ModeLimits.from_settings(gw.settings))
+    cost, total = run_cost(body)
     long = too_long(total, gw.quotas)
     if long is not None:
         return refused(long)
