@@ -177,23 +177,42 @@ class FairGate:
         self._grant()
 
     def _grant(self) -> None:
-        for name, queue in self._waiting.items():  # waiters cancelled before they ran on
-            if any(w.granted.done() for w in queue):
-                self._waiting[name] = deque(w for w in queue if not w.granted.done())
-        free = self.window - self.in_flight
-        queues = {t: [w.cost for w in q] for t, q in self._waiting.items() if q}
-        if free <= 0 or not queues:
-            return
-        quantum = max(q[0] for q in queues.values())
-        order, self._state = drr_order(queues, self._weights, quantum, self._state, free)
-        for name, _ in order:  # positions in a key's queue come in order: its oldest first
-            waiter = self._waiting[name].popleft()
-            self.in_flight += 1
-            waiter.granted.set_result(None)
-            if len(self.dispatched) < self.log_limit:
-                self.dispatched.append(waiter.key)
-        for name in [t for t, q in self._waiting.items() if not q]:
-            del self._waiting[name]
+        """Give the free slots to the waiters ``drr_order`` picks (its queues are views of the
+        waiters: a release costs the keys and the tasks released, not every task waiting)."""
+        while True:
+            free = self.window - self.in_flight
+            queues = {t: _Costs(q) for t, q in self._waiting.items() if q}
+            if free <= 0 or not queues:
+                return
+            quantum = max(q[0] for q in queues.values())
+            order, self._state = drr_order(queues, self._weights, quantum, self._state, free)
+            skipped = 0
+            for name, _ in order:  # positions in a key's queue come in order: its oldest first
+                waiter = self._waiting[name].popleft()
+                if waiter.granted.done():  # cancelled, its coroutine not resumed yet: no slot
+                    skipped += 1
+                    continue
+                self.in_flight += 1
+                waiter.granted.set_result(None)
+                if len(self.dispatched) < self.log_limit:
+                    self.dispatched.append(waiter.key)
+            for name in [t for t, q in self._waiting.items() if not q]:
+                del self._waiting[name]
+            if not skipped:
+                return
+
+
+class _Costs(Sequence[float]):
+    """A key's waiting tasks' costs, read in place (what ``drr_order`` takes)."""
+
+    def __init__(self, waiters: deque[_Waiter]) -> None:
+        self.waiters = waiters
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def __getitem__(self, i: int) -> float:  # type: ignore[override]
+        return self.waiters[i].cost
 
 
 class _Slot:

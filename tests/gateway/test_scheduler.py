@@ -118,6 +118,22 @@ def test_a_cancelled_waiter_leaves_its_queue_and_a_cancelled_holder_its_slot() -
     asyncio.run(go())
 
 
+def test_a_slot_freed_before_a_cancelled_waiter_resumes_goes_to_the_next() -> None:
+    async def go() -> None:
+        gate = FairGate(window=1)
+        await gate.acquire("a.p0", 1.0)  # the slot, held here
+        second = asyncio.create_task(gate.acquire("a.p1", 1.0))
+        third = asyncio.create_task(gate.acquire("b.p0", 1.0))
+        await asyncio.sleep(0)
+        second.cancel()
+        gate.release()  # before the cancelled waiter's coroutine has run again
+        await asyncio.gather(second, return_exceptions=True)
+        await asyncio.wait_for(third, 5)
+        assert gate.in_flight == 1 and gate.waiting() == {}
+
+    asyncio.run(go())
+
+
 def test_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window"):
         FairGate(window=0)
