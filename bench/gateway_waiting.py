@@ -43,6 +43,9 @@ def main() -> None:
             LOOM_API_KEYS=f"bench:{hashlib.sha256(KEY.encode()).hexdigest()}",
             LOOM_GATEWAY_BURST="100000",
             LOOM_GATEWAY_QUOTA_JOBS=str(args.jobs),
+            # every waiting task in the broker, where this bench counts them (the fair scheduler's
+            # window would keep the rest in the gateway, as futures too)
+            LOOM_GATEWAY_ROLLOUT_WINDOW=str(args.jobs * min(args.prompts, 8)),
         )
         port = free_port()
         argv = [
