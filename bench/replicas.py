@@ -24,8 +24,8 @@ feed them, so the first limit is elsewhere). Each phase prints groups/s, the que
 CPU time; RabbitMQ's and Redis's servers are shared with other users of the machine) and Redis's
 commands per group, and names the first bottleneck by a stated rule (``bottleneck``).
 
-``--weights 1,2,...`` gives the keys weights (the gateway's fair share: LOOM_API_KEYS entries with a
-weight, where the gateway supports them); per-key throughput is then printed against weight.
+``--weights 1,2,...`` gives the keys weights (the gateway's fair share, gateway/scheduler.py: the
+weight is a LOOM_API_KEYS entry's fourth field); per-key throughput is then printed against weight.
 
     python bench/replicas.py [--workers 4 --slots 32 --keys 12 --jobs 2 --prompts 16]
         [--phases replica,pipeline] [--seconds 60] [--warmup 15] [--json out.json]
@@ -127,11 +127,15 @@ def key_of(i: int) -> tuple[str, str]:
     return f"k{i:02d}", f"loom_bench_replicas_{i:02d}"
 
 
-def key_entries(n: int) -> str:
-    """LOOM_API_KEYS for ``n`` keys."""
-    return ",".join(
-        f"{name}:{hashlib.sha256(secret.encode()).hexdigest()}" for name, secret in map(key_of, range(n))
-    )
+def key_entries(weights: list[float]) -> str:
+    """LOOM_API_KEYS for one key per weight; a weight other than 1 as the entry's fourth field
+    (``name:sha256hex:scopes:weight``, gateway/keys.py)."""
+    out = []
+    for i, w in enumerate(weights):
+        name, secret = key_of(i)
+        entry = f"{name}:{hashlib.sha256(secret.encode()).hexdigest()}"
+        out.append(entry if w == 1.0 else f"{entry}:jobs+runs:{w:g}")
+    return ",".join(out)
 
 
 def base_env(data_dir: Path, namespace: str) -> dict[str, str]:
@@ -178,7 +182,10 @@ def start_stack(args: argparse.Namespace, procs: Procs, env: dict[str, str], wei
     gport = free_port()
     genv = {
         **env,
-        "LOOM_API_KEYS": key_entries(args.keys),
+        "LOOM_API_KEYS": key_entries(weights),
+        # what the replicas take at once (each worker's pool: its slots and as many ready beside them,
+        # rollout_svc/config.py rollout_slots): the fair share's window (gateway/scheduler.py)
+        "LOOM_GATEWAY_ROLLOUT_SLOTS": str(args.workers * 2 * args.slots),
         "LOOM_GATEWAY_RATE": "10000",
         "LOOM_GATEWAY_BURST": "10000",
     }
@@ -254,6 +261,8 @@ class Phase:
     weights: list[float]
     jobs_finished: int
     jobs_failed: int
+    http_retries: int  # requests of the keys sent again after a dropped connection
+    requests: int  # the keys' requests to the gateway in the phase (submissions, polls, cancels)
     groups_per_s: float
     capacity_per_s: float  # replicas / group_s
     utilization: float
@@ -271,7 +280,7 @@ class Driver:
     def __init__(self, url: str, args: argparse.Namespace) -> None:
         self.url, self.args = url, args
         self.done = [0] * args.keys  # groups stored, by key, since the phase began
-        self.finished = self.failed = 0
+        self.finished = self.failed = self.retries = self.requests = 0
         self.stop = asyncio.Event()
 
     def job_body(self, key: int, seq: int, max_tokens: int) -> dict[str, Any]:
@@ -283,16 +292,30 @@ class Driver:
             "reward": {"components": [{"name": "format_think"}]},
         }
 
+    async def call(self, client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One request, sent again on a dropped connection (a GET, a cancel, and a submission, which
+        its ``job_key`` makes idempotent); the retries are counted and reported."""
+        for attempt in range(5):
+            try:
+                self.requests += 1
+                return await client.request(method, path, **kw)
+            except httpx.TransportError:
+                self.retries += 1
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
+        raise AssertionError("unreachable")
+
     async def one_slot(self, client: httpx.AsyncClient, key: int, slot: int, max_tokens: int) -> None:
         seq = slot
         while not self.stop.is_set():
-            r = await client.post("/v1/jobs", json=self.job_body(key, seq, max_tokens))
+            r = await self.call(client, "POST", "/v1/jobs", json=self.job_body(key, seq, max_tokens))
             if r.status_code != 201:
                 raise RuntimeError(f"key {key}: submit answered {r.status_code}: {r.text[:500]}")
             job_id, seen = r.json()["id"], 0
             while True:
                 await asyncio.sleep(self.args.poll)
-                v = (await client.get(f"/v1/jobs/{job_id}", params={"limit": 1})).json()
+                v = (await self.call(client, "GET", f"/v1/jobs/{job_id}", params={"limit": 1})).json()
                 self.done[key] += v["n_done"] - seen
                 seen = v["n_done"]
                 if v["status"] in ENDED:
@@ -302,7 +325,7 @@ class Driver:
                         print(f"  job {job_id} of k{key:02d} failed: {v.get('error')}", flush=True)
                     break
                 if self.stop.is_set():  # the phase is over: cancel what is left, counted as done so far
-                    await client.post(f"/v1/jobs/{job_id}/cancel")
+                    await self.call(client, "POST", f"/v1/jobs/{job_id}/cancel")
                     return
             seq += self.args.jobs
 
@@ -390,6 +413,8 @@ def run_phase(
         weights=weights,
         jobs_finished=driver.finished,
         jobs_failed=driver.failed,
+        http_retries=driver.retries,
+        requests=driver.requests,
         groups_per_s=rate,
         capacity_per_s=capacity,
         utilization=rate / capacity,
@@ -448,7 +473,8 @@ def report(ph: Phase, args: argparse.Namespace) -> None:
     print(f"\n== phase {ph.name}: groups of {ph.max_tokens} tokens, {ph.group_s:.2f} s each on a replica")
     print(f"groups/s {ph.groups_per_s:.2f} over {ph.seconds:.0f} s ({ph.groups} groups); capacity of the "
           f"replicas {ph.capacity_per_s:.1f}/s; replica utilization {ph.utilization:.2f}")  # fmt: skip
-    print(f"jobs finished {ph.jobs_finished} ({ph.jobs_failed} failed)")
+    print(f"jobs finished {ph.jobs_finished} ({ph.jobs_failed} failed); requests sent again after a dropped "
+          f"connection: {ph.http_retries}; the keys' requests {ph.requests} in the phase")  # fmt: skip
     print("queue depth (messages ready) over time: t s | rollout | reward")
     step = max(1, len(ph.samples) // 16)
     for s in ph.samples[::step]:
