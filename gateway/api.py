@@ -31,9 +31,24 @@ from gateway.routes import api_router
 from gateway.routes import policies as policy_routes
 from gateway.routes.deps import Backpressure, Gateway
 from gateway.routes.web import mount as mount_run_page
+from gateway.scheduler import DEFAULT_WINDOW, FairGate
 from gateway.state import GatewayState
 from loom.contracts.settings import SERVICES, Settings, get_settings
 from loom.service import create_queue_app
+
+
+def fair_gate(config: GatewaySettings, state: GatewayState, weights: dict[str, float]) -> FairGate | None:
+    """The rollout tier's fair scheduler (gateway/scheduler.py): its window from the settings, a
+    job's or run's tenant its key (``weights``: each key's share; a key not configured any more: 1)."""
+    if not config.fair_share:
+        return None
+
+    def tenant(scope: str) -> tuple[str, float]:
+        owner = state.owner_of(scope)
+        name = scope if owner is None else owner
+        return name, weights.get(name, 1.0)
+
+    return FairGate(config.rollout_window or config.rollout_slots or DEFAULT_WINDOW, tenant)
 
 
 def build_gateway(
@@ -43,12 +58,15 @@ def build_gateway(
     data_dir = Path(settings.data_dir)
     state = GatewayState(data_dir / "gateway.sqlite")
     stop = threading.Event()
+    if stages is None:
+        weights = KeyRing.from_spec(settings.api_keys).weights()
+        stages = CeleryStages(celery_app, stop=stop, fair=fair_gate(config, state, weights))
     return Gateway(
         settings=settings,
         config=config,
         celery_app=celery_app,
         state=state,
-        manager=Manager(state, stages or CeleryStages(celery_app, stop=stop), data_dir, stop),
+        manager=Manager(state, stages, data_dir, stop),
         backpressure=Backpressure(celery_app, config.max_queue_depth),
         quotas=Quotas.from_settings(config),
         datasets=dataset_root(data_dir),

@@ -67,6 +67,24 @@ class GatewaySettings(BaseSettings):
         description="comma-separated origins (https://host[:port]) the run page's login form may be posted "
         "from besides the gateway's own Host: the public origin behind a proxy that rewrites Host",
     )
+    # --- fair share of the rollout tier across keys (gateway/scheduler.py, docs/operations.md)
+    rollout_window: int = Field(
+        default=0,
+        ge=0,
+        description="generation tasks in the broker at once (published, result not read), released "
+        "across keys by deficit round robin; 0 = LOOM_GATEWAY_ROLLOUT_SLOTS, else 64",
+    )
+    rollout_slots: int = Field(
+        default=0,
+        ge=0,
+        description="groups the rollout replicas take at once, all of them together (each replica's "
+        "pool size: its LOOM_ROLLOUT_CONCURRENCY plus its ready slots); 0 = not known",
+    )
+    fair_share: bool = Field(
+        default=True,
+        description="release generation tasks by deficit round robin across keys (false: each is "
+        "published at once, first come first served in the broker)",
+    )
     dataset_max_bytes: int = Field(
         default=1024**3, ge=1, description="largest dataset upload (POST /v1/datasets)"
     )

@@ -11,8 +11,10 @@ import logging
 import re
 from typing import Any
 
+from gateway.cost import produced
 from gateway.models import JobRequest
 from gateway.pipeline import Cancelled, Coalescer
+from gateway.quotas import Cost
 from gateway.runs import to_request
 from gateway.state import GatewayState
 from gateway.step import Stages, StepConfig, collect, gather_all
@@ -76,12 +78,13 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
     counters: dict[str, float] = dict(row.counters)
     slots = asyncio.Semaphore(parallel)
 
-    async def write(groups: list[tuple[int, dict[str, Any]]]) -> list[BaseException | None]:
-        await asyncio.to_thread(state.jobs.add_groups, job_id, groups)
+    async def write(groups: list[tuple[int, dict[str, Any], Cost]]) -> list[BaseException | None]:
+        stored = [(i, payload) for i, payload, _ in groups]
+        await asyncio.to_thread(state.jobs.add_groups, job_id, stored, [c for _, _, c in groups])
         return [None] * len(groups)
 
     # the groups scored in one turn of the loop (one reward task's, read together) in one commit
-    store: Coalescer[tuple[int, dict[str, Any]]] = Coalescer(write)
+    store: Coalescer[tuple[int, dict[str, Any], Cost]] = Coalescer(write)
 
     async def one(i: int) -> None:
         async with slots:
@@ -105,7 +108,7 @@ async def run_job(job_id: str, state: GatewayState, stages: Stages, parallel: in
         if counters.get("adaptive_prompts"):
             per_prompt = counters["adaptive_samples"] / counters["adaptive_prompts"]
             counters["adaptive_samples_per_prompt"] = per_prompt
-        await store.add((i, payload))
+        await store.add((i, payload, produced(g for g, _ in got.sampled)))
         mark("stored", f"{job_id}.p{i}")
 
     try:

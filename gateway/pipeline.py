@@ -40,9 +40,12 @@ from typing import Any, Generic, TypeVar
 from celery import states
 from kombu.exceptions import OperationalError
 
+from gateway.cost import group_budget
+from gateway.scheduler import FairGate
 from gateway.step import Stages as Stages  # noqa: F401  (what gateway/api.py and manager.py type with)
 from gateway.step import gather_all
 from loom.contracts import tasks
+from loom.contracts.modes import ModeError
 from loom.contracts.wire import (
     Group,
     ReflectParams,
@@ -184,6 +187,15 @@ def for_reward(group: Group) -> dict[str, Any]:
     return group.model_dump(mode="json", exclude=REWARD_DROPS)
 
 
+def _fair_cost(request: RolloutRequest) -> float:
+    """A generation task's cost to the fair scheduler: its group's worst-case tokens; a request whose
+    mode parameters do not parse costs n x max_tokens (the worker refuses it with the reason)."""
+    try:
+        return float(group_budget(request).tokens)
+    except ModeError:
+        return float(request.sampling.n * request.sampling.max_tokens)
+
+
 @dataclass
 class CeleryStages:
     """Stages backed by the services' Celery tasks (sent by name: no service package is imported)."""
@@ -201,6 +213,9 @@ class CeleryStages:
     score_batch: int = 16
     score_linger: float = 0.005
     score_max_wait: float = 0.025
+    # Generation tasks wait here for a slot of the broker's bounded window, released across API keys
+    # by deficit round robin (gateway/scheduler.py); None: each is published as soon as it is asked for.
+    fair: FairGate | None = None
 
     def __post_init__(self) -> None:
         self.hub = ResultHub(self.app, poll=self.poll, name="gateway-results")
@@ -322,7 +337,15 @@ class CeleryStages:
         return await self._result(key)
 
     async def generate(self, key: str, request: RolloutRequest) -> Group:
-        return Group.model_validate(await self._call(GENERATE, key, request.model_dump(mode="json")))
+        """``rollout.generate_group`` under ``key``; with ``fair``, published once its key's turn
+        gives it a slot (its cost: the group's worst-case tokens, gateway/cost.py), the slot held
+        until its result is read."""
+        body = request.model_dump(mode="json")
+        if self.fair is None:
+            return Group.model_validate(await self._call(GENERATE, key, body))
+        async with self.fair.slot(key, _fair_cost(request)):
+            result = await self._call(GENERATE, key, body)
+        return Group.model_validate(result)
 
     async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
         return RewardResult.model_validate(
@@ -382,6 +405,8 @@ class CeleryStages:
 
     def forget(self, scope: str) -> None:
         self._published.pop(scope, None)
+        if self.fair is not None:
+            self.fair.forget(scope)
 
     def close(self) -> None:
         self.hub.close()

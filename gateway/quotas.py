@@ -1,10 +1,11 @@
 """Per-key quotas (docs/security.md "Quotas"): what a job or run costs, and whether it fits.
 
 A key's queued and running work holds at most ``jobs`` jobs and ``runs`` runs, and together at most
-``samples`` completions and ``tokens`` completion tokens (samples x ``max_tokens``) in flight. A job
-costs every sample it asks for (prompts x n; with adaptive sampling prompts x M x R, its worst case);
-a run costs the samples of the steps it may generate at once ((staleness + 1) x its largest batch x
-samples per prompt), and its whole length (x ``filter_max_batches``, the batches a filtered step may
+``samples`` completions and ``tokens`` generated completion tokens in flight. A job is charged by
+its mode's worst case (gateway/cost.py: tree's every path, spawn's children, streaming's rounds,
+adaptive sampling's every round) and settled to what it produced when it ends; a run costs the
+samples of the steps it may generate at once ((staleness + 1) x its largest batch x samples per
+prompt), and its whole length (x ``filter_max_batches``, the batches a filtered step may
 draw) is bounded on its own by ``run_samples``.
 
 A submission that could never fit (over a limit on its own) is a 422 naming the limit; one that fits
@@ -96,11 +97,6 @@ def samples_per_prompt(req: Any) -> int:
     return int(req.sampling.n)
 
 
-def job_cost(req: Any, n_prompts: int) -> Cost:
-    samples = n_prompts * samples_per_prompt(req)
-    return Cost(samples, samples * int(req.sampling.max_tokens))
-
-
 def run_cost(req: Any) -> tuple[Cost, int]:
     """(the run's cost in flight, its samples over all its steps)."""
     sched = req.schedule
@@ -138,7 +134,8 @@ def over_quota(
     for quota, need, held in (("samples", cost.samples, samples), ("tokens", cost.tokens, tokens)):
         limit = getattr(quotas, quota)
         if need > limit:
-            what = "samples (prompts x samples per prompt)" if quota == "samples" else "tokens (x max_tokens)"
+            what = "samples" if quota == "samples" else "tokens"
+            what += " (its mode's worst case, docs/security.md 'Quotas')" if kind == "job" else ""
             return QuotaExceeded(
                 422,
                 quota,

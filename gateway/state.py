@@ -132,7 +132,7 @@ class Database:
         self._watch_lock = threading.Lock()
         db = self.connection()
         db.executescript(SCHEMA)
-        for table in ("jobs", "runs"):
+        for table in ("jobs", "runs", "job_groups"):
             have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
             for column in COST_COLUMNS:
                 if column.split()[0] not in have:
@@ -258,7 +258,15 @@ class WorkStore(Generic[Row]):
             out.update(str(r["id"]) for r in self.db.all(sql, part))
         return out
 
-    def _update(self, item_id: str, fields: dict[str, Any], where: str) -> bool:
+    def _update(
+        self,
+        item_id: str,
+        fields: dict[str, Any],
+        where: str,
+        then: tuple[str, Sequence[Any]] | None = None,
+    ) -> bool:
+        """Write ``fields`` where ``where`` holds; ``then``: a statement run in the same transaction
+        when the row was written."""
         fields = {**fields, "updated_at": time.time()}
         if isinstance(fields.get("counters"), dict):
             fields["counters"] = json.dumps(fields["counters"])
@@ -268,6 +276,8 @@ class WorkStore(Generic[Row]):
                 f"UPDATE {self.table} SET {cols} WHERE id=?{where}",  # noqa: S608
                 (*fields.values(), item_id),
             )
+            if cur.rowcount > 0 and then is not None:
+                db.execute(*then)
             return cur.rowcount > 0
 
     def create(
@@ -327,16 +337,48 @@ class JobStore(WorkStore[JobRow]):
     def add_group(self, job_id: str, idx: int, payload: dict[str, Any]) -> None:
         self.add_groups(job_id, [(idx, payload)])
 
-    def add_groups(self, job_id: str, groups: Sequence[tuple[int, dict[str, Any]]]) -> None:
+    def add_groups(
+        self,
+        job_id: str,
+        groups: Sequence[tuple[int, dict[str, Any]]],
+        produced: Sequence[Cost] | None = None,
+    ) -> None:
         """Store groups of ``job_id`` (index, payload) in one transaction (one commit for groups that
-        finished together); each gets the next sequence number, an index already stored is kept."""
+        finished together), with what each ``produced`` (gateway/cost.py; every round and revision it
+        generated): each gets the next sequence number, an index already stored is kept (with what
+        it produced: a redelivered or resumed group is never counted twice)."""
+        costs = list(produced) if produced is not None else [Cost(0, 0)] * len(groups)
         with self.db.tx() as db:
-            for idx, payload in groups:
+            for (idx, payload), cost in zip(groups, costs, strict=True):
                 seq = db.execute("SELECT COUNT(*) FROM job_groups WHERE job_id=?", (job_id,)).fetchone()[0]
                 db.execute(
-                    "INSERT OR IGNORE INTO job_groups (job_id, idx, seq, payload) VALUES (?, ?, ?, ?)",
-                    (job_id, idx, seq, json.dumps(payload)),
+                    "INSERT OR IGNORE INTO job_groups (job_id, idx, seq, payload, samples, tokens) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (job_id, idx, seq, json.dumps(payload), cost.samples, cost.tokens),
                 )
+
+    def finish(self, item_id: str, status: str, **fields: Any) -> bool:
+        """``WorkStore.finish``, and the job's charge settled in the same transaction: its ``samples``
+        and ``tokens`` become what its stored groups produced (the rest of its admission charge,
+        its mode's worst case, is given back: docs/security.md "Quotas")."""
+        settle = (
+            "UPDATE jobs SET samples=(SELECT COALESCE(SUM(samples), 0) FROM job_groups WHERE job_id=?), "
+            "tokens=(SELECT COALESCE(SUM(tokens), 0) FROM job_groups WHERE job_id=?) WHERE id=?"
+        )
+        return self._update(
+            item_id,
+            {"status": status, **fields},
+            " AND status IN ('queued', 'running')",
+            then=(settle, (item_id, item_id, item_id)),
+        )
+
+    def produced(self, job_id: str) -> Cost:
+        """What the groups ``job_id`` has stored produced (its settled charge once it has ended)."""
+        row = self.db.one(
+            "SELECT COALESCE(SUM(samples), 0), COALESCE(SUM(tokens), 0) FROM job_groups WHERE job_id=?",
+            (job_id,),
+        )
+        return Cost(0, 0) if row is None else Cost(int(row[0]), int(row[1]))
 
     def groups(self, job_id: str, after_seq: int = -1) -> list[tuple[int, dict[str, Any]]]:
         """(sequence number, ScoredGroup as JSON) of the groups stored after ``after_seq``."""
@@ -543,3 +585,11 @@ class GatewayState:
     def cancelled_among(self, ids: Sequence[str]) -> set[str]:
         """The jobs and runs among ``ids`` whose status is ``cancelled``."""
         return self.jobs.cancelled_among(ids) | self.runs.cancelled_among(ids)
+
+    def owner_of(self, item_id: str) -> str | None:
+        """The key that submitted job or run ``item_id`` (None: neither is stored)."""
+        row = self.db.one(
+            "SELECT owner FROM jobs WHERE id=? UNION ALL SELECT owner FROM runs WHERE id=? LIMIT 1",
+            (item_id, item_id),
+        )
+        return None if row is None else str(row["owner"])

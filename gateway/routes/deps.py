@@ -151,12 +151,14 @@ async def submit(
     *,
     items: Sequence[TaskItem],
     per_item_loc: str | None = None,
-    cost: Cost,
+    cost: Cost | Callable[[Any], Cost],
     start: Callable[[str], None],
 ) -> JSONResponse:
     """Check a submission (its ``items``: 422 naming the first problem, at ``per_item_loc`` for an
-    item's own), store it in ``store`` (idempotent by its key) and start it: 201 when new, 200 when the
-    key names the same request, 409 when it names a different one, the quota's answer when over."""
+    item's own), store it in ``store`` (idempotent by its key) charged ``cost`` (or ``cost(checked)``
+    of the checked request: a job's mode budget reads its resolved mode parameters) and start it:
+    201 when new, 200 when the key names the same request, 409 when it names a different one, the
+    quota's answer when over."""
     key = owner(request)
 
     def owns_run(namespace: str) -> bool:  # a run's lineage is its id's namespace
@@ -168,6 +170,8 @@ async def submit(
         return JSONResponse(status_code=422, content=checked.problem)
     body = checked.request
     kind = store.kind
+    if callable(cost):
+        cost = cost(body)
     create_row = partial(store.create, owner=owner(request), request=body, cost=cost, quotas=gw.quotas)
     try:
         item_id, created = await asyncio.to_thread(create_row)

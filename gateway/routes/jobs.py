@@ -12,8 +12,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.cost import job_budget
 from gateway.models import MAX_VERSION, Created, JobRequest, JobView, ScoredGroup
-from gateway.quotas import QuotaExceeded, job_cost
+from gateway.quotas import QuotaExceeded
 from gateway.routes.deps import (
     EXISTING,
     NOT_FOUND,
@@ -29,6 +30,7 @@ from gateway.routes.deps import (
     view,
 )
 from gateway.state import GatewayState, JobRow
+from loom.contracts.modes import ModeLimits
 from loom.service import LoomRoute, error_responses
 from loom.timeline import mark
 
@@ -61,7 +63,7 @@ async def submit_job(body: JobRequest, request: Request, gw: GatewayDep) -> Any:
         body,
         items=items,
         per_item_loc=per_item_loc,
-        cost=job_cost(body, len(items)),
+        cost=lambda checked: job_budget(checked, checked.items(), ModeLimits.from_settings(gw.settings)),
         start=gw.manager.start_job,
     )
 
