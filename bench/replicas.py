@@ -262,7 +262,7 @@ class Phase:
     jobs_finished: int
     jobs_failed: int
     http_retries: int  # requests of the keys sent again after a dropped connection
-    requests: int  # the keys' requests to the gateway in the phase (submissions, polls, cancels)
+    requests: int  # the keys' requests to the gateway in the window (submissions, polls, cancels)
     groups_per_s: float
     capacity_per_s: float  # replicas / group_s
     utilization: float
@@ -375,13 +375,19 @@ def run_phase(
             now = time.monotonic() - t0
             samples.append(Sample(round(now, 1), list(driver.done), d.get("rollout"), d.get("reward")))
             if "start" not in marks and now >= args.warmup and warm():
-                marks["start"] = (now, list(driver.done), meter.cpu(), meter.redis_commands())
+                marks["start"] = (
+                    now,
+                    list(driver.done),
+                    meter.cpu(),
+                    meter.redis_commands(),
+                    driver.requests,
+                )
             if "start" not in marks and now > READY_S:
                 marks["error"] = f"not every worker had finished a task after {READY_S:.0f} s"
                 loops[0].call_soon_threadsafe(driver.stop.set)
                 return
             if "start" in marks and now >= marks["start"][0] + args.seconds:
-                marks["end"] = (now, list(driver.done), meter.cpu(), meter.redis_commands())
+                marks["end"] = (now, list(driver.done), meter.cpu(), meter.redis_commands(), driver.requests)
                 loops[0].call_soon_threadsafe(driver.stop.set)
                 return
             time.sleep(1.0)
@@ -394,7 +400,7 @@ def run_phase(
     asyncio.run(main())
     if "error" in marks:
         raise RuntimeError(marks["error"])
-    (ts, d0, c0, r0), (te, d1, c1, r1) = marks["start"], marks["end"]
+    (ts, d0, c0, r0, q0), (te, d1, c1, r1, q1) = marks["start"], marks["end"]
     window = te - ts
     per_key = [b - a for a, b in zip(d0, d1, strict=True)]
     groups = sum(per_key)
@@ -414,7 +420,7 @@ def run_phase(
         jobs_finished=driver.finished,
         jobs_failed=driver.failed,
         http_retries=driver.retries,
-        requests=driver.requests,
+        requests=q1 - q0,
         groups_per_s=rate,
         capacity_per_s=capacity,
         utilization=rate / capacity,
@@ -474,7 +480,8 @@ def report(ph: Phase, args: argparse.Namespace) -> None:
     print(f"groups/s {ph.groups_per_s:.2f} over {ph.seconds:.0f} s ({ph.groups} groups); capacity of the "
           f"replicas {ph.capacity_per_s:.1f}/s; replica utilization {ph.utilization:.2f}")  # fmt: skip
     print(f"jobs finished {ph.jobs_finished} ({ph.jobs_failed} failed); requests sent again after a dropped "
-          f"connection: {ph.http_retries}; the keys' requests {ph.requests} in the phase")  # fmt: skip
+          f"connection: {ph.http_retries}; the keys' requests in the window {ph.requests} "
+          f"({ph.requests / max(ph.groups, 1):.2f} a stored group)")  # fmt: skip
     print("queue depth (messages ready) over time: t s | rollout | reward")
     step = max(1, len(ph.samples) // 16)
     for s in ph.samples[::step]:

@@ -55,7 +55,13 @@ def test_tiny_run_reports_every_field_and_the_counts_add_up(tmp_path: Path) -> N
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout
     assert "replicas: 4 (2 rollout worker processes x 2 engine slots" in text
-    for field in ("groups/s", "queue depth", "per-key groups/s: k00=", "Jain's fairness index", "first bottleneck:"):
+    for field in (
+        "groups/s",
+        "queue depth",
+        "per-key groups/s: k00=",
+        "Jain's fairness index",
+        "first bottleneck:",
+    ):
         assert field in text, text
     (ph,) = json.loads(out.read_text())
     assert ph["name"] == "pipeline" and ph["max_tokens"] == 4
@@ -63,6 +69,7 @@ def test_tiny_run_reports_every_field_and_the_counts_add_up(tmp_path: Path) -> N
     assert len(ph["per_key"]) == 2 and sum(ph["per_key"]) == ph["groups"] > 0
     assert all(x > 0 for x in ph["per_key"])  # both keys got groups through
     assert ph["jobs_failed"] == 0
+    assert ph["requests"] >= 2  # the keys polled their jobs in the window (one poll a second each)
     assert ph["groups_per_s"] == pytest.approx(ph["groups"] / ph["seconds"])
     assert ph["capacity_per_s"] == pytest.approx(4 / ph["group_s"])
     assert ph["utilization"] == pytest.approx(ph["groups_per_s"] / ph["capacity_per_s"])
