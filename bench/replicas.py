@@ -219,9 +219,11 @@ class Meter:
     def __init__(self, procs: Procs) -> None:
         self.procs: dict[str, psutil.Process] = {r: psutil.Process(p.pid) for r, p in procs.roles.items()}
         self.procs["bench"] = psutil.Process()
+        servers = {"beam.smp": ("rabbitmq", 5672), "redis-server": ("redis", 6379)}
         for p in psutil.process_iter(["name"]):
-            if p.info["name"] in ("beam.smp", "redis-server"):
-                self.procs["rabbitmq" if p.info["name"] == "beam.smp" else "redis"] = p
+            role, port = servers.get(p.info["name"], ("", 0))
+            if role and listens(p, port):  # the server the stack uses (tests start private nodes too)
+                self.procs[role] = p
 
     def cpu(self) -> dict[str, float]:
         out = {}
@@ -240,6 +242,13 @@ class Meter:
         import redis
 
         return int(redis.Redis.from_url(REDIS).info("stats")["total_commands_processed"])
+
+
+def listens(p: psutil.Process, port: int) -> bool:
+    try:
+        return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp"))
+    except psutil.Error:
+        return False
 
 
 def queue_app(env: dict[str, str]) -> Any:
