@@ -383,7 +383,9 @@ def run_phase(
                 d = {}
             now = time.monotonic() - t0
             samples.append(Sample(round(now, 1), list(driver.done), d.get("rollout"), d.get("reward")))
-            if "start" not in marks and now >= args.warmup and warm():
+            if "warm" not in marks and warm():
+                marks["warm"] = now  # the window begins --warmup s after every worker is warm
+            if "start" not in marks and "warm" in marks and now >= marks["warm"] + args.warmup:
                 marks["start"] = (
                     now,
                     list(driver.done),
@@ -526,7 +528,9 @@ def main(argv: list[str] | None = None) -> list[Phase]:
     p.add_argument("--fast-tokens", type=int, default=4)
     p.add_argument("--phases", default="replica,pipeline")
     p.add_argument("--seconds", type=float, default=60.0, help="each phase's measured window")
-    p.add_argument("--warmup", type=float, default=15.0, help="seconds before each phase's window")
+    p.add_argument(
+        "--warmup", type=float, default=15.0, help="seconds between every worker being warm and the window"
+    )
     p.add_argument("--poll", type=float, default=1.0, help="how often a key polls each of its jobs")
     p.add_argument("--weights", default="", help="comma-separated weight per key (default: all 1)")
     p.add_argument("--json", default="", help="write the phases here")
