@@ -424,7 +424,7 @@ def run_phase(
         name=name,
         max_tokens=max_tokens,
         group_s=group_s,
-        seconds=round(window, 2),
+        seconds=window,
         groups=groups,
         per_key=per_key,
         weights=weights,
