@@ -67,6 +67,9 @@ _PREFIX = GatewaySettings.model_config["env_prefix"]
 SETTING = {quota: f"{_PREFIX}{name}".upper() for quota, name in _FIELD.items()}
 
 
+_RUN_WHAT = {"samples": "samples (batch x samples per prompt)", "tokens": "tokens (x max_tokens)"}
+
+
 class QuotaExceeded(Exception):
     """422 (never fits) or 429 (not beside the key's other work); ``body()`` is the answer."""
 
@@ -134,8 +137,12 @@ def over_quota(
     for quota, need, held in (("samples", cost.samples, samples), ("tokens", cost.tokens, tokens)):
         limit = getattr(quotas, quota)
         if need > limit:
-            what = "samples" if quota == "samples" else "tokens"
-            what += " (its mode's worst case, docs/security.md 'Quotas')" if kind == "job" else ""
+            if kind == "job":
+                what = f"{quota} (its mode's worst case, docs/security.md 'Quotas')"
+            else:
+                what = (
+                    "samples (batch x samples per prompt)" if quota == "samples" else "tokens (x max_tokens)"
+                )
             return QuotaExceeded(
                 422,
                 quota,

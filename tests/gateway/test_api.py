@@ -65,6 +65,22 @@ def test_keys_cli_prints_a_key_once_and_its_entry(capsys: pytest.CaptureFixture[
     assert KeyRing.from_spec(entry).verify(key) is not None and key not in entry
 
 
+def test_a_key_carries_its_fair_share_weight(capsys: pytest.CaptureFixture[str]) -> None:
+    """``name:sha256:scopes:weight`` (gateway/scheduler.py); default 1.0; a weight that is not a
+    finite number > 0 is refused naming the key; the CLI writes the field."""
+    digest = "0" * 64
+    ring = KeyRing.from_spec(f"a:{digest},b:{'1' * 64}:jobs:2.5")
+    assert ring.weights() == {"a": 1.0, "b": 2.5} and ring.keys[1].scopes == {"jobs"}
+    for bad in ("0", "-1", "nan", "inf", "heavy"):
+        with pytest.raises(ValueError, match="'c'.*weight"):
+            parse_keys(f"c:{digest}:jobs:{bad}")
+    assert main(["new", "bob", "--weight", "3"]) == 0
+    entry = capsys.readouterr().out.splitlines()[1].removeprefix("LOOM_API_KEYS=")
+    assert entry.endswith(":jobs+runs:3") and KeyRing.from_spec(entry).weights() == {"bob": 3.0}
+    with pytest.raises(SystemExit):
+        main(["new", "bob", "--weight", "0"])
+
+
 def test_probes_are_open_everything_else_needs_a_key(client: TestClient) -> None:
     assert client.get("/healthz").status_code == 200
     for path in ("/metrics", "/version", "/openapi.json", "/v1/jobs/x", "/v1/runs/x", "/nowhere"):

@@ -67,6 +67,29 @@ def test_a_quota_counts_jobs_and_runs_together(tmp_path: Path) -> None:
     state.runs.create(owner="you", request=RUN, cost=Cost(6, 0), quotas=quotas)  # another key's room
 
 
+def test_a_job_is_settled_to_what_its_groups_produced_and_never_counted_twice(tmp_path: Path) -> None:
+    """Charged its worst case at admission; when it ends (here: cancelled after two of its groups)
+    its charge is what its stored groups produced, and a group stored again (a redelivered task, a
+    resumed job) is counted once; the rest of the charge is free for the key's next job."""
+    state = GatewayState(tmp_path / "gw.sqlite")
+    quotas = Quotas(jobs=5, runs=5, samples=100, tokens=10**6, run_samples=10**6, streams=2)
+    job_id, _ = state.jobs.create(owner="me", request=JOB, cost=Cost(60, 6000), quotas=quotas)
+    with pytest.raises(QuotaExceeded) as refused:
+        state.jobs.create(
+            owner="me", request=JOB.model_copy(update={"job_key": "k2"}), cost=Cost(60, 1), quotas=quotas
+        )
+    assert refused.value.in_use == 60
+    state.jobs.add_groups(job_id, [(0, {"index": 0}), (1, {"index": 1})], [Cost(7, 70), Cost(5, 50)])
+    state.jobs.add_groups(job_id, [(1, {"index": 1})], [Cost(5, 50)])  # stored again: kept once
+    assert state.jobs.produced(job_id) == Cost(12, 120)
+    assert state.jobs.finish(job_id, "cancelled")
+    row = state.jobs.get(job_id)
+    assert row is not None and (row.samples, row.tokens) == (12, 120)
+    assert not state.jobs.finish(job_id, "succeeded")  # no second settlement either
+    job2 = JOB.model_copy(update={"job_key": "k2"})
+    assert state.jobs.create(owner="me", request=job2, cost=Cost(99, 1), quotas=quotas)[1]
+
+
 def test_start_and_finish_never_overwrite_a_cancel(tmp_path: Path) -> None:
     state = GatewayState(tmp_path / "gw.sqlite")
     job_id, _ = state.jobs.create(owner="me", request=JOB)

@@ -109,6 +109,36 @@ def test_work_beside_the_keys_other_work_is_429_until_some_ends(tmp_path: Path) 
         assert c.post("/v1/jobs", json=_job("d"), headers=auth(JOBS_KEY)).status_code == 201
 
 
+def test_tree_and_spawn_jobs_are_charged_by_their_modes_budget(tmp_path: Path) -> None:
+    """Before, a job held prompts x n samples whatever its mode: a tree job with n=1 held one sample
+    and generated 172 trajectories. Now a tree job holds initial x (1 + iterations x branches x
+    continuations) paths per prompt and a spawn job every child its parents may spawn."""
+    tree = {"mode": "tree", "mode_params": {"initial": 4, "branches": 2, "continuations": 3}}
+    with make_client(tmp_path, quota_samples=100) as c:
+        big = _job("tree-big", 4, sampling={"n": 1, "max_tokens": 64}, **tree)  # 4 x 4 x (1 + 6) = 112
+        r = c.post("/v1/jobs", json=big, headers=auth(JOBS_KEY))
+        assert r.status_code == 422 and r.json()["quota"] == "samples", r.text
+        assert r.json()["requested"] == 4 * 4 * (1 + 1 * 2 * 3)
+        small = _job("tree", 2, sampling={"n": 1, "max_tokens": 64}, **tree)  # 56 paths
+        assert c.post("/v1/jobs", json=small, headers=auth(JOBS_KEY)).status_code == 201
+        again = _job("tree-2", 2, sampling={"n": 1, "max_tokens": 64}, **tree)
+        r = c.post("/v1/jobs", json=again, headers=auth(JOBS_KEY))
+        assert r.status_code == 429 and r.json()["in_use"] == 56, r.text  # held at its tree budget
+        # spawn: 2 rollouts x (a parent + 8 children) = 18 calls; tokens: the parent's 64 + 8 x 32
+        spawn = {"mode": "spawn", "mode_params": {"max_children": 8, "child_max_tokens": 32}}
+        job = _job("spawn", 1, sampling={"n": 2, "max_tokens": 64}, **spawn)
+        r = c.post("/v1/jobs", json=job, headers=auth(RUNS_KEY))
+        assert r.status_code == 201, r.text
+        spawn_big = _job("spawn-big", 5, sampling={"n": 2, "max_tokens": 64}, **spawn)  # 90 + 18 > 100
+        r = c.post("/v1/jobs", json=spawn_big, headers=auth(RUNS_KEY))
+        assert r.status_code == 429 and r.json()["in_use"] == 18 and r.json()["requested"] == 90, r.text
+    with make_client(tmp_path / "tokens", quota_tokens=1000) as c:
+        job = _job("spawn-tokens", 2, sampling={"n": 2, "max_tokens": 64}, **spawn)  # 2 x 2 x 320
+        r = c.post("/v1/jobs", json=job, headers=auth(JOBS_KEY))
+        assert r.status_code == 422 and r.json()["quota"] == "tokens", r.text
+        assert r.json()["requested"] == 2 * 2 * (64 + 8 * 32)
+
+
 def test_concurrent_runs_are_capped_per_key(tmp_path: Path) -> None:
     with make_client(tmp_path, quota_runs=2) as c:
         run = {"dataset": {"builtin": "arith", "size": 8}, "schedule": {"steps": 2, "batch_size": 2}}
