@@ -162,7 +162,9 @@ def store_world(tmp_path_factory: pytest.TempPathFactory, adapters: list[tuple[P
     root = tmp_path_factory.mktemp("multilora-store")
     store = PolicyStore(root / "policy")
     for key, (folder, _) in zip(KEYS, adapters, strict=True):
-        store.namespace(key).publish(1, lambda d, f=folder: shutil.copytree(f, d, dirs_exist_ok=True), kind="lora")
+        store.namespace(key).publish(
+            1, lambda d, f=folder: shutil.copytree(f, d, dirs_exist_ok=True), kind="lora"
+        )
     eve = store.namespace("eve")
     eve.publish(
         1,
@@ -170,7 +172,9 @@ def store_world(tmp_path_factory: pytest.TempPathFactory, adapters: list[tuple[P
         kind="lora",
         meta={"base_version": 3},
     )
-    return Settings(data_dir=root / "data", policy_store=store.root, model=str(CHECKPOINT_DIR), torch_threads=1)
+    return Settings(
+        data_dir=root / "data", policy_store=store.root, model=str(CHECKPOINT_DIR), torch_threads=1
+    )
 
 
 def request(namespace: str | None, version: int | None) -> RolloutRequest:
@@ -185,16 +189,20 @@ def request(namespace: str | None, version: int | None) -> RolloutRequest:
     )
 
 
+@pytest.mark.parametrize("kind", ["torch", "process"])
 def test_four_keys_lora_versions_and_the_base_are_served_by_one_replica_at_once(
-    store_world: Settings, adapters: list[tuple[Path, Any]], base_model: Any
+    store_world: Settings, adapters: list[tuple[Path, Any]], base_model: Any, kind: str
 ) -> None:
     """Groups of 4 keys' LoRA versions and a base group run together on one engine without a load
-    (the engine keeps the base): every trajectory carries its own namespace and its own adapter's
-    log-probs."""
-    from zoo.tiny import CHECKPOINT_DIR
+    (the engine keeps the base), in process and in the engine's own process (``ProcessEngine``):
+    every trajectory carries its own namespace and its own adapter's log-probs."""
+    from rollout_svc.engines.process import ProcessEngine
+    from zoo.tiny import CHECKPOINT_DIR, load_tokenizer
 
-    engine = TorchEngine(CHECKPOINT_DIR, cache_entries=8)
-    tok = lambda: engine.tokenizer  # noqa: E731
+    engine: Any = (
+        TorchEngine(CHECKPOINT_DIR, cache_entries=8) if kind == "torch" else ProcessEngine(CHECKPOINT_DIR)
+    )
+    tok = load_tokenizer
 
     async def flow() -> list[Any]:
         reqs = [request(k, 1) for k in KEYS] + [request(None, None)]
@@ -208,7 +216,10 @@ def test_four_keys_lora_versions_and_the_base_are_served_by_one_replica_at_once(
             assert (t.policy_namespace, t.policy_version) == (key, 1 if key else 0)
             want = teacher_forced_logprobs(ref, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
             assert t.logprobs == pytest.approx(want, abs=1e-4)
-    engine.stop_scheduler()
+    if kind == "process":
+        engine.close_sync()
+    else:
+        engine.stop_scheduler()
 
 
 def test_a_lora_whose_declared_base_is_not_the_deployments_is_refused_typed(store_world: Settings) -> None:

@@ -67,7 +67,6 @@ from rollout_svc.engines.base import (
 )
 from rollout_svc.engines.torch.alone import generate_alone
 from rollout_svc.engines.torch.lora import LoraAdapter, LoraSet
-from rollout_svc.engines.torch.versions import ModelLru
 from rollout_svc.engines.torch.model import (
     Dtype,
     block_mask,
@@ -76,12 +75,12 @@ from rollout_svc.engines.torch.model import (
     load_adapter,
     load_model,
     load_tokenizer,
-    merge_adapter,
     prompt_logprobs,
 )
 from rollout_svc.engines.torch.prefix_cache import Key, PrefixCache, layers
 from rollout_svc.engines.torch.sampling import LogprobsMode, accept, sample
 from rollout_svc.engines.torch.scheduler import KvBudget, Scheduler, default_kv_budget, kv_bytes_per_token
+from rollout_svc.engines.torch.versions import ModelLru
 
 log = logging.getLogger("loom.rollout.torch")
 
