@@ -96,13 +96,51 @@ def read_adapter(folder: Path, model: Any, device: Any, dtype: torch.dtype) -> L
     return LoraAdapter(str(folder), scale, factors)
 
 
-Plan = list[tuple[LoraAdapter, torch.Tensor | None]]  # each adapter and its rows (None: every row)
+Groups = list[tuple[LoraAdapter, torch.Tensor | None]]  # each adapter and its rows (None: every row)
+STACK_BYTES = 64 << 20  # the most a plan's stacked factors may take (else: grouped by adapter)
+
+
+class Plan:
+    """The adapters of one batch's rows: ``groups`` (each adapter and its rows, None: every row) and,
+    made once per batch composition and per layer, the rows' factors stacked (punica's gathered
+    form, https://arxiv.org/abs/2310.18547: ``A`` [rows, r, in], ``B * scale`` [rows, out, r], zeros
+    for base rows and for ranks below the widest), so a layer costs one pair of batched matmuls
+    whatever the number of adapters. Past ``STACK_BYTES`` a layer is computed adapter by adapter."""
+
+    def __init__(self, groups: Groups, rows: int) -> None:
+        self.groups, self.rows = groups, rows
+        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    @property
+    def one(self) -> LoraAdapter | None:
+        """The adapter of every row, when there is one."""
+        return self.groups[0][0] if len(self.groups) == 1 and self.groups[0][1] is None else None
+
+    def stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if name not in self._stacked:
+            self._stacked[name] = self._stack(name)
+        return self._stacked[name]
+
+    def _stack(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        mine = [(a.factors[name], a.scale, idx) for a, idx in self.groups if name in a.factors]
+        if not mine:
+            return None
+        (a0, b0), _, _ = mine[0]
+        rank = max(ab[0].shape[0] for ab, _, _ in mine)
+        if self.rows * rank * (a0.shape[1] + b0.shape[0]) * a0.element_size() > STACK_BYTES:
+            return None
+        a_rows = a0.new_zeros(self.rows, rank, a0.shape[1])
+        b_rows = b0.new_zeros(self.rows, b0.shape[0], rank)
+        for (a, b), scale, idx in mine:
+            a_rows[idx, : a.shape[0]] = a
+            b_rows[idx, :, : a.shape[0]] = b * scale
+        return a_rows, b_rows
 
 
 def plan_of(adapters: Sequence[LoraAdapter | None] | LoraAdapter | None, device: Any) -> Plan | None:
     """Rows grouped by adapter: one adapter for the whole batch, or one (or None) per row."""
     if adapters is None or isinstance(adapters, LoraAdapter):
-        return None if adapters is None else [(adapters, None)]
+        return None if adapters is None else Plan([(adapters, None)], 0)
     rows: dict[int, tuple[LoraAdapter, list[int]]] = {}
     for b, a in enumerate(adapters):
         if a is not None:
@@ -110,8 +148,8 @@ def plan_of(adapters: Sequence[LoraAdapter | None] | LoraAdapter | None, device:
     if not rows:
         return None
     if len(rows) == 1 and len(next(iter(rows.values()))[1]) == len(adapters):
-        return [(next(iter(rows.values()))[0], None)]
-    return [(a, torch.tensor(idx, device=device)) for a, idx in rows.values()]
+        return Plan([(next(iter(rows.values()))[0], None)], len(adapters))
+    return Plan([(a, torch.tensor(idx, device=device)) for a, idx in rows.values()], len(adapters))
 
 
 class LoraSet:
@@ -177,12 +215,13 @@ class LoraSet:
     @contextmanager
     def rows(self, model: Any, adapters: Sequence[LoraAdapter | None] | LoraAdapter | None) -> Iterator[None]:
         """This thread's forwards of ``model`` inside apply ``adapters`` (one per batch row, or one
-        for all); an adapter whose hooks are not on ``model`` is refused, never served as the base."""
-        plan = plan_of(adapters, next(model.parameters()).device)
+        for all); an adapter whose hooks are not on ``model`` is refused, never served as the base.
+        A batch's plan is kept while its rows stay the same (the decode steps between admissions)."""
+        plan = self._plan_for(adapters, next(model.parameters()).device)
         if plan is None:
             yield
             return
-        for adapter, _ in plan:
+        for adapter, _ in plan.groups:
             if not self.hooked(model, adapter):
                 raise RuntimeError("a LoRA adapter's hooks are not on the engine's model")
         self._local.plan = plan
@@ -191,21 +230,43 @@ class LoraSet:
         finally:
             self._local.plan = None
 
+    def _plan_for(
+        self, adapters: Sequence[LoraAdapter | None] | LoraAdapter | None, device: Any
+    ) -> Plan | None:
+        if adapters is None or isinstance(adapters, LoraAdapter):
+            return plan_of(adapters, device)
+        key = tuple(0 if a is None else a.uid for a in adapters)
+        last = getattr(self._local, "last", None)
+        if last is not None and last[0] == key:
+            plan: Plan | None = last[1]
+            return plan
+        plan = plan_of(adapters, device)
+        self._local.last = (key, plan)
+        return plan
+
     def _delta(self, name: str) -> Any:
         def hook(module: Any, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
             plan: Plan | None = getattr(self._local, "plan", None)
             if plan is None:
                 return None
             x = args[0]
-            for adapter, idx in plan:
+            one = plan.one
+            if one is not None:  # peft: result + lora_B(lora_A(x)) * scaling
+                ab = one.factors.get(name)
+                return None if ab is None else out + (x @ ab[0].T) @ ab[1].T * one.scale
+            stacked = plan.stacked(name)
+            if stacked is not None:  # rows' own factors, one pair of batched matmuls
+                a_rows, b_rows = stacked
+                n = plan.rows
+                delta = (x[:n] @ a_rows.transpose(1, 2)) @ b_rows.transpose(1, 2)
+                if n == out.shape[0]:
+                    return out + delta
+                return torch.cat([out[:n] + delta, out[n:]])  # static shapes: padding rows after
+            for adapter, idx in plan.groups:
                 ab = adapter.factors.get(name)
-                if ab is None:
-                    continue
-                a, b = ab
-                if idx is None:  # peft: result + lora_B(lora_A(x)) * scaling
-                    out = out + (x @ a.T) @ b.T * adapter.scale
-                else:
-                    out = out.index_add(0, idx, (x[idx] @ a.T) @ b.T * adapter.scale)
+                if ab is not None:
+                    assert idx is not None
+                    out = out.index_add(0, idx, (x[idx] @ ab[0].T) @ ab[1].T * adapter.scale)
             return out
 
         return hook
