@@ -16,7 +16,7 @@ vLLM's ``--enable-lora --max-loras``; docs/interop-engine.md "Multi-LoRA").
 - The prefix cache never shares keys and values across adapters: on the batched path an adapter's
   requests key their positions with the adapter's own group tag (``tag``, negative, one per load;
   layouts number groups from 0), so no cached prefix of the base or of another adapter ever matches
-  them; on the single-request path a view has a prefix cache of its own (``lora_engine``).
+  them; on the single-request path a view has a prefix cache of its own (``engine.LoraView``).
 
 A thread's forwards read the plan that thread set (``rows``): the scheduler thread's batches and a
 caller's single-request pass (both under the engine's lock) never see each other's. Hooks are added
