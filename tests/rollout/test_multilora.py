@@ -236,3 +236,36 @@ def test_a_lora_whose_declared_base_is_not_the_deployments_is_refused_typed(stor
         engine.load_policy_sync(PolicyVersion(**{**record.model_dump(), "namespace": "eve"}))
     assert engine.policy_version == 0
     engine.stop_scheduler()
+
+
+def test_full_versions_swapped_out_are_kept_in_a_memory_bounded_lru(tmp_path: Path) -> None:
+    """A full version loaded again after the base comes from the LRU (no read of its files: they are
+    gone), and is served with its own weights, as is the base swapped out before it; with no room,
+    nothing is kept."""
+    import shutil
+
+    from rollout_svc.engines.torch.versions import model_bytes
+    from tests.rollout.conftest import build_model_dir
+
+    base, other = build_model_dir(tmp_path / "base", seed=0), build_model_dir(tmp_path / "v1", seed=7)
+    engine = TorchEngine(base, versions_bytes=10 << 30)
+    v0 = PolicyVersion(version=0, path=str(base))
+    v1 = PolicyVersion(version=1, path=str(other), namespace="alice")
+    prompt, params = [5, 6, 7, 8], SamplingParams(n=1, max_tokens=4, temperature=0.0, logprobs=0)
+    engine.load_policy_sync(v1)
+    want = engine.generate_sync(prompt, params)
+    engine.load_policy_sync(v0)  # the base, kept when v1 came in: from the LRU too
+    assert len(engine.versions) == 1 and engine.versions.hits == 1  # now v1 is held there
+    held = tmp_path / "v1-held"
+    shutil.move(str(other), held)  # its files gone: only the LRU can serve it now
+    engine.load_policy_sync(v1)
+    assert engine.versions.hits == 2 and engine.policy_version == 1
+    got = engine.generate_sync(prompt, params)
+    assert got[0].token_ids == want[0].token_ids and got[0].logprobs == pytest.approx(want[0].logprobs)
+    small = TorchEngine(base, versions_bytes=model_bytes(engine.model) - 1)
+    shutil.move(str(held), other)
+    small.load_policy_sync(v1)
+    small.load_policy_sync(v0)
+    assert len(small.versions) == 0  # one model is over the bound: none kept
+    engine.stop_scheduler()
+    small.stop_scheduler()
