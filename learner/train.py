@@ -449,7 +449,10 @@ class Learner:
         lora = self.cfg.lora_rank > 0 and not self.cfg.lora_merge
         kind: Literal["full", "lora"] = "lora" if lora else "full"
         record = self.store.publish(
-            self.version + 1, self._write, kind=kind, meta={"base": str(self.state.base_path), **meta}
+            self.version + 1,
+            self._write,
+            kind=kind,
+            meta={"base": str(self.state.base_path), "base_version": self.state.base_version, **meta},
         )
         if self.cfg.keep_versions > 0:
             self.store.prune(self.cfg.keep_versions)

@@ -36,6 +36,21 @@ class RolloutSettings(BaseSettings):
         description="the torch engine on CUDA captures its batched decode step in CUDA graphs "
         "(rollout_svc/engines/torch/decode.py); ignored on CPU",
     )
+    torch_max_loras: int = Field(
+        default=8,
+        ge=1,
+        description="LoRA adapters whose factors the torch engine holds at once (an LRU; "
+        "rollout_svc/engines/torch/lora.py)",
+    )
+    torch_lora_bytes: int = Field(
+        default=256 << 20, ge=0, description="bytes of LoRA factors the torch engine holds at most"
+    )
+    torch_versions_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="bytes of full policy versions the torch engine keeps after swapping them out "
+        "(an LRU: a version loaded again is swapped in without a read); 0: none kept",
+    )
     concurrency: int = Field(
         default=0,
         ge=0,

@@ -59,10 +59,10 @@ async def generate_group(
     check_prompt(prompt_ids, engine.vocab_size, engine.max_model_len, field)
     limit = group_timeout_s
     at = (request.policy_version, request.policy_namespace, request.policy_match)
-    async with holding_policy(engine, settings, *at):
+    async with serving(engine, settings, *at) as served:
         try:
             async with asyncio.timeout(limit) as bound:
-                group = await _generate(request, prompt_ids, group_id, engine, tokenizer, settings)
+                group = await _generate(request, prompt_ids, group_id, served, tokenizer, settings)
         except TimeoutError:
             if not bound.expired():
                 raise
@@ -70,7 +70,7 @@ async def generate_group(
                 f"the group took longer than {limit} s (LOOM_ROLLOUT_GROUP_TIMEOUT_S) and was abandoned"
             ) from None
         for t in group.trajectories:  # the policy held through the whole generation
-            t.policy_version, t.policy_namespace = engine.policy_version, engine.policy_namespace
+            t.policy_version, t.policy_namespace = served.policy_version, served.policy_namespace
     return with_text(with_processing(group, request.sampling), tokenizer)
 
 
@@ -177,6 +177,50 @@ async def holding_policy(
         async with gate.changed:
             gate.held -= 1
             gate.changed.notify_all()
+
+
+@asynccontextmanager
+async def serving(
+    engine: Engine,
+    settings: Settings,
+    version: int | None,
+    namespace: str | None = None,
+    match: PolicyMatch = "at_least",
+) -> AsyncIterator[Engine]:
+    """The engine a group generates on, held through the group (``holding_policy``). A LoRA version
+    on an engine that batches adapters beside its base (``Engine.lora_view``: the torch engine) is
+    served by a view of the engine holding the base, with no load: groups of several LoRA versions
+    of one base, and of the base, decode in the same batches. Any other version is loaded on the
+    engine (``holding_policy``). Which replica takes a group is the broker's (a shared queue):
+    a replica holds many LoRA versions at once, so a version it does not hold yet costs it an
+    adapter read, not a model swap (docs/interop-engine.md "Multi-LoRA")."""
+    policy = await _lora_version(engine, settings, version, namespace, match)
+    if policy is not None:
+        async with holding_policy(engine, settings, 0, None, "exact"):  # the base, kept meanwhile
+            view = await engine.lora_view(policy)
+            assert view is not None
+            yield view
+        return
+    async with holding_policy(engine, settings, version, namespace, match):
+        yield engine
+
+
+async def _lora_version(
+    engine: Engine, settings: Settings, version: int | None, namespace: str | None, match: PolicyMatch
+) -> PolicyVersion | None:
+    """The LoRA version a request names when ``engine`` would serve it by a view, else None."""
+    if not version or serves(engine, version, namespace, match):
+        return None
+    if not engine.batches_loras:
+        return None
+    if namespace is not None and not is_namespace(namespace):
+        raise ModeError(f"{namespace!r} is not a policy namespace")
+    store = open_policy_store(settings)
+    try:
+        policy = await asyncio.to_thread(store.loadable, namespace, version, match)
+    except PublishError as exc:
+        raise PolicyLoadError(exc.detail) from None
+    return policy if policy is not None and policy.kind == "lora" else None
 
 
 async def catch_up(

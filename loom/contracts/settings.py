@@ -117,8 +117,8 @@ class Settings(BaseSettings):
     engine_max_loras: int = Field(
         default=2,
         ge=0,
-        description="`loom engine`: runtime LoRA adapters held at once (/v1/load_lora_adapter; each "
-        "a merged copy of the model on its device); one more is refused with a 400",
+        description="`loom engine`: runtime LoRA adapters served at once (/v1/load_lora_adapter; "
+        "vLLM's --max-loras; each batched beside the base); one more is refused with a 400",
     )
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",

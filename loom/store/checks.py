@@ -350,3 +350,34 @@ def check_checkpoint(folder: Path, paths: list[str], kind: str, bounds: Bounds) 
     """``CheckpointRefused`` unless the files ``paths`` of ``folder`` are a checkpoint (``kind`` full)
     or an adapter (lora) this deployment serves within ``bounds``; reads configs and headers only."""
     (check_lora if kind == "lora" else check_full)(folder, paths, bounds)
+
+
+class LoraBaseRefused(CheckpointRefused):
+    """A LoRA version whose declared base is not the model the deployment applies adapters to."""
+
+    error = "lora_base_mismatch"
+
+
+def declared_base(meta: dict[str, Any]) -> int:
+    """The base version a LoRA version's record declares (``base_version``, written by the learner
+    from its run's lineage: ``learner.train``); none declared: version 0, the deployment's base."""
+    value = meta.get("base_version", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LoraBaseRefused("the version's record declares no valid base_version")
+    return value
+
+
+def check_lora_base(kind: str, meta: dict[str, Any]) -> None:
+    """A LoRA version applies to its namespace's declared base, never to a path of its own config
+    (``check_lora``). A deployment applies adapters to one base, its base model (version 0, which
+    every namespace shares): a LoRA whose lineage starts from another version (a key's full version)
+    was trained on other weights, and applied to the base its log-probs would be another model's.
+    Refused (``LoraBaseRefused``), never served on the wrong base."""
+    if kind != "lora":
+        return
+    base = declared_base(meta)
+    if base != 0:
+        raise LoraBaseRefused(
+            f"the LoRA version's base is version {base} of its lineage; this deployment applies "
+            "adapters to its base model (version 0) only"
+        )

@@ -47,12 +47,26 @@ def make_engine(settings: Settings) -> Engine:
         "cache_entries": settings.engine_prefix_cache_entries,
         "logprobs_mode": settings.engine_logprobs_mode,
         "dtype": settings.engine_dtype,
+        **lora_settings(),
     }
     if settings.engine_process:
         from rollout_svc.engines.process import ProcessEngine
 
         return ProcessEngine(path, timeout_s=settings.engine_timeout_s, **kwargs)
     return TorchEngine(path, **kwargs)
+
+
+def lora_settings() -> dict[str, int]:
+    """The torch engine's LRU bounds (``LOOM_ROLLOUT_TORCH_MAX_LORAS``, ``_LORA_BYTES``,
+    ``_VERSIONS_BYTES``: rollout_svc/config.py)."""
+    from rollout_svc.config import get_rollout_settings
+
+    rollout = get_rollout_settings()
+    return {
+        "max_loras": rollout.torch_max_loras,
+        "lora_bytes": rollout.torch_lora_bytes,
+        "versions_bytes": rollout.torch_versions_bytes,
+    }
 
 
 def get_engine(settings: Settings | None = None) -> Engine:

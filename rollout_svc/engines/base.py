@@ -189,6 +189,7 @@ class Engine(ABC):
     name: str = "engine"
     capabilities: frozenset[str] = frozenset()
     logprobs_kind: Literal["raw", "processed"] = "raw"
+    batches_loras = False  # ``lora_view`` serves LoRA versions beside the engine's own (torch)
 
     def __init__(self) -> None:
         self.policy_version = 0
@@ -254,6 +255,12 @@ class Engine(ABC):
         merged (``loom engine``'s runtime adapters, each served under its own name); this engine is
         left as it is. Needs the model's weights in process (the torch engine)."""
         raise UnsupportedCapability(self.name, "lora", "runtime adapters by name need the torch engine")
+
+    async def lora_view(self, policy: PolicyVersion) -> Engine | None:
+        """An engine serving the LoRA version ``policy`` beside what this one holds, its requests
+        batched with this engine's (the torch engine: ``torch.lora``); None where versions are
+        loaded one at a time (``load_policy``)."""
+        return None
 
     @abstractmethod
     async def reset_cache(self) -> None: ...

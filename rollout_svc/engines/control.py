@@ -6,8 +6,8 @@ server by tests/vllm_server/test_protocol.py, so a client that works here does w
   card with ``root`` = its checkpoint, ``parent`` null, ``max_model_len``; one card per adapter);
 - ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` and
   ``/v1/unload_lora_adapter``: vLLM's refusals of a bad request, in vLLM's order; then a valid
-  adapter is served under its own name beside the untouched base: merged into a copy of the base
-  (``Engine.adapted``: a second engine, same device and dtype), at most ``max_loras`` at once
+  adapter is served under its own name beside the untouched base (``Engine.adapted``: on the torch
+  engine a view whose rows decode in the base's batches with their own adapter), at most ``max_loras`` at once
   (beyond: 400, ``lora_limit``), an adapter whose tensors are not LoRA factors of the base's
   projections refused with the reason (400, no path in it). An unload drops that engine; an unknown
   name is vLLM's 404 (docs/vllm.md).
@@ -267,7 +267,7 @@ LORA_LIMIT = "BadRequestError"
 
 
 def lora_limit(name: str, held: int) -> JSONResponse:
-    """The answer to one adapter more than the server holds: each is a whole merged model in memory."""
+    """The answer to one adapter more than the server holds (vLLM's ``--max-loras``)."""
     return vllm_error(
         400,
         f"Loading lora {name} failed: {held} LoRA adapters are loaded, the most this server holds "

@@ -86,6 +86,7 @@ os.register_at_fork(after_in_child=_forget_children)
 class ProcessEngine(Engine):
     name = TorchEngine.name  # the same engine, in another process
     capabilities = TorchEngine.capabilities
+    batches_loras = True  # the child is a torch engine: LoRA versions beside its base (``lora_view``)
 
     def __init__(
         self,
@@ -97,6 +98,7 @@ class ProcessEngine(Engine):
         dtype: str = "float32",
         start_timeout_s: float = 120.0,
         timeout_s: float | None = None,
+        **lora: int,
     ) -> None:
         super().__init__()
         self.model_path = Path(model_path)
@@ -107,6 +109,7 @@ class ProcessEngine(Engine):
             "cache_entries": cache_entries,
             "logprobs_mode": logprobs_mode,
             "dtype": dtype,
+            **lora,  # the LRU bounds: max_loras, lora_bytes, versions_bytes (engines.lora_settings)
         }
         self.start_timeout_s = start_timeout_s
         self.timeout_s = timeout_s
@@ -288,6 +291,11 @@ class ProcessEngine(Engine):
     async def load_policy(self, policy: PolicyVersion) -> None:
         await self._ask("load_policy", policy)
 
+    async def lora_view(self, policy: PolicyVersion) -> Engine | None:
+        """The LoRA version ``policy`` served by the child's engine beside its base, in its batches
+        (``torch.lora``): the view's calls name the version, the child serves them by its own view."""
+        return _LoraCalls(self, policy)
+
     async def reset_cache(self) -> None:
         await self._ask("reset_cache")
 
@@ -316,6 +324,58 @@ class ProcessEngine(Engine):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class _LoraCalls(Engine):
+    """A LoRA version of a ``ProcessEngine``'s child (``ProcessEngine.lora_view``)."""
+
+    def __init__(self, parent: ProcessEngine, policy: PolicyVersion) -> None:
+        super().__init__()
+        self.parent, self.policy = parent, policy
+        self.name, self.capabilities = parent.name, parent.capabilities
+        self.logprobs_kind = parent.logprobs_kind
+        self.policy_version, self.policy_namespace = policy.version, policy.namespace
+        self.stats = parent.stats
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.parent.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.parent.max_model_len
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
+    ) -> list[Completion]:
+        args = ("generate", list(prompt_ids), params, layout)
+        return await self.parent._ask("lora", self.policy, *args, timeout=self.parent.timeout_s)  # type: ignore[no-any-return]
+
+    async def score_attention(
+        self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
+    ) -> list[float]:
+        args = ("score_attention", list(token_ids), list(steps), delta, zero_from)
+        return await self.parent._ask("lora", self.policy, *args, timeout=self.parent.timeout_s)  # type: ignore[no-any-return]
+
+    async def prompt_logprobs(self, token_ids: list[int], k: int) -> PromptLogprobs:
+        args = ("prompt_logprobs", list(token_ids), k)
+        return await self.parent._ask("lora", self.policy, *args, timeout=self.parent.timeout_s)  # type: ignore[no-any-return]
+
+    async def load_policy(self, policy: PolicyVersion) -> None:
+        raise EngineError("a LoRA version's calls serve that version only")
+
+    async def reset_cache(self) -> None:
+        await self.parent.reset_cache()
+
+
+async def _lora_call(engine: Any, policy: PolicyVersion, method: str, *args: Any) -> Any:
+    """The child's side of ``_LoraCalls``: ``method`` of the engine's view of ``policy``."""
+    view = await engine.lora_view(policy)
+    if view is None:
+        raise EngineError("this engine does not serve LoRA versions beside its base")
+    if method not in {"generate", "score_attention", "prompt_logprobs"}:
+        raise EngineError(f"unknown engine method {method!r}")
+    return await getattr(view, method)(*args)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -349,7 +409,10 @@ async def _serve(conn: Connection, engine: Any) -> None:
 
     async def handle(rid: int, method: str, args: tuple[Any, ...]) -> None:
         try:
-            value = await getattr(engine, method)(*args)
+            if method == "lora":
+                value = await _lora_call(engine, *args)
+            else:
+                value = await getattr(engine, method)(*args)
         except asyncio.CancelledError:
             return
         except Exception as e:
@@ -359,7 +422,7 @@ async def _serve(conn: Connection, engine: Any) -> None:
         finally:
             tasks.pop(rid, None)
 
-    methods = {"generate", "load_policy", "reset_cache", "score_attention", "prompt_logprobs"}
+    methods = {"generate", "load_policy", "reset_cache", "score_attention", "prompt_logprobs", "lora"}
     while True:
         try:
             rid, method, args = await loop.run_in_executor(None, conn.recv)

@@ -44,7 +44,7 @@ def create_engine_app(
     max_loras: int = 2,
 ) -> FastAPI:
     """``model_path``: the checkpoint served (``/v1/models`` root; reloads are checked against it);
-    ``max_loras``: the runtime LoRA adapters held at once (each a merged copy of the model)."""
+    ``max_loras``: the runtime LoRA adapters held at once (vLLM's ``--max-loras``)."""
     app = FastAPI(title="Loom engine (vLLM-compatible)")
     app.state.engine = engine
     served = {model_name}  # the served name and every LoRA adapter loaded under its own name

@@ -47,6 +47,7 @@ from typing import Any, Literal
 import httpx
 
 from loom.contracts.wire import PolicyVersion, SamplingParams
+from loom.store.checks import LoraBaseRefused, check_lora_base
 from loom.store.layout import NAMESPACES
 from rollout_svc.engines.base import (
     Completion,
@@ -573,6 +574,10 @@ class VLLMEngine(Engine):
     async def _load_lora(self, policy: PolicyVersion) -> None:
         # a LoRA version is an adapter of the base model (the torch engine merges it into its base):
         # after a full version, the served model's own weights are reloaded first
+        try:  # its record must declare that base (loom/store/checks.py)
+            check_lora_base(policy.kind, policy.meta)
+        except LoraBaseRefused as exc:
+            raise PolicyLoadError(f"could not load policy version {policy.version}: {exc.detail}") from None
         if not await self._base_served():
             await self._load_full(PolicyVersion(version=0, path=self._base_path or ""))
         name = lora_name(policy)

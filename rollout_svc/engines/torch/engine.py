@@ -19,6 +19,11 @@
   processors in vLLM's order; the reported log-prob of a sampled token is the raw model log-prob
   (``logprobs_mode="raw"``, vLLM's default) or the log-prob under the processed (tempered,
   truncated) distribution (``"processed"``).
+- LoRA versions (``lora``, ``LoraView`` below): ``adapted`` and ``lora_view`` give a view of this
+  engine serving one adapter; the views' requests decode in this engine's batches, every row with
+  its own adapter over the shared base weights; the adapters' factors are held in an LRU
+  (``max_loras`` adapters, ``lora_bytes``). Full versions loaded before are kept in an LRU bounded by
+  memory (``versions_bytes``): loading one again swaps it in without reading its files.
 - ``stream`` gives every token as it is sampled (the OpenAI routes' ``stream=true``);
   ``prompt_logprobs`` scores a prompt in one forward pass (vLLM's ``prompt_logprobs``).
 """
@@ -29,7 +34,8 @@ import asyncio
 import importlib.util
 import logging
 import threading
-from collections import Counter
+import weakref
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -42,7 +48,7 @@ from loom.architectures import UnsupportedModel, resolve_dtype
 from loom.contracts.wire import MAX_ATTENTION_STEPS, PolicyVersion, SamplingParams
 from loom.layout import group_positions
 from loom.runtime import MODEL_LOADS
-from loom.store.checks import Bounds, CheckpointRefused, check_checkpoint
+from loom.store.checks import Bounds, CheckpointRefused, check_checkpoint, check_lora_base
 from loom.store.publish import PublishLimits
 from rollout_svc.engines.base import (
     Capability,
@@ -60,6 +66,7 @@ from rollout_svc.engines.base import (
     check_scored,
 )
 from rollout_svc.engines.torch.alone import generate_alone
+from rollout_svc.engines.torch.lora import LoraAdapter, LoraSet
 from rollout_svc.engines.torch.model import (
     Dtype,
     block_mask,
@@ -68,12 +75,12 @@ from rollout_svc.engines.torch.model import (
     load_adapter,
     load_model,
     load_tokenizer,
-    merge_adapter,
     prompt_logprobs,
 )
 from rollout_svc.engines.torch.prefix_cache import Key, PrefixCache, layers
 from rollout_svc.engines.torch.sampling import LogprobsMode, accept, sample
 from rollout_svc.engines.torch.scheduler import KvBudget, Scheduler, default_kv_budget, kv_bytes_per_token
+from rollout_svc.engines.torch.versions import ModelLru
 
 log = logging.getLogger("loom.rollout.torch")
 
@@ -82,6 +89,7 @@ class TorchEngine(Engine):
     """transformers in-process (CPU or GPU), Loom's reference implementation."""
 
     name = "torch"
+    batches_loras = True
     capabilities = frozenset(
         {"group_positions", "prefix_cache", "attention_scores", "lora", "stop_sequences"}
     )
@@ -100,6 +108,9 @@ class TorchEngine(Engine):
         dtype: Dtype | Literal["auto"] = "float32",
         kv_budget_bytes: int | None = None,
         cuda_graphs: bool | None = None,
+        max_loras: int = 8,
+        lora_bytes: int = 256 << 20,
+        versions_bytes: int = 0,
     ) -> None:
         super().__init__()
         self.model_path = Path(model_path)
@@ -139,6 +150,10 @@ class TorchEngine(Engine):
         )
         self.scheduler.decode.attention = self.attention
         self.eos_ids: set[int] = eos_ids(self.model, self.tokenizer)
+        self.lora = LoraSet(max_loras, lora_bytes)
+        self.versions = ModelLru(versions_bytes)  # full versions loaded before (``load_policy_sync``)
+        self._views: OrderedDict[tuple[int, str | None, str], TorchEngine] = OrderedDict()
+        self.view_refs: weakref.WeakSet[TorchEngine] = weakref.WeakSet()  # every view's prefix cache
 
     @property
     def cache_entries(self) -> int:
@@ -253,72 +268,110 @@ class TorchEngine(Engine):
             name = f"policy version {policy.version}" + (
                 f" of namespace {policy.namespace!r}" if policy.namespace else ""
             )
-            try:
-                # sizes and shapes from the files' text before anything is allocated (a version
-                # published before the store checked them, or a registered folder changed since)
-                folder = Path(policy.path)
-                weights = [p.name for p in folder.glob("*.safetensors")]
-                check_checkpoint(folder, weights, policy.kind, self._bounds())
-                with MODEL_LOADS:  # one checkpoint at a time per process (loom.runtime)
-                    if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
-                        model = load_adapter(policy.path, self.model_path, self.device)
-                    else:
-                        model = load_model(policy.path, self.device)
-                model = model.to(getattr(torch, self.dtype))  # published in float32: the engine's dtype
-                attention = check_model(model)
-                if attention != self.attention:  # the capabilities and the decode masks are the base's
-                    raise ValueError(f"the version changes the architecture ({attention})")
-            except Exception as exc:  # noqa: BLE001 (any failure: a typed answer; its text names paths)
-                log.warning("could not load %s from %s: %s: %s", name, policy.path, type(exc).__name__, exc)
-                reason = (
-                    exc.detail
-                    if isinstance(exc, CheckpointRefused)
-                    else "its files are not a checkpoint this engine serves"
-                )
-                raise PolicyLoadError(f"could not load {name}: {reason}") from None
+            key = (policy.version, policy.namespace, str(policy.path))
+            model = self.versions.take(key)
+            if model is None:
+                model = self._read_policy(policy, name)
             with self._exclusive():
+                if self.versions.max_bytes > 0:  # the version going out stays at hand (``versions``)
+                    self.versions.put(self._held_key(), self.model)
                 self.model = model
                 self.scheduler.decode.forget()  # CUDA graphs captured on the old weights
-                self.prefix.clear()
+                self._clear_prefixes()
                 self.policy_version, self.policy_namespace = policy.version, policy.namespace
             self._loaded = (policy.version, str(policy.path))
         log.info("loaded policy version %d from %s", policy.version, policy.path)
+
+    def _held_key(self) -> tuple[int, str | None, str]:
+        """The ``versions`` key of the model held now (version 0: the engine's own checkpoint)."""
+        if self._loaded is None or self.policy_version == 0:
+            return (0, None, str(self.model_path))
+        return (self._loaded[0], self.policy_namespace, self._loaded[1])
+
+    def _read_policy(self, policy: PolicyVersion, name: str) -> Any:
+        """The version's model, checked: a typed ``PolicyLoadError`` that names no path otherwise."""
+        try:
+            # sizes and shapes from the files' text before anything is allocated (a version
+            # published before the store checked them, or a registered folder changed since)
+            check_lora_base(policy.kind, policy.meta)
+            folder = Path(policy.path)
+            weights = [p.name for p in folder.glob("*.safetensors")]
+            check_checkpoint(folder, weights, policy.kind, self._bounds())
+            with MODEL_LOADS:  # one checkpoint at a time per process (loom.runtime)
+                if policy.kind == "lora":  # merged into the engine's base (model.load_adapter)
+                    model = load_adapter(policy.path, self.model_path, self.device)
+                else:
+                    model = load_model(policy.path, self.device)
+            model = model.to(getattr(torch, self.dtype))  # published in float32: the engine's dtype
+            attention = check_model(model)
+            if attention != self.attention:  # the capabilities and the decode masks are the base's
+                raise ValueError(f"the version changes the architecture ({attention})")
+        except Exception as exc:  # noqa: BLE001 (any failure: a typed answer; its text names paths)
+            log.warning("could not load %s from %s: %s: %s", name, policy.path, type(exc).__name__, exc)
+            reason = (
+                exc.detail
+                if isinstance(exc, CheckpointRefused)
+                else "its files are not a checkpoint this engine serves"
+            )
+            raise PolicyLoadError(f"could not load {name}: {reason}") from None
+        return model
 
     async def adapted(self, adapter: str) -> TorchEngine:
         return await asyncio.to_thread(self.adapted_sync, adapter)
 
     def adapted_sync(self, adapter: str) -> TorchEngine:
-        """A second engine over a copy of this one's model with the adapter merged, on the same
-        device and dtype, with the same settings (its own prefix cache and scheduler); this engine is
-        untouched. The adapter's tensors must be LoRA factors of this base's projections
-        (``check_lora``), checked from the files' headers before anything is copied."""
+        """A view of this engine serving the LoRA adapter in the folder ``adapter`` (``loom engine``'s
+        runtime adapters): its requests decode in this engine's batches with their own adapter
+        (``LoraView``); this engine is untouched. The adapter's tensors must be LoRA
+        factors of this base's projections (``check_lora``), checked from the files' headers first."""
+        return self._view(Path(adapter), self.policy_version, self.policy_namespace)
+
+    async def lora_view(self, policy: PolicyVersion) -> TorchEngine:
+        """A view serving the LoRA version ``policy`` of this engine's base (``adapted_sync``): its
+        record must declare that base (``check_lora_base``). Views are kept (as many as adapters)
+        with their prefix caches, so the next group of the version finds its prefixes."""
+        key = (policy.version, policy.namespace, str(policy.path))
+        view = self._views.get(key)
+        if view is None:
+            view = await asyncio.to_thread(
+                self._view, Path(policy.path), policy.version, policy.namespace, policy.meta
+            )
+            self._views[key] = view
+            while len(self._views) > self.lora.max_adapters:
+                self._views.popitem(last=False)
+        self._views.move_to_end(key)
+        return view
+
+    def _view(
+        self, folder: Path, version: int, namespace: str | None, meta: dict[str, Any] | None = None
+    ) -> TorchEngine:
         if importlib.util.find_spec("peft") is None:
             raise UnsupportedCapability(self.name, "lora", "install peft (pip install 'loom[lora]')")
-        folder = Path(adapter)
         try:
+            check_lora_base("lora", meta or {})
             check_checkpoint(folder, [p.name for p in folder.glob("*.safetensors")], "lora", self._bounds())
-            with MODEL_LOADS:  # one checkpoint at a time per process (loom.runtime)
-                model = merge_adapter(self.model, folder, self.model_path)
-            engine = TorchEngine(
-                self.model_path,
-                cache_entries=self.cache_entries,
-                logprobs_mode=self.logprobs_kind,
-                model=model,
-                tokenizer=self.tokenizer,
-                batching=self.batching,
-                max_batch_rows=self.max_batch_rows,
-                cuda_graphs=self.cuda_graphs,
-            )
+            return LoraView.of(self, folder, version, namespace)
+        except (UnsupportedCapability, PolicyLoadError):
+            raise
         except Exception as exc:  # noqa: BLE001 (any failure: a typed answer; its text names paths)
-            log.warning("could not load the adapter %s: %s: %s", adapter, type(exc).__name__, exc)
+            log.warning("could not load the adapter %s: %s: %s", folder, type(exc).__name__, exc)
             reason = (
                 exc.detail
                 if isinstance(exc, CheckpointRefused)
                 else "its files are not a LoRA adapter of this engine's base model"
             )
             raise PolicyLoadError(reason) from None
-        engine.policy_version, engine.policy_namespace = self.policy_version, self.policy_namespace
-        return engine
+
+    def lora_adapter(self, folder: Path) -> LoraAdapter:
+        """The adapter's factors from the LRU (read when not held), with its hooks on the model
+        (added while the engine is held). Never called with the engine held."""
+        if self.cuda_graphs:  # a captured graph would replay one batch's adapters for every batch
+            raise UnsupportedCapability(self.name, "lora", "LoRA views decode without CUDA graphs")
+        adapter = self.lora.get(folder, self.model, self.device, getattr(torch, self.dtype))
+        if not self.lora.hooked(self.model, adapter):
+            with self._exclusive():
+                self.lora.hook(self.model, adapter)
+        return adapter
 
     async def close(self) -> None:
         await asyncio.to_thread(self.stop_scheduler)
@@ -328,7 +381,13 @@ class TorchEngine(Engine):
 
     def reset_cache_sync(self) -> None:
         with self._exclusive():
-            self.prefix.clear()
+            self._clear_prefixes()
+
+    def _clear_prefixes(self) -> None:
+        """This engine's prefix cache and its LoRA views' (their keys and values are of its model)."""
+        self.prefix.clear()
+        for view in list(self.view_refs):
+            view.prefix.clear()
 
     def stop_scheduler(self, timeout: float = 5.0) -> None:
         """Let an idle scheduler thread end now and wait for it (interpreter shutdown calls it)."""
@@ -466,3 +525,104 @@ class TorchEngine(Engine):
         self, c: Completion, t: int, lp: float, top: Any, r: int, params: SamplingParams, stop_ids: set[int]
     ) -> bool:
         return accept(c, t, lp, top, r, params, stop_ids, self.eos_ids, self.tokenizer)
+
+
+# -------------------------------------------------------------------------------------------------
+# LoRA views (docs/interop-engine.md "Multi-LoRA")
+
+
+class LoraView(TorchEngine):
+    """A ``TorchEngine`` serving one LoRA adapter of its base engine's model, sharing that engine's
+    weights, batching scheduler and lock (``lora``: every row its own adapter); made by
+    ``TorchEngine.adapted`` / ``lora_view``.
+
+    Its requests decode in the base's batches, beside the base's and other adapters' rows, tagged
+    with the adapter; it reads the base's current model (a policy load of the base is seen at once);
+    on the single-request path (group layouts, ``batching=False``) it has a prefix cache of its own,
+    where the batched path keys the base's prefix cache with the adapter's tag. The adapter's factors
+    are held by the base's ``LoraSet`` (an LRU); a view whose adapter was evicted reads it again at
+    its next request. Loading a policy or an adapter through a view is refused."""
+
+    base: TorchEngine
+    folder: Path
+    own_prefix: PrefixCache
+
+    @classmethod
+    def of(cls, base: TorchEngine, folder: Path, version: int, namespace: str | None) -> LoraView:
+        view = cls.__new__(cls)
+        view.__dict__.update(base.__dict__)  # settings, scheduler, lock, stats: the base's own objects
+        view.base, view.folder = base, folder
+        view.own_prefix = PrefixCache(base.prefix.capacity)
+        view.policy_version, view.policy_namespace = version, namespace
+        base.view_refs.add(view)
+        view.adapter()  # read now: a broken adapter fails here, not at its first request
+        return view
+
+    def adapter(self) -> LoraAdapter:
+        """The adapter's factors (read again if the base's LRU let them go). Never called with the
+        engine held: a new adapter's hooks wait for the running batch (``lora_adapter``)."""
+        return self.base.lora_adapter(self.folder)
+
+    @property  # type: ignore[override]
+    def model(self) -> Any:
+        return self.base.model
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        raise UnsupportedCapability(self.name, "lora", "an adapter view serves its base's model")
+
+    @property  # type: ignore[override]
+    def prefix(self) -> PrefixCache:
+        """The adapter's own prefix cache (the single-request path; the batched one tags keys)."""
+        return self.own_prefix
+
+    @prefix.setter
+    def prefix(self, value: PrefixCache) -> None:
+        self.own_prefix = value
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
+    ) -> list[Completion]:
+        await asyncio.to_thread(self.adapter)  # a reload reads files: off the event loop
+        return await super().generate(prompt_ids, params, layout)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Progress]:
+        await asyncio.to_thread(self.adapter)
+        async for progress in super().stream(prompt_ids, params):
+            yield progress
+
+    def generate_sync(
+        self, prompt_ids: list[int], params: SamplingParams, layout: Layout | None = None
+    ) -> list[Completion]:
+        with self.base.lora.rows(self.model, self.adapter()):  # this thread's forwards only
+            return super().generate_sync(prompt_ids, params, layout)
+
+    def _submit(
+        self, prompt_ids: list[int], params: SamplingParams, listener: Listener | None = None
+    ) -> Future[list[Completion]]:
+        return self.scheduler.submit(prompt_ids, params, listener, adapter=self.adapter())
+
+    def prompt_logprobs_sync(self, token_ids: list[int], k: int) -> PromptLogprobs:
+        with self.base.lora.rows(self.model, self.adapter()):
+            return super().prompt_logprobs_sync(token_ids, k)
+
+    def score_attention_sync(
+        self, token_ids: list[int], steps: list[tuple[int, int]], delta: int = 4, zero_from: int | None = None
+    ) -> list[float]:
+        with self.base.lora.rows(self.model, self.adapter()):
+            return super().score_attention_sync(token_ids, steps, delta, zero_from)
+
+    async def lora_view(self, policy: PolicyVersion) -> TorchEngine:
+        return await self.base.lora_view(policy)  # adapters apply to the base
+
+    def load_policy_sync(self, policy: PolicyVersion) -> None:
+        raise UnsupportedCapability(self.name, "lora", "a LoRA view serves one adapter of its base")
+
+    def adapted_sync(self, adapter: str) -> TorchEngine:
+        raise UnsupportedCapability(self.name, "lora", "adapters apply to the base model, not to an adapter")
+
+    def _clear_prefixes(self) -> None:
+        self.own_prefix.clear()
+
+    def stop_scheduler(self, timeout: float = 5.0) -> None:
+        return None  # the base's scheduler: the base stops it

@@ -38,6 +38,7 @@ from loom.timeline import mark
 from rollout_svc.engines.base import Completion, Listener, Progress
 from rollout_svc.engines.torch.decode import DecodeStep, Mode
 from rollout_svc.engines.torch.kv import StaticKv, allocate
+from rollout_svc.engines.torch.lora import LoraAdapter
 from rollout_svc.engines.torch.prefix_cache import Key
 from rollout_svc.engines.torch.sampling import TopRows, generator, is_plain, new_outputs, sample_rows
 
@@ -59,6 +60,12 @@ class Request:
     gen: torch.Generator | None = None
     live: int = 0  # rows of this request still decoding
     listener: Listener | None = None  # told of every accepted token (``TorchEngine.stream``)
+    adapter: LoraAdapter | None = None  # its LoRA adapter (``lora``); None: the base model
+
+    @property
+    def tag(self) -> int:
+        """The group of its prefix-cache keys: 0, or its adapter's own (``lora.LoraAdapter.tag``)."""
+        return 0 if self.adapter is None else self.adapter.tag
 
 
 Drawn = tuple[list[int], list[float], Any]  # a request's rows: tokens, log-probs, top log-probs
@@ -170,10 +177,14 @@ class Scheduler:
             engine.stats.extra[k] = 0.0
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, listener: Listener | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        listener: Listener | None = None,
+        adapter: LoraAdapter | None = None,
     ) -> Future[list[Completion]]:
         fut: Future[list[Completion]] = Future()
-        req = Request(list(prompt_ids), params, fut, listener=listener)
+        req = Request(list(prompt_ids), params, fut, listener=listener, adapter=adapter)
         with self._cv:
             self.pending.append(req)
             if self._worker is None:
@@ -282,9 +293,10 @@ class Scheduler:
         if not fresh:
             return
         try:
-            cache, logits, mask = self.engine._prefill_batch(
-                [r.key for r in fresh], [r.params.n for r in fresh]
-            )
+            with self.engine.lora.rows(self.engine.model, [r.adapter for r in fresh]):
+                cache, logits, mask = self.engine._prefill_batch(
+                    [r.key for r in fresh], [r.params.n for r in fresh]
+                )
         except Exception:  # one request broke the shared forward: each alone, so only that one fails
             for req in fresh:
                 self._prefill_one(batch, req)
@@ -293,7 +305,7 @@ class Scheduler:
 
     def _start(self, req: Request) -> None:
         params = req.params
-        req.key = [(t, 0) for t in req.prompt_ids]
+        req.key = [(t, req.tag) for t in req.prompt_ids]
         req.gen = generator(params, self.engine.device)
         req.out = new_outputs(params)
         req.live = params.n
@@ -302,7 +314,8 @@ class Scheduler:
         """Prefill one request past its cached prefix (``_prefill_rows``); an error fails it alone."""
         n, length = req.params.n, len(req.prompt_ids)
         try:
-            cache, logits, reuse = self.engine._prefill_rows(req.key, [0] * length, False, n)
+            with self.engine.lora.rows(self.engine.model, req.adapter):
+                cache, logits, reuse = self.engine._prefill_rows(req.key, [0] * length, False, n)
         except Exception as e:  # this request only
             fail(req, e)
             return
@@ -443,7 +456,8 @@ class Scheduler:
         for b in ended:
             row = batch.rows[b]
             c = row.req.out[row.sample]
-            self.engine.prefix.retire_with(row.req.key, c.token_ids, 0, partial(kv.row, b, batch.lengths[b]))
+            row_kv = partial(kv.row, b, batch.lengths[b])
+            self.engine.prefix.retire_with(row.req.key, c.token_ids, row.req.tag, row_kv)
 
     def _keep_rows(self, batch: Batch, keep: list[int]) -> None:
         """Only rows ``keep`` go on, new row i the old row ``keep[i]`` (``_fill_holes``: only the rows
@@ -468,7 +482,8 @@ class Scheduler:
         kv = batch.kv
         if kv.end >= kv.width:  # never with the room ``_join`` keeps: grown rather than overrun
             kv = batch.kv = self.kv = allocate(kv, None, kv.rows, kv.end - kv.start, 1)
-        batch.logits = self.decode(engine.model, kv, next_tokens, batch.lengths)
+        with engine.lora.rows(engine.model, [row.req.adapter for row in batch.rows]):
+            batch.logits = self.decode(engine.model, kv, next_tokens, batch.lengths)
         batch.lengths = [n + 1 for n in batch.lengths]
 
 
