@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -25,7 +25,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from loom.contracts.estimators import check_estimator_params
+from loom.contracts.estimators import ESTIMATOR_PARAMS, check_estimator_params
+from loom.contracts.modes import MAX_TOKENS, MODE_PARAMS, SAMPLING_DEFAULTS
 
 SCHEMA_VERSION = "1.0"
 # the highest sampling temperature: vLLM 0.32 refuses more (400), so every engine is held to it
@@ -33,11 +34,15 @@ MAX_TEMPERATURE = 2.0
 # steps per attention-scoring call (loom.fci): the scorer keeps a steps x steps matrix per layer and head
 MAX_ATTENTION_STEPS = 4096
 
-Mode = Literal["plain", "streaming", "tree", "spawn"]
+if TYPE_CHECKING:
+    Mode = str
+    Estimator = str
+else:  # the names are the tables' keys: a mode or an estimator is registered once, in its table
+    Mode = Literal[tuple(MODE_PARAMS)]
+    Estimator = Literal[tuple(ESTIMATOR_PARAMS)]
 SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid", "sandbox_error"]
-Estimator = Literal["grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "rea", "apr"]
 
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -165,8 +170,8 @@ class Contract(EncodableText):
 
 
 class SamplingParams(Contract):
-    n: int = Field(default=1, ge=1, le=1024)
-    max_tokens: int = Field(default=256, ge=1, le=131072)
+    n: int = Field(default=SAMPLING_DEFAULTS.n, ge=1, le=1024)
+    max_tokens: int = Field(default=SAMPLING_DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS)
     temperature: float = Field(
         default=1.0, ge=0.0, le=MAX_TEMPERATURE, description="at most 2, as vLLM accepts (a 400 there)"
     )
@@ -596,7 +601,7 @@ class ReflectParams(Contract):
     max_chunk_tokens: int = Field(default=128, ge=1, le=100_000)
     max_removed_fraction: float = Field(default=0.5, ge=0.0, le=0.5, description="of the thinking tokens")
     forced_ending: str = Field(default="\n</think>\n\n**Final Answer:**\n\n", max_length=1000)
-    max_tokens: int = Field(default=256, ge=1, le=131072, description="budget of the policy's completion")
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS, description="budget of the policy's completion")
     temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     reward: RewardSpec = Field(default_factory=RewardSpec, description="scores originals and revisions")
