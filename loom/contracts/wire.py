@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from loom.contracts.estimators import ESTIMATOR_PARAMS, check_estimator_params
+from loom.contracts.estimators import ESTIMATOR_PARAMS, EstimatorParams, params_union, tagged_params
 from loom.contracts.modes import MAX_TOKENS, MODE_PARAMS, SAMPLING_DEFAULTS
 
 SCHEMA_VERSION = "1.0"
@@ -37,9 +37,12 @@ MAX_ATTENTION_STEPS = 4096
 if TYPE_CHECKING:
     Mode = str
     Estimator = str
+    EstimatorParamsUnion = EstimatorParams
 else:  # the names are the tables' keys: a mode or an estimator is registered once, in its table
     Mode = Literal[tuple(MODE_PARAMS)]
     Estimator = Literal[tuple(ESTIMATOR_PARAMS)]
+    # an estimator's params: the discriminated union of the table's models, keyed by its name
+    EstimatorParamsUnion = params_union()
 SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid", "sandbox_error"]
@@ -509,14 +512,12 @@ class TrainBatch(Contract):
     groups: list[Group] = Field(min_length=1)
     rewards: list[RewardResult] = Field(min_length=1)
     estimator: Estimator = "grpo"
-    estimator_params: Params = Field(default_factory=dict)
+    estimator_params: EstimatorParamsUnion = Field(
+        default=None, validate_default=True, description="the estimator's params (its model's fields)"
+    )
     loss: LossSpec = Field(default_factory=LossSpec)
 
-    @field_validator("estimator_params")
-    @classmethod
-    def _known_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        check_estimator_params(info.data.get("estimator", "grpo"), v)
-        return v
+    _tag_params = field_validator("estimator_params", mode="before")(tagged_params)
 
     @field_validator("groups")
     @classmethod
