@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# one process loads the tiny model twice (engine and learner) and trains a step: ~20 s of CPU
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=560,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
