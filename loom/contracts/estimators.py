@@ -144,6 +144,9 @@ def tagged_params(params: Any, info: ValidationInfo) -> Any:
     if params is None:
         params = {}
     if isinstance(params, Mapping):
-        check_estimator_params(name, params)
-        return {**params, TAG: name}
+        given = {k: v for k, v in params.items() if k != TAG}
+        if params.get(TAG, name) != name:  # the schema shows the tag: when given, it is the estimator
+            raise ValueError(f"estimator_params.{TAG} must be the estimator, {name!r}")
+        check_estimator_params(name, given)
+        return {**given, TAG: name}
     return params

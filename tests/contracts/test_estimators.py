@@ -105,6 +105,11 @@ def test_the_wire_parses_a_plain_object_into_the_estimators_own_model() -> None:
     assert err.value.errors()[0]["loc"] == ("estimator_params", "hrpo", "beta")
     with pytest.raises(ValidationError, match="not read by estimator 'grpo'"):
         _batch(estimator="grpo", estimator_params=p)  # another estimator's params
+    # the schema shows the tag: a client may send it, the estimator's own name only
+    tagged = _batch(estimator="hrpo", estimator_params={"estimator": "hrpo", "beta": 0.2}).estimator_params
+    assert isinstance(tagged, HrpoParams) and tagged.beta == 0.2
+    with pytest.raises(ValidationError, match="must be the estimator, 'grpo'"):
+        _batch(estimator="grpo", estimator_params={"estimator": "hrpo"})
 
 
 def test_the_schema_names_each_estimators_params_by_its_tag() -> None:
