@@ -10,16 +10,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from loom.batching import TOTAL as TOTAL_REWARD
-from loom.contracts.estimators import check_estimator_params
+from loom.contracts.estimators import tagged_params
 from loom.contracts.jobs import Generation, JobStatus, JobView, ScoredGroup, TaskItem
 from loom.contracts.policies import run_namespace
 from loom.contracts.wire import (
     MAX_VERSION,
     Contract,
     Estimator,
+    EstimatorParamsUnion,
     Lineage,
     LossSpec,
-    Params,
     PolicyAt,
     SamplingParams,
     TaskKind,
@@ -183,7 +183,9 @@ class RunRequest(Generation):
     dataset: DatasetSpec
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(n=4))
     estimator: Estimator = "grpo"
-    estimator_params: Params = Field(default_factory=dict)
+    estimator_params: EstimatorParamsUnion = Field(
+        default=None, validate_default=True, description="the estimator's params (its model's fields)"
+    )
     loss: LossSpec = Field(default_factory=LossSpec)
     schedule: Schedule = Field(default_factory=Schedule)
     filter_groups: str | None = Field(
@@ -235,11 +237,7 @@ class RunRequest(Generation):
                 )
         return v
 
-    @field_validator("estimator_params")
-    @classmethod
-    def _known_estimator_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        check_estimator_params(info.data.get("estimator", "grpo"), v)
-        return v
+    _tag_estimator_params = field_validator("estimator_params", mode="before")(tagged_params)
 
     @field_validator("filter_groups")
     @classmethod

@@ -99,7 +99,7 @@ class StepConfig:
 
     reward: RewardSpec = field(default_factory=RewardSpec)
     estimator: str = "grpo"
-    estimator_params: dict[str, Any] = field(default_factory=dict)
+    estimator_params: Any = None  # the run's typed params (its request parsed them), or a dict
     loss: LossSpec = field(default_factory=LossSpec)
     adaptive: AdaptiveParams | None = None
     reflect: ReflectParams | None = None
@@ -113,7 +113,7 @@ class StepConfig:
         return cls(
             reward=req.reward,
             estimator=getattr(req, "estimator", "grpo"),
-            estimator_params=dict(getattr(req, "estimator_params", {})),
+            estimator_params=getattr(req, "estimator_params", None),
             loss=getattr(req, "loss", None) or LossSpec(),
             adaptive=req.adaptive,
             reflect=ReflectParams() if reflect is True else (reflect or None),
@@ -329,7 +329,7 @@ def train_batch(
         groups=[g for g, _ in kept],
         rewards=[r for _, r in kept],
         estimator=cfg.estimator,  # type: ignore[arg-type]
-        estimator_params=dict(cfg.estimator_params),
+        estimator_params=cfg.estimator_params,
         loss=cfg.loss,
     )
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from learner.estimators import TokenAdvantages, assign_group
 from loom.batching import next_batch_size
-from loom.contracts.estimators import EstimatorParams, estimator_params
+from loom.contracts.estimators import EstimatorParams
 from loom.contracts.wire import Group, RewardResult, TrainBatch, TrajectoryReward
 
 
@@ -53,7 +53,7 @@ def _group_rewards(
 def assign_batch(batch: TrainBatch, *, drop_zero: bool = True) -> Assigned:
     """Per-token advantages of every group; zero-advantage samples dropped and counted."""
     rewards = _reward_map(batch.rewards)
-    params = estimator_params(batch.estimator, batch.estimator_params)
+    params = batch.estimator_params  # typed: parsed with the batch
     out = Assigned(params, n_groups=len(batch.groups))
     for g in batch.groups:
         samples = assign_group(g, _group_rewards(rewards, g), batch.estimator, params)

@@ -8,8 +8,9 @@ batch's counts, so accumulated gradients equal the full-batch gradient.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -209,3 +210,12 @@ def hrpo_loss(
     stream = stream_mask * mask
     clipped = torch.maximum(clip_g, torch.where(stream > 0, clip_s, clip_d))
     return _parts(objective, clipped, kl, mask, terms)
+
+
+def pad_rows(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:
+    """Ragged per-token rows as one [B, width] float tensor, zero-padded on the right."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for r, xs in enumerate(rows):
+        if xs:
+            out[r, : len(xs)] = torch.tensor(list(xs), dtype=torch.float32)
+    return out.to(device)

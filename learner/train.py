@@ -32,8 +32,8 @@ from learner import logprobs as lp
 from learner.assign import assign_batch
 from learner.config import LearnerSettings
 from learner.distributed import OneProcess, Ranks, collective, layout
-from learner.estimators import TokenAdvantages
-from learner.losses import LossParts, LossTerms, hrpo_loss, policy_loss
+from learner.estimators import TokenAdvantages, estimator
+from learner.losses import LossParts, LossTerms, pad_rows, policy_loss
 from learner.mismatch import kl_k1, kl_k3, mismatch_log_ratio, ratio_percentiles, tis_weights, weights_or_one
 from loom.architectures import attention_of, attn_implementation, lora_targets, resolve_dtype
 from loom.contracts.wire import Lineage, LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
@@ -394,7 +394,7 @@ class Learner:
         """The loss of one recomputed micro-batch, its backward, and its statistics in ``totals``."""
         spec = batch.loss
         rows = [samples[i] for i in mb.index]
-        mask = _pad([s.mask for s in rows], mb.logp.shape[1], mb.logp.device)
+        mask = pad_rows([s.mask for s in rows], mb.logp.shape[1], mb.logp.device)
         tis_on = spec.tis != "off"
         old, behaviour, known = old_logprobs(mb, rows, frozen, spec.temperature, decoupled=tis_on)
         # the mismatch is taken on the first pass, where the recomputed log-probs are pi_old's
@@ -693,7 +693,7 @@ def old_logprobs(
     ``decoupled`` (TIS on) every row's are its first-pass log-probs, pi_old."""
     width, dev = mb.logp.shape[1], mb.logp.device
     known = [lp.behaviour_matches(s.trajectory, temperature) for s in rows]
-    behaviour = _pad([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
+    behaviour = pad_rows([s.trajectory.logprobs or [0.0] * len(s.mask) for s in rows], width, dev)
     detached = mb.logp.detach()
     stand_in = detached.clone()
     for r, i in enumerate(mb.index):
@@ -718,11 +718,11 @@ def micro_batch_loss(
     totals: PassTotals,
     is_weight: Tensor | None = None,
 ) -> LossParts:
-    """-J of one micro-batch (HRPO's three-term loss, or the clipped policy loss), normalised by the
+    """-J of one micro-batch (the estimator's own loss, or the clipped policy loss), normalised by the
     whole batch's counts in ``totals``; ``is_weight``: the TIS weights (None: off)."""
     spec = batch.loss
     width, dev = mb.logp.shape[1], mb.logp.device
-    adv = _pad([s.adv for s in rows], width, dev)
+    adv = pad_rows([s.adv for s in rows], width, dev)
     totals.adv_abs += float((adv.abs() * mask).sum())
     common: LossTerms = {
         "eps_low": spec.eps_low,
@@ -735,29 +735,12 @@ def micro_batch_loss(
         "n_seqs": totals.n_seqs,
         "is_weight": is_weight,
     }
-    if batch.estimator == "hrpo":
-        return hrpo_loss(
-            mb.logp,
-            old,
-            _pad([s.adv_stream or [0.0] * len(s.mask) for s in rows], width, dev),
-            _pad([s.adv_deep or [0.0] * len(s.mask) for s in rows], width, dev),
-            adv,
-            mask,
-            _pad([s.stream_mask or [0] * len(s.mask) for s in rows], width, dev),
-            lam=spec.hrpo_lambda,
-            **common,
-        )
+    estimator_loss = estimator(batch.estimator).loss
+    if estimator_loss is not None:  # the estimator's own loss shape (its module's ``loss``)
+        return estimator_loss(mb.logp, old, adv, mask, rows, spec, common)
     return policy_loss(
         mb.logp, old, adv, mask, aggregation=spec.aggregation, n_tokens=totals.n_tokens, **common
     )
-
-
-def _pad(rows: Sequence[Sequence[float]], width: int, device: Any) -> Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for r, xs in enumerate(rows):
-        if xs:
-            out[r, : len(xs)] = torch.tensor(list(xs), dtype=torch.float32)
-    return out.to(device)
 
 
 def _copy_tokenizer(base: Path, out: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from loom.answers import last_boxed
 from loom.contracts.rewards import ANSWER_TAIL_CHARS, AccuracyParams
 from loom.exact import ExprError, check_countdown, evaluate, parse_countdown, parse_number
-from reward_svc.context import GroupContext
+from reward_svc.context import GroupContext, reads
 from reward_svc.mathverify import MathItem, Verdict
 from reward_svc.trace import answer_region
 
@@ -130,6 +130,7 @@ def plan(
     return MathItem(gold=gold, kind=kind, region=region, number_fallback=params.number_fallback)
 
 
+@reads("accuracy")
 def accuracy(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     """R_acc = 1[â = a] (AdaSR §3.2); 0 for any trajectory whose status is not ``ok``."""
     AccuracyParams.model_validate(params)

@@ -23,7 +23,7 @@ from typing import Any
 
 from loom.contracts.rewards import CodeParams
 from loom.contracts.sandbox import Language, Limits, RunRequest, RunResult
-from reward_svc.context import GroupContext
+from reward_svc.context import GroupContext, reads
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _LANGS: dict[str, Language] = {
@@ -154,12 +154,14 @@ def code_verdicts(ctx: GroupContext) -> list[CodeVerdict]:
     return list(verdicts)
 
 
+@reads("code")
 def code_pass(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     """The fraction of the item's tests its program passed."""
     CodeParams.model_validate(params)
     return [v.passed if v.status == "ok" else 0.0 for v in code_verdicts(ctx)]
 
 
+@reads("code")
 def code_all(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     """1 when the program passed every test, else 0."""
     CodeParams.model_validate(params)

@@ -3,14 +3,14 @@
 Every component has the same signature, ``fn(ctx, params) -> list[float]`` (one value per
 trajectory, in group order), so group-relative components (Kimi length, efficiency's group tau) and
 per-trajectory ones are called alike. ``params`` is validated by the component's own params model
-(``loom.contracts.rewards``).
+(``loom.contracts.rewards``). A component that reads verdicts says so with :func:`reads`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from loom.contracts.wire import Group
 from loom.formats import DEFAULT_MARKERS, Markers
@@ -33,3 +33,21 @@ class GroupContext:
 
 
 ComponentFn = Callable[[GroupContext, dict[str, Any]], list[float]]
+
+Verdict = Literal["accuracy", "code"]
+
+
+def reads(*verdicts: Verdict) -> Callable[[ComponentFn], ComponentFn]:
+    """Declares the verdicts a component reads (``accuracy``: the verifier's, ``ctx.accuracy()``;
+    ``code``: the sandbox's): a group's are computed only when a requested component reads them."""
+
+    def mark(fn: ComponentFn) -> ComponentFn:
+        setattr(fn, "reads", frozenset(verdicts))  # noqa: B010 (a function attribute mypy cannot see)
+        return fn
+
+    return mark
+
+
+def reads_of(fn: ComponentFn) -> frozenset[str]:
+    """The verdicts ``fn`` declared it reads (:func:`reads`); none by default."""
+    return frozenset(getattr(fn, "reads", frozenset()))

@@ -14,14 +14,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.contracts.rewards import NEEDS_ACCURACY, NEEDS_CODE, AccuracyParams, CodeParams, RequestError
+from loom.contracts.rewards import AccuracyParams, CodeParams, RequestError
 from loom.contracts.sandbox import RunRequest, RunResult
 from loom.contracts.wire import Group, RewardResult, RewardSpec, TrajectoryReward
 from reward_svc.accuracy import plan, read_gold
 from reward_svc.code import CodeTests, CodeVerdict, judge, plan_runs, read_tests
 from reward_svc.context import GroupContext
 from reward_svc.mathverify import MathItem, Verdict
-from reward_svc.registry import REGISTRY
+from reward_svc.registry import NEEDS_ACCURACY, NEEDS_CODE, REGISTRY
 from reward_svc.trace import view_of
 
 VerifyFn = Callable[[Sequence[MathItem], int], list[Verdict]]

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from loom.contracts.rewards import EfficiencyParams
-from reward_svc.context import GroupContext
+from reward_svc.context import GroupContext, reads
 from reward_svc.format import deep_ok, stream_ok
 
 
@@ -24,6 +24,7 @@ def r_eff(acc: float, fmt_s: float, fmt_d: float, l_s: float, l_d: float, alpha:
     return gate * lower * math.exp(-(alpha * l_s + l_d) / tau)
 
 
+@reads("accuracy")
 def efficiency(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     p = EfficiencyParams.model_validate(params)
     tau = p.tau

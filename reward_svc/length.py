@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from loom.contracts.rewards import NoParams, RefinedParams
-from reward_svc.context import GroupContext
+from reward_svc.context import GroupContext, reads
 
 
 def kimi_lambda(lengths: list[int]) -> list[float]:
@@ -25,6 +25,7 @@ def kimi_lambda(lengths: list[int]) -> list[float]:
     return [1.0 - (n - lo) / (hi - lo) for n in lengths]
 
 
+@reads("accuracy")
 def length_kimi(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     """REA-RL eq. 1: R = λ if correct else min(0.5, λ)."""
     NoParams.model_validate(params)
@@ -32,6 +33,7 @@ def length_kimi(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     return [x if c else min(0.5, x) for x, c in zip(lam, ctx.accuracy(), strict=True)]
 
 
+@reads("accuracy")
 def length_refined(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     """REA-RL eq. 4: R = λ if correct else 0.
 

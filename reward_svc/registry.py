@@ -1,28 +1,30 @@
-"""Component name -> reward function (docs/algorithms.md §1.6, composition). The names and each
-component's params model are the contract's (``loom.contracts.rewards.COMPONENT_PARAMS``)."""
+"""Component name -> reward function (docs/algorithms.md §1.6, composition).
+
+A component's registration is its line in the contract's table
+(``loom.contracts.rewards.COMPONENT_PARAMS``: name -> params model, which the gateway checks a spec
+with); its function is the one of the same name in the module of its family, the name's first word
+(``format_stream``: ``reward_svc/format.py``; ``efficiency``: ``reward_svc/efficiency.py``), and says
+which verdicts it reads with ``reward_svc.context.reads``. A new component is that function (in its
+family's file, or a file of its own) plus that line (docs/architecture.md, "One registration per
+feature").
+"""
 
 from __future__ import annotations
 
-from reward_svc.accuracy import accuracy
-from reward_svc.code import code_all, code_pass
-from reward_svc.context import ComponentFn
-from reward_svc.efficiency import efficiency
-from reward_svc.format import format_deep, format_spawn, format_stream, format_think
-from reward_svc.length import length_deep, length_kimi, length_refined, length_stream
-from reward_svc.reflection import reflection
+import importlib
 
-REGISTRY: dict[str, ComponentFn] = {
-    "accuracy": accuracy,
-    "format_stream": format_stream,
-    "format_deep": format_deep,
-    "format_think": format_think,
-    "format_spawn": format_spawn,
-    "length_kimi": length_kimi,
-    "length_refined": length_refined,
-    "length_stream": length_stream,
-    "length_deep": length_deep,
-    "efficiency": efficiency,
-    "reflection": reflection,
-    "code_pass": code_pass,
-    "code_all": code_all,
-}
+from loom.contracts.rewards import COMPONENT_PARAMS
+from reward_svc.context import ComponentFn, reads_of
+
+
+def component(name: str) -> ComponentFn:
+    """The function of component ``name``: ``reward_svc.<family>.<name>``, family = the first word."""
+    fn: ComponentFn = getattr(importlib.import_module(f"reward_svc.{name.split('_')[0]}"), name)
+    return fn
+
+
+REGISTRY: dict[str, ComponentFn] = {name: component(name) for name in COMPONENT_PARAMS}
+# Components that read the accuracy verdicts (the verifier runs only when one is requested).
+NEEDS_ACCURACY = frozenset(name for name, fn in REGISTRY.items() if "accuracy" in reads_of(fn))
+# Components that read the code verdicts (the sandbox runs only when one is requested or the task is code).
+NEEDS_CODE = frozenset(name for name, fn in REGISTRY.items() if "code" in reads_of(fn))

@@ -5,7 +5,8 @@ Celery task (``rollout_svc.tasks``) and ``loom worker rollout`` (the pool and it
 and pass its values down (``generate_group``). Two kinds of rollout values stay in the shared settings
 (loom/contracts/settings.py), because another process reads them: the engine's (``LOOM_ENGINE_*``,
 also ``loom engine``'s) and the modes' bounds (``LOOM_ROLLOUT_SEGMENT_CAP``,
-``LOOM_ROLLOUT_READING_WPM``: the gateway checks a submission against them, ``ModeLimits``).
+``LOOM_ROLLOUT_READING_WPM``: ``loom.contracts.modes.ModeSettings``, since the gateway checks a
+submission against them, ``ModeLimits``).
 ``VllmSettings`` (``LOOM_VLLM_*``) are the vLLM client's and launcher's.
 """
 
@@ -17,10 +18,13 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loom.contracts.modes import ModeSettings
 from loom.contracts.settings import Settings
 
 
-class RolloutSettings(BaseSettings):
+class RolloutSettings(ModeSettings):
+    """The rollout role's settings: its own knobs and the modes' bounds it shares with the gateway."""
+
     model_config = SettingsConfigDict(env_prefix="LOOM_ROLLOUT_", extra="ignore", frozen=True)
 
     group_timeout_s: float = Field(

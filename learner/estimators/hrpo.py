@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from learner.estimators.common import (
     TokenAdvantages,
     group_normalize,
@@ -16,8 +18,9 @@ from learner.estimators.common import (
     trained_mask,
     uniform,
 )
+from learner.losses import LossParts, LossTerms, hrpo_loss, pad_rows
 from loom.contracts.estimators import EPS, HrpoNames, HrpoParams
-from loom.contracts.wire import Group, TrajectoryReward
+from loom.contracts.wire import Group, LossSpec, TrajectoryReward
 
 _DEFAULT = HrpoParams()
 
@@ -115,3 +118,32 @@ def assign(group: Group, rewards: Mapping[str, TrajectoryReward], p: HrpoParams)
             )
         )
     return out
+
+
+def loss(
+    logp: Tensor,
+    old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    rows: Sequence[TokenAdvantages],
+    spec: LossSpec,
+    terms: LossTerms,
+) -> LossParts:
+    """HRPO's three-term loss (AdaSR eq. 5, ``learner.losses.hrpo_loss``) over ``assign``'s rows:
+    ``adv`` is A^g on every trained token; A^s, A^d and the streaming mask come from the rows."""
+    width, dev = logp.shape[1], logp.device
+
+    def padded(pick: str) -> Tensor:
+        return pad_rows([getattr(s, pick) or [0] * len(s.mask) for s in rows], width, dev)
+
+    return hrpo_loss(
+        logp,
+        old,
+        padded("adv_stream"),
+        padded("adv_deep"),
+        adv,
+        mask,
+        padded("stream_mask"),
+        lam=spec.hrpo_lambda,
+        **terms,
+    )

@@ -1,10 +1,12 @@
 """The ``estimator_params`` contract: one typed params model per advantage estimator, each default
-written once (docs/algorithms.md §5).
+written once (docs/algorithms.md §5), and the one table of estimators, ``ESTIMATOR_PARAMS``.
 
-A ``TrainBatch`` (and a run's request) carries ``estimator_params`` as a plain dict on the wire; the
-gateway and the learner refuse a key the estimator does not read (:func:`check_estimator_params`,
-so a misspelt parameter cannot silently fall back to its default), and the learner reads the values
-through :func:`estimator_params`, the typed model (a wrong type is a ``ValueError`` there).
+On the wire a ``TrainBatch`` (and a run's request) carries ``estimator_params`` as a JSON object,
+as ever; a model parses it into a pydantic discriminated union of the table's models keyed by the
+estimator's name (:func:`params_union`, its tag taken from the model's ``estimator`` field by
+:func:`tagged_params`, and never written out), so a hop receives the typed params, parsed where the
+model entered its process. A key the estimator does not read is refused by name first
+(:func:`check_estimator_params`: a misspelt parameter cannot silently fall back to its default).
 
 Imports only pydantic and the standard library (``loom.contracts.wire`` imports this module).
 """
@@ -12,9 +14,9 @@ Imports only pydantic and the standard library (``loom.contracts.wire`` imports 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model
 
 EPS = 1e-6  # the eps of N_G(x) = (x - mean) / (std + eps)
 TREERL_REWARD_KEY = "accuracy"  # TreeRL's leaf value: the correctness component
@@ -109,3 +111,42 @@ def estimator_params(estimator: str, params: Mapping[str, Any]) -> EstimatorPara
     (pydantic's ``ValidationError``)."""
     check_estimator_params(estimator, params)
     return ESTIMATOR_PARAMS[estimator].model_validate(dict(params))
+
+
+TAG = "estimator"  # the union's discriminator: the estimator's name, from the model that holds the params
+
+
+def params_union() -> Any:
+    """The table's params models as one discriminated union keyed by ``TAG`` (each model a subclass
+    of the table's, with its name as a literal tag that is excluded when written out). Built when the
+    wire models are, so a table line is enough for a new estimator."""
+    members = [
+        create_model(
+            model.__name__,
+            __base__=model,
+            __module__=model.__module__,
+            **{TAG: (Literal[name], Field(name, exclude=True, repr=False))},  # type: ignore[call-overload]
+        )
+        for name, model in ESTIMATOR_PARAMS.items()
+    ]
+    return Annotated[Union[tuple(members)], Field(discriminator=TAG)]  # noqa: UP007 (a runtime tuple)
+
+
+def tagged_params(params: Any, info: ValidationInfo) -> Any:
+    """A ``field_validator(mode="before")`` of ``estimator_params``: the given params (a dict, None or a
+    params model) tagged with the model's ``estimator`` (validated before them), unknown keys refused
+    by name (``ValueError``)."""
+    name = info.data.get("estimator", "grpo")
+    if isinstance(params, EstimatorParams):
+        if getattr(params, TAG, None) == name:
+            return params  # parsed already (the gateway's, handed to the batch it builds)
+        params = params.model_dump(exclude={TAG})
+    if params is None:
+        params = {}
+    if isinstance(params, Mapping):
+        given = {k: v for k, v in params.items() if k != TAG}
+        if params.get(TAG, name) != name:  # the schema shows the tag: when given, it is the estimator
+            raise ValueError(f"estimator_params.{TAG} must be the estimator, {name!r}")
+        check_estimator_params(name, given)
+        return {**given, TAG: name}
+    return params

@@ -7,11 +7,11 @@ importing the service.
 submission, the rollout service for a direct ``/v1/rollouts``): unknown keys are refused, ints must be ints,
 floats accept ints, bools are strict, ``null`` means the default, and a bad value is a ``ModeError``
 whose message names the parameter. ``ModeLimits`` carries the deployment's bounds and defaults
-(``LOOM_ROLLOUT_SEGMENT_CAP``, ``LOOM_ROLLOUT_READING_WPM``, ``LOOM_ATTENTION_TIMEOUT_S``); the
-request's own sampling gives the defaults that follow it (tree ``initial``, streaming
-``deep_max_tokens``). What the gateway parsed travels as ``resolved_form`` (every field, defaults
-and limits filled in) and ``mode_params_of`` rebuilds the model from it without a second parse
-(docs/architecture.md, "Contracts").
+(``ModeSettings``: ``LOOM_ROLLOUT_SEGMENT_CAP``, ``LOOM_ROLLOUT_READING_WPM``; and
+``LOOM_ATTENTION_TIMEOUT_S``); the request's own sampling gives the defaults that follow it (tree
+``initial``, streaming ``deep_max_tokens``). What the gateway parsed travels as ``resolved_form``
+(every field, defaults and limits filled in) and ``mode_params_of`` rebuilds the model from it
+without a second parse (docs/architecture.md, "Contracts").
 """
 
 from __future__ import annotations
@@ -19,15 +19,32 @@ from __future__ import annotations
 import re
 import string
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loom.contracts.settings import Settings
-from loom.contracts.wire import Mode, RolloutRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from loom.contracts.wire import RolloutRequest, SamplingParams
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, SpawnSyntax
 
-MAX_TOKENS: int = next(m.le for m in SamplingParams.model_fields["max_tokens"].metadata if hasattr(m, "le"))
+# ``loom.contracts.wire.SamplingParams``' bound on ``max_tokens`` and the defaults a mode's request
+# defaults follow: written here, since this module imports no wire model (the wire's ``Mode`` derives
+# from its table).
+MAX_TOKENS = 131072
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """``SamplingParams``' defaults of the fields a mode's defaults read (``n``, ``max_tokens``)."""
+
+    n: int = 1
+    max_tokens: int = 256
+
+
+SAMPLING_DEFAULTS = SamplingDefaults()
 MAX_SENTENCES = 1024
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 
@@ -38,21 +55,34 @@ class ModeError(ValueError):
     kind = "mode_error"
 
 
-def _setting(name: str) -> Any:
-    return Settings.model_fields[name].default
+class ModeSettings(BaseSettings):
+    """The rollout modes' deployment bounds (``LOOM_ROLLOUT_*``; ``rollout_svc.config.RolloutSettings``
+    extends them): in the contracts because the gateway resolves a submission's mode params against
+    them too."""
+
+    model_config = SettingsConfigDict(env_prefix="LOOM_ROLLOUT_", extra="ignore", frozen=True)
+
+    reading_wpm: float = Field(default=150.0, gt=0, description="streaming: words per minute")
+    segment_cap: int = Field(default=512, ge=1, description="streaming: max tokens per thought")
+
+
+def _default(model: type[BaseModel], name: str) -> Any:
+    return model.model_fields[name].default
 
 
 @dataclass(frozen=True)
 class ModeLimits:
-    """The deployment's bounds on mode parameters (its rollout settings; the defaults are Settings')."""
+    """The deployment's bounds on mode parameters (the defaults are ModeSettings' and Settings')."""
 
-    segment_cap: int = _setting("rollout_segment_cap")  # LOOM_ROLLOUT_SEGMENT_CAP
-    reading_wpm: float = _setting("rollout_reading_wpm")  # LOOM_ROLLOUT_READING_WPM
-    max_attention_timeout_s: float = _setting("attention_timeout_s")  # LOOM_ATTENTION_TIMEOUT_S
+    segment_cap: int = _default(ModeSettings, "segment_cap")  # LOOM_ROLLOUT_SEGMENT_CAP
+    reading_wpm: float = _default(ModeSettings, "reading_wpm")  # LOOM_ROLLOUT_READING_WPM
+    max_attention_timeout_s: float = _default(Settings, "attention_timeout_s")  # LOOM_ATTENTION_TIMEOUT_S
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> ModeLimits:
-        return cls(settings.rollout_segment_cap, settings.rollout_reading_wpm, settings.attention_timeout_s)
+    def from_settings(cls, settings: Settings, modes: ModeSettings | None = None) -> ModeLimits:
+        """``modes`` None: read from the environment (``LOOM_ROLLOUT_*``)."""
+        m = modes or ModeSettings()
+        return cls(m.segment_cap, m.reading_wpm, settings.attention_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -60,12 +90,12 @@ class _Context:
     """What a model's request-dependent defaults read (``model_validate(..., context=...)``)."""
 
     limits: ModeLimits
-    sampling: SamplingParams
+    sampling: SamplingParams | SamplingDefaults
 
 
 def _context(info: ValidationInfo) -> _Context:
     ctx = info.context
-    return ctx if isinstance(ctx, _Context) else _Context(ModeLimits(), SamplingParams())
+    return ctx if isinstance(ctx, _Context) else _Context(ModeLimits(), SAMPLING_DEFAULTS)
 
 
 class ModeParams(BaseModel):
@@ -259,8 +289,9 @@ def check_template(name: str, template: str, fields: tuple[str, ...]) -> None:
         raise ModeError(f"mode_params.{name} must contain {{message}}")
 
 
-# The one table of mode names (``loom.contracts.wire.Mode`` types them; tests/contracts pins the two equal).
-MODE_PARAMS: dict[Mode, type[ModeParams]] = {
+# The one table of modes: a mode's registration is its line here (its algorithm is the module
+# ``rollout_svc/modes/<name>.py``); ``loom.contracts.wire.Mode`` derives from it.
+MODE_PARAMS: dict[str, type[ModeParams]] = {
     "plain": PlainParams,
     "streaming": StreamingParams,
     "tree": TreeParams,

@@ -77,7 +77,8 @@ class CodeParams(Params):
     output_bytes: int = Field(default=1 << 20, ge=1024, le=16 << 20)
 
 
-# Component name -> its params model; reward_svc.registry.REGISTRY has the same keys.
+# The one table of components: name -> its params model (a component's registration is its line
+# here; its function is found by name, reward_svc/registry.py).
 COMPONENT_PARAMS: dict[str, type[Params]] = {
     "accuracy": AccuracyParams,
     "format_stream": NoParams,
@@ -93,11 +94,6 @@ COMPONENT_PARAMS: dict[str, type[Params]] = {
     "code_pass": CodeParams,
     "code_all": CodeParams,
 }
-
-# Components that read the accuracy verdicts (the verifier runs only when one is requested).
-NEEDS_ACCURACY = frozenset({"accuracy", "length_kimi", "length_refined", "efficiency"})
-# Components that read the code verdicts (the sandbox runs only when one is requested or the task is code).
-NEEDS_CODE = frozenset({"code_pass", "code_all"})
 
 
 class RequestError(ValueError):

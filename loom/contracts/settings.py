@@ -137,9 +137,8 @@ class Settings(BaseSettings):
         "rollout worker's Python (Celery, result store, acks) then never takes the engine's GIL; "
         "false = inside the calling process",
     )
-    rollout_reading_wpm: float = Field(default=150.0, gt=0, description="streaming: words per minute")
-    rollout_segment_cap: int = Field(default=512, ge=1, description="streaming: max tokens per thought")
-    # the rollout service's own knobs (the group timeout): rollout_svc/config.py, RolloutSettings
+    # the rollout service's own knobs: rollout_svc/config.py, RolloutSettings; the modes' bounds,
+    # which the gateway reads too: loom/contracts/modes.py, ModeSettings (LOOM_ROLLOUT_*)
     attention_url: str = Field(
         default="",
         description="tree mode's attention scorer for engines without attention scores (vLLM): the root "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -25,7 +25,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from loom.contracts.estimators import check_estimator_params
+from loom.contracts.estimators import ESTIMATOR_PARAMS, EstimatorParams, params_union, tagged_params
+from loom.contracts.modes import MAX_TOKENS, MODE_PARAMS, SAMPLING_DEFAULTS
 
 SCHEMA_VERSION = "1.0"
 # the highest sampling temperature: vLLM 0.32 refuses more (400), so every engine is held to it
@@ -33,11 +34,18 @@ MAX_TEMPERATURE = 2.0
 # steps per attention-scoring call (loom.fci): the scorer keeps a steps x steps matrix per layer and head
 MAX_ATTENTION_STEPS = 4096
 
-Mode = Literal["plain", "streaming", "tree", "spawn"]
+if TYPE_CHECKING:
+    Mode = str
+    Estimator = str
+    EstimatorParamsUnion = EstimatorParams
+else:  # the names are the tables' keys: a mode or an estimator is registered once, in its table
+    Mode = Literal[tuple(MODE_PARAMS)]
+    Estimator = Literal[tuple(ESTIMATOR_PARAMS)]
+    # an estimator's params: the discriminated union of the table's models, keyed by its name
+    EstimatorParamsUnion = params_union()
 SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid", "sandbox_error"]
-Estimator = Literal["grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "rea", "apr"]
 
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -165,8 +173,8 @@ class Contract(EncodableText):
 
 
 class SamplingParams(Contract):
-    n: int = Field(default=1, ge=1, le=1024)
-    max_tokens: int = Field(default=256, ge=1, le=131072)
+    n: int = Field(default=SAMPLING_DEFAULTS.n, ge=1, le=1024)
+    max_tokens: int = Field(default=SAMPLING_DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS)
     temperature: float = Field(
         default=1.0, ge=0.0, le=MAX_TEMPERATURE, description="at most 2, as vLLM accepts (a 400 there)"
     )
@@ -504,14 +512,12 @@ class TrainBatch(Contract):
     groups: list[Group] = Field(min_length=1)
     rewards: list[RewardResult] = Field(min_length=1)
     estimator: Estimator = "grpo"
-    estimator_params: Params = Field(default_factory=dict)
+    estimator_params: EstimatorParamsUnion = Field(
+        default=None, validate_default=True, description="the estimator's params (its model's fields)"
+    )
     loss: LossSpec = Field(default_factory=LossSpec)
 
-    @field_validator("estimator_params")
-    @classmethod
-    def _known_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        check_estimator_params(info.data.get("estimator", "grpo"), v)
-        return v
+    _tag_params = field_validator("estimator_params", mode="before")(tagged_params)
 
     @field_validator("groups")
     @classmethod
@@ -596,7 +602,7 @@ class ReflectParams(Contract):
     max_chunk_tokens: int = Field(default=128, ge=1, le=100_000)
     max_removed_fraction: float = Field(default=0.5, ge=0.0, le=0.5, description="of the thinking tokens")
     forced_ending: str = Field(default="\n</think>\n\n**Final Answer:**\n\n", max_length=1000)
-    max_tokens: int = Field(default=256, ge=1, le=131072, description="budget of the policy's completion")
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS, description="budget of the policy's completion")
     temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     reward: RewardSpec = Field(default_factory=RewardSpec, description="scores originals and revisions")

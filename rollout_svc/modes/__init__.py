@@ -1,18 +1,24 @@
 """Rollout modes: each turns one RolloutRequest into one Group using only the engine interface.
 
 One module per mode (``plain``, ``streaming``, ``tree``, ``spawn``), each the algorithm only: a
-function named after the mode, ``mode(request, prompt_ids, group_id, engine, tokenizer, params)``
-with ``params`` its typed model from ``loom.contracts.modes`` (``plain`` takes the first four alone;
-``tree`` also takes its reward callback and scorer, from ``rollout_svc.modes.scorers``). ``run`` is
-the one dispatch entry that feeds them. A mode that cannot run raises ``ModeError`` (bad
-parameters) or the engine's ``UnsupportedCapability`` (e.g. the group-position layout on vLLM); the
-API turns both into 422.
+function named after the mode, ``mode(request, prompt_ids, group_id, engine, *needs)``, and ``NEEDS``,
+the names of what it takes beyond the first four, in its signature's order, each given by the
+dispatch's :data:`PROVIDERS` (``"tokenizer"``; ``"params"``, its typed model from
+``loom.contracts.modes``; ``"reward_fn"`` and ``"scorer"``, tree mode's reward callback and attention
+scorer from ``rollout_svc.modes.scorers``). A mode's registration is its line in the contract's table
+(``loom.contracts.modes.MODE_PARAMS``), its module ``rollout_svc/modes/<name>.py`` found by that name:
+a new mode is that file plus that line (docs/architecture.md, "One registration per feature"). ``run``
+is the one dispatch entry. A mode that cannot run raises ``ModeError`` (bad parameters) or the
+engine's ``UnsupportedCapability`` (e.g. the group-position layout on vLLM); the API turns both into
+422.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from loom.contracts.modes import MODE_PARAMS, ModeError, ModeParams
@@ -20,18 +26,75 @@ from loom.contracts.settings import Settings
 from loom.contracts.wire import Group, Mode, RolloutRequest, Trajectory
 from rollout_svc.engines.base import Engine
 
-__all__ = ["MODES", "ModeError", "group_of", "mode_runner", "run", "sample_seed", "trajectory_id"]
+__all__ = [
+    "MODES",
+    "Inputs",
+    "PROVIDERS",
+    "ModeError",
+    "group_of",
+    "mode_needs",
+    "mode_runner",
+    "run",
+    "sample_seed",
+    "trajectory_id",
+]
 
-# mode -> (its params model, the module of its algorithm): the contract's table of modes; a module
-# is imported on first use, so a worker loads only the modes it serves.
+# mode -> (its params model, the module of its algorithm), from the contract's table of modes; a
+# module is imported on first use, so a worker loads only the modes it serves.
 MODES: dict[str, tuple[type[ModeParams], str]] = {
     name: (params, f"rollout_svc.modes.{name}") for name, params in MODE_PARAMS.items()
 }
 
 
+def _module(mode: str) -> Any:
+    if mode not in MODE_PARAMS:
+        raise ModeError(f"unknown mode {mode!r}; available: {tuple(MODE_PARAMS)}")
+    return importlib.import_module(f"rollout_svc.modes.{mode}")
+
+
 def mode_runner(mode: str) -> Any:
-    """The algorithm serving ``mode`` (a key of ``MODES``): its module's function of the same name."""
-    return getattr(importlib.import_module(MODES[mode][1]), mode)
+    """The algorithm serving ``mode`` (a key of ``MODE_PARAMS``): its module's function of the same name."""
+    return getattr(_module(mode), mode)
+
+
+def mode_needs(mode: str) -> tuple[str, ...]:
+    """What ``mode``'s algorithm takes beyond (request, prompt_ids, group_id, engine): its ``NEEDS``."""
+    return tuple(getattr(_module(mode), "NEEDS", ()))
+
+
+@dataclass
+class Inputs:
+    """What the providers build a mode's needs from; the tokenizer is loaded only when one is needed."""
+
+    request: RolloutRequest
+    load_tokenizer: Callable[[], Any]
+    params: ModeParams
+    settings: Settings
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        return self.load_tokenizer()
+
+
+def _reward_fn(i: Inputs) -> Any:
+    from rollout_svc.modes.scorers import exact_reward_fn
+
+    return exact_reward_fn(i.request, i.tokenizer)
+
+
+def _scorer(i: Inputs) -> Any:
+    from rollout_svc.modes.scorers import operator_scorer
+
+    return operator_scorer(i.settings, i.params)
+
+
+# need -> how the dispatch provides it (a mode names the ones it takes in its NEEDS)
+PROVIDERS: dict[str, Callable[[Inputs], Any]] = {
+    "tokenizer": lambda i: i.tokenizer,
+    "params": lambda i: i.params,
+    "reward_fn": _reward_fn,
+    "scorer": _scorer,
+}
 
 
 async def run(
@@ -43,19 +106,13 @@ async def run(
     params: ModeParams,
     settings: Settings,
 ) -> Group:
-    """The dispatch entry of every mode: ``tokenizer()`` is called only for a mode that reads text
-    (every mode but ``plain``); ``tree`` also gets what ``scorers.tree_inputs`` builds from the
-    deployment's ``settings`` (the other modes' limits are already in ``params``)."""
+    """The dispatch entry of every mode: its algorithm called with what its ``NEEDS`` name
+    (``tokenizer()`` is called only for a mode that needs text; ``settings``: the deployment's, which
+    the operator's scorer reads)."""
     algorithm: Callable[..., Awaitable[Group]] = mode_runner(request.mode)
-    if request.mode == "plain":
-        return await algorithm(request, prompt_ids, group_id, engine)
-    tok = tokenizer()
-    extras: dict[str, Any] = {}
-    if request.mode == "tree":
-        from rollout_svc.modes.scorers import tree_inputs
-
-        extras = tree_inputs(request, tok, params, settings)
-    return await algorithm(request, prompt_ids, group_id, engine, tok, params, **extras)
+    inputs = Inputs(request, tokenizer, params, settings)
+    needs = [PROVIDERS[need](inputs) for need in mode_needs(request.mode)]
+    return await algorithm(request, prompt_ids, group_id, engine, *needs)
 
 
 def trajectory_id(group_id: str, index: int) -> str:

@@ -20,7 +20,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from loom.contracts.modes import ModeParams, TreeParams
+from loom.contracts.modes import ModeParams
 from loom.contracts.settings import Settings
 from loom.contracts.wire import RolloutRequest, Trajectory
 from rollout_svc.engines.base import Engine, EngineError, UnsupportedCapability
@@ -114,12 +114,14 @@ def http_scorer(url: str, timeout_s: float = 120.0, token: str = "") -> Scorer:
     return score
 
 
-def operator_scorer(settings: Settings, cfg: TreeParams) -> Scorer | None:
+def operator_scorer(settings: Settings, cfg: ModeParams) -> Scorer | None:
     """The operator's scorer (``LOOM_ATTENTION_URL``, with the service token), bounded by the
-    request's ``attention_timeout_s``; None where the operator set none."""
+    request's ``attention_timeout_s`` (tree's params; else the deployment's bound); None where the
+    operator set none."""
     if not settings.attention_url:
         return None
-    return http_scorer(settings.attention_url, cfg.attention_timeout_s, settings.service_token)
+    timeout_s = getattr(cfg, "attention_timeout_s", settings.attention_timeout_s)
+    return http_scorer(settings.attention_url, timeout_s, settings.service_token)
 
 
 def resolve_scorer(engine: Engine, operator: Scorer | None = None) -> Scorer:
@@ -134,12 +136,3 @@ def resolve_scorer(engine: Engine, operator: Scorer | None = None) -> Scorer:
         "use strategy 'entropy' or 'random', or ask the operator to set LOOM_ATTENTION_URL to a learner "
         "or `loom engine` serving /v1/score/attention",
     )
-
-
-def tree_inputs(
-    request: RolloutRequest, tokenizer: Any, cfg: ModeParams, settings: Settings
-) -> dict[str, Any]:
-    """What the dispatch gives tree mode beside the modes' common arguments: the exact verifier's
-    reward when the task has one, and the operator's scorer for an engine without its own."""
-    assert isinstance(cfg, TreeParams)
-    return {"reward_fn": exact_reward_fn(request, tokenizer), "scorer": operator_scorer(settings, cfg)}

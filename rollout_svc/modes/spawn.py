@@ -364,6 +364,11 @@ class _Spawner:
         )
 
 
+# what spawn() takes beyond (request, prompt_ids, group_id, engine), in its order
+# (rollout_svc.modes.PROVIDERS gives each)
+NEEDS = ("tokenizer", "params")
+
+
 async def spawn(
     request: RolloutRequest,
     prompt_ids: list[int],

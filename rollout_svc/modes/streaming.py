@@ -279,6 +279,11 @@ class _Sample:
         )
 
 
+# what streaming() takes beyond (request, prompt_ids, group_id, engine), in its order
+# (rollout_svc.modes.PROVIDERS gives each)
+NEEDS = ("tokenizer", "params")
+
+
 async def streaming(
     request: RolloutRequest,
     prompt_ids: list[int],

@@ -502,6 +502,11 @@ def _node_segments(
         ]
 
 
+# what tree() takes beyond (request, prompt_ids, group_id, engine), in its order
+# (rollout_svc.modes.PROVIDERS gives each)
+NEEDS = ("tokenizer", "params", "reward_fn", "scorer")
+
+
 async def tree(
     request: RolloutRequest,
     prompt_ids: list[int],

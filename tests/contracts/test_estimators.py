@@ -77,3 +77,46 @@ def test_the_contract_imports_only_pydantic_and_the_standard_library() -> None:
         elif isinstance(n, ast.ImportFrom):
             roots.add((n.module or "").split(".")[0])
     assert roots <= {"__future__", "collections", "typing", "pydantic", "loom"}, roots
+
+
+def _batch(**kw: typing.Any) -> typing.Any:
+    from loom.contracts.wire import Group, RewardResult, TrainBatch, Trajectory
+
+    g = Group(id="g", trajectories=[Trajectory(id="t", group_id="g", prompt_ids=[1], completion_ids=[2])])
+    return TrainBatch(step=0, groups=[g], rewards=[RewardResult(group_id="g", rewards=[])], **kw)
+
+
+def test_the_wire_parses_a_plain_object_into_the_estimators_own_model() -> None:
+    """Estimator params are a discriminated union keyed by the estimator: a JSON object as ever in,
+    the estimator's typed model out, and the same object (every field, no tag) written back."""
+    batch = _batch(estimator="hrpo", estimator_params={"beta": 0.1, "names": {"accuracy": "acc"}})
+    p = batch.estimator_params
+    assert isinstance(p, HrpoParams) and (p.beta, p.names.accuracy, p.w_fmt) == (0.1, "acc", 2.0)
+    written = batch.model_dump(mode="json")["estimator_params"]
+    assert (
+        contract.TAG not in written
+        and written == HrpoParams(beta=0.1, names={"accuracy": "acc"}).model_dump()
+    )
+    again = type(batch).model_validate_json(batch.model_dump_json())
+    assert again.estimator_params == p and isinstance(again.estimator_params, HrpoParams)
+    assert isinstance(_batch().estimator_params, contract.GrpoParams)  # none given: grpo's defaults
+    with pytest.raises(ValidationError) as err:
+        _batch(estimator="hrpo", estimator_params={"beta": "high"})
+    assert err.value.errors()[0]["loc"] == ("estimator_params", "hrpo", "beta")
+    with pytest.raises(ValidationError, match="not read by estimator 'grpo'"):
+        _batch(estimator="grpo", estimator_params=p)  # another estimator's params
+    # the schema shows the tag: a client may send it, the estimator's own name only
+    tagged = _batch(estimator="hrpo", estimator_params={"estimator": "hrpo", "beta": 0.2}).estimator_params
+    assert isinstance(tagged, HrpoParams) and tagged.beta == 0.2
+    with pytest.raises(ValidationError, match="must be the estimator, 'grpo'"):
+        _batch(estimator="grpo", estimator_params={"estimator": "hrpo"})
+
+
+def test_the_schema_names_each_estimators_params_by_its_tag() -> None:
+    from loom.contracts.wire import TrainBatch
+
+    schema = TrainBatch.model_json_schema()
+    union = schema["properties"]["estimator_params"]
+    assert set(union["discriminator"]["mapping"]) == set(ESTIMATOR_PARAMS)
+    hrpo = schema["$defs"][union["discriminator"]["mapping"]["hrpo"].rsplit("/", 1)[-1]]
+    assert {"beta", "w_acc", "w_fmt", "names"} <= set(hrpo["properties"])

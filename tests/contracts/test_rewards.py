@@ -10,7 +10,6 @@ from loom.contracts.rewards import (
     ANSWER_TAIL_CHARS,
     COMPONENT_PARAMS,
     DEFAULT_DQ,
-    NEEDS_ACCURACY,
     AccuracyParams,
     ReflectionParams,
     RequestError,
@@ -18,7 +17,7 @@ from loom.contracts.rewards import (
     check_timeout,
 )
 from loom.contracts.wire import RewardComponent, RewardSpec
-from reward_svc.registry import REGISTRY
+from reward_svc.registry import NEEDS_ACCURACY, NEEDS_CODE, REGISTRY
 
 
 def _spec(*components: dict, timeout_s: int = 5) -> RewardSpec:
@@ -33,7 +32,8 @@ def _error(spec: RewardSpec, **kw) -> RequestError:
 
 def test_the_contract_names_the_registry_components():
     assert set(COMPONENT_PARAMS) == set(REGISTRY)
-    assert NEEDS_ACCURACY <= set(COMPONENT_PARAMS)
+    assert NEEDS_ACCURACY == {"accuracy", "length_kimi", "length_refined", "efficiency"}
+    assert NEEDS_CODE == {"code_pass", "code_all"}
 
 
 def test_the_contract_imports_no_service():

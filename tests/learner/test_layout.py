@@ -39,7 +39,8 @@ def test_n_ranks_are_replicated_or_sharded_as_the_settings_say() -> None:
 def test_a_one_process_learner_takes_its_step_through_the_one_process_layout(
     model_dir: Path, tmp_path: Path, batch_parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The estimator's params are parsed once per step (they were parsed again for the metrics)."""
+    """The estimator's params are parsed once, with the batch (the wire's discriminated union): the
+    step reads the typed model and parses them no more (they were parsed again for the metrics)."""
     parsed: list[dict[str, object]] = []
 
     class Counted(estimators.GrpoParams):
@@ -53,10 +54,12 @@ def test_a_one_process_learner_takes_its_step_through_the_one_process_layout(
     groups, rewards = batch_parts()
     params = {"batch_size": 8, "target_groups": 2}  # AttnRL eq. 10: the metrics read them too
     batch = TrainBatch(step=0, groups=groups, rewards=rewards, estimator_params=params)
+    assert isinstance(batch.estimator_params, estimators.GrpoParams)
+    assert (batch.estimator_params.batch_size, batch.estimator_params.target_groups) == (8, 2)
     monkeypatch.setitem(estimators.ESTIMATOR_PARAMS, "grpo", Counted)
     result = learner.train_step(batch)
     assert result.policy_version == 1 and "next_batch_size" in result.metrics
-    assert parsed == [params]
+    assert parsed == []
 
 
 def _imports(path: Path) -> set[str]:

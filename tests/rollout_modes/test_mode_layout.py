@@ -17,8 +17,8 @@ from loom.contracts.settings import Settings
 from loom.contracts.wire import RolloutRequest, SamplingParams
 from rollout_svc.engines.base import UnsupportedCapability
 from rollout_svc.engines.simulated import SimulatedEngine
-from rollout_svc.modes import MODES, mode_runner, run
-from rollout_svc.modes.scorers import operator_scorer, resolve_scorer, tree_inputs
+from rollout_svc.modes import MODES, PROVIDERS, Inputs, mode_needs, mode_runner, run
+from rollout_svc.modes.scorers import operator_scorer, resolve_scorer
 
 MODES_DIR = Path(__file__).resolve().parents[2] / "rollout_svc" / "modes"
 
@@ -75,8 +75,9 @@ def test_the_operators_scorer_exists_only_where_the_operator_set_its_url() -> No
     assert operator_scorer(Settings(attention_url=""), cfg) is None
     assert callable(operator_scorer(Settings(attention_url="http://127.0.0.1:9"), cfg))
     request = RolloutRequest(prompt="x", mode="tree", task="arithmetic", label="3")
-    inputs = tree_inputs(request, None, cfg, Settings(attention_url=""))
-    assert inputs["scorer"] is None and callable(inputs["reward_fn"])
+    assert mode_needs("tree") == ("tokenizer", "params", "reward_fn", "scorer")
+    inputs = Inputs(request, lambda: None, cfg, Settings(attention_url=""))
+    assert PROVIDERS["scorer"](inputs) is None and callable(PROVIDERS["reward_fn"](inputs))
 
 
 def test_the_dispatch_of_plain_mode_never_loads_the_tokenizer() -> None:
