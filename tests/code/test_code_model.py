@@ -15,7 +15,7 @@ from tests.sandbox.conftest import sandbox_url  # noqa: F401  (the fixture)
 from zoo.code import CODE_CHECKPOINT_DIR, HELDOUT_SEED, code_problems
 from zoo.code.evaluate import evaluate
 from zoo.code.train import CodeTrainConfig
-from zoo.recipe import train
+from zoo.recipe import heldout_row, train
 from zoo.recipes import RECIPES
 from zoo.tiny import load_model, load_tokenizer
 
@@ -44,12 +44,14 @@ def test_a_short_run_writes_a_card_with_the_sandboxed_held_out_rows(
     assert "| code_all |" in (tmp_path / "MODEL_CARD.md").read_text()
 
 
-def test_the_shipped_model_solves_part_of_the_held_out_problems(sandbox_url: str) -> None:  # noqa: F811
+@pytest.mark.slow
+def test_the_shipped_model_solves_part_of_the_held_out_problems_as_its_card_says(sandbox_url: str) -> None:  # noqa: F811
     configure_process()
+    card = json.loads((CODE_CHECKPOINT_DIR / "card.json").read_text())
     tok, model = load_tokenizer(CODE_CHECKPOINT_DIR), load_model(CODE_CHECKPOINT_DIR)
-    problems = code_problems(24, seed=HELDOUT_SEED, split="test")
+    problems = code_problems(card["config"]["eval_problems"], seed=HELDOUT_SEED, split="test")
     rows = evaluate(model, tok, problems, SandboxClient(sandbox_url))
     solved, tests = rows["code_all"], rows["code_pass"]
-    assert 0 < solved.correct < solved.total == 24
-    assert solved.correct * 4 <= tests.correct < tests.total == 96
-    assert tests.parsed >= 20  # it writes a fenced block nearly always
+    assert 0 < solved.correct < solved.total  # part, not all: room for RL
+    assert solved.correct * 4 <= tests.correct < tests.total
+    assert {k: heldout_row(r) for k, r in rows.items()} == card["heldout"]  # the card's numbers, re-measured
