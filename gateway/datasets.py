@@ -1,4 +1,5 @@
-"""Run datasets: Loom's built-in synthetic tasks (zoo.tiny.tasks) or uploaded JSONL of {prompt, answer}.
+"""Run datasets: Loom's built-in synthetic tasks (zoo.tiny.tasks; ``code``: the code model's programming
+problems, zoo.code.tasks) or uploaded JSONL of {prompt, answer}.
 
 Uploaded JSONL is never held whole in memory: ``DatasetWriter`` takes it in chunks (the stream of
 ``POST /v1/datasets``, or a run's inline ``jsonl`` text), checks each line as it comes and writes it to
@@ -80,6 +81,35 @@ def builtin_item(problem: Any, mode: str) -> TaskItem:
     else:
         prompt = tiny.plain_prompt(problem)
     return TaskItem(prompt=prompt, label=label, task=kind, mode_params=mode_params)  # type: ignore[arg-type]
+
+
+def code_item(problem: Any) -> TaskItem:
+    """One built-in programming problem as a run item: the code model's prompt and its tests as the
+    label of a ``code`` task (reward_svc/code.py's assert form)."""
+    from zoo.code import code_prompt
+
+    return TaskItem(prompt=code_prompt(problem), label=problem.label, task="code")
+
+
+def builtin_items(spec: DatasetSpec, mode: str) -> list[TaskItem]:
+    """A built-in dataset's training-split items for ``mode`` (without knobs, the distribution its
+    built-in model was trained on)."""
+    knobs = KNOBS[spec.builtin or ""].model_validate(spec.knobs).model_dump(exclude_unset=True)
+    if spec.builtin == "code" and mode != "plain":
+        raise DatasetError(f"the built-in code tasks are plain prompts; mode {mode!r} needs others")
+    try:
+        if spec.builtin == "code":
+            from zoo.code import code_problems
+
+            sources = tuple(knobs.get("sources", ("list", "range", "string")))
+            return [code_item(p) for p in code_problems(spec.size, spec.seed, "train", sources)]
+        from zoo.tiny.tasks import TINY_KNOBS, make_problems
+
+        kind = spec.builtin or "arith"
+        problems = make_problems(kind, spec.size, spec.seed, split="train", **(knobs or TINY_KNOBS[kind]))  # type: ignore[arg-type]
+    except ValueError as exc:  # too few distinct problems for ``size`` under these knobs
+        raise DatasetError(str(exc)) from None
+    return [builtin_item(p, mode) for p in problems]
 
 
 def _check_line(line: str, lineno: int) -> bool:
@@ -277,17 +307,7 @@ def load_dataset(spec: DatasetSpec, mode: str = "plain", data_dir: Path | None =
     """The run's items. Built-in tasks come formatted for ``mode`` in the tiny model's prompt format;
     uploaded ones are read from ``<data_dir>/datasets`` (inline ``jsonl`` is stored there first)."""
     if spec.builtin is not None:
-        from zoo.tiny.tasks import TINY_KNOBS, make_problems
-
-        # Without knobs, the distribution the built-in tiny model was trained on.
-        knobs = KNOBS[spec.builtin].model_validate(spec.knobs).model_dump(exclude_unset=True)
-        try:
-            problems = make_problems(
-                spec.builtin, spec.size, spec.seed, split="train", **(knobs or TINY_KNOBS[spec.builtin])
-            )
-        except ValueError as exc:  # too few distinct problems for ``size`` under these knobs
-            raise DatasetError(str(exc)) from None
-        return [builtin_item(p, mode) for p in problems]
+        return builtin_items(spec, mode)
     root = dataset_root(data_dir)
     dataset_id = spec.id
     if dataset_id is None:

@@ -80,19 +80,29 @@ class CountdownKnobs(Contract):
     max_target: int = Field(default=99, ge=1, le=1_000_000)
 
 
-KNOBS: dict[str, type[Contract]] = {"arith": ArithKnobs, "countdown": CountdownKnobs}
+class CodeKnobs(Contract):
+    """zoo.code.tasks.code_problems's settings: the sources its problems are drawn from."""
+
+    sources: list[Literal["list", "range", "string"]] = Field(
+        default=["list", "range", "string"], min_length=1, max_length=3
+    )
+
+
+KNOBS: dict[str, type[Contract]] = {"arith": ArithKnobs, "countdown": CountdownKnobs, "code": CodeKnobs}
 
 
 class DatasetSpec(Contract):
-    """``builtin`` synthetic tasks (zoo.tiny.tasks), a stored dataset ``id`` (``POST /v1/datasets``), or
-    inline ``jsonl`` text (small datasets; stored the same way at submission) of {prompt, answer}."""
+    """``builtin`` synthetic tasks (zoo.tiny.tasks; ``code``: zoo.code.tasks's programming problems), a
+    stored dataset ``id`` (``POST /v1/datasets``), or inline ``jsonl`` text (small datasets; stored the
+    same way at submission) of {prompt, answer}."""
 
-    builtin: Literal["arith", "countdown"] | None = None
+    builtin: Literal["arith", "countdown", "code"] | None = None
     size: int = Field(default=256, ge=1, le=100_000)
     seed: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     knobs: dict[str, Any] = Field(
         default_factory=dict,
-        description="generator settings of the built-in task (ArithKnobs / CountdownKnobs); empty: the "
+        description="generator settings of the built-in task (ArithKnobs / CountdownKnobs / CodeKnobs); "
+        "empty: the "
         "distribution the tiny model was trained on",
     )
     jsonl: str | None = Field(default=None, description="uploaded JSONL text, one {prompt, answer} a line")

@@ -1,4 +1,6 @@
 """``loom demo``: a short RL run on the built-in tiny model, driven through the platform itself.
+``--task code``: the built-in code model on the built-in programming problems, rewarded by their
+tests run in the stack's sandbox service (docs/sandbox.md).
 
 It brings up the embedded stack (or uses a running gateway with ``--url``), starts a run through the
 gateway's runs API (the gateway drives rollout -> reward -> learner over the queues), follows it with
@@ -32,22 +34,34 @@ REWARDS: dict[str, list[dict[str, Any]]] = {
     "tree": [{"name": "accuracy", "weight": 1.0}],
     "spawn": [{"name": "accuracy", "weight": 1.0}],
 }
+TASKS = ("arith", "countdown", "code")
+# --task code: the code model (zoo/code) and the fraction of tests passed; a code task's accuracy is
+# code_all (reward_svc/code.py), logged beside it
+CODE_MODEL = "code"
+CODE_REWARD: list[dict[str, Any]] = [
+    {"name": "code_pass", "weight": 1.0},
+    {"name": "accuracy", "weight": 0.0},
+]
+# --task code's own defaults where a flag is not given: every sample's tests are sandbox runs (4 per
+# problem, zoo/code/tasks.py), so fewer prompts per step than arithmetic's 16 (docs/benchmarks/demo.md)
+CODE_DEFAULTS = {"batch_size": 8, "group_size": 8, "lr": 2e-4, "temperature": 1.3}
+TASK_DEFAULTS = {"batch_size": 16, "group_size": 8, "lr": 1e-4, "temperature": 1.3}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="loom demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=MODES, default="plain")
     p.add_argument("--estimator", choices=ESTIMATORS, default="grpo")
-    p.add_argument("--task", choices=("arith", "countdown"), default="arith")
+    p.add_argument("--task", choices=TASKS, default="arith", help="code: the code model on code tasks")
     # 400 steps or --time-limit, whichever comes first: at lr 1e-4 the reward still rose at step 400
     # (10-step means 0.38 -> 0.70, +0.347 in 488 s on a quiet hour of the 2-core VM; 180 steps gave
     # +0.12 to +0.24, docs/benchmarks/demo.md), so the demo trains as long as its time allows
     p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per step (16; code: 8)")
+    p.add_argument("--group-size", type=int, default=None, help="samples per prompt (8)")
     # 1e-4: measured 150 steps each, 2e-4 dipped for ~60 steps before rising (10-step means 0.39 ->
     # 0.35 -> 0.50), 3e-4 and 2e-4 with two updates per batch fell to ~0.28; 1e-4 rose from the start
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=None, help="1e-4 (code: 2e-4)")
     p.add_argument("--warmup", type=int, default=20, help="linear lr warmup steps")
     p.add_argument("--updates", type=int, default=1, help="optimizer steps per batch (PPO's mu)")
     # 1.3: the tiny model is so peaked that at 1.0 its sampled accuracy already equals its greedy one
@@ -66,7 +80,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="train only the groups whose reward COMPONENT (e.g. accuracy) differs across the responses "
         "(DAPO's dynamic sampling; the run's filter_groups, docs/algorithms.md §5.3)",
     )
-    p.add_argument("--temperature", type=float, default=1.3)
+    p.add_argument("--temperature", type=float, default=None, help="1.3")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--staleness", type=int, default=1, help="0 = synchronous; 1 = one-step off-policy")
     p.add_argument("--seed", type=int, default=0)
@@ -95,7 +109,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="also log the run to this experiment tracker (repeatable; docs/trackers.md): its files go "
         "under the demo's folder, in state/runs/<run id>/trackers/<name>",
     )
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    if args.task == "code" and args.mode != "plain":
+        p.error("--task code runs in the plain mode")
+    for name, value in (CODE_DEFAULTS if args.task == "code" else TASK_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def run_request(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,7 +128,7 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "temperature": args.temperature,
         },
-        "reward": {"components": REWARDS[args.mode]},
+        "reward": {"components": CODE_REWARD if args.task == "code" else REWARDS[args.mode]},
         "estimator": args.estimator,
         "loss": {
             "lr": args.lr,
@@ -240,8 +260,17 @@ def main(argv: Sequence[str] = ()) -> int:
     from launch.stack import Stack
     from loom.contracts.settings import Settings
 
-    # A fresh data dir per demo: its own embedded broker, run state and policy store.
-    settings = Settings(data_dir=out / "state")
+    # A fresh data dir per demo: its own embedded broker, run state and policy store. The stack runs
+    # every service, the sandbox among them, which the code reward runs the programs in.
+    model = {"model": CODE_MODEL} if args.task == "code" and "LOOM_MODEL" not in os.environ else {}
+    settings = Settings(data_dir=out / "state", **model)  # type: ignore[arg-type]
+    if args.task == "code":
+        from sandbox_svc.runner import bwrap_path
+
+        if bwrap_path() is None:
+            raise SystemExit(
+                "--task code runs programs in bubblewrap: run `bash deploy/setup.sh` (docs/sandbox.md)"
+            )
     print(f"starting the embedded stack (logs in {settings.data_dir / 'logs'}) ...", flush=True)
     # behaviour log-probs of the tempered policy the learner trains (vLLM: --logprobs-mode processed_logprobs,
     # and the vllm client reads it from the server)

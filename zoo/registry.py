@@ -1,7 +1,8 @@
 """The built-in models by name (``LOOM_MODEL``; docs/models.md): ``tiny`` (zoo/tiny, the fast model of
 the tests and the demo), ``search`` (zoo/search, trained on Countdown search traces), and three
 fine-tunes of it: ``stream`` (a wasteful streaming reading phase), ``reflect`` (reflecting
-mid-reasoning) and ``deep`` (four-number Countdown, spawn/join). Any other value is a Hugging Face
+mid-reasoning) and ``deep`` (four-number Countdown, spawn/join); ``code`` (zoo/code, writing the
+Python function a generated problem asks for). Any other value is a Hugging Face
 model directory. How each is trained is its row of zoo/recipes.py (``loom train-<name>``).
 
 Light on purpose: the services resolve a name at start-up and import nothing of the recipes.
@@ -20,6 +21,7 @@ CHECKPOINTS: dict[str, Path] = {
     "stream": _HERE / "search" / "stream_checkpoint",
     "reflect": _HERE / "search" / "reflect_checkpoint",
     "deep": _HERE / "search" / "deep_checkpoint",
+    "code": _HERE / "code" / "checkpoint",
 }
 BUILTIN = tuple(CHECKPOINTS)
 

@@ -106,7 +106,8 @@ class Settings(BaseSettings):
     engine_url: str = Field(default="", description="OpenAI-compatible server; empty = the torch engine")
     model: str = Field(
         default="tiny",
-        description="a built-in model (tiny, search, stream, reflect, deep: zoo/registry.py) or a model path",
+        description="a built-in model (tiny, search, stream, reflect, deep, code: zoo/registry.py) or a "
+        "model path",
     )
     device: str = "cpu"
     engine_timeout_s: float = Field(
