@@ -16,6 +16,9 @@ generated completion tokens (``tokens``), per rollout request (one group):
 - with adaptive sampling every round a prompt may take (``max_rounds`` requests of
   ``samples_per_round``); with reflection one revision per trajectory of at most ``reflect.max_tokens``.
 
+A run is charged by the same budget per prompt, for what its off-policy loop keeps in flight
+(``run_budget``).
+
 When the job ends (success, failure or cancel) its charge is settled to what it produced: the
 trajectories of the groups it stored and their generated tokens (``produced``: the tokens a
 trajectory trains on, its loss mask's ones, so observations and joined messages do not count). A
@@ -37,7 +40,7 @@ from loom.contracts.modes import (
     TreeParams,
     mode_params_of,
 )
-from loom.contracts.wire import Group, ReflectParams, RolloutRequest
+from loom.contracts.wire import Group, Params, ReflectParams, RolloutRequest
 
 
 def per_sample(params: ModeParams, max_tokens: int) -> tuple[int, int]:
@@ -67,16 +70,8 @@ def group_budget(request: RolloutRequest, limits: ModeLimits | None = None) -> C
 
 
 def job_budget(req: object, items: Sequence[TaskItem], limits: ModeLimits | None = None) -> Cost:
-    """A job's charge: every item's group budget at the sampling it is generated with, times the
-    rounds adaptive sampling may take, plus reflection's revisions. ``req``: a ``JobRequest`` whose
-    items carry their resolved mode parameters (gateway/validate.py)."""
-    sampling = req.generated_sampling()  # type: ignore[attr-defined]
-    adaptive = getattr(req, "adaptive", None)
-    rounds = 1 if adaptive is None else int(adaptive.max_rounds)
-    reflect = getattr(req, "reflect", None)
-    if reflect is True:
-        reflect = ReflectParams()
-    revise_tokens = int(reflect.max_tokens) if reflect else 0
+    """A job's charge: every item's ``prompt_budget``. ``req``: a ``JobRequest`` whose items carry
+    their resolved mode parameters (gateway/validate.py)."""
     seen: dict[str, Cost] = {}
     samples = tokens = 0
     for item in items:
@@ -84,17 +79,48 @@ def job_budget(req: object, items: Sequence[TaskItem], limits: ModeLimits | None
         key = repr(sorted(mode_params.items()))
         one = seen.get(key)
         if one is None:
-            request = RolloutRequest(
-                mode=req.mode,  # type: ignore[attr-defined]
-                prompt=item.prompt,
-                sampling=sampling,
-                mode_params=mode_params,
-                mode_params_resolved=True,
-            )
-            one = seen[key] = group_budget(request, limits)
-        samples += rounds * one.samples * (2 if reflect else 1)
-        tokens += rounds * (one.tokens + one.samples * revise_tokens)
+            one = seen[key] = prompt_budget(req, mode_params, limits)
+        samples += one.samples
+        tokens += one.tokens
     return Cost(samples, tokens)
+
+
+def prompt_budget(req: object, mode_params: Params, limits: ModeLimits | None = None) -> Cost:
+    """One prompt's worst case under ``req`` (a job or a run) with ``mode_params`` (resolved): its
+    group's budget at the sampling it is generated with, times the rounds adaptive sampling may
+    take, plus reflection's revisions."""
+    sampling = req.generated_sampling()  # type: ignore[attr-defined]
+    adaptive = getattr(req, "adaptive", None)
+    rounds = 1 if adaptive is None else int(adaptive.max_rounds)
+    reflect = getattr(req, "reflect", None)
+    if reflect is True:
+        reflect = ReflectParams()
+    revise_tokens = int(reflect.max_tokens) if reflect else 0
+    request = RolloutRequest(
+        mode=req.mode,  # type: ignore[attr-defined]
+        prompt="",
+        sampling=sampling,
+        mode_params=mode_params,
+        mode_params_resolved=True,
+    )
+    one = group_budget(request, limits)
+    return Cost(
+        rounds * one.samples * (2 if reflect else 1), rounds * (one.tokens + one.samples * revise_tokens)
+    )
+
+
+def run_budget(req: object, resolved: Sequence[Params], limits: ModeLimits | None = None) -> tuple[Cost, int]:
+    """(a run's charge in flight, its samples over all its steps), from the costliest of its checked
+    prompts' mode parameters (``resolved``; none: the run's own): a step's largest batch of such
+    prompts, times the steps the off-policy loop keeps in flight (``staleness`` + 1); over the run,
+    every step's batches (``filter_max_batches`` of them at most)."""
+    forms = resolved or [req.mode_params]  # type: ignore[attr-defined]
+    worst = max((prompt_budget(req, form, limits) for form in forms), key=lambda c: (c.tokens, c.samples))
+    sched = req.schedule  # type: ignore[attr-defined]
+    largest = max(sched.batch_size, sched.max_batch) if sched.adaptive_batch else sched.batch_size
+    in_flight = (sched.staleness + 1) * largest
+    total = sched.steps * largest * worst.samples * req.filter_max_batches  # type: ignore[attr-defined]
+    return Cost(in_flight * worst.samples, in_flight * worst.tokens), total
 
 
 def produced(groups: Iterable[Group]) -> Cost:

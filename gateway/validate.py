@@ -31,11 +31,13 @@ MAX_CHECKED = 1000  # distinct mode_params checked per submission (a built-in da
 
 @dataclass(frozen=True)
 class Checked:
-    """A submission's check: the 422 body of its first problem (None: none), and the request to
-    store (a job's with every item's mode parameters resolved; a run's as sent)."""
+    """A submission's check: the 422 body of its first problem (None: none), the request to store
+    (a job's with every item's mode parameters resolved; a run's as sent) and the distinct resolved
+    mode parameters checked (what a run's charge reads: gateway/cost.py ``run_budget``)."""
 
     problem: dict[str, Any] | None
     request: Any
+    resolved: tuple[Params, ...] = ()
 
 
 def check_submission(
@@ -87,7 +89,7 @@ def check_submission(
             }
             return Checked(body, req)
     if not job:
-        return Checked(None, req)
+        return Checked(None, req, tuple(resolved.values()))
     tasks = [
         item.model_copy(
             update={"mode_params": resolved[repr(sorted({**req.mode_params, **item.mode_params}.items()))]}

@@ -24,6 +24,7 @@ from gateway.quotas import Cost, QuotaExceeded, Quotas
 from gateway.state import Conflict, GatewayState, JobRow, RunRow, WorkStore
 from gateway.validate import check_submission
 from loom.contracts.settings import Settings
+from loom.contracts.wire import Params
 from loom.queue import queue_depths
 from loom.service import error_responses
 
@@ -151,12 +152,13 @@ async def submit(
     *,
     items: Sequence[TaskItem],
     per_item_loc: str | None = None,
-    cost: Cost | Callable[[Any], Cost],
+    cost: Cost | Callable[[Any, Sequence[Params]], Cost],
     start: Callable[[str], None],
 ) -> JSONResponse:
     """Check a submission (its ``items``: 422 naming the first problem, at ``per_item_loc`` for an
-    item's own), store it in ``store`` (idempotent by its key) charged ``cost`` (or ``cost(checked)``
-    of the checked request: a job's mode budget reads its resolved mode parameters) and start it:
+    item's own), store it in ``store`` (idempotent by its key) charged ``cost`` (or
+    ``cost(checked, resolved)`` of the checked request and its distinct resolved mode parameters:
+    the mode budget, which may refuse with QuotaExceeded) and start it:
     201 when new, 200 when the key names the same request, 409 when it names a different one, the
     quota's answer when over."""
     key = owner(request)
@@ -170,10 +172,9 @@ async def submit(
         return JSONResponse(status_code=422, content=checked.problem)
     body = checked.request
     kind = store.kind
-    if callable(cost):
-        cost = cost(body)
-    create_row = partial(store.create, owner=owner(request), request=body, cost=cost, quotas=gw.quotas)
     try:
+        charge = cost(body, checked.resolved) if callable(cost) else cost
+        create_row = partial(store.create, owner=key, request=body, cost=charge, quotas=gw.quotas)
         item_id, created = await asyncio.to_thread(create_row)
     except QuotaExceeded as exc:
         return refused(exc)

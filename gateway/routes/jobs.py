@@ -63,7 +63,7 @@ async def submit_job(body: JobRequest, request: Request, gw: GatewayDep) -> Any:
         body,
         items=items,
         per_item_loc=per_item_loc,
-        cost=lambda checked: job_budget(checked, checked.items(), ModeLimits.from_settings(gw.settings)),
+        cost=lambda checked, _: job_budget(checked, checked.items(), ModeLimits.from_settings(gw.settings)),
         start=gw.manager.start_job,
     )
 

@@ -9,9 +9,10 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
+from gateway.cost import run_budget
 from gateway.datasets import DatasetError, load_dataset, open_owned, owner_admit, store_jsonl
 from gateway.models import MAX_VERSION, Created, RunRequest, RunView, TaskItem, lineage_of
-from gateway.quotas import QuotaExceeded, run_cost, too_long
+from gateway.quotas import Cost, QuotaExceeded, run_cost, too_long
 from gateway.routes.datasets import invalid_dataset
 from gateway.routes.deps import (
     EXISTING,
@@ -25,6 +26,8 @@ from gateway.routes.deps import (
     submit,
     view,
 )
+from loom.contracts.modes import ModeLimits
+from loom.contracts.wire import Params
 from loom.service import LoomRoute, error_responses
 
 router = APIRouter(prefix="/runs", tags=["runs"], route_class=LoomRoute)
@@ -66,8 +69,8 @@ async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
     a dataset first (the run's config keeps its id). Over a quota of the key: 422 or 429 (413: the
     inline JSONL past its dataset quota)."""
     await asyncio.to_thread(gw.backpressure.check)
-    cost, total = run_cost(body)
-    long = too_long(total, gw.quotas)
+    _, at_least = run_cost(body)  # by n alone, a lower bound: refused before a dataset is stored
+    long = too_long(at_least, gw.quotas)
     if long is not None:
         return refused(long)
     try:
@@ -76,7 +79,17 @@ async def submit_run(body: RunRequest, request: Request, gw: GatewayDep) -> Any:
         raise invalid_dataset(exc) from None
     except QuotaExceeded as exc:  # inline JSONL past the key's dataset quota
         return refused(exc)
-    return await submit(gw, request, gw.state.runs, body, items=items, cost=cost, start=gw.manager.start_run)
+    limits = ModeLimits.from_settings(gw.settings)
+
+    def charge(checked: RunRequest, resolved: Sequence[Params]) -> Cost:
+        cost, total = run_budget(checked, resolved, limits)
+        refusal = too_long(total, gw.quotas)
+        if refusal is not None:
+            raise refusal
+        return cost
+
+    runs = gw.state.runs
+    return await submit(gw, request, runs, body, items=items, cost=charge, start=gw.manager.start_run)
 
 
 @router.get("/{run_id}", response_model=RunView, responses=NOT_FOUND)

@@ -205,3 +205,28 @@ def test_open_event_streams_are_capped_per_key(server: str) -> None:
                 assert r.status_code == 429 and time.monotonic() < deadline, r.text
                 time.sleep(0.1)
         assert all(ended)  # a finished stream also gave its slot back: 3 in a row with a cap of 2
+
+
+def test_a_tree_run_is_charged_by_its_modes_budget(tmp_path: Path) -> None:
+    """A run's charge reads the same mode budget as a job's: a tree run with n=1 holds (staleness +
+    1) x batch x its tree's paths, not one sample per prompt, and its whole length counts every path
+    of every step."""
+    tree = {"mode": "tree", "mode_params": {"initial": 2, "branches": 2, "continuations": 2}}
+    paths = 2 * (1 + 1 * 2 * 2)  # 10 per prompt
+    run = {
+        "dataset": {"builtin": "arith", "size": 8},
+        "sampling": {"n": 1, "max_tokens": 32},
+        "schedule": {"steps": 10, "batch_size": 4, "staleness": 1},
+        **tree,
+    }
+    with make_client(tmp_path, quota_samples=100, max_run_samples=1000) as c:
+        r = c.post("/v1/runs", json={**run, "run_key": "a"}, headers=auth(RUNS_KEY))
+        assert r.status_code == 201, r.text  # 2 x 4 x 10 = 80 held
+        r = c.post("/v1/runs", json={**run, "run_key": "b"}, headers=auth(RUNS_KEY))
+        assert r.status_code == 429 and r.json()["quota"] == "samples", r.text
+        assert r.json()["in_use"] == 2 * 4 * paths and r.json()["requested"] == 2 * 4 * paths
+        # its length: 10 steps x 4 prompts x 10 paths = 400 fits; 30 steps (1200) do not
+        longer = {**run, "run_key": "c", "schedule": {**run["schedule"], "steps": 30}}  # type: ignore[dict-item]
+        r = c.post("/v1/runs", json=longer, headers=auth(RUNS_KEY))
+        assert r.status_code == 422 and r.json()["quota"] == "run_samples", r.text
+        assert r.json()["requested"] == 30 * 4 * paths
