@@ -290,12 +290,13 @@ def main(argv: Sequence[str] = ()) -> int:
     print(f"starting the embedded stack (logs in {settings.data_dir / 'logs'}) ...", flush=True)
     # behaviour log-probs of the tempered policy the learner trains (vLLM: --logprobs-mode processed_logprobs,
     # and the vllm client reads it from the server)
-    # two groups in flight per rollout worker: the torch engine batches them, using the core the
-    # learner leaves idle while it waits for the next batch
+    # a whole step's groups in flight on the rollout worker: the torch engine decodes them as one
+    # batch (16 x 8 rows: ~95 forwards a step where two groups at a time took ~750, and a third
+    # of the engine's CPU time; docs/benchmarks/demo.md, "Step time")
     env = {
         "LOOM_DATA_DIR": str(settings.data_dir),
         "LOOM_ENGINE_LOGPROBS_MODE": "processed",
-        "LOOM_ROLLOUT_CONCURRENCY": os.environ.get("LOOM_ROLLOUT_CONCURRENCY", "2"),
+        "LOOM_ROLLOUT_CONCURRENCY": os.environ.get("LOOM_ROLLOUT_CONCURRENCY", str(args.batch_size)),
     }
     extra, ready_timeout = [], 120.0
     if args.engine == "vllm":
