@@ -214,6 +214,51 @@ def follow(client: Any, run_id: str, args: argparse.Namespace, out: Path) -> tup
     return status, rows
 
 
+def reference_seconds(reps: int = 5) -> float:
+    """A fixed CPU-bound loop on one core, the median of ``reps`` timings: 200 float32 matmuls of
+    192 x 192 on one torch thread and 300,000 Python additions. The demo's seconds a step divided by
+    it read the same on a fast host and a slow one (docs/benchmarks/demo.md, "Step time")."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the reference is one core's speed, whatever the process had
+    try:
+        a = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            x = a
+            for _ in range(200):
+                x = (x @ a).tanh_()
+            total = 0
+            for i in range(300_000):
+                total += i
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return sorted(times)[len(times) // 2]
+
+
+def step_times(rows: list[dict[str, Any]], reference: float) -> str:
+    """Seconds a step (between the steps' records, the first step's left out: it waits for the
+    stack's first generation) and its parts as the run records them, with the step time in
+    reference-loop units (``reference_seconds``)."""
+    if len(rows) < 3:
+        return "step time: too few steps to time"
+    gaps = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:], strict=False)]
+    step = fmean(gaps)
+
+    def mean(key: str) -> float:
+        return fmean(r.get(key, 0.0) for r in rows[2:])
+
+    gen, train, wait = (mean(k) for k in ("gen_seconds", "train_seconds", "wait_gen_seconds"))
+    return (
+        f"step time {step:.2f} s (generation {gen:.2f} s, training {train:.2f} s, training waited for "
+        f"generation {wait:.2f} s); reference loop {reference:.3f} s: {step / reference:.1f} reference "
+        f"units a step; load average {os.getloadavg()[0]:.2f}"
+    )
+
+
 def summarise(rows: list[dict[str, Any]], seconds: float) -> str:
     if not rows:
         return "no step completed"
@@ -274,12 +319,13 @@ def main(argv: Sequence[str] = ()) -> int:
     print(f"starting the embedded stack (logs in {settings.data_dir / 'logs'}) ...", flush=True)
     # behaviour log-probs of the tempered policy the learner trains (vLLM: --logprobs-mode processed_logprobs,
     # and the vllm client reads it from the server)
-    # two groups in flight per rollout worker: the torch engine batches them, using the core the
-    # learner leaves idle while it waits for the next batch
+    # a whole step's groups in flight on the rollout worker: the torch engine decodes them as one
+    # batch (16 x 8 rows: ~95 forwards a step where two groups at a time took ~750, and a third
+    # of the engine's CPU time; docs/benchmarks/demo.md, "Step time")
     env = {
         "LOOM_DATA_DIR": str(settings.data_dir),
         "LOOM_ENGINE_LOGPROBS_MODE": "processed",
-        "LOOM_ROLLOUT_CONCURRENCY": os.environ.get("LOOM_ROLLOUT_CONCURRENCY", "2"),
+        "LOOM_ROLLOUT_CONCURRENCY": os.environ.get("LOOM_ROLLOUT_CONCURRENCY", str(args.batch_size)),
     }
     extra, ready_timeout = [], 120.0
     if args.engine == "vllm":
@@ -325,6 +371,7 @@ def vllm_spec(settings: Any) -> tuple[Any, str]:
 def _drive(client: Any, args: argparse.Namespace, out: Path, t0: float) -> int:
     body = run_request(args)
     (out / "run_request.json").write_text(json.dumps(body, indent=2))
+    reference = reference_seconds()  # before the run, which takes the host's cores
     run_id = client.start_run(body)
     print(f"run {run_id}: mode={args.mode} estimator={args.estimator} task={args.task} steps={args.steps}")
     login = "your API key" if args.url else "this stack's key " + client.http.headers["authorization"][7:]
@@ -332,9 +379,11 @@ def _drive(client: Any, args: argparse.Namespace, out: Path, t0: float) -> int:
     t_run = time.monotonic()
     status, rows = follow(client, run_id, args, out)
     seconds = time.monotonic() - t_run
+    reference = (reference + reference_seconds()) / 2  # the host's speed before and after the run
     if rows:
         plot(rows, out / "reward_curve.png", f"loom demo: {args.mode} / {args.estimator} on {args.task}")
     print(summarise(rows, seconds))
+    print(step_times(rows, reference))
     print(f"metrics: {out / 'metrics.jsonl'}\ncurve:   {out / 'reward_curve.png'}")
     if args.tracker:
         where = out / "state" / "runs" / run_id / "trackers" if not args.url else "the gateway's data_dir"

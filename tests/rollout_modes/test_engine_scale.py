@@ -102,21 +102,22 @@ def test_the_kv_budget_bounds_the_rows_in_flight(tiny_engine: Any) -> None:
     alone.stop_scheduler()
 
 
+class _Counting:
+    """The real model, counting its forwards by the number of tokens per row."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.widths = model, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, ids: torch.Tensor, **kwargs: Any) -> Any:
+        self.widths.append(ids.shape[1])
+        return self.model(ids, **kwargs)
+
+
 def test_uncached_requests_admitted_together_share_one_prefill_forward(tiny_engine: Any) -> None:
-    class Counting:
-        """The real model, counting its forwards by the number of tokens per row."""
-
-        def __init__(self, model: Any) -> None:
-            self.model, self.widths = model, []
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.model, name)
-
-        def __call__(self, ids: torch.Tensor, **kwargs: Any) -> Any:
-            self.widths.append(ids.shape[1])
-            return self.model(ids, **kwargs)
-
-    counting = Counting(tiny_engine.model)
+    counting = _Counting(tiny_engine.model)
     engine = TorchEngine(CHECKPOINT_DIR, model=counting, tokenizer=tiny_engine.tokenizer, cache_entries=0)
     prompts = _prompts(tiny_engine, 5, seed=7)
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
@@ -133,6 +134,38 @@ def test_uncached_requests_admitted_together_share_one_prefill_forward(tiny_engi
             ref = teacher_forced_logprobs(tiny_engine.model, ids + c.token_ids, len(ids))
             assert c.logprobs == pytest.approx(ref, abs=1e-4)
     engine.stop_scheduler()
+
+
+def test_requests_one_gather_submits_are_admitted_as_one_burst(tiny_engine: Any) -> None:
+    """An event loop's calls in one turn reach the scheduler together (``Scheduler.submit`` stages
+    them): one prefill forward, every row decoded in step, token-exact."""
+    counting = _Counting(tiny_engine.model)
+    engine = TorchEngine(CHECKPOINT_DIR, model=counting, tokenizer=tiny_engine.tokenizer, cache_entries=0)
+    prompts = _prompts(tiny_engine, 12, seed=11)
+    for round_ in range(2):  # a fresh scheduler thread, then the one left idle by the first round
+        counting.widths.clear()
+        steps = engine.stats.extra["decode_steps"]
+        params = [SamplingParams(max_tokens=10, seed=i, ignore_eos=True) for i in range(len(prompts))]
+        outs = _together(engine, list(zip(prompts, params, strict=True)))
+        assert [w for w in counting.widths if w > 1] == [max(len(p) for p in prompts)], round_
+        assert engine.stats.extra["decode_steps"] - steps == 9  # 10 tokens: 9 forwards after the prefill
+        for ids, (c,) in zip(prompts, outs, strict=True):
+            ref = teacher_forced_logprobs(tiny_engine.model, ids + c.token_ids, len(ids))
+            assert c.logprobs == pytest.approx(ref, abs=1e-4)
+    engine.stop_scheduler()
+
+
+def test_unit_temperatures_skip_the_second_softmax_exactly() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(6, 40) * 2
+    temps = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    for mode in ("raw", "processed"):
+        got, want = (
+            sample_rows(logits, temps, [(torch.Generator().manual_seed(5), 1, 3)], mode, unit)  # type: ignore[arg-type]
+            for unit in (True, False)
+        )
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_plain_rows_sampled_together_draw_what_each_request_draws_alone() -> None:

@@ -151,15 +151,20 @@ def sample_rows(
     temperature: torch.Tensor,
     draws: list[tuple[torch.Generator, int, int]],
     logprobs_mode: LogprobsMode,
+    unit: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sample`` for the rows of many plain requests at once (``is_plain``): row r at
     ``temperature[r]`` (0: greedy). A draw is the exponential race ``argmax(p / E)``, E ~ Exp(1)
     (what ``torch.multinomial`` does for one sample): every request fills its rows
     ``draws[i][1]:draws[i][2]`` of E from its own generator, as ``sample`` does, so its tokens are
-    the ones it gets alone; everything else is one tensor operation over all rows."""
+    the ones it gets alone; everything else is one tensor operation over all rows. ``unit``: every
+    temperature is 1 or 0, so the tempered distribution is the raw one (dividing by 1 is exact) and
+    its log-softmax is not computed twice."""
     raw = torch.log_softmax(logits, dim=-1)
     greedy = temperature == 0.0
-    processed = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    processed = (
+        raw if unit else torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    )
     probs = processed.exp()
     race = torch.ones_like(probs)
     for gen, start, stop in draws:

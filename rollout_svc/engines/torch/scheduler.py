@@ -19,6 +19,7 @@ The scheduler works through its engine's model, prefix cache, ``_prefill_batch``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -171,6 +172,12 @@ class Scheduler:
         self._want = 0  # threads waiting for exclusive use: the scheduler admits no new rows meanwhile
         self._worker: threading.Thread | None = None
         self.idle_s = 1.0  # the scheduler thread exits after this long without work
+        # a new batch starts once no request has come for ``settle_s`` (at most ``settle_max_s``):
+        # a burst of submissions (one call's groups, a bench's rows) is prefilled in one forward and
+        # decoded in step, not split into waves that each cost a prefill and a ragged last step
+        self.settle_s, self.settle_max_s = 0.003, 0.03
+        self._last_submit = 0.0
+        self._staged = threading.local()  # what this thread's event loop submitted this turn (``submit``)
         self._closing = False
         _LIVE.add(self)
         for k in ("decode_steps", "batched_steps", "peak_batch_rows", "peak_batch_requests"):
@@ -183,15 +190,38 @@ class Scheduler:
         listener: Listener | None = None,
         adapter: LoraAdapter | None = None,
     ) -> Future[list[Completion]]:
+        """Queue a request. From an event loop's thread it is staged and queued with the others that
+        loop's ready tasks submit in the same turn (one ``call_soon``: an ``asyncio.gather`` of many
+        calls reaches the scheduler as one burst, admitted and prefilled together)."""
         fut: Future[list[Completion]] = Future()
         req = Request(list(prompt_ids), params, fut, listener=listener, adapter=adapter)
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            self._enqueue([req])
+            return fut
+        staged: list[Request] | None = getattr(self._staged, "reqs", None)
+        if staged is None:
+            staged = self._staged.reqs = []
+            loop.call_soon(self._flush)
+        staged.append(req)
+        return fut
+
+    def _flush(self) -> None:
+        """Queue what this thread's event loop staged (``submit``)."""
+        reqs, self._staged.reqs = self._staged.reqs, None
+        self._enqueue(reqs)
+
+    def _enqueue(self, reqs: list[Request]) -> None:
         with self._cv:
-            self.pending.append(req)
+            self.pending.extend(reqs)
+            self._last_submit = time.monotonic()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name="loom-torch-batch")
                 self._worker.start()
             self._cv.notify_all()
-        return fut
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -232,6 +262,7 @@ class Scheduler:
                             self._worker = None
                             return
                         self._cv.wait(left if not self.pending else None)
+                    self._settle()
                 with self.lock, torch.no_grad():
                     self._run()
         except BaseException as e:  # never leave callers waiting on a dead scheduler
@@ -242,6 +273,16 @@ class Scheduler:
             for req in stranded:
                 fail(req, RuntimeError(f"the torch engine scheduler stopped: {e!r}"))
             raise
+
+    def _settle(self) -> None:
+        """Wait (holding ``_cv``) until no request has come for ``settle_s``, at most ``settle_max_s``."""
+        end = time.monotonic() + self.settle_max_s
+        while not self._closing and not self._want:
+            now = time.monotonic()
+            quiet = now - self._last_submit
+            if quiet >= self.settle_s or now >= end:
+                return
+            self._cv.wait(min(self.settle_s - quiet, end - now))
 
     def _run(self) -> None:
         """Decode batches until no row is left (admitting new requests at every step)."""
@@ -388,7 +429,8 @@ class Scheduler:
             if rows == list(range(len(batch.rows)))
             else batch.logits[torch.tensor(rows, device=device)]
         )
-        temps = torch.tensor([req.params.temperature for req, idx in plain for _ in idx], device=device)
+        temp_list = [req.params.temperature for req, idx in plain for _ in idx]
+        temps = torch.tensor(temp_list, device=device)
         draws, offsets, at = [], [], 0
         for req, idx in plain:
             assert req.gen is not None
@@ -396,7 +438,8 @@ class Scheduler:
             if req.params.temperature > 0.0:
                 draws.append((req.gen, at, at + len(idx)))
             at += len(idx)
-        tokens, lps, table = sample_rows(logits, temps, draws, self.engine.logprobs_kind)
+        unit = all(t in (0.0, 1.0) for t in temp_list)
+        tokens, lps, table = sample_rows(logits, temps, draws, self.engine.logprobs_kind, unit)
         k = max(req.params.logprobs or 0 for req, _ in plain)
         top = torch.topk(table, k, dim=-1) if k else None
         toks, lp_list = tokens.tolist(), lps.tolist()
