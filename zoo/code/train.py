@@ -21,9 +21,9 @@ from zoo.tiny.traces import Piece
 @dataclass
 class CodeTrainConfig(TrainConfig):
     """Short on purpose: the shipped model solves part of the held-out problems, not all, so an RL
-    run has reward to gain (docs/models.md "The code model")."""
+    run has reward to gain (docs/models.md "The code model"; 500 steps solved 92 of 100)."""
 
-    steps: int = 500
+    steps: int = 250
     train_problems: int = 3000  # in all
     eval_problems: int = 100  # in all
     max_len: int = 128
