@@ -71,6 +71,10 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _floored(wait: Any) -> Any:
+    return WAIT_FLOOR_S if _number(wait) and 0 < wait < WAIT_FLOOR_S else wait
+
+
 def _small(body: Any) -> Any:
     """Cap what a valid request may ask the tiny model or the verifier to do (sizes and timeouts).
 
@@ -84,8 +88,10 @@ def _small(body: Any) -> Any:
         for key, cap in (("n", 2), ("max_tokens", 8), ("timeout_s", 2), ("timeout", 120.0)):
             if _number(out.get(key)):
                 out[key] = min(out[key], cap)
-        if _number(out.get("timeout")) and 0 < out["timeout"] < WAIT_FLOOR_S:
-            out["timeout"] = WAIT_FLOOR_S
+        if _number(out.get("timeout")):
+            out["timeout"] = _floored(out["timeout"])
+        if isinstance(out.get("timeout"), list):  # a repeated query parameter: the server reads the last
+            out["timeout"] = [_floored(t) for t in out["timeout"]]
         return out
     if isinstance(body, list):
         return [_small(v) for v in body]
