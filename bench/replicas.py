@@ -38,8 +38,6 @@ import asyncio
 import hashlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,25 +55,14 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import rollout as rollout_bench  # noqa: E402
+from bench.rollout import free_port, reachable  # noqa: E402
+
 RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
 REDIS_DB = 6
 REDIS = f"redis://127.0.0.1:6379/{REDIS_DB}"
 READY_S = 300.0  # a loaded 2-core machine: imports alone can take a minute per process
 ENDED = ("succeeded", "failed", "cancelled")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def reachable(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def jain(xs: list[float]) -> float:
@@ -85,25 +72,16 @@ def jain(xs: list[float]) -> float:
 
 
 class Procs:
-    """The bench's child processes, each in its own session; all killed on exit."""
+    """The bench's child processes (``launch.cli`` roles, bench/rollout.py's ``Procs``: each in its
+    own session, all killed on exit), by role, each with its log."""
 
     def __init__(self, logs: Path) -> None:
         self.logs = logs
-        self.procs: list[subprocess.Popen] = []
+        self.children = rollout_bench.Procs()
         self.roles: dict[str, subprocess.Popen] = {}
 
     def start(self, role: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = self.logs / f"{role}.log"
-        with open(log, "wb") as f:
-            p = subprocess.Popen(
-                [sys.executable, "-m", "launch.cli", *argv],
-                cwd=REPO,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.procs.append(p)
+        p = self.children.start([sys.executable, "-m", "launch.cli", *argv], env, self.logs / f"{role}.log")
         self.roles[role] = p
         return p
 
@@ -111,15 +89,7 @@ class Procs:
         return (self.logs / f"{role}.log").read_text(errors="replace")
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        self.children.close()
 
 
 def key_of(i: int) -> tuple[str, str]:

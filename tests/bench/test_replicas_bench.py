@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,14 +25,6 @@ def bench() -> ModuleType:
     return module
 
 
-def reachable(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 def test_jains_index_is_one_for_equal_shares_and_one_over_n_for_one_key_alone() -> None:
     jain = bench().jain
     assert jain([3.0, 3.0, 3.0, 3.0]) == pytest.approx(1.0)
@@ -44,6 +35,7 @@ def test_jains_index_is_one_for_equal_shares_and_one_over_n_for_one_key_alone() 
 
 @pytest.mark.slow
 def test_tiny_run_reports_every_field_and_the_counts_add_up(tmp_path: Path) -> None:
+    reachable = bench().reachable
     if not (reachable(5672) and reachable(6379)):
         pytest.skip("bench/replicas.py needs RabbitMQ on 127.0.0.1:5672 and Redis on 127.0.0.1:6379")
     out = tmp_path / "phases.json"
