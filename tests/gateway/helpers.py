@@ -113,6 +113,18 @@ def real_services(
         gw.kill()
 
 
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    """``pred()``'s first true value within ``timeout`` s (polled every ``every`` s); else an
+    AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def start_run(gw: GatewayProcess, body: dict[str, Any]) -> str:
     """POST ``body`` as a new run (201); its id."""
     created = gw.post("/v1/runs", RUNS_KEY, body)

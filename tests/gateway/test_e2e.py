@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, JOBS_KEY, REPO, RUNS_KEY, GatewayProcess, free_port  # noqa: E402
+from helpers import API_KEYS, JOBS_KEY, REPO, RUNS_KEY, GatewayProcess, free_port, wait_until  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -105,16 +105,6 @@ def stack(broker_env: Any, tmp_path: Path) -> Iterator[Callable[[], GatewayProce
             _kill_tree(p)
 
 
-def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 RUN = {
     "run_key": "resume-test",
     "dataset": {"jsonl": "".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) + "\n" for i in range(10))},
@@ -133,14 +123,14 @@ def test_killed_gateway_resumes_run_from_last_completed_step(
     created = gw.post("/v1/runs", RUNS_KEY, RUN)
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
-    _wait(lambda: gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json()["completed_steps"] >= 2, 60, "2 steps")
+    wait_until(lambda: gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json()["completed_steps"] >= 2, 60, "2 steps")
     gw.kill()  # SIGKILL mid-run: step 2's generation and training are in flight
     trained_before_restart = (tmp_path / "stage.log").read_text().split("\n")
 
     gw.start()
     again = gw.post("/v1/runs", RUNS_KEY, RUN)  # idempotent by run_key
     assert again.status_code == 200 and again.json()["id"] == run_id
-    view = _wait(
+    view = wait_until(
         lambda: (
             (v := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["status"] in ("succeeded", "failed") and v
         ),

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess, free_port  # noqa: E402
+from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess, free_port, wait_until  # noqa: E402
 
 FLOOD = 6  # key A's prompts
 SAMPLING = {"n": 2, "max_tokens": 12, "temperature": 1.0, "seed": 1}
@@ -40,16 +40,6 @@ def _published(timeline: Path) -> list[tuple[str, int]]:
         if mark["event"] == "published" and found:
             out.append((found.group(1), int(found.group(2))))
     return out
-
-
-def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow
@@ -79,7 +69,7 @@ def _scenario(
     # group in the gateway's fair queue
     a = gw.post("/v1/jobs", JOBS_KEY, _job("flood", FLOOD))
     assert a.status_code == 201, a.text
-    _wait(lambda: _published(timeline), 30, "the flood's first group published")
+    wait_until(lambda: _published(timeline), 30, "the flood's first group published")
     b = gw.post("/v1/jobs", RUNS_KEY, _job("small", 1))
     assert b.status_code == 201, b.text
     a_id, b_id = a.json()["id"], b.json()["id"]
@@ -91,7 +81,7 @@ def _scenario(
     gw.start()  # resumes both jobs from the database
     loom_worker("rollout", broker_env)
     for job_id, key in ((a_id, JOBS_KEY), (b_id, RUNS_KEY)):
-        view = _wait(
+        view = wait_until(
             lambda job_id=job_id, key=key: (
                 (v := gw.get(f"/v1/jobs/{job_id}", key).json())["status"] in ("succeeded", "failed") and v
             ),

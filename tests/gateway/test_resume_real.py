@@ -7,7 +7,6 @@ policy store must hold exactly one version per trained step (nothing trained twi
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 from loom.store import PolicyStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import RUNS_KEY, real_services, start_run, trained_steps, wait_run_succeeded  # noqa: E402
+from helpers import RUNS_KEY, real_services, start_run, trained_steps, wait_run_succeeded, wait_until  # noqa: E402
 
 STEPS = 4
 RUN = {
@@ -33,16 +32,6 @@ RUN = {
 }
 
 
-def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
 def test_killed_gateway_resumes_a_run_of_real_services(
@@ -50,10 +39,11 @@ def test_killed_gateway_resumes_a_run_of_real_services(
 ) -> None:
     with real_services(broker_env, loom_worker, tmp_path) as gw:
         run_id = start_run(gw, RUN)
-        seen = _wait(
+        seen = wait_until(
             lambda: (v := gw.get(f"/v1/runs/{run_id}", RUNS_KEY).json())["completed_steps"] >= 1 and v,
             120,
             "the first completed step",
+            every=0.05,
         )
         gw.kill()  # SIGKILL: the next step's generation (and maybe its training) is in flight
         assert seen["status"] == "running" and seen["completed_steps"] < STEPS, seen

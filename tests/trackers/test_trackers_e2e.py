@@ -7,7 +7,6 @@ run it leaves are read back with the libraries' own readers and hold the series 
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
-from helpers import RUNS_KEY, real_services, start_run, wait_run_succeeded  # noqa: E402
+from helpers import RUNS_KEY, real_services, start_run, wait_run_succeeded, wait_until  # noqa: E402
 from readers import mlflow_series, tensorboard_scalars, tensorboard_texts, wandb_history  # noqa: E402
 
 STEPS = 2
@@ -42,16 +41,6 @@ KEYS = [
 ]
 
 
-def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
 def test_a_real_run_fills_tensorboard_mlflow_and_wandb_with_its_metrics(
@@ -63,7 +52,7 @@ def test_a_real_run_fills_tensorboard_mlflow_and_wandb_with_its_metrics(
         metrics = gw.get(f"/v1/runs/{run_id}/metrics", RUNS_KEY).json()
         run_dir = tmp_path / "loom-data" / "runs" / run_id / "trackers"
         # the trackers close after the run's status is recorded: W&B's offline file is complete then
-        rows = _wait(
+        rows = wait_until(
             lambda: len(wandb_history(run_dir / "wandb")) == STEPS and wandb_history(run_dir / "wandb"),
             60,
             "W&B history",
