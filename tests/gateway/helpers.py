@@ -96,13 +96,16 @@ class GatewayProcess:
 
 @contextmanager
 def real_services(
-    broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path
+    broker_env: Any,
+    loom_worker: Callable[..., Any],
+    tmp_path: Path,
+    services: tuple[str, ...] = ("rollout", "reward", "learner"),
 ) -> Iterator[GatewayProcess]:
-    """A started gateway process beside the REAL rollout, reward and learner workers (``loom worker``,
-    the conftest's ``loom_worker`` fixture) on ``broker_env``, all ready; the gateway is killed at the
-    end (the workers by their fixture)."""
+    """A started gateway process beside the REAL ``services`` workers (``loom worker``, the conftest's
+    ``loom_worker`` fixture) on ``broker_env``, all ready; the gateway is killed at the end (the
+    workers by their fixture)."""
     broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS)
-    workers = [loom_worker(s, broker_env, wait=False) for s in ("rollout", "reward", "learner")]
+    workers = [loom_worker(s, broker_env, wait=False) for s in services]
     gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
     try:
         gw.start()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, JOBS_KEY, GatewayProcess, free_port  # noqa: E402
+from helpers import API_KEYS, JOBS_KEY, GatewayProcess, real_services  # noqa: E402
 
 TREE = {"initial": 2, "branches": 1, "continuations": 2, "strategy": "random", "min_distance": 0}
 BUDGET = 2 * (1 + 1 * 1 * 2)  # initial x (1 + iterations x branches x continuations) per prompt
@@ -38,19 +38,11 @@ def test_a_tree_job_with_n_1_is_charged_its_tree_and_settled_to_what_it_produced
     broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path
 ) -> None:
     broker_env.extra_env.update(LOOM_API_KEYS=API_KEYS, LOOM_GATEWAY_QUOTA_SAMPLES=str(PROMPTS * BUDGET))
-    reward = loom_worker("reward", broker_env, wait=False)
-    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
-    try:
-        _scenario(gw, broker_env, loom_worker, tmp_path, reward)
-    finally:
-        gw.kill()
+    with real_services(broker_env, loom_worker, tmp_path, services=("reward",)) as gw:
+        _scenario(gw, broker_env, loom_worker, tmp_path)
 
 
-def _scenario(
-    gw: GatewayProcess, broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path, reward: Any
-) -> None:
-    gw.start()
-    reward.wait_ready()
+def _scenario(gw: GatewayProcess, broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path) -> None:
     first = gw.post("/v1/jobs", JOBS_KEY, _job("tree"))
     assert first.status_code == 201, first.text
     job_id = first.json()["id"]

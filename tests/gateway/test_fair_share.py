@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess, free_port, wait_until  # noqa: E402
+from helpers import API_KEYS, JOBS_KEY, RUNS_KEY, GatewayProcess, real_services, wait_until  # noqa: E402
 
 FLOOD = 6  # key A's prompts
 SAMPLING = {"n": 2, "max_tokens": 12, "temperature": 1.0, "seed": 1}
@@ -51,20 +51,12 @@ def test_a_small_job_is_dispatched_before_a_flood_and_a_restart_loses_no_waiting
     broker_env.extra_env.update(
         LOOM_API_KEYS=API_KEYS, LOOM_TIMELINE=str(timeline), LOOM_GATEWAY_ROLLOUT_WINDOW="1"
     )
-    reward = loom_worker("reward", broker_env, wait=False)
-    gw = GatewayProcess(broker_env.process_env(), free_port(), tmp_path / "gateway.log")
-    try:
-        _scenario(gw, broker_env, loom_worker, tmp_path, reward)
-    finally:
-        gw.kill()
+    with real_services(broker_env, loom_worker, tmp_path, services=("reward",)) as gw:
+        _scenario(gw, broker_env, loom_worker, tmp_path)
 
 
-def _scenario(
-    gw: GatewayProcess, broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path, reward: Any
-) -> None:
+def _scenario(gw: GatewayProcess, broker_env: Any, loom_worker: Callable[..., Any], tmp_path: Path) -> None:
     timeline = tmp_path / "timeline.jsonl"
-    gw.start()
-    reward.wait_ready()
     # no rollout worker yet: A's first group waits in the broker, the rest of the flood and B's
     # group in the gateway's fair queue
     a = gw.post("/v1/jobs", JOBS_KEY, _job("flood", FLOOD))
