@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from loom.contracts.sandbox import Limits, RunRequest, RunResult
 from sandbox_svc.cgroups import sweep_stale
+from sandbox_svc.reaper import adopt_orphans, reap_orphans
 from sandbox_svc.runner import Slot, bwrap_path, prestart, run
 from sandbox_svc.seccomp import program
 
@@ -134,6 +135,7 @@ class SandboxPool:
         self._in_flight = 0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
+        adopt_orphans()  # finished runs' namespace inits are this process's to reap (sandbox_svc/reaper.py)
         if use_cgroup:
             sweep_stale()
         self._runners = [self._new_runner() for _ in range(self.n_slots)]
@@ -257,6 +259,7 @@ class SandboxPool:
     def _check_health(self) -> None:
         while not self._closed:
             time.sleep(0.25)
+            reap_orphans()
             now = time.monotonic()
             with self._lock:
                 runners = list(self._runners)

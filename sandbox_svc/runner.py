@@ -36,6 +36,7 @@ from pathlib import Path
 
 from loom.contracts.sandbox import Limits, RunRequest, RunResult, RunStatus
 from sandbox_svc.cgroups import SlotGroup, make_group
+from sandbox_svc.reaper import reap_orphans
 
 BWRAP = "/usr/bin/bwrap"
 try:
@@ -327,6 +328,7 @@ def warm_key(req: RunRequest) -> str:
 
 def start(shape: RunRequest, slot: Slot, bwrap: str) -> Warm | RunResult:
     """Start a sandbox for runs of ``shape``'s language and limits, waiting for its program."""
+    reap_orphans()  # earlier runs' namespace inits still count against the slot's RLIMIT_NPROC
     lim = shape.limits
     group = slot.limit_group(lim)
     code_r, code_w = os.pipe()

@@ -44,6 +44,7 @@ from loom.contracts.sandbox import (
 )
 from sandbox_svc.cgroups import sweep_stale
 from sandbox_svc.pool import _SLOT_INDEX, Busy
+from sandbox_svc.reaper import adopt_orphans, reap_orphans
 from sandbox_svc.runner import (
     _MEMORY_MARKERS,
     Slot,
@@ -116,6 +117,7 @@ def _session_shape(limits: Limits, budget: SessionLimits) -> Limits:
 
 def start_process(slot: Slot, limits: Limits, budget: SessionLimits, bwrap: str) -> _Proc | str:
     """Start the session's sandbox and wait for its interpreter's ready frame; a reason on failure."""
+    reap_orphans()  # ended sessions' namespace inits still count against the slot's RLIMIT_NPROC
     shape = _session_shape(limits, budget)
     group = slot.limit_group(shape)
     code_r, code_w = os.pipe()
@@ -486,6 +488,7 @@ class SessionManager:
         self._ended: OrderedDict[str, Session] = OrderedDict()
         self._opening = 0
         self._closed = threading.Event()
+        adopt_orphans()  # ended sessions' namespace inits are this process's to reap (sandbox_svc/reaper.py)
         if use_cgroup:
             sweep_stale()
         self._reaper = threading.Thread(
@@ -628,6 +631,7 @@ class SessionManager:
 
     def _reap(self, every_s: float) -> None:
         while not self._closed.wait(every_s):
+            reap_orphans()
             now = time.monotonic()
             with self._lock:
                 live = list(self._live.values())
