@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 
 from learner.assign import assign_batch
+from learner.config import LearnerSettings
+from learner.train import Learner
+from loom.clients.rollouts import env_mask
 from loom.contracts.modes import parse_mode_params
 from loom.contracts.settings import Settings
 from loom.contracts.wire import (
@@ -29,6 +32,7 @@ from rollout_svc.modes import ModeError
 from rollout_svc.modes import agent as agent_mod
 from rollout_svc.modes import run as run_mode
 from rollout_svc.modes.agent import MALFORMED, Agent, ToolError, calculate, parse_call, trajectory
+from zoo.tiny import CHECKPOINT_DIR
 
 PROMPT = "Q: what is 2+3? use the calculator.\n"
 CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
@@ -245,3 +249,23 @@ def test_the_mode_runs_through_the_dispatch_and_the_learner_masks_observations(t
     obs = next(s for s in ep.segments if s.kind == "observation")
     assert sample.mask == ep.mask and sum(sample.mask[obs.start : obs.end]) == 0
     assert all(a > 0 for a, m in zip(sample.adv, sample.mask, strict=True) if m)
+    assert env_mask(with_tool) == ep.mask  # what a trainer adapter reads: 0 on observation tokens
+
+
+def test_the_learner_trains_on_agent_samples(tiny_engine, tmp_path):
+    prompt_ids = tiny_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    trajs = []
+    for r, script in enumerate([[CALC], ["no tool"]]):
+        ep, _, _ = _episode(tiny_engine, [*script, "done"], max_turns=3)
+        trajs.append(trajectory("h", r, prompt_ids, ep, tiny_engine, 0.0))
+    group = Group(id="h", mode="agent", trajectories=trajs)
+    rewards = [
+        RewardResult(
+            group_id="h",
+            rewards=[TrajectoryReward(trajectory_id=t.id, total=float(r)) for r, t in enumerate(trajs)],
+        )
+    ]
+    learner = Learner(LearnerSettings(model=CHECKPOINT_DIR, store=tmp_path / "store", token_budget=512))
+    result = learner.train_step(TrainBatch(step=0, groups=[group], rewards=rewards))
+    assert result.policy_version == 1 and result.metrics["samples"] == 2
+    assert result.n_tokens == sum(sum(t.loss_mask or []) for t in trajs)  # observations not counted
