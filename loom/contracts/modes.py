@@ -265,6 +265,33 @@ class SpawnParams(ModeParams):
         )
 
 
+AGENT_TOOLS = ("calculator", "countdown_check")  # rollout_svc.modes.agent.TOOLS: the built-in registry
+
+
+class AgentParams(ModeParams):
+    """agent (docs/algorithms.md §2.5): multi-turn tool use, token-in/token-out. ``parser`` names the
+    tool-call format (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as the
+    Qwen2.5/Qwen3 templates write it; ``function``: ``<call>name(argument)</call>``); ``tools`` the
+    enabled names of the built-in registry (a request never supplies code or URLs). A turn's budget is
+    the request's ``sampling.max_tokens``; ``max_total_tokens`` bounds policy and observation tokens
+    together; ``deadline_s`` the episode's wall time, ``tool_timeout_s`` one tool call's."""
+
+    max_turns: int = Field(8, ge=1, le=64)
+    max_total_tokens: int = Field(8192, ge=1, le=MAX_TOKENS)
+    parser: Literal["hermes", "function"] = "hermes"
+    tools: list[str] = Field(default_factory=lambda: list(AGENT_TOOLS), min_length=1, max_length=16)
+    deadline_s: float = Field(120.0, gt=0, le=3600)
+    tool_timeout_s: float = Field(5.0, gt=0, le=60)
+    max_observation_tokens: int = Field(256, ge=8, le=8192)
+
+    @model_validator(mode="after")
+    def _known_tools(self) -> AgentParams:
+        unknown = sorted(set(self.tools) - set(AGENT_TOOLS))
+        if unknown:
+            raise ValueError(f"unknown tools {unknown}; built-in: {list(AGENT_TOOLS)}")
+        return self
+
+
 def check_template(name: str, template: str, fields: tuple[str, ...]) -> None:
     """``template`` is filled by ``str.format``: it may hold only bare ``{field}`` placeholders of
     ``fields`` (``{{`` and ``}}`` for literal braces) and must hold ``{message}``; checked here, so a
@@ -296,6 +323,7 @@ MODE_PARAMS: dict[str, type[ModeParams]] = {
     "streaming": StreamingParams,
     "tree": TreeParams,
     "spawn": SpawnParams,
+    "agent": AgentParams,
 }
 
 

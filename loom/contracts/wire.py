@@ -43,7 +43,9 @@ else:  # the names are the tables' keys: a mode or an estimator is registered on
     Estimator = Literal[tuple(ESTIMATOR_PARAMS)]
     # an estimator's params: the discriminated union of the table's models, keyed by its name
     EstimatorParamsUnion = params_union()
-SegmentKind = Literal["prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node"]
+SegmentKind = Literal[
+    "prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node", "turn"
+]
 FinishReason = Literal["stop", "length", "abort", "error"]
 RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid", "sandbox_error"]
 

@@ -1,6 +1,6 @@
 """Rollout modes: each turns one RolloutRequest into one Group using only the engine interface.
 
-One module per mode (``plain``, ``streaming``, ``tree``, ``spawn``), each the algorithm only: a
+One module per mode (``plain``, ``streaming``, ``tree``, ``spawn``, ``agent``), each the algorithm only: a
 function named after the mode, ``mode(request, prompt_ids, group_id, engine, *needs)``, and ``NEEDS``,
 the names of what it takes beyond the first four, in its signature's order, each given by the
 dispatch's :data:`PROVIDERS` (``"tokenizer"``; ``"params"``, its typed model from

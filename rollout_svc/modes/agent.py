@@ -1,0 +1,435 @@
+"""agent (docs/algorithms.md §2.5): multi-turn tool use, token-in/token-out.
+
+An episode alternates policy turns and tool observations on one running id sequence. A turn decodes
+until it closes a tool call (the parser's close tag, matched on its canonical ids like spawn's close
+marker: ``loom.formats.marker_ids``) or ends; the call is parsed from the turn's own text, the tool runs
+in a worker thread under a timeout, and its output, wrapped in the parser's fixed response tags, is
+encoded alone and appended. The history is never re-tokenized: ``completion_ids`` is exactly the
+concatenation of the policy's tokens and the observations' tokens, so the learner scores the very
+sequence the policy sampled (a decode and re-encode of the history may split it otherwise).
+
+Observation tokens have loss mask 0 and behaviour log-prob 0.0 (spawn's join blocks likewise); a
+``turn`` segment per policy turn carries its parsed call and status, an ``observation`` segment per
+tool response its tool and status. Why the episode ended is the trajectory's ``stop_reason``:
+``no_tool_call`` (the turn ended without one), ``max_turns``, ``max_total_tokens`` (policy and
+observation tokens together), ``max_turn_tokens`` (a turn cut by ``sampling.max_tokens``),
+``context`` (the model's context is full) or ``deadline`` (the episode's wall time, checked between
+steps; a tool's timeout is bounded by what is left of it).
+
+Bad tool use is an observation, never an exception: a malformed call (``error: malformed tool
+call``), an unknown or disabled tool, a tool that raises, one that runs past ``tool_timeout_s`` (its
+thread is left to finish; the episode goes on) and an output over ``max_observation_tokens``
+(truncated and marked).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import operator
+import re
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from loom.contracts.modes import AgentParams
+from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
+from loom.exact import check_countdown
+from loom.formats import MarkerError, encode_with_markers, ends_with, marker_ids
+from rollout_svc.engines.base import Completion, Engine
+from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
+
+# ------------------------------------------------------------------------------------------------
+# tool-call formats (pure)
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """A parser's tags: the call's open/close tags and the fixed wrapper of a tool's response."""
+
+    call_open: str
+    call_close: str
+    response: str  # str.format template with {output}
+
+
+SYNTAXES: dict[str, Syntax] = {
+    # the Qwen2.5/Qwen3 (Hermes) templates' tool call and tool response
+    "hermes": Syntax("<tool_call>", "</tool_call>", "\n<tool_response>\n{output}\n</tool_response>\n"),
+    # a plain call: <call>calculator(2+3)</call>; the argument is the tool's input text, or a JSON object
+    "function": Syntax("<call>", "</call>", "\n<result>{output}</result>\n"),
+}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+MALFORMED = "error: malformed tool call"
+_FUNCTION = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]{0,63})\((.*)\)\s*", re.DOTALL)
+
+
+def parse_call(text: str, parser: str) -> ToolCall | None:
+    """The call that ``text`` (a turn ending with the close tag) ends with; None when malformed."""
+    syntax = SYNTAXES[parser]
+    body = text.rstrip()
+    if not body.endswith(syntax.call_close):
+        return None
+    body = body[: -len(syntax.call_close)]
+    start = body.rfind(syntax.call_open)
+    if start < 0:
+        return None
+    inner = body[start + len(syntax.call_open) :].strip()
+    if parser == "hermes":
+        try:
+            obj = json.loads(inner)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", {})
+        if isinstance(args, str):  # some templates write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                return None
+        return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+    m = _FUNCTION.fullmatch(inner)
+    if m is None:
+        return None
+    raw = m.group(2).strip()
+    if raw.startswith("{"):
+        try:
+            args = json.loads(raw)
+        except (ValueError, RecursionError):
+            return None
+        return ToolCall(m.group(1), args) if isinstance(args, dict) else None
+    return ToolCall(m.group(1), {"input": raw})
+
+
+# ------------------------------------------------------------------------------------------------
+# built-in tools: pure functions of their arguments, never code or URLs from the request
+
+MAX_CALC_CHARS = 256
+MAX_CALC_NODES = 128
+MAX_EXPONENT = 64
+MAX_DIGITS = 200
+
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+
+
+class ToolError(ValueError):
+    """A tool's input is not one it accepts; the message is the observation."""
+
+
+def _bounded(v: Fraction) -> Fraction:
+    if len(str(abs(v.numerator))) > MAX_DIGITS or len(str(v.denominator)) > MAX_DIGITS:
+        raise ToolError(f"result exceeds {MAX_DIGITS} digits")
+    return v
+
+
+def _calc(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _bounded(Fraction(str(node.value)))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        v = _calc(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp):
+        a, b = _calc(node.left), _calc(node.right)
+        if isinstance(node.op, ast.Pow):
+            if b.denominator != 1 or abs(b) > MAX_EXPONENT:
+                raise ToolError(f"exponent must be an integer of at most {MAX_EXPONENT} in size")
+            if a == 0 and b < 0:
+                raise ToolError("division by zero")
+            return _bounded(a ** int(b))
+        fn = _BINARY.get(type(node.op))
+        if fn is None:
+            raise ToolError(f"operator {type(node.op).__name__} is not supported")
+        if b == 0 and isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod):
+            raise ToolError("division by zero")
+        return _bounded(Fraction(fn(a, b)))
+    raise ToolError(f"{type(node).__name__} is not arithmetic")
+
+
+def calculate(expression: str) -> str:
+    """Arithmetic (``+ - * / // % **``, parentheses, int and decimal literals) on exact fractions:
+    parsed with ``ast`` and walked, never evaluated; sizes, nodes, exponents and digits bounded."""
+    text = expression.replace("^", "**").replace("×", "*").replace("÷", "/").strip()
+    if len(text) > MAX_CALC_CHARS:
+        raise ToolError(f"expression longer than {MAX_CALC_CHARS} characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise ToolError("not an arithmetic expression") from None
+    if sum(1 for _ in ast.walk(tree)) > MAX_CALC_NODES:
+        raise ToolError(f"expression has more than {MAX_CALC_NODES} nodes")
+    v = _calc(tree.body)
+    return str(v.numerator) if v.denominator == 1 else f"{float(v):.12g}"
+
+
+def _text_arg(args: dict[str, Any], *names: str) -> str:
+    for n in names:
+        if isinstance(args.get(n), str | int | float) and not isinstance(args.get(n), bool):
+            return str(args[n])
+    raise ToolError(f"missing argument {names[0]!r}")
+
+
+def calculator_tool(args: dict[str, Any]) -> str:
+    return calculate(_text_arg(args, "expression", "input"))
+
+
+def countdown_check_tool(args: dict[str, Any]) -> str:
+    """Does ``expression`` reach ``target`` using each of ``numbers`` exactly once (``loom.exact``)?"""
+    expression = _text_arg(args, "expression", "input")
+    numbers, target = args.get("numbers"), args.get("target")
+    if not isinstance(numbers, list) or not all(type(n) is int for n in numbers) or type(target) is not int:
+        raise ToolError("countdown_check takes expression, numbers (integers) and target (an integer)")
+    if len(numbers) > 16:
+        raise ToolError("at most 16 numbers")
+    return "correct" if check_countdown(expression, numbers, target) else "incorrect"
+
+
+# the built-in registry (its names: loom.contracts.modes.AGENT_TOOLS, what a request may enable)
+TOOLS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "calculator": calculator_tool,
+    "countdown_check": countdown_check_tool,
+}
+
+# tools run here, beside the event loop; one that hangs keeps its worker until it returns
+_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="loom-agent-tool")
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str
+    status: str  # ok | malformed | unknown_tool | tool_error | timeout
+    truncated: bool = False
+
+
+async def run_tool(call: ToolCall | None, enabled: list[str], timeout_s: float) -> Observation:
+    """The observation of ``call`` (None: a malformed call); never raises."""
+    if call is None:
+        return Observation(MALFORMED, "malformed")
+    if call.name not in enabled or call.name not in TOOLS:
+        return Observation(
+            f"error: unknown tool {call.name[:64]!r}; available: {', '.join(enabled)}", "unknown_tool"
+        )
+    loop = asyncio.get_running_loop()
+    try:
+        out = await asyncio.wait_for(loop.run_in_executor(_POOL, TOOLS[call.name], call.arguments), timeout_s)
+    except TimeoutError:
+        return Observation(f"error: tool {call.name} timed out after {timeout_s:g} s", "timeout")
+    except ToolError as exc:
+        return Observation(f"error: {exc}", "tool_error")
+    except Exception as exc:  # a tool's bug is the episode's observation, not the group's failure
+        return Observation(
+            f"error: tool {call.name} raised {type(exc).__name__}: {str(exc)[:200]}", "tool_error"
+        )
+    return Observation(str(out), "ok")
+
+
+# ------------------------------------------------------------------------------------------------
+# the episode
+
+Policy = Callable[[list[int], int, int], Awaitable[Completion]]  # (ids, max tokens, turn) -> a turn
+
+
+@dataclass
+class Episode:
+    """One sample's running completion: policy and observation tokens, in order."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    stop: str = "no_tool_call"
+    finish: FinishReason = "stop"
+
+    def append(
+        self, ids: list[int], logprobs: list[float], trained: int, kind: SegmentKind, meta: dict
+    ) -> None:
+        start = len(self.ids)
+        self.ids += ids
+        self.logprobs += logprobs
+        self.mask += [trained] * len(ids)
+        self.segments.append(
+            Segment(kind=kind, start=start, end=len(self.ids), index=self.turns - 1, meta=meta)
+        )
+
+    def end(self, stop: str, finish: FinishReason) -> None:
+        self.stop, self.finish = stop, finish
+
+
+class Agent:
+    """One group's episodes: the engine, tokenizer, parser and limits they share, and the loop."""
+
+    def __init__(self, request: RolloutRequest, engine: Engine, tokenizer: Any, cfg: AgentParams):
+        self.engine, self.tokenizer, self.cfg, self.sampling = engine, tokenizer, cfg, request.sampling
+        self.syntax = SYNTAXES[cfg.parser]
+        self.markers = [self.syntax.call_open, self.syntax.call_close]
+        try:
+            self.close_ids = marker_ids(tokenizer, self.syntax.call_close)
+            marker_ids(tokenizer, self.syntax.call_open)
+        except MarkerError as exc:
+            raise ModeError(f"agent: {exc}") from None
+        self.by_ids = len(self.close_ids) == 1 or "stop_sequences" in engine.capabilities
+
+    def encode(self, text: str) -> list[int]:
+        return encode_with_markers(self.tokenizer, text, self.markers)
+
+    def policy(self, seed_key: int) -> Policy:
+        """The engine's turn: decode until the call's close tag (its canonical ids) or the end."""
+
+        async def turn(ids: list[int], max_tokens: int, k: int) -> Completion:
+            close = self.close_ids
+            params = self.sampling.model_copy(
+                update={
+                    "n": 1,
+                    "max_tokens": max_tokens,
+                    "stop": [] if self.by_ids else [self.syntax.call_close],
+                    "stop_token_ids": close if len(close) == 1 else [],
+                    "stop_token_sequences": [close] if len(close) > 1 and self.by_ids else [],
+                    "seed": sample_seed(self.sampling.seed, seed_key, k),
+                }
+            )
+            return (await self.engine.generate(ids, params))[0]
+
+        return turn
+
+    def observation(self, obs: Observation) -> tuple[list[int], Observation]:
+        """The observation's ids: its text (cut to ``max_observation_tokens``, marked) in the fixed
+        response wrapper, encoded alone."""
+        cap = self.cfg.max_observation_tokens
+        body = self.tokenizer.encode(obs.text, add_special_tokens=False)
+        if len(body) > cap:
+            cut = self.tokenizer.decode(body[:cap], skip_special_tokens=True)
+            obs = Observation(f"{cut}... [truncated {len(body) - cap} tokens]", obs.status, True)
+        return self.encode(self.syntax.response.format(output=obs.text)), obs
+
+    async def episode(self, prompt_ids: list[int], policy: Policy) -> Episode:
+        cfg, ep = self.cfg, Episode()
+        deadline = time.monotonic() + cfg.deadline_s
+        while True:
+            if ep.turns >= cfg.max_turns:
+                ep.end("max_turns", "length")
+                break
+            if time.monotonic() >= deadline:
+                ep.end("deadline", "abort")
+                break
+            left = cfg.max_total_tokens - len(ep.ids)
+            budget, why = min((self.sampling.max_tokens, "max_turn_tokens"), (left, "max_total_tokens"))
+            room = self.engine.room(prompt_ids + ep.ids)
+            if room is not None and room < budget:
+                budget, why = room, "context"
+            if budget <= 0:
+                ep.end(why, "length")
+                break
+            c = await policy(prompt_ids + ep.ids, budget, ep.turns)
+            ep.turns += 1
+            called = c.finish_reason == "stop" and ends_with(c.token_ids, self.close_ids)
+            call = None
+            if called:
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                call = parse_call(text, cfg.parser)
+            meta: dict[str, Any] = {
+                "tool_call": None if call is None else {"name": call.name, "arguments": call.arguments},
+                "status": "no_tool_call" if not called else ("ok" if call is not None else "malformed"),
+            }
+            ep.append(c.token_ids, c.logprobs, 1, "turn", meta)
+            if not called:
+                ep.end("no_tool_call", "stop") if c.finish_reason == "stop" else ep.end(why, "length")
+                break
+            if ep.turns >= cfg.max_turns:
+                ep.end("max_turns", "length")
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ep.end("deadline", "abort")
+                break
+            obs = await run_tool(call, cfg.tools, min(cfg.tool_timeout_s, remaining))
+            ids, obs = self.observation(obs)
+            ep.tool_calls += 1
+            ep.segments[-1].meta["status"] = obs.status  # the turn's call, as it ran
+            if len(ids) > cfg.max_total_tokens - len(ep.ids):
+                ep.end("max_total_tokens", "length")
+                break
+            ep.append(
+                ids,
+                [0.0] * len(ids),
+                0,
+                "observation",
+                {
+                    "tool": None if call is None else call.name,
+                    "status": obs.status,
+                    "truncated": obs.truncated,
+                },
+            )
+        return ep
+
+
+# what agent() takes beyond (request, prompt_ids, group_id, engine), in its order
+NEEDS = ("tokenizer", "params")
+
+
+async def agent(
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Any,
+    cfg: AgentParams,
+) -> Group:
+    runner = Agent(request, engine, tokenizer, cfg)
+    t0 = time.perf_counter()
+    episodes = await asyncio.gather(
+        *(runner.episode(prompt_ids, runner.policy(r)) for r in range(request.sampling.n))
+    )
+    wall = time.perf_counter() - t0
+    trajectories = [trajectory(group_id, r, prompt_ids, ep, engine, wall) for r, ep in enumerate(episodes)]
+    return group_of(
+        request,
+        group_id,
+        "agent",
+        trajectories,
+        meta={
+            "turns": sum(ep.turns for ep in episodes),
+            "tool_calls": sum(ep.tool_calls for ep in episodes),
+            "stop": [ep.stop for ep in episodes],
+            "wall_s": wall,
+        },
+    )
+
+
+def trajectory(
+    group_id: str, r: int, prompt_ids: list[int], ep: Episode, engine: Engine, wall: float
+) -> Trajectory:
+    return Trajectory(
+        id=trajectory_id(group_id, r),
+        group_id=group_id,
+        prompt_ids=list(prompt_ids),
+        completion_ids=ep.ids,
+        logprobs=ep.logprobs,
+        logprobs_kind=engine.logprobs_kind,
+        loss_mask=ep.mask,
+        segments=ep.segments,
+        finish_reason=ep.finish,
+        stop_reason=ep.stop,
+        policy_version=engine.policy_version,
+        engine=engine.name,
+        timing={"generate_s": wall},
+        meta={"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop},
+    )
