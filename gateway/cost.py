@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from gateway.quotas import Cost
 from loom.contracts.jobs import TaskItem
 from loom.contracts.modes import (
+    AgentParams,
     ModeLimits,
     ModeParams,
     SpawnParams,
@@ -53,6 +54,8 @@ def per_sample(params: ModeParams, max_tokens: int) -> tuple[int, int]:
         children = sum(params.max_children**d for d in range(1, params.max_depth + 1))
         tokens = min(params.max_total_tokens, max_tokens + children * params.child_max_tokens)
         return 1 + children, tokens
+    if isinstance(params, AgentParams):  # every turn its full budget, within the episode's bound
+        return 1, min(params.max_turns * max_tokens, params.max_total_tokens)
     if isinstance(params, StreamingParams):
         rounds = len(params.sentences)
         return 1, rounds * params.segment_cap + params.deep_max_tokens + params.answer_max_tokens

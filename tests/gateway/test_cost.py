@@ -43,6 +43,14 @@ def test_spawn_counts_children_and_their_tokens() -> None:
     assert _budget({**body, **capped}) == (26, 2 * 30)
 
 
+def test_agent_counts_every_turn_within_the_episode_bound() -> None:
+    agent = {"mode": "agent", "mode_params": {"max_turns": 4}}
+    body = {"prompts": ["a"], "sampling": {"n": 2, "max_tokens": 20}, **agent}
+    assert _budget(body) == (2, 2 * 4 * 20)
+    capped = {**agent, "mode_params": {"max_turns": 4, "max_total_tokens": 50}}
+    assert _budget({**body, **capped}) == (2, 2 * 50)
+
+
 def test_streaming_counts_every_round() -> None:
     streaming = {
         "mode": "streaming",
