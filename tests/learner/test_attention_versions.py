@@ -43,3 +43,24 @@ def test_scores_are_the_requested_lineages_whichever_trained_last(
         assert out["error"] == "attention_version_unavailable" and "scores" not in out
         with pytest.raises(AttentionVersionUnavailable):
             learner.scoring_model(ns, version)
+
+
+def test_a_lora_version_scores_with_the_base_and_its_adapter(
+    model_dir: Path, tmp_path: Path, batch_parts
+) -> None:
+    from peft import PeftModel
+
+    cfg = LearnerSettings(model=model_dir, store=tmp_path / "store", resident_runs=1, lora_rank=4)
+    learner = Learner(cfg)
+    for seed, ns in ((1, "run-a"), (2, "run-b")):
+        groups, rewards = batch_parts(seed=seed)
+        batch = TrainBatch(step=0, lineage=Lineage(namespace=ns), groups=groups, rewards=rewards, loss=LOSS)
+        learner.train_step(batch)
+    adapter = tmp_path / "store" / "ns" / "run-a" / "v1"
+    assert learner.home.namespace("run-a").get(1).kind == "lora"  # type: ignore[union-attr]
+    assert "run-a" not in learner.resident  # read from the store
+    merged = PeftModel.from_pretrained(_load_causal_lm(model_dir), str(adapter)).merge_and_unload()
+    direct = fci_scores(merged.eval(), IDS, STEPS, delta=2)
+    scores = fci_scores(learner.scoring_model("run-a", 1), IDS, STEPS, delta=2)
+    assert scores == pytest.approx(direct, abs=1e-5)
+    assert scores != pytest.approx(fci_scores(_load_causal_lm(model_dir).eval(), IDS, STEPS, delta=2))
