@@ -4,7 +4,9 @@ the policy), returns schemas.
 - ``POST /v1/train_step``: a TrainBatch -> StepResult (one optimizer step; the new PolicyVersion).
   The batch is checked here first (every trajectory has a reward, the tree/threads an estimator
   needs), so a bad batch is a 422, never a failed task.
-- ``POST /v1/score/attention``: FCI scores of a response's steps under the current policy.
+- ``POST /v1/score/attention``: FCI scores of a response's steps under exactly the policy version the
+  body names (the rollout's: namespace + version; none: the base model), never whatever lineage the
+  learner trained last; one it cannot load is a 409 ``attention_version_unavailable``.
 - ``GET /v1/store/...``: the policy store's versions, manifests and files (``loom.store.routes``), so
   rollout replicas on other hosts pull each version without a shared filesystem; a trainer's under
   ``/v1/store/ns/{namespace}/...``, where the gateway also forwards its ``/v1/policies`` uploads
@@ -30,7 +32,7 @@ from learner.assign import assign_batch
 from learner.config import LearnerSettings
 from loom.contracts.settings import Settings
 from loom.contracts.tasks import SCORE_ATTENTION, TRAIN_STEP, TaskDef
-from loom.contracts.wire import MAX_ATTENTION_STEPS, Contract, StepResult, TrainBatch
+from loom.contracts.wire import MAX_ATTENTION_STEPS, MAX_VERSION, Contract, StepResult, TrainBatch
 from loom.queue import send
 from loom.service import create_queue_app
 from loom.service_token import UNAUTHORIZED, internal_route_guard
@@ -53,6 +55,16 @@ class AttentionRequest(Contract):
     timeout: float = Field(
         default=120.0, gt=0.0, le=3600.0, description="seconds to wait; at most LOOM_LEARNER_MAX_WAIT_S"
     )
+    policy_version: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_VERSION,
+        description="score under exactly this version (the one the rollout generates with); 0: the "
+        "deployment's base model",
+    )
+    policy_namespace: str | None = Field(
+        default=None, max_length=64, description="the namespace of policy_version (None: the learner's)"
+    )
 
     @model_validator(mode="after")
     def _spans(self) -> AttentionRequest:
@@ -65,6 +77,7 @@ class AttentionRequest(Contract):
 class AttentionScores(Contract):
     scores: list[float]
     policy_version: int
+    policy_namespace: str | None = None
 
 
 def _run(celery_app: Any, task: TaskDef, kwargs: dict[str, Any], timeout: float) -> Any:
@@ -100,7 +113,7 @@ def build_app(
         celery_app,
         settings=settings,
         description="Advantages, losses, train steps and policy versions.",
-        errors=(504,),  # a step or a score that took longer than its timeout
+        errors=(409, 504),  # 409: a score's version not loadable; 504: longer than its timeout
     )
     internal = internal_route_guard(app)
     bound = (learner or LearnerSettings()).max_wait_s
@@ -133,6 +146,8 @@ def build_app(
         wait = _bounded_wait(asked, body.timeout, bound, ("body", "timeout"))
         kwargs = body.model_dump(mode="json", exclude={"timeout"})
         out = await asyncio.to_thread(_run, celery_app, SCORE_ATTENTION, kwargs, wait)
+        if out.get("error") == "attention_version_unavailable":  # never another version's scores
+            raise HTTPException(409, out)
         return AttentionScores.model_validate(out)
 
     # the policy store for replicas on other hosts (LOOM_POLICY_STORE_URL); what trainers publish

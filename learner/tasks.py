@@ -67,11 +67,19 @@ def train_step(batch: dict[str, Any]) -> dict[str, Any]:
 
 @task_of(celery_app, SCORE_ATTENTION)
 def score_attention(
-    token_ids: list[int], steps: list[list[int]], delta: int = 4, zero_from: int | None = None
+    token_ids: list[int],
+    steps: list[list[int]],
+    delta: int = 4,
+    zero_from: int | None = None,
+    policy_version: int = 0,
+    policy_namespace: str | None = None,
 ) -> dict[str, Any]:
-    """FCI scores of the steps of ``token_ids`` under the current policy (AttnRL eq. 6-7)."""
+    """FCI scores of the steps of ``token_ids`` (AttnRL eq. 6-7) under exactly ``policy_version`` of
+    ``policy_namespace`` (0: the base model), the policy the rollout generates with, whichever lineage
+    trained last (docs/security.md "Runs' lineages"); a version it cannot load is an
+    ``attention_version_unavailable`` answer, never another version's scores."""
     from learner.attention import fci_scores
-    from learner.train import check_vocabulary
+    from learner.train import AttentionVersionUnavailable, check_vocabulary
 
     learner = get_learner()
     if learner.ranks.sharded:
@@ -82,7 +90,11 @@ def score_attention(
         )
     check_vocabulary(learner.model, [token_ids])
     with _lock:
-        scores = fci_scores(
-            learner.model, token_ids, [(int(a), int(b)) for a, b in steps], delta=delta, zero_from=zero_from
-        )
-    return {"scores": scores, "policy_version": learner.version}
+        try:
+            model = learner.scoring_model(policy_namespace, policy_version)
+        except AttentionVersionUnavailable as exc:
+            return {"error": "attention_version_unavailable", "detail": str(exc)}
+        spans = [(int(a), int(b)) for a, b in steps]
+        scores = fci_scores(model, token_ids, spans, delta=delta, zero_from=zero_from)
+    namespace = None if policy_version == 0 else policy_namespace
+    return {"scores": scores, "policy_version": policy_version, "policy_namespace": namespace}

@@ -39,6 +39,7 @@ from loom.architectures import attention_of, attn_implementation, lora_targets, 
 from loom.contracts.wire import Lineage, LossSpec, PolicyVersion, StepResult, TisLevel, TrainBatch
 from loom.runtime import MODEL_LOADS
 from loom.store import PolicyStore
+from loom.store.checks import check_lora_base
 from loom.store.layout import REGISTERED
 from loom.vocab import outside_vocabulary
 from zoo.registry import resolve_model_path  # re-exported: bench/learner.py names it
@@ -62,6 +63,10 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "generation_config.json",
 )
+
+
+class AttentionVersionUnavailable(Exception):
+    """The version an attention-scoring request names is not one this learner can load."""
 
 
 def _load_causal_lm(path: Path, dtype: str = "float32", device: str = "cpu") -> Any:
@@ -110,6 +115,8 @@ class Learner:
         # (docs/operations.md "Runs on one learner")
         self.resident: OrderedDict[str | None, Resident] = OrderedDict()
         self.resident[None] = self._open(self.home, self.base_path, 0)
+        # the last version loaded for attention scores alone (``scoring_model``): (namespace, version)
+        self._scoring: tuple[tuple[str | None, int], Any] | None = None
 
     # the state of the lineage training now (``_switch``)
     @property
@@ -208,6 +215,57 @@ class Learner:
         if record.meta.get(REGISTERED):  # a registered path stays its trainer's: checked before loading
             view.verify(record.version)
         return view.source_of(record), record.version
+
+    def scoring_model(self, namespace: str | None, version: int) -> Any:
+        """The model of exactly ``version`` of ``namespace`` (version 0: the base model), for attention
+        scores (docs/security.md "Runs' lineages"): a resident lineage's when it holds that version
+        now, else loaded from the store (one such model kept). Never another version or lineage's
+        weights: ``AttentionVersionUnavailable`` when that version cannot be loaded."""
+        key = (None if version == 0 else namespace, version)  # version 0 is every namespace's base
+        for r in self.resident.values():
+            if r.record is not None:
+                held: tuple[str | None, int] | None = (r.record.namespace, r.record.version)
+            else:
+                held = (None, 0) if r.base_version == 0 else None
+            if held == key:
+                return r.model
+        if self._scoring is not None and self._scoring[0] == key:
+            return self._scoring[1]
+        self._scoring = None  # room first: one scoring model at a time
+        model = self._read_version(*key)
+        model.to(self.device).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self._scoring = (key, model)
+        return model
+
+    def _read_version(self, namespace: str | None, version: int) -> Any:
+        name = f"policy version {version}" + (f" of namespace {namespace!r}" if namespace else "")
+        if version == 0:
+            with MODEL_LOADS:
+                return _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
+        try:
+            view = self.home.namespace(namespace)
+            record = view.get(version)
+        except ValueError:  # not a namespace name
+            record = None
+        if record is None:
+            raise AttentionVersionUnavailable(f"{name} is not in the policy store")
+        try:
+            if record.meta.get(REGISTERED):  # a registered path stays its trainer's: checked first
+                view.verify(record.version)
+            with MODEL_LOADS:
+                if record.kind == "lora":  # applied to the base model, its only base (check_lora_base)
+                    from peft import PeftModel
+
+                    check_lora_base(record.kind, record.meta)
+                    base = _load_causal_lm(self.base_path, self.cfg.dtype, self.device.type)
+                    adapter = PeftModel.from_pretrained(base, str(view.source_of(record)))
+                    return adapter.merge_and_unload()
+                return _load_causal_lm(view.source_of(record), self.cfg.dtype, self.device.type)
+        except Exception as exc:  # noqa: BLE001 (any failure: a typed refusal, never another model)
+            log.warning("attention scores: could not load %s: %s: %s", name, type(exc).__name__, exc)
+            raise AttentionVersionUnavailable(f"could not load {name}") from None
 
     def segment_attention(self) -> bool:
         """Attention per trajectory in packed rows: the setting, or when unset everywhere but CUDA."""

@@ -5,7 +5,8 @@ the OpenAI surface of ``openai_api.py`` (``/v1/completions``, ``/v1/chat/complet
 the control plane (``/health``, ``/v1/models``, LoRA loading, the dev-mode routes: ``control.py``,
 answered as vLLM answers, dev mode and LoRA updating gated by vLLM's own environment variables);
 plus ``GET /loom/stats`` (prefill accounting) and ``POST /v1/score/attention`` (FCI scores; the
-learner's route and body).
+learner's route and body: a ``policy_version`` (+ ``policy_namespace``) other than the one this engine
+serves is a 409 ``attention_version_unavailable``, never scores of another version).
 ``--simulate-ms-per-token`` serves the SIMULATED engine instead (replica-scaling bench only).
 Bind it to a private network: like vLLM's dev routes, the control routes have no auth.
 """
@@ -68,10 +69,16 @@ def create_engine_app(
             steps = [(int(a), int(b)) for a, b in body["steps"]]
             delta = int(body.get("delta") or 4)
             zero_from = None if body.get("zero_from") is None else int(body["zero_from"])
-        except (ValueError, KeyError, TypeError) as exc:
+            version = int(body.get("policy_version") or 0)
+            namespace = body.get("policy_namespace") if version else None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return _error(400, f"expected token_ids, steps [[start, end], ...], delta, zero_from: {exc}")
         if delta < 1 or not steps or any(not 0 <= a < b <= len(token_ids) for a, b in steps):
             return _error(400, "every step must be a non-empty span inside token_ids and delta >= 1")
+        held = (engine.policy_namespace if engine.policy_version else None, engine.policy_version)
+        if (namespace, version) != held:  # the rollout's version is not the one held: no scores
+            message = f"this engine serves policy version {held[1]}, not version {version}"
+            return _error(409, message, "attention_version_unavailable")
         try:
             scores = await engine.score_attention(token_ids, steps, delta, zero_from)
         except EngineError as exc:

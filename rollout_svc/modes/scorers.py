@@ -10,7 +10,11 @@ engine``) or, when the operator set ``LOOM_ATTENTION_URL``, from that learner / 
 a request's: a worker calls no URL taken from a request, so a submitted ``mode_params.attention_url``
 is refused (docs/security-workers.md). A scoring call waits at most ``LOOM_ATTENTION_TIMEOUT_S``
 (``mode_params.attention_timeout_s`` may only shorten it); a scorer that fails, times out or answers
-something other than the scores is a typed error that carries its status, never its reply.
+something other than the scores is a typed error that carries its status, never its reply. Every
+scoring call names the policy the engine generates the rollout with (``policy_version`` and
+``policy_namespace``, the version the gateway authorised for the request): the scorer scores under
+exactly that version or refuses (409 ``attention_version_unavailable``), so a run's tree is never
+scored with another lineage's weights (docs/security.md "Runs' lineages").
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from rollout_svc.engines.base import Engine, EngineError, UnsupportedCapability
 
 RewardFn = Callable[[list[Trajectory]], "Sequence[float] | Awaitable[Sequence[float]]"]
 Scorer = Callable[[list[int], list[tuple[int, int]], int, "int | None"], Awaitable[list[float]]]
+# the operator's scorer: a Scorer for the policy (namespace, version) an engine serves
+PolicyScorer = Callable[["tuple[str | None, int]"], Scorer]
 
 
 def exact_reward_fn(request: RolloutRequest, tokenizer: Any) -> RewardFn | None:
@@ -84,11 +90,16 @@ def _scores_of(body: Any, n: int) -> list[float]:
     return [float(x) for x in scores]
 
 
-def http_scorer(url: str, timeout_s: float = 120.0, token: str = "") -> Scorer:
+def http_scorer(
+    url: str, timeout_s: float = 120.0, token: str = "", policy: tuple[str | None, int] = (None, 0)
+) -> Scorer:
     """FCI scores from ``POST {url}/v1/score/attention`` (the learner's route, also on ``loom engine``).
     ``url`` is the operator's (``LOOM_ATTENTION_URL``); ``timeout_s`` bounds the whole call (connect,
-    send, every byte of the reply); ``token``: the service token the learner's route requires."""
+    send, every byte of the reply); ``token``: the service token the learner's route requires;
+    ``policy``: the (namespace, version) scored under (0: the base model), the rollout's."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    namespace, version = policy
+    at = {"policy_version": version, "policy_namespace": None if version == 0 else namespace}
 
     async def score(
         ids: list[int], steps: list[tuple[int, int]], delta: int, zero_from: int | None
@@ -96,6 +107,7 @@ def http_scorer(url: str, timeout_s: float = 120.0, token: str = "") -> Scorer:
         import httpx
 
         body = {"token_ids": ids, "steps": [list(s) for s in steps], "delta": delta, "zero_from": zero_from}
+        body |= at
         try:
             async with asyncio.timeout(timeout_s), httpx.AsyncClient(timeout=timeout_s) as client:
                 r = await client.post(url.rstrip("/") + "/v1/score/attention", json=body, headers=headers)
@@ -103,6 +115,8 @@ def http_scorer(url: str, timeout_s: float = 120.0, token: str = "") -> Scorer:
             raise ScorerTimeout(f"the attention scorer did not answer within {timeout_s} s") from None
         except httpx.HTTPError as exc:
             raise ScorerError(f"the attention scorer could not be reached ({type(exc).__name__})") from None
+        if r.status_code == 409:
+            raise ScorerError(f"the attention scorer cannot score under policy version {version} (HTTP 409)")
         if r.status_code != 200:
             raise ScorerError(f"the attention scorer answered HTTP {r.status_code}")
         try:
@@ -114,22 +128,24 @@ def http_scorer(url: str, timeout_s: float = 120.0, token: str = "") -> Scorer:
     return score
 
 
-def operator_scorer(settings: Settings, cfg: ModeParams) -> Scorer | None:
+def operator_scorer(settings: Settings, cfg: ModeParams) -> PolicyScorer | None:
     """The operator's scorer (``LOOM_ATTENTION_URL``, with the service token), bounded by the
-    request's ``attention_timeout_s`` (tree's params; else the deployment's bound); None where the
-    operator set none."""
+    request's ``attention_timeout_s`` (tree's params; else the deployment's bound), for the policy
+    it is given (``resolve_scorer``: the engine's); None where the operator set none."""
     if not settings.attention_url:
         return None
+    url, token = settings.attention_url, settings.service_token
     timeout_s = getattr(cfg, "attention_timeout_s", settings.attention_timeout_s)
-    return http_scorer(settings.attention_url, timeout_s, settings.service_token)
+    return lambda policy: http_scorer(url, timeout_s, token, policy)
 
 
-def resolve_scorer(engine: Engine, operator: Scorer | None = None) -> Scorer:
-    """The engine's own scorer, else the operator's (``operator_scorer``)."""
+def resolve_scorer(engine: Engine, operator: PolicyScorer | None = None) -> Scorer:
+    """The engine's own scorer, else the operator's (``operator_scorer``) for the policy ``engine``
+    holds: the rollout's, held through the whole generation (rollout_svc.rollout.serving)."""
     if "attention_scores" in engine.capabilities:
         return engine.score_attention
     if operator is not None:
-        return operator
+        return operator((engine.policy_namespace, engine.policy_version))
     raise UnsupportedCapability(
         engine.name,
         "attention_scores",

@@ -55,7 +55,7 @@ from loom.contracts.modes import TreeParams
 from loom.contracts.wire import Group, RolloutRequest, SamplingParams, Segment, Trajectory, TreeNode
 from rollout_svc.engines.base import Completion, Engine
 from rollout_svc.modes import group_of, sample_seed, trajectory_id
-from rollout_svc.modes.scorers import RewardFn, Scorer, resolve_scorer
+from rollout_svc.modes.scorers import PolicyScorer, RewardFn, Scorer, resolve_scorer
 
 Strategy = Literal["attention", "entropy", "random"]
 
@@ -515,13 +515,13 @@ async def tree(
     tokenizer: Any,
     cfg: TreeParams,
     reward_fn: RewardFn | None = None,
-    scorer: Scorer | None = None,
+    scorer: PolicyScorer | None = None,
 ) -> Group:
     """One prompt's tree (module docstring). ``scorer``: the operator's attention scorer, used when the
-    engine has none of its own."""
+    engine has none of its own (for the policy the engine serves: the rollout's)."""
     needs_fci = cfg.strategy == "attention" or cfg.fci_running_mean is not None
-    scorer = resolve_scorer(engine, scorer) if needs_fci else None
-    grower = _Grower(prompt_ids, group_id, engine, tokenizer, cfg, scorer, request.sampling)
+    scoring = resolve_scorer(engine, scorer) if needs_fci else None
+    grower = _Grower(prompt_ids, group_id, engine, tokenizer, cfg, scoring, request.sampling)
     t0 = time.perf_counter()
     responses = await grower.sample_initial()
     initial = [grower.trajectory(p) for p in responses]

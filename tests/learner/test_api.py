@@ -47,11 +47,14 @@ def test_train_step_and_attention_through_the_worker(broker_env, loom_worker, mo
         assert PolicyStore(store).versions() == [1, 2]
         ids = list(range(1, 31))
         steps = [[0, 5], [5, 10], [10, 15], [15, 20], [20, 25], [25, 30]]
-        r = client.post("/v1/score/attention", json={"token_ids": ids, "steps": steps, "delta": 2})
+        body = {"token_ids": ids, "steps": steps, "delta": 2, "policy_version": 2}
+        r = client.post("/v1/score/attention", json=body)
         assert r.status_code == 200, r.text
         scores = r.json()["scores"]
         assert len(scores) == 6 and scores[0] == scores[1] == 0.0 and max(scores) > 0
         assert r.json()["policy_version"] == 2
+        r = client.post("/v1/score/attention", json=body | {"policy_version": 9})  # never another's
+        assert r.status_code == 409 and r.json()["error"] == "attention_version_unavailable", r.text
 
 
 def test_hostile_batches_are_422_and_a_timeout_is_504(tmp_path, batch_parts):

@@ -71,6 +71,9 @@ def test_torch_engine_and_loom_engine_route_score_attention(tiny_engine):
     assert r.json()["scores"] == pytest.approx(direct, abs=1e-6)
     bad = client.post("/v1/score/attention", json={"token_ids": ids, "steps": [[5, 5]]})
     assert bad.status_code == 400
+    other = {"token_ids": ids, "steps": steps, "policy_version": 5, "policy_namespace": "run-a"}
+    r = client.post("/v1/score/attention", json=other)  # a version it does not serve: no scores
+    assert r.status_code == 409 and r.json()["error"]["type"] == "attention_version_unavailable"
     # what the model cannot read is refused before it sees it (was a 500 here; on CUDA a device-side
     # assert that left the engine's CUDA context unusable for every later request)
     vocab, context = tiny_engine.vocab_size, tiny_engine.max_model_len

@@ -52,10 +52,18 @@ def test_the_rule_that_a_tree_needs_fci_is_written_once() -> None:
     assert sum(t.count("fci_running_mean is not None") for t in texts) == 1
 
 
-async def _operator(
+async def _scores(
     ids: list[int], steps: list[tuple[int, int]], delta: int, zero_from: int | None
 ) -> list[float]:
     return [1.0] * len(steps)
+
+
+asked: list[tuple[str | None, int]] = []
+
+
+def _operator(policy: tuple[str | None, int]) -> Any:
+    asked.append(policy)  # the operator's scorer is built for the policy the engine serves
+    return _scores
 
 
 def test_the_engines_own_scorer_comes_before_the_operators(tiny_engine: Any) -> None:
@@ -65,7 +73,8 @@ def test_the_engines_own_scorer_comes_before_the_operators(tiny_engine: Any) -> 
 
 def test_an_engine_without_scores_uses_the_operators_scorer_or_refuses() -> None:
     engine = SimulatedEngine(ms_per_token=0.0)
-    assert resolve_scorer(engine, _operator) is _operator
+    engine.policy_version, engine.policy_namespace = 3, "run-a"
+    assert resolve_scorer(engine, _operator) is _scores and asked[-1] == ("run-a", 3)
     with pytest.raises(UnsupportedCapability, match="LOOM_ATTENTION_URL"):
         resolve_scorer(engine)
 

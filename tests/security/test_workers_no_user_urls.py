@@ -8,6 +8,7 @@ worker, and records every connection: there must be none."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,9 @@ def test_the_operators_scorer_is_called_with_the_service_token(rollout: Any) -> 
             and q["headers"]["authorization"] == "Bearer s3rvice-token"
             for q in scorer.requests
         )
+        # the policy the engine generates with (a request without a version: the base model, 0)
+        bodies = [json.loads(q["body"]) for q in scorer.requests]
+        assert all((b["policy_version"], b["policy_namespace"]) == (0, None) for b in bodies)
         assert r.json()["meta"]["mean_fci"] == pytest.approx(0.5)
 
 
