@@ -77,6 +77,22 @@ class CodeParams(Params):
     output_bytes: int = Field(default=1 << 20, ge=1024, le=16 << 20)
 
 
+# ``judge`` (docs/interop-reward.md "Judge rewards"): a model-based reward from an operator's judge.
+class JudgeParams(Params):
+    judge: str = Field(
+        default="default", min_length=1, max_length=64, description="a name in LOOM_REWARD_JUDGES"
+    )
+    template: str = Field(
+        default="default",
+        min_length=1,
+        max_length=8000,
+        description="a built-in template's name, or a template with {question} {answer} {reference}",
+    )
+    mode: Literal["verdict", "logprob"] = "verdict"
+    timeout_s: float = Field(default=30.0, gt=0, le=300, description="per judge request")
+    max_tokens: int = Field(default=8, ge=1, le=512)
+
+
 # The one table of components: name -> its params model (a component's registration is its line
 # here; its function is found by name, reward_svc/registry.py).
 COMPONENT_PARAMS: dict[str, type[Params]] = {
@@ -93,6 +109,7 @@ COMPONENT_PARAMS: dict[str, type[Params]] = {
     "reflection": ReflectionParams,
     "code_pass": CodeParams,
     "code_all": CodeParams,
+    "judge": JudgeParams,
 }
 
 
