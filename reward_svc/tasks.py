@@ -71,7 +71,7 @@ judge_client = Shared(_make_judge_client).get
 
 
 def _ask_judge_blocking(asks: Any) -> Any:
-    return asyncio.run(judge_client().ask_batch(asks))
+    return asyncio.run(judge_client().ask_batch_once(asks))
 
 
 def _parsed(group: dict[str, Any], spec: dict[str, Any] | None) -> tuple[Group, RewardSpec]:

@@ -97,11 +97,14 @@ class JudgeClient:
     sent: int = 0  # requests sent (attempts included), for the bench and the logs
     _limits: dict[str, _Limits] = field(default_factory=dict)
     _loop: Any = None
+    _http: httpx.AsyncClient | None = None
 
-    def _limits_of(self, name: str, server: JudgeServer) -> _Limits:
+    def _limits_of(self, name: str, server: JudgeServer | None) -> _Limits | None:
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # semaphores belong to one event loop (a Celery task runs its own)
-            self._limits, self._loop = {}, loop
+        if loop is not self._loop:  # semaphores and connections belong to one event loop
+            self._limits, self._loop, self._http = {}, loop, None
+        if server is None:
+            return None
         if name not in self._limits:
             self._limits[name] = _Limits(
                 asyncio.Semaphore(server.max_concurrency), TokenBucket(server.rpm), TokenBucket(server.tpm)
@@ -109,10 +112,19 @@ class JudgeClient:
         return self._limits[name]
 
     async def ask_batch(self, asks: Sequence[JudgeAsk]) -> list[JudgeReply]:
-        """One reply per ask, in order, all asked at once (each judge's limits hold them back)."""
+        """One reply per ask, in order, all asked at once (each judge's limits hold them back), on
+        this event loop's connection pool (kept: a batch reuses the last one's connections)."""
         if not asks:
             return []
-        async with httpx.AsyncClient() as http:
+        self._limits_of("", None)
+        if self._http is None:
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+        http = self._http
+        return list(await asyncio.gather(*(self.ask(http, a) for a in asks)))
+
+    async def ask_batch_once(self, asks: Sequence[JudgeAsk]) -> list[JudgeReply]:
+        """``ask_batch`` on connections of its own, closed after (an ``asyncio.run`` per call)."""
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as http:
             return list(await asyncio.gather(*(self.ask(http, a) for a in asks)))
 
     async def ask(self, http: httpx.AsyncClient, ask: JudgeAsk) -> JudgeReply:
@@ -124,7 +136,9 @@ class JudgeClient:
         if hit is not None:
             self.cache.move_to_end(key)
             return hit
-        reply = await self._call(http, server, self._limits_of(ask.judge, server), ask)
+        limits = self._limits_of(ask.judge, server)
+        assert limits is not None
+        reply = await self._call(http, server, limits, ask)
         if reply.status == "ok":
             self.cache[key] = reply
             while len(self.cache) > self.cache_size:
