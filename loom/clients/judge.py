@@ -111,6 +111,12 @@ class JudgeClient:
             )
         return self._limits[name]
 
+    def close(self) -> None:
+        """Forget the cache and connections (``loom.runtime.Shared.close``: a reset, the next use
+        opens new ones)."""
+        self.cache.clear()
+        self._limits, self._loop, self._http = {}, None, None
+
     async def ask_batch(self, asks: Sequence[JudgeAsk]) -> list[JudgeReply]:
         """One reply per ask, in order, all asked at once (each judge's limits hold them back), on
         this event loop's connection pool (kept: a batch reuses the last one's connections)."""

@@ -5,6 +5,7 @@ where told (docs/interop-reward.md "Judge rewards")."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import socket
 import threading
@@ -235,3 +236,39 @@ def test_judges_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOM_REWARD_JUDGES", '{"small": {"url": "http://j:8000", "model": "m", "rpm": 60}}')
     judges = RewardSettings().judges
     assert judges["small"].url == "http://j:8000" and judges["small"].rpm == 60
+
+
+def test_reward_api_asks_the_configured_judge(
+    judge: tuple[Judge, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """POST /v1/rewards: the judge named in the spec is the one LOOM_REWARD_JUDGES configures."""
+    from fastapi.testclient import TestClient
+
+    from loom.contracts.reward_settings import get_reward_settings
+    from reward_svc.api import app
+    from reward_svc.tasks import judge_client
+
+    j, url = judge
+    shared = judge_client.__self__  # type: ignore[attr-defined]
+    monkeypatch.setenv("LOOM_REWARD_JUDGES", json.dumps({"j": {"url": url, "model": "ok"}}))
+    get_reward_settings.cache_clear()
+    shared.close()
+    try:
+        body = {
+            "groups": [group("42", "41", INJECTIONS[0]).model_dump(mode="json")],
+            "spec": spec().model_dump(),
+        }
+        with TestClient(app) as c:
+            r = c.post("/v1/rewards", json=body)
+        assert r.status_code == 200, r.text
+        rewards = r.json()["results"][0]["rewards"]
+        assert [(x["components"]["judge"], x["status"]) for x in rewards] == [
+            (1.0, "ok"),
+            (0.0, "ok"),
+            (0.0, "ok"),
+        ]
+        assert len(j.prompts) == 3
+    finally:
+        monkeypatch.delenv("LOOM_REWARD_JUDGES")
+        get_reward_settings.cache_clear()
+        shared.close()
