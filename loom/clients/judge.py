@@ -98,11 +98,12 @@ class JudgeClient:
     _limits: dict[str, _Limits] = field(default_factory=dict)
     _loop: Any = None
     _http: httpx.AsyncClient | None = None
+    _pending: dict[tuple[Any, ...], asyncio.Future[JudgeReply]] = field(default_factory=dict)
 
     def _limits_of(self, name: str, server: JudgeServer | None) -> _Limits | None:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # semaphores and connections belong to one event loop
-            self._limits, self._loop, self._http = {}, loop, None
+            self._limits, self._loop, self._http, self._pending = {}, loop, None, {}
         if server is None:
             return None
         if name not in self._limits:
@@ -115,7 +116,7 @@ class JudgeClient:
         """Forget the cache and connections (``loom.runtime.Shared.close``: a reset, the next use
         opens new ones)."""
         self.cache.clear()
-        self._limits, self._loop, self._http = {}, None, None
+        self._limits, self._loop, self._http, self._pending = {}, None, None, {}
 
     async def ask_batch(self, asks: Sequence[JudgeAsk]) -> list[JudgeReply]:
         """One reply per ask, in order, all asked at once (each judge's limits hold them back), on
@@ -144,7 +145,21 @@ class JudgeClient:
             return hit
         limits = self._limits_of(ask.judge, server)
         assert limits is not None
-        reply = await self._call(http, server, limits, ask)
+        pending = self._pending.get(key)
+        if pending is not None:  # the same ask in flight already (a group's equal answers): one request
+            return await asyncio.shield(pending)
+        future: asyncio.Future[JudgeReply] = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        try:
+            reply = await self._call(http, server, limits, ask)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: no "never retrieved" warning when nobody waited
+            raise
+        else:
+            future.set_result(reply)
+        finally:
+            del self._pending[key]
         if reply.status == "ok":
             self.cache[key] = reply
             while len(self.cache) > self.cache_size:

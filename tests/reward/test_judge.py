@@ -139,12 +139,13 @@ def test_verdict_and_injections(judge: tuple[Judge, str]) -> None:
     c = client(url, j={"model": "ok"})
     got = score(c, group("42", "41", *INJECTIONS), spec())
     assert got == [(1.0, "ok"), (0.0, "ok")] + [(0.0, "ok")] * len(INJECTIONS)
-    for text, prompt in zip(INJECTIONS, j.prompts[2:], strict=True):
+    assert len(j.prompts) == 2 + len(INJECTIONS)  # the judge's requests arrive in any order
+    for text in INJECTIONS:
+        (prompt,) = [p for p in j.prompts if fence(text) in p]  # the injected text, inside our block
         assert prompt.count("<answer>") == 1 and prompt.count("</answer>") == 1  # one block, ours
-        block = prompt[prompt.index(START) + len(START) : prompt.rindex(END)]
-        assert f"{START}{block}{END}" == fence(text) and "41" in block  # the injected text is inside
+        assert "41" in prompt[prompt.index(START) : prompt.rindex(END)]
         assert prompt.endswith("Verdict:")
-    assert "41 {reference}" in j.prompts[4]  # a placeholder in the answer stays text
+    assert any("41 {reference}" in p for p in j.prompts)  # a placeholder in the answer stays text
 
 
 def test_logprob_mode(judge: tuple[Judge, str]) -> None:
@@ -187,6 +188,8 @@ def test_cache_avoids_a_second_request(judge: tuple[Judge, str]) -> None:
     assert score(c, group("42", "41"), spec()) == first and len(j.prompts) == 2
     score(c, group("42", label="43"), spec())  # another reference: another prompt, another request
     assert len(j.prompts) == 3
+    assert score(c, group("9", "9", "9", label="9"), spec()) == [(1.0, "ok")] * 3  # equal answers at once
+    assert len(j.prompts) == 4
 
 
 def test_concurrency_and_request_rate_held(judge: tuple[Judge, str]) -> None:
@@ -272,3 +275,21 @@ def test_reward_api_asks_the_configured_judge(
         monkeypatch.delenv("LOOM_REWARD_JUDGES")
         get_reward_settings.cache_clear()
         shared.close()
+
+
+def test_blocking_path(judge: tuple[Judge, str]) -> None:
+    """The Celery ``score_group`` task's path: the blocking core, a batch on connections of its own."""
+    from reward_svc.core import score_group
+
+    _, url = judge
+    c = client(url, j={"model": "ok"})
+    result = score_group(
+        group("42", "HANG"),
+        spec(timeout_s=0.5),
+        lambda i, t: [],
+        ask_judge=lambda a: asyncio.run(c.ask_batch_once(a)),
+    )
+    assert [(r.components["judge"], r.status) for r in result.rewards] == [
+        (1.0, "ok"),
+        (0.0, "judge_timeout"),
+    ]
