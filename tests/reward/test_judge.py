@@ -235,6 +235,16 @@ def test_parsers_and_prompt() -> None:
     assert prompt == "Q q R r A <answer>\na {question} \n</answer>"
 
 
+def test_templates_checked_by_the_contract() -> None:
+    from loom.contracts.rewards import JUDGE_TEMPLATES, JudgeParams
+    from reward_svc.judge import TEMPLATES
+
+    assert set(JUDGE_TEMPLATES) == set(TEMPLATES)
+    with pytest.raises(ValueError, match="answer"):
+        JudgeParams(template="Grade this: {question}")
+    assert JudgeParams(template="Q {question} A {answer}").template.endswith("{answer}")
+
+
 def test_judges_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOM_REWARD_JUDGES", '{"small": {"url": "http://j:8000", "model": "m", "rpm": 60}}')
     judges = RewardSettings().judges
