@@ -243,6 +243,11 @@ def test_templates_checked_by_the_contract() -> None:
     with pytest.raises(ValueError, match="answer"):
         JudgeParams(template="Grade this: {question}")
     assert JudgeParams(template="Q {question} A {answer}").template.endswith("{answer}")
+    from loom.contracts.rewards import RequestError, check_spec
+
+    with pytest.raises(RequestError) as err:
+        check_spec(spec(template="no answer here"))
+    assert err.value.status == 422
 
 
 def test_judges_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
