@@ -6,6 +6,7 @@ path): ``uvicorn reward_svc.api:app`` alone serves every route below.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -41,7 +42,7 @@ from reward_svc.protocols import (
     slime_group,
 )
 from reward_svc.reflection import DensityStats
-from reward_svc.tasks import celery_app, sandbox_client
+from reward_svc.tasks import celery_app, judge_client, sandbox_client
 
 log = logging.getLogger("reward_svc.api")
 
@@ -99,18 +100,29 @@ async def score_groups(
     items = [item for p in plans for _, item in p.math]
     runs = [run for p in plans for run in p.runs]  # every group's tests in one sandbox batch
     verdicts = await get_pool().acheck_many(items, spec.timeout_s) if items else []
-    outcomes = await sandbox_client().arun_batch(runs) if runs else []
-    results, k, j = [], 0, 0
+    asks = [ask for p in plans for ask in p.asks]  # and every judge request in one judge batch
+    outcomes, replies = await asyncio.gather(
+        sandbox_client().arun_batch(runs) if runs else _nothing(),
+        judge_client().ask_batch(asks) if asks else _nothing(),
+    )
+    results, k, j, a = [], 0, 0, 0
     for g, r, p in zip(groups, refused, plans, strict=True):
-        n = len(p.runs)
-        scored = finish_group(p, verdicts[k : k + len(p.math)], _state, outcomes[j : j + n])
+        n, m = len(p.runs), len(p.asks)
+        scored = finish_group(
+            p, verdicts[k : k + len(p.math)], _state, outcomes[j : j + n], replies[a : a + m]
+        )
         results.append(with_refused(scored, g, r, spec))
         k += len(p.math)
         j += n
+        a += m
     elapsed = time.perf_counter() - t0
     for res in results:
         res.score_s = elapsed
     return results
+
+
+async def _nothing() -> list[Any]:
+    return []
 
 
 class RewardResponse(BaseModel):

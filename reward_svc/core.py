@@ -14,14 +14,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.contracts.rewards import AccuracyParams, CodeParams, RequestError
+from loom.clients.judge import JudgeAsk, JudgeReply
+from loom.contracts.rewards import AccuracyParams, CodeParams, JudgeParams, RequestError
 from loom.contracts.sandbox import RunRequest, RunResult
 from loom.contracts.wire import Group, RewardResult, RewardSpec, TrajectoryReward
 from reward_svc.accuracy import plan, read_gold
 from reward_svc.code import CodeTests, CodeVerdict, judge, plan_runs, read_tests
 from reward_svc.context import GroupContext
+from reward_svc.judge import JudgeVerdict, plan_asks, verdict_of
 from reward_svc.mathverify import MathItem, Verdict
-from reward_svc.registry import NEEDS_ACCURACY, NEEDS_CODE, REGISTRY
+from reward_svc.registry import NEEDS_ACCURACY, NEEDS_CODE, NEEDS_JUDGE, REGISTRY
 from reward_svc.trace import view_of
 
 VerifyFn = Callable[[Sequence[MathItem], int], list[Verdict]]
@@ -29,6 +31,9 @@ AsyncVerifyFn = Callable[[Sequence[MathItem], int], Awaitable[list[Verdict]]]
 # the sandbox service's batch call (``loom.clients.sandbox.SandboxClient.run_batch``)
 RunCodeFn = Callable[[Sequence[RunRequest]], list[RunResult]]
 AsyncRunCodeFn = Callable[[Sequence[RunRequest]], Awaitable[list[RunResult]]]
+AskJudgeFn = Callable[[Sequence[JudgeAsk]], list[JudgeReply]]
+# the judge servers' batch call (``loom.clients.judge.JudgeClient.ask_batch``)
+AsyncAskJudgeFn = Callable[[Sequence[JudgeAsk]], Awaitable[list[JudgeReply]]]
 
 
 def check_request(groups: Sequence[Group], max_items: int) -> None:
@@ -95,6 +100,15 @@ class Plan:
     tests: CodeTests | None = None
     code_verdicts: list[CodeVerdict | None] = field(default_factory=list)
     code: list[tuple[int, list[RunRequest]]] = field(default_factory=list)
+    # the judge component: its mode, each trajectory's verdict (decided, or read from its reply)
+    judge_mode: str = "verdict"
+    judge_verdicts: list[JudgeVerdict | None] = field(default_factory=list)
+    judge: list[tuple[int, JudgeAsk]] = field(default_factory=list)
+
+    @property
+    def asks(self) -> list[JudgeAsk]:
+        """Every judge request of the plan, in order (one judge batch)."""
+        return [a for _, a in self.judge]
 
     @property
     def runs(self) -> list[RunRequest]:
@@ -110,6 +124,8 @@ def plan_group(group: Group, spec: RewardSpec) -> Plan:
     task = params.task or group.task or "math"
     if any(c.name in NEEDS_CODE for c in spec.components) or (needs and task == "code"):
         _plan_code(p, spec)
+    if any(c.name in NEEDS_JUDGE for c in spec.components):
+        _plan_judge(p, spec)
     if not needs or task == "code":
         return p
     gold = read_gold(task, group.label, group.meta)
@@ -136,6 +152,18 @@ def _plan_code(p: Plan, spec: RewardSpec) -> None:
             p.code.append((i, planned))
 
 
+def _plan_judge(p: Plan, spec: RewardSpec) -> None:
+    comp = next(c for c in spec.components if c.name in NEEDS_JUDGE)
+    params = JudgeParams.model_validate(comp.params)
+    p.judge_mode = params.mode
+    p.judge_verdicts = [None] * len(p.group.trajectories)
+    for i, planned in enumerate(plan_asks(p.group, params)):
+        if isinstance(planned, JudgeVerdict):
+            p.judge_verdicts[i] = planned
+        else:
+            p.judge.append((i, planned))
+
+
 def _judge_code(p: Plan, results: Sequence[RunResult]) -> None:
     """Each code trajectory's verdict from its runs' outcomes; its status is the trajectory's."""
     k = 0
@@ -149,7 +177,11 @@ def _judge_code(p: Plan, results: Sequence[RunResult]) -> None:
 
 
 def finish_group(
-    p: Plan, math_verdicts: Sequence[Verdict], state: Any = None, code_results: Sequence[RunResult] = ()
+    p: Plan,
+    math_verdicts: Sequence[Verdict],
+    state: Any = None,
+    code_results: Sequence[RunResult] = (),
+    judge_replies: Sequence[JudgeReply] = (),
 ) -> RewardResult:
     for (i, _), v in zip(p.math, math_verdicts, strict=True):
         p.verdicts[i] = v
@@ -157,10 +189,15 @@ def finish_group(
         if len(code_results) != len(p.runs):
             raise ValueError(f"{len(code_results)} run outcomes for {len(p.runs)} runs")
         _judge_code(p, code_results)
+    if p.judge_verdicts:
+        for (i, _), reply in zip(p.judge, judge_replies, strict=True):
+            p.judge_verdicts[i] = verdict_of(reply, p.judge_mode)
     trajs = p.group.trajectories
     ctx = GroupContext(group=p.group, views=[view_of(t) for t in trajs], state=state)
     if p.code_verdicts:
         ctx.cache["code"] = p.code_verdicts
+    if p.judge_verdicts:
+        ctx.cache["judge"] = p.judge_verdicts
     if p.needs_accuracy:
         ctx.correct = [float(v is not None and v.status == "ok" and v.correct) for v in p.verdicts]
     values = {c.name: REGISTRY[c.name](ctx, c.params) for c in p.spec.components}
@@ -173,6 +210,9 @@ def finish_group(
             status, detail = verdict.status, verdict.detail
         else:
             status, detail = ("invalid", "trajectory has no text") if t.text is None else ("ok", None)
+        judged = p.judge_verdicts[i] if p.judge_verdicts else None
+        if status == "ok" and judged is not None and judged.status != "ok":
+            status, detail = judged.status, judged.detail  # the judge's failure, not the policy's
         rewards.append(
             TrajectoryReward(trajectory_id=t.id, total=total, components=comps, status=status, detail=detail)  # type: ignore[arg-type]
         )
@@ -187,15 +227,26 @@ def _no_sandbox(runs: Sequence[RunRequest]) -> list[RunResult]:
     return [RunResult(status="sandbox_error", detail="no sandbox service configured") for _ in runs]
 
 
+def no_judge(asks: Sequence[JudgeAsk]) -> list[JudgeReply]:
+    return [JudgeReply("judge_unavailable", detail="no judge client in this caller") for _ in asks]
+
+
 def score_group(
-    group: Group, spec: RewardSpec, verify: VerifyFn, state: Any = None, run_code: RunCodeFn = _no_sandbox
+    group: Group,
+    spec: RewardSpec,
+    verify: VerifyFn,
+    state: Any = None,
+    run_code: RunCodeFn = _no_sandbox,
+    ask_judge: AskJudgeFn = no_judge,
 ) -> RewardResult:
-    """Plan, verify (blocking), run code, compose. ``verify`` is ``VerifierPool.check_many``,
-    ``run_code`` the sandbox client's ``run_batch``."""
+    """Plan, verify (blocking), run code, ask the judge, compose. ``verify`` is
+    ``VerifierPool.check_many``, ``run_code`` the sandbox client's ``run_batch``."""
     t0 = time.perf_counter()
     p = plan_group(group, spec)
     verdicts = verify([item for _, item in p.math], spec.timeout_s) if p.math else []
-    result = finish_group(p, verdicts, state, run_code(p.runs) if p.runs else [])
+    result = finish_group(
+        p, verdicts, state, run_code(p.runs) if p.runs else [], ask_judge(p.asks) if p.asks else []
+    )
     result.score_s = time.perf_counter() - t0
     return result
 
@@ -204,18 +255,24 @@ async def _ano_sandbox(runs: Sequence[RunRequest]) -> list[RunResult]:
     return _no_sandbox(runs)
 
 
+async def _ano_judge(asks: Sequence[JudgeAsk]) -> list[JudgeReply]:
+    return no_judge(asks)
+
+
 async def ascore_group(
     group: Group,
     spec: RewardSpec,
     verify: AsyncVerifyFn,
     state: Any = None,
     run_code: AsyncRunCodeFn = _ano_sandbox,
+    ask_judge: AsyncAskJudgeFn = _ano_judge,
 ) -> RewardResult:
-    """``score_group`` with the verifier and the sandbox awaited (``VerifierPool.acheck_many``,
-    ``SandboxClient.arun_batch``): the groups of one reward task share them at once."""
+    """``score_group`` with the verifier, the sandbox and the judge awaited (``VerifierPool.acheck_many``,
+    ``SandboxClient.arun_batch``, ``JudgeClient.ask_batch``): the groups of one reward task share them."""
     t0 = time.perf_counter()
     p = plan_group(group, spec)
     verdicts = await verify([item for _, item in p.math], spec.timeout_s) if p.math else []
-    result = finish_group(p, verdicts, state, await run_code(p.runs) if p.runs else [])
+    runs = await run_code(p.runs) if p.runs else []
+    result = finish_group(p, verdicts, state, runs, await ask_judge(p.asks) if p.asks else [])
     result.score_s = time.perf_counter() - t0
     return result

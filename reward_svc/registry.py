@@ -28,3 +28,5 @@ REGISTRY: dict[str, ComponentFn] = {name: component(name) for name in COMPONENT_
 NEEDS_ACCURACY = frozenset(name for name, fn in REGISTRY.items() if "accuracy" in reads_of(fn))
 # Components that read the code verdicts (the sandbox runs only when one is requested or the task is code).
 NEEDS_CODE = frozenset(name for name, fn in REGISTRY.items() if "code" in reads_of(fn))
+# Components that read the judge verdicts (the judge is asked only when one is requested).
+NEEDS_JUDGE = frozenset(name for name, fn in REGISTRY.items() if "judge" in reads_of(fn))

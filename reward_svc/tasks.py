@@ -59,6 +59,21 @@ def _make_sandbox_client() -> Any:
 sandbox_client = Shared(_make_sandbox_client).get
 
 
+def _make_judge_client() -> Any:
+    from loom.clients.judge import JudgeClient
+    from loom.contracts.reward_settings import get_reward_settings
+
+    return JudgeClient(get_reward_settings().judges)
+
+
+# the process's judge client (loom/clients/judge.py): its limits and cache are the process's
+judge_client = Shared(_make_judge_client).get
+
+
+def _ask_judge_blocking(asks: Any) -> Any:
+    return asyncio.run(judge_client().ask_batch_once(asks))
+
+
 def _parsed(group: dict[str, Any], spec: dict[str, Any] | None) -> tuple[Group, RewardSpec]:
     """A reward task's ``Group`` and ``RewardSpec`` from their JSON, the spec checked."""
     from loom.contracts.rewards import check_spec
@@ -76,7 +91,10 @@ def score_group_task(group: dict[str, Any], spec: dict[str, Any] | None = None) 
     key = score_group_task.request.id or ""
     mark("score_start", key)
     out = score_group(
-        *_parsed(group, spec), _verifier().check_many, run_code=sandbox_client().run_batch
+        *_parsed(group, spec),
+        _verifier().check_many,
+        run_code=sandbox_client().run_batch,
+        ask_judge=_ask_judge_blocking,
     ).model_dump(mode="json")
     mark("score_end", key)
     return out
@@ -118,7 +136,10 @@ async def _score_members(backend: Any, members: dict[str, tuple[Any, Any]], orde
         mark("score_start", key)
         try:
             result = await ascore_group(
-                *_parsed(group, spec), pool.acheck_many, run_code=sandbox_client().arun_batch
+                *_parsed(group, spec),
+                pool.acheck_many,
+                run_code=sandbox_client().arun_batch,
+                ask_judge=judge_client().ask_batch,
             )
         except Exception as exc:  # this member fails, as its own score_group task would
             backend.store_result(key, exc, states.FAILURE)

@@ -8,8 +8,23 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class JudgeServer(BaseModel):
+    """One operator-configured judge (docs/interop-reward.md "Judge rewards"): a request names it,
+    never its URL (docs/security-workers.md: workers call no URL from a request)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="root of an OpenAI-compatible server (its /v1/completions is called)")
+    model: str = ""
+    max_concurrency: int = Field(default=8, ge=1, le=1024, description="requests in flight at once")
+    rpm: int = Field(default=0, ge=0, description="requests per minute (token bucket); 0 = unlimited")
+    tpm: int = Field(default=0, ge=0, description="prompt+completion tokens per minute; 0 = unlimited")
+    retries: int = Field(default=3, ge=0, le=10, description="retries on 429, 5xx and connect errors")
+    backoff_s: float = Field(default=0.5, gt=0, le=30, description="first retry's wait (doubled, capped 8x)")
 
 
 class RewardSettings(BaseSettings):
@@ -50,6 +65,11 @@ class RewardSettings(BaseSettings):
         le=300,
         description="the largest per-item verification deadline (`timeout_s`) a request may ask for; "
         "more is a 422",
+    )
+    judges: dict[str, JudgeServer] = Field(
+        default_factory=dict,
+        description="LOOM_REWARD_JUDGES, JSON {name: {url, model, max_concurrency, rpm, tpm}}: the judges "
+        "the judge component may name",
     )
     max_items: int = Field(default=4096, ge=1, description="trajectories per request; more is a 413")
     max_chars: int = Field(

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from loom.contracts.reward_settings import get_reward_settings
 from loom.contracts.wire import RewardSpec, TaskKind
@@ -20,6 +20,7 @@ from loom.formats import REFLECTION_KEYWORDS
 
 ANSWER_TAIL_CHARS = 300  # docs/algorithms.md §1.1: fall back to the last ~300 characters
 MAX_ANSWER_CHARS = 2000  # the math verifier refuses a longer answer region (reward_svc.mathverify)
+JUDGE_TEMPLATES = ("default",)  # the judge's built-in templates (their text: reward_svc/judge.py)
 DEFAULT_DQ = 1 / 225.09  # REA-RL's fixed D_q (the authors' code), docs/algorithms.md §1.5
 
 
@@ -77,6 +78,29 @@ class CodeParams(Params):
     output_bytes: int = Field(default=1 << 20, ge=1024, le=16 << 20)
 
 
+# ``judge`` (docs/interop-reward.md "Judge rewards"): a model-based reward from an operator's judge.
+class JudgeParams(Params):
+    judge: str = Field(
+        default="default", min_length=1, max_length=64, description="a name in LOOM_REWARD_JUDGES"
+    )
+    template: str = Field(
+        default="default",
+        min_length=1,
+        max_length=8000,
+        description="a built-in template's name, or a template with {question} {answer} {reference}",
+    )
+    mode: Literal["verdict", "logprob"] = "verdict"
+    timeout_s: float = Field(default=30.0, gt=0, le=300, description="per judge request")
+    max_tokens: int = Field(default=8, ge=1, le=512)
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        if v not in JUDGE_TEMPLATES and "{answer}" not in v:
+            raise ValueError(f"a built-in template ({', '.join(JUDGE_TEMPLATES)}) or one with {{answer}}")
+        return v
+
+
 # The one table of components: name -> its params model (a component's registration is its line
 # here; its function is found by name, reward_svc/registry.py).
 COMPONENT_PARAMS: dict[str, type[Params]] = {
@@ -93,6 +117,7 @@ COMPONENT_PARAMS: dict[str, type[Params]] = {
     "reflection": ReflectionParams,
     "code_pass": CodeParams,
     "code_all": CodeParams,
+    "judge": JudgeParams,
 }
 
 

@@ -47,7 +47,17 @@ SegmentKind = Literal[
     "prompt", "observation", "stream", "deep", "answer", "thread", "revision", "tree_node", "turn"
 ]
 FinishReason = Literal["stop", "length", "abort", "error"]
-RewardStatus = Literal["ok", "timeout", "parse_error", "no_answer", "invalid", "sandbox_error"]
+RewardStatus = Literal[
+    "ok",
+    "timeout",
+    "parse_error",
+    "no_answer",
+    "invalid",
+    "sandbox_error",
+    "judge_timeout",
+    "judge_unparsable",
+    "judge_unavailable",
+]
 
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
