@@ -96,6 +96,9 @@ class JudgeClient:
     cache: OrderedDict[tuple[Any, ...], JudgeReply] = field(default_factory=OrderedDict)
     sent: int = 0  # requests sent (attempts included), for the bench and the logs
     _limits: dict[str, _Limits] = field(default_factory=dict)
+    # the rate buckets outlive an event loop (a Celery task's ``asyncio.run``): the rates hold across
+    # the process's batches; only the semaphores and the shared in-flight asks belong to one loop
+    _buckets: dict[str, tuple[TokenBucket, TokenBucket]] = field(default_factory=dict)
     _loop: Any = None
     _http: httpx.AsyncClient | None = None
     _pending: dict[tuple[Any, ...], asyncio.Future[JudgeReply]] = field(default_factory=dict)
@@ -107,9 +110,10 @@ class JudgeClient:
         if server is None:
             return None
         if name not in self._limits:
-            self._limits[name] = _Limits(
-                asyncio.Semaphore(server.max_concurrency), TokenBucket(server.rpm), TokenBucket(server.tpm)
-            )
+            if name not in self._buckets:
+                self._buckets[name] = (TokenBucket(server.rpm), TokenBucket(server.tpm))
+            rpm, tpm = self._buckets[name]
+            self._limits[name] = _Limits(asyncio.Semaphore(server.max_concurrency), rpm, tpm)
         return self._limits[name]
 
     def close(self) -> None:

@@ -206,6 +206,19 @@ def test_concurrency_and_request_rate_held(judge: tuple[Judge, str]) -> None:
     assert sum(t - t0 < 0.4 for t in j.arrivals) <= 120  # the 121st waited for its token (0.5 s)
 
 
+def test_the_request_rate_holds_across_event_loops(judge: tuple[Judge, str]) -> None:
+    """A reward worker's Celery task runs each batch in an ``asyncio.run`` of its own: the buckets
+    are the process's, so a second loop does not start with a fresh burst."""
+    j, url = judge
+    c = client(url, j={"model": "ok", "rpm": 120})
+    asks = [JudgeAsk("j", f"{START}{i}{END}\nReference answer:\n1\n\n", 4, 10.0) for i in range(122)]
+    t0 = time.monotonic()
+    first = asyncio.run(c.ask_batch_once(asks[:100]))
+    second = asyncio.run(c.ask_batch_once(asks[100:]))
+    assert all(r.status == "ok" for r in first + second) and len(j.arrivals) == 122
+    assert sum(t - t0 < 0.4 for t in j.arrivals) <= 120  # the second loop's 21st waited for its token
+
+
 def test_token_bucket_exact() -> None:
     now = [0.0]
     b = TokenBucket(60, clock=lambda: now[0])  # 1 a second, a burst of 60
