@@ -234,6 +234,7 @@ def test_work_that_would_fail_in_every_worker_is_422_at_submission(client: TestC
             {**job, "mode": "streaming", "mode_params": {"sentences": ["a."], "reading_wpm": 0}},
             ["body", "mode_params"],
         ),
+        ({**job, "mode": "agent", "mode_params": {"tools": ["shell"]}}, ["body", "mode_params"]),
         (
             {"job_key": "k", "tasks": [{"prompt": "p"}, {"prompt": "q", "mode_params": {"x": 1}}]},
             ["body", "tasks", 1, "mode_params"],
