@@ -73,3 +73,38 @@ def test_rewards_breakdown_and_a_missing_judge_is_typed(api: tuple[Judge, TestCl
     missing = spec(judge="nobody").model_dump()
     out = c.post("/v1/rewards", json={"groups": [g], "spec": missing}).json()["results"][0]["rewards"]
     assert [(x["components"]["judge"], x["status"]) for x in out] == [(0.0, "judge_unavailable")] * 2
+
+
+@pytest.mark.broker
+def test_a_reward_worker_asks_the_judge(broker_env, loom_worker, judge) -> None:  # noqa: F811
+    """A real ``loom worker reward`` over the broker (embedded and RabbitMQ): ``reward.score_groups``
+    with the judge component, its scores and typed statuses in the stored breakdown."""
+    import uuid
+
+    from loom.contracts.wire import RewardResult
+    from tests.reward.test_judge import group
+    from tests.reward.test_score_groups import _wait
+
+    j, url = judge
+    broker_env.extra_env.update(
+        LOOM_REWARD_WORKERS="1", LOOM_REWARD_JUDGES=json.dumps({"j": {"url": url, "model": "ok"}})
+    )
+    loom_worker("reward", broker_env)
+    app = broker_env.app("gateway")
+    key = f"j{uuid.uuid4().hex[:8]}.score"
+    g = group("42", "41", INJECTIONS[1]).model_dump(mode="json")
+    bad = group("42").model_dump(mode="json")  # the same group, scored by a judge not configured
+    members = [
+        [key, g, spec().model_dump(mode="json")],
+        [key + "2", bad, spec(judge="nobody").model_dump(mode="json")],
+    ]
+    app.send_task("reward.score_groups", args=[members], task_id=f"scores-{uuid.uuid4().hex}")
+    result = RewardResult.model_validate(_wait(app, key, 60)["result"])
+    assert [(r.components["judge"], r.status) for r in result.rewards] == [
+        (1.0, "ok"),
+        (0.0, "ok"),
+        (0.0, "ok"),
+    ]
+    missing = RewardResult.model_validate(_wait(app, key + "2", 60)["result"])
+    assert [(r.components["judge"], r.status) for r in missing.rewards] == [(0.0, "judge_unavailable")]
+    assert len(j.prompts) == 3
