@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from loom.contracts.sandbox import Limits, RunRequest, RunResult
 from sandbox_svc.cgroups import sweep_stale
-from sandbox_svc.reaper import adopt_orphans, reap_orphans
+from sandbox_svc.reaper import adopt_orphans, reap_orphans, release_orphans
 from sandbox_svc.runner import Slot, bwrap_path, prestart, run
 from sandbox_svc.seccomp import program
 
@@ -234,6 +234,7 @@ class SandboxPool:
                 break
             if job is not None and not job.future.done():
                 job.future.set_result(RunResult(status="killed", detail="sandbox pool closed"))
+        release_orphans()
 
     def __enter__(self) -> SandboxPool:
         return self

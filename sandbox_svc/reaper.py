@@ -12,29 +12,48 @@ health thread.
 
 Only orphaned namespace inits are reaped: a zombie child whose command is ``bwrap`` and which leads
 its own session. The processes the runner and the sessions start (and ``Popen.wait`` for) never call
-``setsid`` themselves, and any other child of the process is left to whoever started it.
+``setsid`` themselves, and any other child of the process is left to whoever started it. The process
+adopts orphans only while a pool or a session manager is open in it: a process that embeds the
+sandbox (a test run) hands the orphans of its other children back to PID 1 once the last one closes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 _PR_SET_CHILD_SUBREAPER = 36
-_adopted = False
+_lock = threading.Lock()
+_holders = 0  # the pools and session managers open in this process
+
+
+def _subreaper(on: bool) -> bool:
+    try:
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def adopt_orphans() -> bool:
-    """Make this process the subreaper of its descendants (Linux ≥ 3.4); False where it cannot."""
-    global _adopted
-    if _adopted:
-        return True
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        _adopted = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        _adopted = False
-    return _adopted
+    """Make this process the subreaper of its descendants (Linux ≥ 3.4) while a pool or a session
+    manager is open in it (``release_orphans`` when it closes); False where it cannot."""
+    global _holders
+    with _lock:
+        _holders += 1
+        return _subreaper(True)
+
+
+def release_orphans() -> None:
+    """A pool or session manager closed: reap what is left, and where none is open any more stop
+    adopting (a process that embeds the sandbox, a test run, gets its other orphans' old parent
+    back: PID 1)."""
+    global _holders
+    reap_orphans()
+    with _lock:
+        _holders = max(0, _holders - 1)
+        if _holders == 0:
+            _subreaper(False)
 
 
 def _children() -> list[int]:

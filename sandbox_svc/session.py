@@ -44,7 +44,7 @@ from loom.contracts.sandbox import (
 )
 from sandbox_svc.cgroups import sweep_stale
 from sandbox_svc.pool import _SLOT_INDEX, Busy
-from sandbox_svc.reaper import adopt_orphans, reap_orphans
+from sandbox_svc.reaper import adopt_orphans, reap_orphans, release_orphans
 from sandbox_svc.runner import (
     _MEMORY_MARKERS,
     Slot,
@@ -604,6 +604,8 @@ class SessionManager:
 
     def close(self) -> None:
         """End every session and stop the reaper (the process's shutdown)."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         with self._lock:
             live = list(self._live.values())
@@ -611,6 +613,7 @@ class SessionManager:
             s.end("closed")
             self._forget(s)
         self._reaper.join(timeout=5)
+        release_orphans()
 
     def __enter__(self) -> SessionManager:
         return self
