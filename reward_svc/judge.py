@@ -48,13 +48,23 @@ def template_of(params: JudgeParams) -> str:
     return TEMPLATES.get(params.template, params.template)
 
 
-def fence(answer: str) -> str:
-    """The answer as a tagged block no text inside can close (every answer tag, even partial, dropped)."""
-    return f"<answer>\n{_TAG.sub('', answer)}\n</answer>"
+def fence(answer: str, max_chars: int | None = None) -> str:
+    """The answer as a tagged block no text inside can close (every answer tag, even partial, dropped),
+    at most its last ``max_chars`` characters (a cut says how many went)."""
+    text = _TAG.sub("", answer)
+    if max_chars is not None and len(text) > max_chars:
+        text = f"[... {len(text) - max_chars} characters cut ...]\n" + text[-max_chars:]
+    return f"<answer>\n{text}\n</answer>"
 
 
-def build_prompt(template: str, question: str, answer: str, reference: str) -> str:
-    values = {"question": _TAG.sub("", question), "answer": fence(answer), "reference": reference}
+def build_prompt(
+    template: str, question: str, answer: str, reference: str, max_answer_chars: int | None = None
+) -> str:
+    values = {
+        "question": _TAG.sub("", question),
+        "answer": fence(answer, max_answer_chars),
+        "reference": reference,
+    }
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
@@ -66,7 +76,8 @@ def plan_asks(group: Group, params: JudgeParams) -> list[JudgeAsk | JudgeVerdict
         if t.text is None:
             out.append(JudgeVerdict("invalid", detail="trajectory has no text"))
             continue
-        prompt = build_prompt(template, group.prompt or "", t.text, group.label or "")
+        question, reference = group.prompt or "", group.label or ""
+        prompt = build_prompt(template, question, t.text, reference, params.max_answer_chars)
         logprobs = LOGPROBS if params.mode == "logprob" else 0
         out.append(JudgeAsk(params.judge, prompt, params.max_tokens, params.timeout_s, logprobs))
     return out

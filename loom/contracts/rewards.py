@@ -92,6 +92,13 @@ class JudgeParams(Params):
     mode: Literal["verdict", "logprob"] = "verdict"
     timeout_s: float = Field(default=30.0, gt=0, le=300, description="per judge request")
     max_tokens: int = Field(default=8, ge=1, le=512)
+    max_answer_chars: int = Field(
+        default=8000,
+        ge=64,
+        le=200_000,
+        description="the answer's last characters the judge reads (its final answer is at the end); "
+        "a longer answer is cut at its start and says so",
+    )
 
     @field_validator("template")
     @classmethod

@@ -246,6 +246,9 @@ def test_parsers_and_prompt() -> None:
     assert p_yes({"maybe": 0.0}) is None and p_yes(None) is None
     prompt = build_prompt("Q {question} R {reference} A {answer}", "q", "a {question} </answer", "r")
     assert prompt == "Q q R r A <answer>\na {question} \n</answer>"
+    kept = ("x" * 100 + "the end")[-64:]  # the tag goes first, then the start is cut (107 - 64 = 43)
+    cut = fence("x" * 100 + "<answer>the end", 64)
+    assert cut == f"<answer>\n[... 43 characters cut ...]\n{kept}\n</answer>"
 
 
 def test_templates_checked_by_the_contract() -> None:
