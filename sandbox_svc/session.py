@@ -321,6 +321,8 @@ class Session:
 
     def call(self, code: str) -> CallResult:
         if not self._call_lock.acquire(blocking=False):
+            if self.ended is not None:  # ending: its clean-up holds the lock; the call is lost, not busy
+                return self._lost(f"the session ended before this call: {self.ended}")
             raise SessionBusy(self.id)
         try:
             return self._call(code)

@@ -218,6 +218,22 @@ def test_a_call_while_one_runs_is_refused(sessions: SessionManager) -> None:
         sessions.end(sid)
 
 
+def test_a_call_while_the_session_ends_is_lost_not_busy(sessions: SessionManager) -> None:
+    """The reaper ends a session and cleans up holding its call lock: a call in that moment answers
+    ``session_lost`` with the reason (a client retrying on ``busy`` would wait for nothing)."""
+    sid = opened(sessions)
+    s = sessions.get(sid)
+    assert s._call_lock.acquire(blocking=False)  # the clean-up's hold, as the reaper's end takes it
+    try:
+        assert s.end("idle_ttl")
+        r = sessions.call(sid, "1")
+        assert r.status == "session_lost" and "idle_ttl" in (r.detail or ""), r
+    finally:
+        s._call_lock.release()
+    assert sessions.call(sid, "1").status == "session_lost"  # this call's clean-up frees the slot
+    assert s._cleaned
+
+
 def test_a_killed_session_process_is_reported(sessions: SessionManager) -> None:
     sid = opened(sessions)
     os.kill(host_pid(sessions, sid), signal.SIGKILL)  # between calls
