@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE = "loom"
 ZOO = "zoo"
 LAUNCHER = "launch"
-SERVICES = ("gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner", "sandbox_svc")
+SERVICES = ("gateway", "rollout_svc", "reward_svc", "reflect_svc", "learner", "sandbox_svc", "env_svc")
 FIRST_PARTY = (CORE, ZOO, LAUNCHER, *SERVICES)
 
 _IDENT = r"[A-Za-z_]\w*"

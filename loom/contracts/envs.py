@@ -1,0 +1,67 @@
+"""The environment tier's wire models (docs/environments.md): an agent episode's environment.
+
+An environment is opened with the episode's task (``EnvTask``: the registry name, the prompt's
+question and label, the environment's own options), answers each of the policy's turns
+(``EnvAction``: the turn's text and the tool call Loom parsed from it, if any) with an ``EnvStep``
+(the observation the policy reads next, a per-turn reward where the environment gives one, ``done``)
+and is closed when the episode ends. Every failure is a typed status, never an exception across the
+boundary: ``env_error`` (the environment raised), ``timeout`` (a step ran past its deadline),
+``env_lost`` (the worker holding the episode's state died or forgot it), ``unknown_env``. The
+implementations and the protocol they follow are ``env_svc/base.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from loom.contracts.wire import Contract
+
+EnvStatus = Literal["ok", "env_error", "timeout", "env_lost", "unknown_env"]
+
+MAX_ACTION_CHARS = 200_000
+MAX_OBSERVATION_CHARS = 1_000_000
+
+
+class EnvTask(Contract):
+    """What an episode's environment is opened with."""
+
+    environment: str = Field(min_length=1, max_length=128, description="a name in the env registry")
+    question: str = Field(default="", max_length=MAX_ACTION_CHARS)
+    label: str | None = Field(default=None, max_length=MAX_ACTION_CHARS)
+    options: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
+    seed: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+
+
+class ToolCallBody(Contract):
+    name: str = Field(max_length=128)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvAction(Contract):
+    """One policy turn as the environment sees it."""
+
+    text: str = Field(max_length=MAX_ACTION_CHARS)
+    tool_call: ToolCallBody | None = None
+    turn: int = Field(ge=0)
+
+
+class EnvReset(Contract):
+    """An opened environment: an optional first observation (appended before the first turn)."""
+
+    observation: str | None = Field(default=None, max_length=MAX_OBSERVATION_CHARS)
+    status: EnvStatus = "ok"
+    error: str | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvStep(Contract):
+    """The environment's answer to one turn."""
+
+    observation: str = Field(default="", max_length=MAX_OBSERVATION_CHARS)
+    reward: float | None = Field(default=None, description="this turn's reward, where the env gives one")
+    done: bool = False
+    status: EnvStatus = "ok"
+    error: str | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
