@@ -31,9 +31,7 @@ def _tail(text: str, max_chars: int | None) -> str:
     return f"[... {len(text) - max_chars} characters cut ...]\n" + text[-max_chars:]
 
 
-def fence_steps(
-    steps: Sequence[str], max_step_chars: int | None = None, max_chars: int | None = None
-) -> str:
+def fence_steps(steps: Sequence[str], max_step_chars: int | None = None, max_chars: int | None = None) -> str:
     """The steps joined by newlines in a ``<steps>`` block: every steps tag (even partial) dropped
     from each step, each step its last ``max_step_chars`` characters and the whole its last
     ``max_chars`` (the last step, the one judged, is at the end; a cut says how many went)."""

@@ -203,6 +203,7 @@ def test_reward_api_returns_steps(prm: tuple[Prm, str], tok: Any, monkeypatch: p
             slime = c.post(
                 "/v1/slime/reward/components", json={"prompt": "q", "response": "1+1=2\n2+2=5", "spec": s}
             )
+            orlhf = c.post("/get_reward", json={"query": ["q1+1=2\n2+2=5"], "prompts": ["q"], "spec": s})
         assert r.status_code == 200, r.text
         (reward,) = r.json()["results"][0]["rewards"]
         assert set(reward["components"]) == {"process", "format_think"}
@@ -212,7 +213,61 @@ def test_reward_api_returns_steps(prm: tuple[Prm, str], tok: Any, monkeypatch: p
         assert out["process"] == pytest.approx(0.1) and out["status"] == "ok"
         assert [x["score"] for x in out["steps"]["process"]] == pytest.approx([0.9, 0.1])
         assert {x["unit"] for x in out["steps"]["process"]} == {"char"}
+        assert orlhf.status_code == 200, orlhf.text  # OpenRLHF: the component among its logs
+        assert orlhf.json()["extra_logs"]["process"] == pytest.approx([0.1])
     finally:
         monkeypatch.delenv("LOOM_REWARD_JUDGES")
         get_reward_settings.cache_clear()
         shared.close()
+
+
+def test_trl_and_verl_clients_get_the_process_component(
+    prm: tuple[Prm, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loom's TRL reward function and verl's compute_score over a real reward API (uvicorn): the process
+    component as the reward (TRL's ``component``) and in verl's per-component breakdown."""
+    from loom.clients.trl import make_reward_func
+    from loom.clients.verl import compute_score_batch
+    from loom.contracts.reward_settings import get_reward_settings
+    from reward_svc.api import app
+    from reward_svc.tasks import judge_client
+
+    shared = judge_client.__self__  # type: ignore[attr-defined]
+    monkeypatch.setenv("LOOM_REWARD_JUDGES", json.dumps({"p": {"url": prm[1], "model": "ok"}}))
+    get_reward_settings.cache_clear()
+    shared.close()
+    comps = [{"name": "process", "params": {"prm": "p", "aggregate": "mean"}}]
+    try:
+        with serve(app) as url:
+            trl = make_reward_func(url, components=comps, component="process", label_column=None)
+            got = trl(prompts=["q", "q"], completions=["1+1=2\n2+2=4", "1+1=3"])
+            verl = compute_score_batch(["x"], ["2*3=6\n6-1=4"], ["5"], loom_url=url, loom_components=comps)
+    finally:
+        monkeypatch.delenv("LOOM_REWARD_JUDGES")
+        get_reward_settings.cache_clear()
+        shared.close()
+    assert got == pytest.approx([0.9, 0.1])
+    assert verl[0]["process"] == pytest.approx(0.5) and verl[0]["status_ok"] == 1.0
+
+
+def test_params_checked_by_the_contract() -> None:
+    from loom.contracts.rewards import PROCESS_TEMPLATES, RequestError, check_spec
+    from loom.prm import TEMPLATES
+
+    assert set(PROCESS_TEMPLATES) == set(TEMPLATES)
+    for bad, field in [
+        ({"steps": "separator"}, []),
+        ({"template": "no steps here"}, ["template"]),
+        ({"aggregate": "max"}, ["aggregate"]),
+        ({"max_steps": 0}, ["max_steps"]),
+    ]:
+        with pytest.raises(RequestError) as err:
+            check_spec(spec(**bad))
+        assert err.value.status == 422 and err.value.loc == [
+            "body",
+            "spec",
+            "components",
+            0,
+            "params",
+            *field,
+        ]
