@@ -182,7 +182,7 @@ def _plan_process(p: Plan, spec: RewardSpec, decode: prm.Decode | None) -> None:
     if decode is None and any(t.completion_ids for t in p.group.trajectories):
         try:
             decode = prm.policy_decoder()
-        except OSError:  # no tokenizer here: text-only steps (character offsets)
+        except (OSError, ValueError, ImportError):  # no tokenizer here: steps in characters
             decode = None
     p.process_verdicts = [None] * len(p.group.trajectories)
     for i, planned in enumerate(prm.plan_asks(p.group, params, decode)):

@@ -70,12 +70,18 @@ def policy_decoder() -> Decode:
 
 
 def char_cuts(text: str, params: ProcessParams) -> list[int]:
-    """Character offsets where a step ends (after each line break or separator), the end included."""
+    """Character offsets where a step ends (after each line break or separator), the end included: a
+    blank stretch is no step of its own, and past ``max_steps`` the rest is the last step (so a long
+    text costs at most ``max_steps`` token searches)."""
     sep = "\n" if params.steps == "lines" else params.separator or "\n"
-    cuts, at = [], text.find(sep)
-    while at >= 0:
-        cuts.append(at + len(sep))
-        at = text.find(sep, at + len(sep))
+    cuts: list[int] = []
+    at, prev = text.find(sep), 0
+    while at >= 0 and len(cuts) < params.max_steps - 1:
+        end = at + len(sep)
+        if text[prev:at].strip():
+            cuts.append(end)
+            prev = end
+        at = text.find(sep, end)
     return [*cuts, len(text)]
 
 
