@@ -156,3 +156,22 @@ def test_treerl_with_process_scores_matches_its_equation() -> None:
     with pytest.raises(ValueError, match="no step scores"):
         bare = [r.model_copy(update={"steps": None}) for r in rewards]
         assign_batch(batch(group, bare, "treerl", process_weight=w))
+
+
+def test_a_run_asking_for_step_scores_without_the_process_reward_is_a_422() -> None:
+    from gateway.models import RunRequest
+    from gateway.validate import check_submission
+    from loom.contracts.settings import Settings
+
+    def problem(estimator: str, params: dict[str, object], components: list[dict[str, object]]) -> object:
+        body = {"dataset": {"builtin": "arith"}, "estimator": estimator, "estimator_params": params}
+        req = RunRequest.model_validate({**body, "reward": {"components": components}})
+        return check_submission([], req, Settings(), None).problem
+
+    bare = [{"name": "accuracy"}]
+    stepped = [*bare, {"name": "process", "weight": 0.0, "params": {"prm": "p"}}]
+    refused = problem("step_grpo", {}, bare)
+    assert isinstance(refused, dict) and refused["detail"][0]["loc"] == ["body", "reward", "components"]
+    assert problem("treerl", {"process_weight": 0.5}, bare) is not None
+    assert problem("step_grpo", {}, stepped) is None
+    assert problem("treerl", {}, bare) is None  # no process weight: TreeRL as ever
