@@ -76,6 +76,12 @@ def test_tree_group_with_process_scores_trains(
         }
         nodes = [n for n in group.tree if n.end > n.start]
         assert set(node_process_scores(nodes, steps)) == {n.id for n in nodes}  # each node its step's score
+        # a shared prefix is one request: at most one per node, fewer than the paths' steps
+        total = sum(len(v) for v in steps.values())
+        print(
+            f"tree: {len(group.trajectories)} paths, {len(nodes)} nodes, {total} steps, {client.sent} asked"
+        )
+        assert client.sent <= len(nodes) < total
         params = {"process_weight": 0.5}
         batch = TrainBatch(
             step=0, groups=[group], rewards=[scored], estimator="treerl", estimator_params=params
