@@ -25,6 +25,10 @@ range, so out of OpenRLHF's ``action_mask``), the behaviour log-probs (0.0 on th
 inserted tokens), the job's reward (``reward``; ``scores`` its accuracy component, which dynamic
 filtering reads), and ``extra_logs`` with the reward components and ``loom_policy_version``.
 
+An agent episode (docs/interop-rollout.md, "Agent mode at each trainer's seam") comes back as
+``MultiTurnAgentExecutor`` lays one out: one action range per policy turn, the observations outside
+them with log-prob 0.0, the episode's budget ``max_length`` less the prompt.
+
 A tree keeps ``n`` of its leaves (``pick_leaves``: whole subtrees first) and spawn
 its roots: OpenRLHF normalises rewards over exactly ``n_samples_per_prompt`` consecutive samples of a prompt
 (``compute_advantages_and_returns``), so a group never gives it more or fewer.

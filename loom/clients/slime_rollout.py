@@ -24,6 +24,11 @@ reward spec: its total, or ``{"reward": total, **components}`` under ``--reward-
 ``loom_parent_id``, ``loom_components``, ``loom_reward_status``, ``loom_rollout_status``,
 ``loom_env_mask``, ``loom_advantages``: tree mode's TreeRL node advantages).
 
+Agent mode (docs/interop-rollout.md, "Agent mode at each trainer's seam"): the ``Sample`` is
+filled as slime's multi-turn generate functions fill theirs, with the observations at loss mask 0 and
+log-prob 0.0. ``metadata`` adds the episode's turns, tool calls, spans and stop reason, and the
+episode's budget is the response length.
+
 Tree: a group keeps ``n_samples_per_prompt`` leaves (``pick_leaves``, from ``initial >= n``
 responses). Spawn: the roots (the children's threads have prompts of their own).
 

@@ -21,6 +21,12 @@ runs). Spawn keeps the
 roots (children's threads have prompts of their own); reflection revisions and adaptive sampling
 change a group's size and are refused here (the ``Rollouts`` client has them).
 
+Agent mode (docs/interop-rollout.md, "Agent mode at each trainer's seam"): ``env_mask`` is 0 on the
+tools' observations, and ``loom_turns``, ``loom_tool_calls``, ``loom_stop_reason`` are columns.
+``tools=[...]`` takes TRL-style tool functions named as Loom's built-ins (Loom runs its own). A
+trainer built with ``tools`` or ``environment_factory`` is refused, because TRL's tool loop would run
+after ``rollout_func`` and replace ``env_mask``.
+
 Policy versions: before the rollouts of a step, when ``trainer.state.global_step`` has advanced past
 the last published step, the trainer's weights are published as version ``global_step`` through
 ``publish`` (``publish_with(PolicyPublisher(...))``, loom/clients/policies.py; any

@@ -116,7 +116,7 @@ def test_tool_agent_rows_are_loom_episodes_token_exact(
         observed += got
         turns = sum(1 for s in t.segments if s.kind == "turn")
         assert turns <= 3  # verl's max_assistant_turns became the episode's max_turns
-        assert int(nt["num_turns"][i]) == 1 + turns + got  # verl's count: prompt, turns, tool responses
+        assert int(nt["__num_turns__"][i]) == 1 + turns + got  # verl's count: prompt, turns, tool responses
         assert nt["loom_tool_calls"][i] == got and nt["loom_stop_reason"][i] == t.stop_reason
     assert observed > 0, "no episode called the calculator"
 
