@@ -97,7 +97,8 @@ def episode_of(s: RolloutSample) -> dict[str, Any]:
     ``observation`` segments) and why it ended. A sample of another mode is one turn, no tool call."""
     t = s.trajectory
     turns = [(g.start, g.end) for g in t.segments if g.kind == "turn"]
-    observations = [(g.start, g.end) for g in t.segments if g.kind == "observation"]
+    # other modes' observation segments (streaming's sentences, spawn's join blocks) are no tool's
+    observations = [(g.start, g.end) for g in t.segments if g.kind == "observation"] if turns else []
     return {
         "turns": len(turns) or 1,
         "tool_calls": len(observations),

@@ -255,3 +255,46 @@ def test_slime_samples_carry_the_multi_turn_loss_mask_and_log_probs(
     # slime's per-rollout mask sums count the policy tokens only
     assert train["rollout_mask_sums"] == [sum(x) for x in train["loss_masks"]]
     assert observed > 0, "no episode called the calculator"
+
+
+def test_an_episodes_turns_and_tool_calls_are_its_agent_segments_only() -> None:
+    """``episode_of``: an agent episode's turns and observations; another mode's observation
+    segments (streaming's sentences, spawn's join blocks) are no tool call, and its sample one turn."""
+    from loom.clients.rollouts import RolloutGroup
+    from loom.clients.trainer_rows import episode_of
+    from loom.contracts.wire import Group, Segment, Trajectory
+
+    def sample(segments: list[Segment], stop: str | None) -> Any:
+        t = Trajectory(
+            id="t",
+            group_id="g",
+            completion_ids=list(range(9)),
+            logprobs=[0.0] * 9,
+            segments=segments,
+            stop_reason=stop,
+        )
+        group = Group(id="g", trajectories=[t.model_dump(mode="json")])
+        return RolloutGroup.from_event({"index": 0, "group": group, "rewards": None}).samples[0]
+
+    agent = sample(
+        [
+            Segment(kind="turn", start=0, end=3),
+            Segment(kind="observation", start=3, end=5),
+            Segment(kind="turn", start=5, end=9, index=1),
+        ],
+        "no_tool_call",
+    )
+    assert episode_of(agent) == {
+        "turns": 2,
+        "tool_calls": 1,
+        "turn_spans": [(0, 3), (5, 9)],
+        "observation_spans": [(3, 5)],
+        "stop_reason": "no_tool_call",
+    }
+    streaming = sample(
+        [Segment(kind="observation", start=0, end=4), Segment(kind="stream", start=4, end=9)], None
+    )
+    assert episode_of(streaming)["turns"] == 1 and episode_of(streaming)["tool_calls"] == 0
+    assert (
+        episode_of(streaming)["turn_spans"] == [(0, 9)] and episode_of(streaming)["observation_spans"] == []
+    )
