@@ -89,7 +89,13 @@ def test_trl_rollout_func_carries_the_agent_episodes_env_mask(
     tasks = {p: {"label": LABEL, "task": "arithmetic"} for p in PROMPTS}
     params = {k: v for k, v in AGENT.items() if k != "tools"}  # the tools come as TRL's functions
     rollout = LoomRolloutFunc(
-        stack.url, TRAINER_KEY, mode="agent", mode_params=params, tools=[calculator], tasks=tasks
+        stack.url,
+        TRAINER_KEY,
+        mode="agent",
+        mode_params=params,
+        tools=[calculator],
+        tasks=tasks,
+        sampling={"seed": 7},  # the episodes are the engine's samples; seeded, the same each run
     )
     outputs: list[dict[str, list[Any]]] = []
 
@@ -177,6 +183,7 @@ def test_openrlhf_experience_masks_the_observations_and_keeps_the_turns(
         mode="agent",
         mode_params=AGENT,
         task="arithmetic",
+        sampling={"seed": 7},
     )
     actor = SimpleNamespace(executor=load_agent_executor(str(agent)))  # RolloutRayActor's one attribute read
 
@@ -226,7 +233,13 @@ def test_slime_samples_carry_the_multi_turn_loss_mask_and_log_probs(
 ) -> None:
     n = 2
     args = slime_args(
-        n, url=stack.url, api_key=TRAINER_KEY, mode="agent", mode_params=AGENT, task="arithmetic"
+        n,
+        url=stack.url,
+        api_key=TRAINER_KEY,
+        mode="agent",
+        mode_params=AGENT,
+        task="arithmetic",
+        sampling={"seed": 7},
     )
     args.rollout_max_response_len = 40
     groups, train = run_slime(args, [Sample(prompt=p, label=LABEL) for p in PROMPTS])

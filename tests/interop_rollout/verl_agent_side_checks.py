@@ -101,7 +101,9 @@ def test_tool_agent_rows_are_loom_episodes_token_exact(
 ) -> None:
     n = 2
     params = {k: v for k, v in AGENT.items() if k != "max_turns"}  # verl's max_assistant_turns gives it
-    w = worker(stack_url, checkpoint, tmp_path, n, 3, api_key=TRAINER_KEY, mode_params=params)
+    w = worker(
+        stack_url, checkpoint, tmp_path, n, 3, api_key=TRAINER_KEY, mode_params=params, sampling={"seed": 7}
+    )
     rows = [{"prompt": p, "label": LABEL, "loom": {"task": "arithmetic"}} for p in PROMPTS]
     out = rollout(w, rows, n=n)
     unpadded = check_batch(out, model, len(rows) * n, w)
