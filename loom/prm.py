@@ -1,5 +1,6 @@
 """The process reward model's prompt (docs/interop-reward.md "Process rewards"): one prompt per step
-prefix, the steps so far fenced in a ``<steps>`` block no step can close, and the built-in template
+prefix, the steps so far fenced in an ``<answer>`` block no step can close (the judge's
+fence, reward_svc/judge.py, so one model reads both), and the built-in template
 ``steps``. In the core, not the reward service, because two sides must write the very same text: the
 reward service's ``process`` component, which asks a PRM, and whatever trains a PRM on Loom's prompts
 (a model's recipe imports only ``loom``: docs/architecture.md, the walls).
@@ -17,7 +18,7 @@ TEMPLATES = {
     ),
 }
 _PLACEHOLDER = re.compile(r"\{(question|steps)\}")
-_TAG = re.compile(r"<\s*/?\s*steps\b[^>]*>?", re.IGNORECASE)
+_TAG = re.compile(r"<\s*/?\s*answer\b[^>]*>?", re.IGNORECASE)
 
 
 def template_text(template: str) -> str:
@@ -32,11 +33,11 @@ def _tail(text: str, max_chars: int | None) -> str:
 
 
 def fence_steps(steps: Sequence[str], max_step_chars: int | None = None, max_chars: int | None = None) -> str:
-    """The steps joined by newlines in a ``<steps>`` block: every steps tag (even partial) dropped
+    """The steps joined by newlines in an ``<answer>`` block: every answer tag (even partial) dropped
     from each step, each step its last ``max_step_chars`` characters and the whole its last
     ``max_chars`` (the last step, the one judged, is at the end; a cut says how many went)."""
     body = "\n".join(_tail(_TAG.sub("", s), max_step_chars) for s in steps)
-    return f"<steps>\n{_tail(body, max_chars)}\n</steps>"
+    return f"<answer>\n{_tail(body, max_chars)}\n</answer>"
 
 
 def steps_prompt(
