@@ -130,6 +130,27 @@ def test_countdown_through_the_env_worker_is_token_exact_with_per_turn_rewards(e
     assert (t.stop_reason, t.finish_reason) == ("env_done", "stop")
 
 
+def test_python_keeps_its_interpreter_across_turns_through_the_tier(
+    tmp_path: Path, tiny_engine, sandbox_url
+) -> None:
+    """The env worker's ``python`` environment on the real sandbox: one session per episode."""
+    call = '<tool_call>{{"name": "python", "arguments": {{"code": "{}"}}}}</tool_call>'
+    script = [call.format("x = 41 + 1"), call.format("print(x)"), "the answer is 42"]
+    with tier(tmp_path, LOOM_ENV_SANDBOX_URL=sandbox_url):
+        request = _request(max_tokens=256, max_turns=4, environment="python")
+        runner = Agent(request, tiny_engine, tiny_engine.tokenizer, parse_mode_params(request))  # type: ignore[arg-type]
+        prompt_ids = tiny_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+        ep = asyncio.run(runner.env_episode(prompt_ids, _forced(runner, tiny_engine, script), 0))
+    observed = [
+        runner.tokenizer.decode(ep.ids[s.start : s.end]) for s in ep.segments if s.kind == "observation"
+    ]
+    assert observed == [
+        "\n<tool_response>\n[ok]\n</tool_response>\n",
+        "\n<tool_response>\n[ok]\n42\n</tool_response>\n",
+    ]
+    assert ep.stop == "env_done" and ep.tool_calls == 2
+
+
 @pytest.mark.parametrize(
     ("environment", "options", "stop", "turns", "observed", "rewards"),
     [
