@@ -21,6 +21,7 @@ from loom.clients.env import EnvSession, close_env_client, get_env_client
 from loom.clients.rollouts import env_mask
 from loom.contracts.envs import EnvTask
 from loom.contracts.modes import parse_mode_params
+from loom.contracts.settings import get_settings
 from loom.contracts.wire import Group, RolloutRequest, SamplingParams
 from loom.formats import ends_with
 from rollout_svc.engines.base import Completion
@@ -71,7 +72,8 @@ def tier(tmp: Path, workers: int = 1, **env: str) -> Iterator[tuple[BrokerEnv, l
         close_env_client()
         for w in started:
             w.kill_group()
-        mp.undo()
+        mp.undo()  # the settings before: another tier's (the module's), or the process's own
+        get_settings.cache_clear()
         benv.close()
 
 
@@ -224,10 +226,11 @@ def test_an_open_whose_worker_is_killed_is_redelivered_to_another(tmp_path: Path
 
 
 @pytest.mark.parametrize("broker_env", ["embedded"], indirect=True)
-def test_the_embedded_broker_serves_the_tier(broker_env, loom_worker, monkeypatch) -> None:
+def test_the_embedded_broker_serves_the_tier(broker_env, loom_worker) -> None:
     """``loom up``'s default: the tier on the embedded broker and result store, sticky steps too."""
     loom_worker("env", broker_env, concurrency=2)
-    broker_env.apply(monkeypatch)
+    mp = pytest.MonkeyPatch()
+    broker_env.apply(mp)
     close_env_client()
 
     async def episode() -> list[Any]:
@@ -242,3 +245,5 @@ def test_the_embedded_broker_serves_the_tier(broker_env, loom_worker, monkeypatc
         assert asyncio.run(episode()) == ["ok", (0.0, False), (1.0, True)]
     finally:
         close_env_client()
+        mp.undo()
+        get_settings.cache_clear()
