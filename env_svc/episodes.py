@@ -69,6 +69,8 @@ class Episodes:
         try:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
+            if fut.cancel() and release is not None:  # it never started: it must not run stale
+                release.release()
             raise Failed("timeout", f"error: environment {what} timed out after {timeout_s:.3g} s") from None
         except Exception as exc:  # the environment's bug is the episode's observation
             detail = f"error: environment {what} raised {type(exc).__name__}: {str(exc)[:200]}"

@@ -41,8 +41,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from pydantic import ValidationError
+
 from loom.clients.env import EnvSession, get_env_client
-from loom.contracts.envs import EnvTask
+from loom.contracts.envs import MAX_ACTION_CHARS, EnvTask
 from loom.contracts.modes import AgentParams
 from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
 from loom.exact import check_countdown
@@ -267,6 +269,7 @@ class Episode:
     finish: FinishReason = "stop"
     env: EnvSession | None = None  # the episode's environment on the env tier, when it has one
     rewards: list[float | None] = field(default_factory=list)  # the environment's, per turn
+    env_error: str | None = None  # why the environment ended the episode, when it failed
 
     def append(
         self, ids: list[int], logprobs: list[float], trained: int, kind: SegmentKind, meta: dict
@@ -401,17 +404,24 @@ class Agent:
         if self.cfg.environment is None:
             return await self.episode(prompt_ids, policy)
         req = self.request
-        task = EnvTask(
-            environment=self.cfg.environment,
-            question=req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids),
-            label=req.label,
-            options=self.cfg.env_options,
-            seed=sample_seed(req.sampling.seed, r) or r,
-        )
+        question = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids)
+        try:
+            task = EnvTask(
+                environment=self.cfg.environment,
+                question=question[:MAX_ACTION_CHARS],
+                label=req.label,
+                options=self.cfg.env_options,
+                seed=sample_seed(req.sampling.seed, r) or r,
+            )
+        except ValidationError as exc:  # a label past the environment's bound
+            ep = Episode(env_error=f"the episode's task: {str(exc)[:300]}")
+            ep.end("env_error", "abort")
+            return ep
         ep = Episode(env=await EnvSession.open(get_env_client(), task))
         try:
             reset = ep.env.reset  # type: ignore[union-attr]
             if reset.status != "ok":
+                ep.env_error = reset.error
                 ep.end(reset.status, "abort")
                 return ep
             if reset.observation:
@@ -435,6 +445,8 @@ class Agent:
         ep.segments[-1].meta.update(env_status=step.status, reward=step.reward)
         ep.rewards.append(step.reward)
         ep.tool_calls += call is not None
+        if step.status == "env_lost":
+            ep.env_error = step.error
         if step.status == "env_lost" or step.done:
             ep.end("env_lost", "abort") if step.status == "env_lost" else ep.end("env_done", "stop")
             return True
@@ -501,5 +513,5 @@ def trajectory(
         engine=engine.name,
         timing={"generate_s": wall},
         meta={"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop}
-        | ({"turn_rewards": ep.rewards} if ep.env is not None else {}),
+        | ({"turn_rewards": ep.rewards, "env_error": ep.env_error} if ep.env or ep.env_error else {}),
     )

@@ -174,6 +174,7 @@ def test_every_fault_is_a_typed_end_and_the_group_survives(
         assert [s.meta["env_status"] for s in t.segments if s.kind == "turn"] == turns
         assert [s.meta["status"] for s in t.segments if s.kind == "observation"] == observed
         assert t.meta["turn_rewards"] == rewards
+        assert (t.meta["env_error"] is None) == (stop == "max_turns")  # why it failed, when it did
         assert t.loss_mask == env_mask(t)  # observations 0, the policy's turns 1
 
 
@@ -196,7 +197,7 @@ def test_a_worker_killed_mid_episode_is_env_lost_and_nothing_hangs(tmp_path: Pat
         for t in group.trajectories:
             turns = [s for s in t.segments if s.kind == "turn"]
             assert [s.meta["env_status"] for s in turns] == ["ok", "env_lost"]
-            assert t.finish_reason == "abort"
+            assert t.finish_reason == "abort" and "no env worker answered env.step" in t.meta["env_error"]
         # no env worker at all: the open's bounded wait ends the next episode, typed
         (t,) = _group(tiny_engine, n=1, max_turns=3, **params).trajectories
         assert t.stop_reason == "env_lost" and t.completion_ids == []
