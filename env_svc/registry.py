@@ -1,7 +1,7 @@
 """The environment registry: name -> factory (docs/environments.md "Registry").
 
 The built-ins are written here (their names, for the contracts' validation, are
-``loom.contracts.envs.ENVIRONMENTS``); an adapter of an environment library registers its own with
+``loom.contracts.modes.ENVIRONMENTS``); an adapter of an environment library registers its own with
 ``register``. A deployment's own environments are ``module:factory`` names of a module listed in
 ``LOOM_ENV_MODULES``, imported by the env worker when first named: a request can name a factory
 only there, never a module of its choosing.
@@ -14,7 +14,7 @@ import importlib
 from env_svc.base import Factory
 from env_svc.countdown import CountdownEnv
 from env_svc.python import PythonEnv
-from loom.contracts.envs import ENVIRONMENTS, known_environment
+from loom.contracts.modes import ENVIRONMENTS, known_environment
 
 REGISTRY: dict[str, Factory] = {"countdown": CountdownEnv, "python": PythonEnv}
 assert set(ENVIRONMENTS) <= set(REGISTRY), "every built-in name of the contracts has its factory"

@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+# the built-in names and their check live beside the agent's tools; re-exported for the tier
+from loom.contracts.modes import ENVIRONMENTS as ENVIRONMENTS
+from loom.contracts.modes import known_environment as known_environment
 from loom.contracts.wire import Contract
 
 EnvStatus = Literal["ok", "env_error", "timeout", "env_lost", "unknown_env"]
@@ -65,17 +68,6 @@ class EnvStep(Contract):
     status: EnvStatus = "ok"
     error: str | None = None
     meta: dict[str, Any] = Field(default_factory=dict)
-
-
-# the built-in environments (env_svc/registry.py); a deployment's own are ``module:factory`` names of
-# a module in ``Settings.env_modules``
-ENVIRONMENTS: tuple[str, ...] = ("countdown", "python")
-
-
-def known_environment(name: str, modules: list[str]) -> bool:
-    """Whether an env worker can open ``name``: a built-in, or ``module:factory`` of a listed module."""
-    module, _, factory = name.partition(":")
-    return name in ENVIRONMENTS or (bool(factory) and module in modules and factory.isidentifier())
 
 
 class EnvOpened(Contract):

@@ -267,6 +267,17 @@ class SpawnParams(ModeParams):
 
 
 MAX_ENV_OPTIONS_CHARS = 65_536
+# the env tier's built-in environments (env_svc/registry.py, docs/environments.md); a deployment's own
+# are ``module:factory`` names of a module in ``Settings.env_modules``
+ENVIRONMENTS: tuple[str, ...] = ("countdown", "python")
+
+
+def known_environment(name: str, modules: list[str]) -> bool:
+    """Whether an env worker can open ``name``: a built-in, or ``module:factory`` of a listed module."""
+    module, _, factory = name.partition(":")
+    return name in ENVIRONMENTS or (bool(factory) and module in modules and factory.isidentifier())
+
+
 AGENT_TOOLS = ("calculator", "countdown_check")  # rollout_svc.modes.agent.TOOLS: the built-in registry
 
 
@@ -299,8 +310,6 @@ class AgentParams(ModeParams):
 
     @model_validator(mode="after")
     def _known_environment(self) -> AgentParams:
-        from loom.contracts.envs import ENVIRONMENTS, known_environment  # envs imports wire, wire this
-
         if self.environment is None:
             if self.env_options:
                 raise ValueError("env_options needs an environment")

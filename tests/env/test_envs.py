@@ -15,8 +15,8 @@ from env_svc.episodes import Episodes
 from env_svc.python import PythonEnv
 from env_svc.registry import REGISTRY, UnknownEnvironment, factory_of, register
 from loom.clients.sandbox_session import SandboxSessionClient
-from loom.contracts.envs import ENVIRONMENTS, EnvAction, EnvStepRequest, EnvTask, ToolCallBody
-from loom.contracts.modes import AgentParams
+from loom.contracts.envs import EnvAction, EnvStepRequest, EnvTask, ToolCallBody
+from loom.contracts.modes import ENVIRONMENTS, AgentParams
 
 FAULTY = ["tests.env.faulty"]
 
