@@ -57,6 +57,8 @@ def check_submission(
         check_spec(req.reward, loc=("body", "reward"))
     except RequestError as exc:
         return Checked(exc.body(), req)
+    if (problem := _process_problem(req)) is not None:
+        return Checked(problem, req)
     field = "policy_version" if hasattr(req, "policy_version") else "initial_policy_version"
     namespace = getattr(req, "policy_namespace", None)
     # a run's base is that version itself (the learner starts its lineage from its files)
@@ -97,6 +99,23 @@ def check_submission(
         for item in items
     ]
     return Checked(None, req.model_copy(update={"prompts": None, "tasks": tasks, "mode_params": {}}))
+
+
+def _process_problem(req: Any) -> dict[str, Any] | None:
+    """A run whose estimator reads step scores (``step_grpo``, ``treerl`` with a process weight:
+    docs/algorithms.md §5.4) and whose reward has no component of that name: a 422 now, not a refused
+    batch at its first step."""
+    p = getattr(req, "estimator_params", None)
+    key = getattr(p, "process_key", None)
+    if key is None or getattr(p, "process_weight", 1.0) == 0:
+        return None
+    if any(c.name == key for c in req.reward.components):
+        return None
+    msg = f"estimator {req.estimator!r} reads the step scores of reward component {key!r}: add it"
+    return {
+        "error": "validation_error",
+        "detail": [{"loc": ["body", "reward", "components"], "msg": msg, "type": "value_error"}],
+    }
 
 
 def policy_version_problem(

@@ -63,12 +63,19 @@ class TreeValues:
     advantage: dict[str, float]
 
 
-def tree_values(nodes: Sequence[TreeNode], leaf_values: Mapping[str, float]) -> TreeValues:
+def tree_values(
+    nodes: Sequence[TreeNode],
+    leaf_values: Mapping[str, float],
+    process: Mapping[str, float] | None = None,
+    weight: float = 0.0,
+) -> TreeValues:
     """V(s) = mean correctness of the leaves under s                          (eq. 2)
     A(s) = (V(s) - V(root) + V(s) - V(parent(s))) / sqrt(|L(s)|)              (eq. 3)
 
     ``leaf_values`` maps a trajectory id to its correctness; nodes with no leaf under them get
-    V = A = 0."""
+    V = A = 0. With ``process`` (node id -> its segment's PRM score, :func:`node_process_scores`) and
+    ``weight`` w, a scored node's value is (1 - w) V(s) + w P(s) (docs/algorithms.md §5.4); V(root)
+    stays the leaves' mean."""
     by_id = {n.id: n for n in nodes}
     leaf_of = leaves(nodes, node_depths(nodes), leaf_values)
     under: dict[str, list[float]] = {n.id: [] for n in nodes}
@@ -80,6 +87,9 @@ def tree_values(nodes: Sequence[TreeNode], leaf_values: Mapping[str, float]) -> 
     all_leaves = [float(leaf_values[t]) for t in leaf_of]
     v_root = sum(all_leaves) / len(all_leaves) if all_leaves else 0.0
     value = {nid: (sum(v) / len(v) if v else 0.0) for nid, v in under.items()}
+    for nid, score in (process or {}).items():
+        if under.get(nid):
+            value[nid] = (1.0 - weight) * value[nid] + weight * score
     adv: dict[str, float] = {}
     for n in nodes:
         k = len(under[n.id])
@@ -89,6 +99,21 @@ def tree_values(nodes: Sequence[TreeNode], leaf_values: Mapping[str, float]) -> 
         v_parent = v_root if n.parent is None else value[n.parent]
         adv[n.id] = ((value[n.id] - v_root) + (value[n.id] - v_parent)) / math.sqrt(k)
     return TreeValues(leaf_of, value, adv)
+
+
+def node_process_scores(
+    nodes: Sequence[TreeNode], steps: Mapping[str, Sequence[tuple[int, int, float]]]
+) -> dict[str, float]:
+    """Each node's PRM score: the step of its own trajectory (``steps``: trajectory id -> its steps'
+    (start, end, score), the process reward scored with steps='segments') that spans exactly the
+    node's tokens; a node without one is not in the result (its value stays the leaves')."""
+    out: dict[str, float] = {}
+    for n in nodes:
+        for a, b, score in steps.get(n.trajectory_id, ()):
+            if (a, b) == (n.start, n.end):
+                out[n.id] = float(score)
+                break
+    return out
 
 
 def token_advantages(

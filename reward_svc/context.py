@@ -34,13 +34,13 @@ class GroupContext:
 
 ComponentFn = Callable[[GroupContext, dict[str, Any]], list[float]]
 
-Verdict = Literal["accuracy", "code", "judge"]
+Verdict = Literal["accuracy", "code", "judge", "process"]
 
 
 def reads(*verdicts: Verdict) -> Callable[[ComponentFn], ComponentFn]:
     """Declares the verdicts a component reads (``accuracy``: the verifier's, ``ctx.accuracy()``;
-    ``code``: the sandbox's; ``judge``: the judge server's): a group's are computed only when a
-    requested component reads them."""
+    ``code``: the sandbox's; ``judge``: the judge server's; ``process``: the PRM's step scores): a
+    group's are computed only when a requested component reads them."""
 
     def mark(fn: ComponentFn) -> ComponentFn:
         setattr(fn, "reads", frozenset(verdicts))  # noqa: B010 (a function attribute mypy cannot see)

@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.clients.judge import JudgeAsk, JudgeReply
-from loom.contracts.rewards import AccuracyParams, CodeParams, JudgeParams, RequestError
+from loom.contracts.rewards import AccuracyParams, CodeParams, JudgeParams, ProcessParams, RequestError
 from loom.contracts.sandbox import RunRequest, RunResult
 from loom.contracts.wire import Group, RewardResult, RewardSpec, TrajectoryReward
+from reward_svc import process as prm
 from reward_svc.accuracy import plan, read_gold
 from reward_svc.code import CodeTests, CodeVerdict, judge, plan_runs, read_tests
 from reward_svc.context import GroupContext
 from reward_svc.judge import JudgeVerdict, plan_asks, verdict_of
 from reward_svc.mathverify import MathItem, Verdict
-from reward_svc.registry import NEEDS_ACCURACY, NEEDS_CODE, NEEDS_JUDGE, REGISTRY
+from reward_svc.registry import NEEDS_ACCURACY, NEEDS_CODE, NEEDS_JUDGE, NEEDS_PROCESS, REGISTRY
 from reward_svc.trace import view_of
 
 VerifyFn = Callable[[Sequence[MathItem], int], list[Verdict]]
@@ -104,11 +105,17 @@ class Plan:
     judge_mode: str = "verdict"
     judge_verdicts: list[JudgeVerdict | None] = field(default_factory=list)
     judge: list[tuple[int, JudgeAsk]] = field(default_factory=list)
+    # the process component: its name and aggregate, each trajectory's verdict, its steps' requests
+    process_name: str = "process"
+    process_how: str = "min"
+    process_verdicts: list[prm.ProcessVerdict | None] = field(default_factory=list)
+    process: list[tuple[int, list[prm.Step], list[JudgeAsk]]] = field(default_factory=list)
 
     @property
     def asks(self) -> list[JudgeAsk]:
-        """Every judge request of the plan, in order (one judge batch)."""
-        return [a for _, a in self.judge]
+        """Every judge and PRM request of the plan, in order (one judge batch): the judge's, then each
+        trajectory's steps'."""
+        return [a for _, a in self.judge] + [a for _, _, asks in self.process for a in asks]
 
     @property
     def runs(self) -> list[RunRequest]:
@@ -116,7 +123,9 @@ class Plan:
         return [r for _, runs in self.code for r in runs]
 
 
-def plan_group(group: Group, spec: RewardSpec) -> Plan:
+def plan_group(group: Group, spec: RewardSpec, decode: prm.Decode | None = None) -> Plan:
+    """What scoring ``group`` needs. ``decode``: the policy's token decoding the process component cuts
+    steps with (None: the ``LOOM_MODEL`` tokenizer's, loaded when a trajectory has token ids)."""
     needs = any(c.name in NEEDS_ACCURACY for c in spec.components)
     p = Plan(group, spec, [None] * len(group.trajectories), needs_accuracy=needs)
     acc = next((c for c in spec.components if c.name == "accuracy"), None)
@@ -126,6 +135,8 @@ def plan_group(group: Group, spec: RewardSpec) -> Plan:
         _plan_code(p, spec)
     if any(c.name in NEEDS_JUDGE for c in spec.components):
         _plan_judge(p, spec)
+    if any(c.name in NEEDS_PROCESS for c in spec.components):
+        _plan_process(p, spec, decode)
     if not needs or task == "code":
         return p
     gold = read_gold(task, group.label, group.meta)
@@ -164,6 +175,49 @@ def _plan_judge(p: Plan, spec: RewardSpec) -> None:
             p.judge.append((i, planned))
 
 
+def _plan_process(p: Plan, spec: RewardSpec, decode: prm.Decode | None) -> None:
+    comp = next(c for c in spec.components if c.name in NEEDS_PROCESS)
+    params = ProcessParams.model_validate(comp.params)
+    p.process_name, p.process_how = comp.name, params.aggregate
+    if decode is None and any(t.completion_ids for t in p.group.trajectories):
+        try:
+            decode = prm.policy_decoder()
+        except (OSError, ValueError, ImportError):  # no tokenizer here: steps in characters
+            decode = None
+    p.process_verdicts = [None] * len(p.group.trajectories)
+    for i, planned in enumerate(prm.plan_asks(p.group, params, decode)):
+        if isinstance(planned, prm.ProcessVerdict):
+            p.process_verdicts[i] = planned
+        else:
+            p.process.append((i, planned, prm.asks_of(p.group, planned, params)))
+
+
+def _read_replies(p: Plan, replies: Sequence[JudgeReply]) -> None:
+    """The judge's replies (the first of the batch) and each trajectory's steps' into their verdicts."""
+    if len(replies) != len(p.asks):
+        raise ValueError(f"{len(replies)} judge replies for {len(p.asks)} requests")
+    for (i, _), reply in zip(p.judge, replies, strict=False):
+        p.judge_verdicts[i] = verdict_of(reply, p.judge_mode)
+    k = len(p.judge)
+    for i, steps, asks in p.process:
+        p.process_verdicts[i] = prm.verdict_of(steps, replies[k : k + len(asks)], p.process_how)
+        k += len(asks)
+
+
+def _status(p: Plan, i: int, has_text: bool) -> tuple[str, str | None]:
+    """A trajectory's status: its verdict's, else the judge's or the PRM's failure (not the policy's)."""
+    verdict = p.verdicts[i]
+    if verdict is not None:
+        status, detail = verdict.status, verdict.detail
+    else:
+        status, detail = ("ok", None) if has_text else ("invalid", "trajectory has no text")
+    for verdicts in (p.judge_verdicts, p.process_verdicts):
+        judged = verdicts[i] if verdicts else None
+        if status == "ok" and judged is not None and judged.status != "ok":
+            status, detail = judged.status, judged.detail
+    return status, detail
+
+
 def _judge_code(p: Plan, results: Sequence[RunResult]) -> None:
     """Each code trajectory's verdict from its runs' outcomes; its status is the trajectory's."""
     k = 0
@@ -189,15 +243,16 @@ def finish_group(
         if len(code_results) != len(p.runs):
             raise ValueError(f"{len(code_results)} run outcomes for {len(p.runs)} runs")
         _judge_code(p, code_results)
-    if p.judge_verdicts:
-        for (i, _), reply in zip(p.judge, judge_replies, strict=True):
-            p.judge_verdicts[i] = verdict_of(reply, p.judge_mode)
+    if p.judge_verdicts or p.process_verdicts:
+        _read_replies(p, judge_replies)
     trajs = p.group.trajectories
     ctx = GroupContext(group=p.group, views=[view_of(t) for t in trajs], state=state)
     if p.code_verdicts:
         ctx.cache["code"] = p.code_verdicts
     if p.judge_verdicts:
         ctx.cache["judge"] = p.judge_verdicts
+    if p.process_verdicts:
+        ctx.cache["process"] = p.process_verdicts
     if p.needs_accuracy:
         ctx.correct = [float(v is not None and v.status == "ok" and v.correct) for v in p.verdicts]
     values = {c.name: REGISTRY[c.name](ctx, c.params) for c in p.spec.components}
@@ -205,16 +260,18 @@ def finish_group(
     for i, t in enumerate(trajs):
         comps = {name: _finite(vals[i]) for name, vals in values.items()}
         total = _finite(sum(c.weight * comps[c.name] for c in p.spec.components))
-        verdict = p.verdicts[i]
-        if verdict is not None:
-            status, detail = verdict.status, verdict.detail
-        else:
-            status, detail = ("invalid", "trajectory has no text") if t.text is None else ("ok", None)
-        judged = p.judge_verdicts[i] if p.judge_verdicts else None
-        if status == "ok" and judged is not None and judged.status != "ok":
-            status, detail = judged.status, judged.detail  # the judge's failure, not the policy's
+        status, detail = _status(p, i, t.text is not None)
+        stepped = p.process_verdicts[i] if p.process_verdicts else None
+        steps = {p.process_name: stepped.steps} if stepped is not None and stepped.status == "ok" else None
         rewards.append(
-            TrajectoryReward(trajectory_id=t.id, total=total, components=comps, status=status, detail=detail)  # type: ignore[arg-type]
+            TrajectoryReward(
+                trajectory_id=t.id,
+                total=total,
+                components=comps,
+                status=status,  # type: ignore[arg-type]
+                detail=detail,
+                steps=steps,
+            )
         )
     return RewardResult(group_id=p.group.id, rewards=rewards)
 
@@ -238,11 +295,12 @@ def score_group(
     state: Any = None,
     run_code: RunCodeFn = _no_sandbox,
     ask_judge: AskJudgeFn = no_judge,
+    decode: prm.Decode | None = None,
 ) -> RewardResult:
     """Plan, verify (blocking), run code, ask the judge, compose. ``verify`` is
     ``VerifierPool.check_many``, ``run_code`` the sandbox client's ``run_batch``."""
     t0 = time.perf_counter()
-    p = plan_group(group, spec)
+    p = plan_group(group, spec, decode)
     verdicts = verify([item for _, item in p.math], spec.timeout_s) if p.math else []
     result = finish_group(
         p, verdicts, state, run_code(p.runs) if p.runs else [], ask_judge(p.asks) if p.asks else []
@@ -266,11 +324,12 @@ async def ascore_group(
     state: Any = None,
     run_code: AsyncRunCodeFn = _ano_sandbox,
     ask_judge: AsyncAskJudgeFn = _ano_judge,
+    decode: prm.Decode | None = None,
 ) -> RewardResult:
     """``score_group`` with the verifier, the sandbox and the judge awaited (``VerifierPool.acheck_many``,
     ``SandboxClient.arun_batch``, ``JudgeClient.ask_batch``): the groups of one reward task share them."""
     t0 = time.perf_counter()
-    p = plan_group(group, spec)
+    p = plan_group(group, spec, decode)
     verdicts = await verify([item for _, item in p.math], spec.timeout_s) if p.math else []
     runs = await run_code(p.runs) if p.runs else []
     result = finish_group(p, verdicts, state, runs, await ask_judge(p.asks) if p.asks else [])

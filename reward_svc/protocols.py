@@ -131,9 +131,12 @@ def slime_group(req: SlimeRequest) -> tuple[Group, Refused]:
 
 def slime_components(result: RewardResult) -> dict[str, Any]:
     """The dict reply: ``reward``, ``status`` (``--log-reward-category status`` logs its shares),
-    ``detail`` and every component, also flat (a component is a valid ``--reward-key``)."""
+    ``detail`` and every component, also flat (a component is a valid ``--reward-key``); a process
+    reward's step scores under ``steps`` (component -> its steps' start, end, score, unit)."""
     r = result.rewards[0]
+    steps = {k: [s.model_dump(mode="json") for s in v] for k, v in (r.steps or {}).items()}
     return {
+        **({"steps": steps} if steps else {}),
         **r.components,
         "reward": r.total,
         "score": r.total,

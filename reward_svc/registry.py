@@ -30,3 +30,5 @@ NEEDS_ACCURACY = frozenset(name for name, fn in REGISTRY.items() if "accuracy" i
 NEEDS_CODE = frozenset(name for name, fn in REGISTRY.items() if "code" in reads_of(fn))
 # Components that read the judge verdicts (the judge is asked only when one is requested).
 NEEDS_JUDGE = frozenset(name for name, fn in REGISTRY.items() if "judge" in reads_of(fn))
+# Components that read the PRM's step scores (the PRM is asked only when one is requested).
+NEEDS_PROCESS = frozenset(name for name, fn in REGISTRY.items() if "process" in reads_of(fn))

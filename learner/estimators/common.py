@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from loom.contracts.estimators import EPS
-from loom.contracts.wire import Trajectory, TrajectoryReward
+from loom.contracts.wire import StepScore, Trajectory, TrajectoryReward
 
 
 def group_normalize(x: Sequence[float], *, eps: float = EPS, scale: bool = True) -> list[float]:
@@ -108,4 +108,35 @@ def uniform_assign(trajs: Sequence[Trajectory], adv: Sequence[float]) -> list[To
     for t, a in zip(trajs, adv, strict=True):
         m = trained_mask(t)
         out.append(TokenAdvantages(t, uniform(a, m), m))
+    return out
+
+
+def step_scores(
+    group_id: str, trajs: Sequence[Trajectory], rewards: Mapping[str, TrajectoryReward], key: str
+) -> dict[str, list[StepScore]]:
+    """Each trajectory's step scores under component ``key`` (docs/algorithms.md §5.4), checked: a
+    group with none, a scored (``ok``) trajectory without its own, character offsets or a span outside
+    the completion are a ValueError (the batch is refused: a step estimator without step scores would
+    silently train on the outcome alone). A trajectory whose PRM failed (a typed status) has none."""
+    out: dict[str, list[StepScore]] = {}
+    for t in trajs:
+        r = reward_of(rewards, t)
+        steps = (r.steps or {}).get(key)
+        if steps is None:
+            if r.status == "ok":
+                raise ValueError(
+                    f"trajectory {t.id} of group {group_id} has no step scores of component {key!r}: "
+                    f"score the batch with the process reward (docs/interop-reward.md)"
+                )
+            continue
+        for s in steps:
+            if s.unit != "token":
+                raise ValueError(
+                    f"trajectory {t.id}: step scores in character offsets (scored without its token ids)"
+                )
+            if not s.start < s.end <= len(t.completion_ids):
+                raise ValueError(f"trajectory {t.id}: step [{s.start}, {s.end}) outside its completion")
+        out[t.id] = list(steps)
+    if not out:
+        raise ValueError(f"group {group_id} has no step scores of component {key!r}")
     return out

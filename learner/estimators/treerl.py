@@ -1,7 +1,8 @@
 """TreeRL (AttnRL eq. 2-3; docs/algorithms.md §5.1-5.2): node advantages from the leaves' values, and
 their tokens: tokens inside a tree node's [start, end) get that node's advantage; a node of another
 trajectory applies where this trajectory's completion repeats the node's tokens at the same offsets
-(a branch copies its prefix); uncovered trained tokens get the trajectory's leaf advantage.
+(a branch copies its prefix); uncovered trained tokens get the trajectory's leaf advantage. With
+``process_weight`` > 0 a node's value mixes in its segment's PRM score (docs/algorithms.md §5.4).
 
 The tree arithmetic lives in ``loom/treerl.py``: the rollouts client gives trainers the same numbers."""
 
@@ -9,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from learner.estimators.common import TokenAdvantages, reward_of, trained_mask
+from learner.estimators.common import TokenAdvantages, reward_of, step_scores, trained_mask
 from loom.contracts.estimators import TREERL_REWARD_KEY, TreerlParams
 from loom.contracts.wire import Group, TrajectoryReward, TreeNode
-from loom.treerl import token_advantages, tree_values
+from loom.treerl import node_process_scores, token_advantages, tree_values
 
 
 def treerl(nodes: Sequence[TreeNode], leaf_values: Mapping[str, float]) -> dict[str, float]:
@@ -39,7 +40,12 @@ def assign(group: Group, rewards: Mapping[str, TrajectoryReward], p: TreerlParam
     for t in group.trajectories:
         tr = reward_of(rewards, t)
         leaf_values[t.id] = float(tr.components.get(key, tr.total))
-    tree = tree_values(group.tree, leaf_values)  # once per group: it also validates the tree
+    process = None
+    if p.process_weight > 0:  # the nodes' PRM scores mixed into their values (§5.4)
+        scored = step_scores(group.id, group.trajectories, rewards, p.process_key)
+        steps = {tid: [(s.start, s.end, s.score) for s in row] for tid, row in scored.items()}
+        process = node_process_scores(group.tree, steps)
+    tree = tree_values(group.tree, leaf_values, process, p.process_weight)  # also validates the tree
     by_traj = {t.id: t for t in group.trajectories}
     out = []
     for t in group.trajectories:

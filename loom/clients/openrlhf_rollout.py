@@ -25,6 +25,10 @@ range, so out of OpenRLHF's ``action_mask``), the behaviour log-probs (0.0 on th
 inserted tokens), the job's reward (``reward``; ``scores`` its accuracy component, which dynamic
 filtering reads), and ``extra_logs`` with the reward components and ``loom_policy_version``.
 
+An agent episode (docs/interop-rollout.md, "Agent mode at each trainer's seam") comes back as
+``MultiTurnAgentExecutor`` lays one out: one action range per policy turn, the observations outside
+them with log-prob 0.0, the episode's budget ``max_length`` less the prompt.
+
 A tree keeps ``n`` of its leaves (``pick_leaves``: whole subtrees first) and spawn
 its roots: OpenRLHF normalises rewards over exactly ``n_samples_per_prompt`` consecutive samples of a prompt
 (``compute_advantages_and_returns``), so a group never gives it more or fewer.
@@ -46,7 +50,13 @@ from typing import Any, Literal
 from openrlhf.utils.agent import AgentExecutorBase  # openrlhf==0.11.2 (deploy/setup.sh)
 
 from loom.clients.rollouts import AsyncRollouts, RolloutGroup, RolloutSample
-from loom.clients.trainer_rows import check_tree_initial, trainer_mode_params, trainer_samples
+from loom.clients.trainer_rows import (
+    check_tree_initial,
+    episode_of,
+    follow_window,
+    trainer_mode_params,
+    trainer_samples,
+)
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
@@ -75,6 +85,8 @@ def response(prompt: str, label: Any, s: RolloutSample) -> dict[str, Any]:
     logprobs = s.logprobs if s.logprobs is not None else [0.0] * len(s.completion_ids)
     extra: dict[str, float] = {k: float(v) for k, v in s.components.items()}
     extra["loom_policy_version"] = float(s.policy_version)
+    ep = episode_of(s)
+    extra["loom_turns"], extra["loom_tool_calls"] = float(ep["turns"]), float(ep["tool_calls"])
     return {
         "prompt": prompt,
         "label": label,
@@ -93,6 +105,9 @@ def response(prompt: str, label: Any, s: RolloutSample) -> dict[str, Any]:
             "policy_version": s.policy_version,
             "policy_namespace": s.policy_namespace,
             "parent_id": s.trajectory.parent_id,
+            "stop_reason": ep["stop_reason"],
+            "turn_spans": ep["turn_spans"],
+            "observation_spans": ep["observation_spans"],
         },
     }
 
@@ -172,11 +187,14 @@ class LoomAgentExecutor(AgentExecutorBase):
         rollouts = self._rollouts()
         version, namespace = await self._version(rollouts)
         item = self._task(prompt, label)
+        sampling = self._sampling(item, sampling_params, max_length, hf_tokenizer)
+        prompt_len = len(hf_tokenizer(item["prompt"], add_special_tokens=False)["input_ids"])
         (group,) = await rollouts.generate(
             [item],
             mode=self.mode,
-            mode_params=self.mode_params,
-            sampling=self._sampling(item, sampling_params, max_length, hf_tokenizer),
+            # an episode fits max_length as MultiTurnAgentExecutor's does (prompt, turns, observations)
+            mode_params=follow_window(self.mode, self.mode_params, max(1, max_length - prompt_len)),
+            sampling=sampling,
             reward=self.reward,
             policy_version=version,
             policy_namespace=namespace if version is not None else None,

@@ -24,6 +24,11 @@ reward spec: its total, or ``{"reward": total, **components}`` under ``--reward-
 ``loom_parent_id``, ``loom_components``, ``loom_reward_status``, ``loom_rollout_status``,
 ``loom_env_mask``, ``loom_advantages``: tree mode's TreeRL node advantages).
 
+Agent mode (docs/interop-rollout.md, "Agent mode at each trainer's seam"): the ``Sample`` is
+filled as slime's multi-turn generate functions fill theirs, with the observations at loss mask 0 and
+log-prob 0.0. ``metadata`` adds the episode's turns, tool calls, spans and stop reason, and the
+episode's budget is the response length.
+
 Tree: a group keeps ``n_samples_per_prompt`` leaves (``pick_leaves``, from ``initial >= n``
 responses). Spawn: the roots (the children's threads have prompts of their own).
 
@@ -40,7 +45,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.clients.rollouts import AsyncRollouts, RolloutSample, check_mode_params
-from loom.clients.trainer_rows import check_tree_initial, trainer_mode_params, trainer_samples
+from loom.clients.trainer_rows import (
+    check_tree_initial,
+    episode_of,
+    follow_window,
+    trainer_mode_params,
+    trainer_samples,
+)
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode, SamplingParams
@@ -139,11 +150,13 @@ class LoomGenerate:
 
     async def _group(self, sample: Any, sampling_params: Mapping[str, Any], n: int) -> list[RolloutSample]:
         policy = self.policy
+        sampling = self._sampling(sampling_params, n)
         groups = await self._rollouts().generate(
             [self._task(sample)],
             mode=self.mode,
-            mode_params=self.mode_params,
-            sampling=self._sampling(sampling_params, n),
+            # a whole episode within --rollout-max-response-len, as slime's multi-turn examples budget it
+            mode_params=follow_window(self.mode, self.mode_params, sampling.get("max_tokens")),
+            sampling=sampling,
             reward=self.reward,
             policy_version=policy.version,
             policy_namespace=None if policy.version is None else policy.namespace,
@@ -192,9 +205,13 @@ def slime_status(s: RolloutSample) -> str:
     rollout_svc/modes/spawn.py). slime reads ``ABORTED`` as an engine abort to generate again
     (``fully_async_rollout.py`` requeues the group; a partial rollout continues it, which Loom
     refuses) and ``FAILED`` as a parsing error whose output stands (``slime/utils/types.py``
-    ``Sample.Status``): the format error is the policy's, scored by the job's reward, so ``FAILED``."""
+    ``Sample.Status``): the format error is the policy's, scored by the job's reward, so ``FAILED``.
+    An agent episode that ran out of its wall time (``stop_reason`` ``deadline``, finish ``abort``)
+    is ``TRUNCATED``: its turns stand, and a new try would meet the same deadline."""
     if s.trajectory.meta.get("rollout_status") == "format_error":
         return "FAILED"
+    if s.trajectory.stop_reason == "deadline":  # an agent episode out of wall time: its output stands
+        return "TRUNCATED"
     return _STATUS[s.trajectory.finish_reason]
 
 
@@ -204,6 +221,7 @@ def fill(sample: Any, s: RolloutSample, *, reward_key: str | None = None, use_re
     if s.logprobs is None:
         raise ValueError(f"trajectory {s.id} has no behaviour log-probs")
     status = type(sample).Status
+    ep = episode_of(s)
     sample.tokens = list(s.prompt_ids) + list(s.completion_ids)
     sample.response = s.text or ""
     sample.response_length = len(s.completion_ids)
@@ -224,6 +242,11 @@ def fill(sample: Any, s: RolloutSample, *, reward_key: str | None = None, use_re
         "loom_rollout_status": s.trajectory.meta.get("rollout_status", "ok"),
         "loom_env_mask": list(s.env_mask),
         "loom_advantages": s.advantages,
+        "loom_stop_reason": ep["stop_reason"],
+        "loom_turns": ep["turns"],
+        "loom_tool_calls": ep["tool_calls"],
+        "loom_turn_spans": ep["turn_spans"],
+        "loom_observation_spans": ep["observation_spans"],
     }
 
 

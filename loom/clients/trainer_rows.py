@@ -14,11 +14,11 @@ with subtree rows; neither rule is ahead, so subtree order stays the default.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from loom.clients.rollouts import RolloutGroup, RolloutSample
-from loom.contracts.modes import ModeParams
+from loom.contracts.modes import AGENT_TOOLS, ModeParams
 from loom.contracts.wire import Mode
 
 Leaves = Literal["subtree", "spread"]
@@ -85,3 +85,55 @@ def check_tree_initial(mode: Mode, mode_params: Mapping[str, Any], n: int, what:
     initial = mode_params.get("initial")
     if mode == "tree" and initial is not None and int(initial) < n:
         raise ValueError(f"tree mode_params.initial={initial} < {what}={n}: too few leaves")
+
+
+# ------------------------------------------------------------------------------------------------
+# agent mode at the trainers' seams (docs/interop-rollout.md, "Agent mode at each trainer's seam")
+
+
+def episode_of(s: RolloutSample) -> dict[str, Any]:
+    """An agent sample's episode as the trainers' multi-turn records count it: its policy turns and
+    tool observations (``[start, end)`` in completion offsets, the mode's ``turn`` and
+    ``observation`` segments) and why it ended. A sample of another mode is one turn, no tool call."""
+    t = s.trajectory
+    turns = [(g.start, g.end) for g in t.segments if g.kind == "turn"]
+    # other modes' observation segments (streaming's sentences, spawn's join blocks) are no tool's
+    observations = [(g.start, g.end) for g in t.segments if g.kind == "observation"] if turns else []
+    return {
+        "turns": len(turns) or 1,
+        "tool_calls": len(observations),
+        "turn_spans": turns or [(0, len(s.completion_ids))],
+        "observation_spans": observations,
+        "stop_reason": t.stop_reason,
+    }
+
+
+def follow_window(
+    mode: Mode, mode_params: ModeParams | Mapping[str, Any] | None, window: int | None
+) -> ModeParams | dict[str, Any] | None:
+    """agent mode's ``max_total_tokens`` (policy and observation tokens together) set to the trainer's
+    response window where the configuration leaves it unset, so a whole episode fits the window the
+    trainer pads and trains (a longer one would be cut there); other modes, or no window, as given."""
+    if mode != "agent" or window is None:
+        return mode_params if isinstance(mode_params, ModeParams) else dict(mode_params or {})
+    if isinstance(mode_params, ModeParams):
+        if "max_total_tokens" in mode_params.model_fields_set:
+            return mode_params
+        return mode_params.model_copy(update={"max_total_tokens": window})
+    params = dict(mode_params or {})
+    params.setdefault("max_total_tokens", window)
+    return params
+
+
+def loom_tools(tools: Iterable[Any], trainer: str) -> list[str]:
+    """The names of a trainer's tools (functions, or objects with a ``name``) where each is one of
+    Loom's built-in tools, which Loom runs itself (``loom.contracts.modes.AGENT_TOOLS``; a request
+    never carries code). Any other is refused here, before a job: Loom cannot run the trainer's code."""
+    names = [t if isinstance(t, str) else str(getattr(t, "name", None) or t.__name__) for t in tools]
+    unknown = sorted(set(names) - set(AGENT_TOOLS))
+    if unknown:
+        raise ValueError(
+            f"{trainer}'s tools {unknown} are not Loom's built-in tools {list(AGENT_TOOLS)}: "
+            "Loom runs only its own (configure agent mode's mode_params.tools)"
+        )
+    return list(dict.fromkeys(names))

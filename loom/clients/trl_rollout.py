@@ -21,6 +21,12 @@ runs). Spawn keeps the
 roots (children's threads have prompts of their own); reflection revisions and adaptive sampling
 change a group's size and are refused here (the ``Rollouts`` client has them).
 
+Agent mode (docs/interop-rollout.md, "Agent mode at each trainer's seam"): ``env_mask`` is 0 on the
+tools' observations, and ``loom_turns``, ``loom_tool_calls``, ``loom_stop_reason`` are columns.
+``tools=[...]`` takes TRL-style tool functions named as Loom's built-ins (Loom runs its own). A
+trainer built with ``tools`` or ``environment_factory`` is refused, because TRL's tool loop would run
+after ``rollout_func`` and replace ``env_mask``.
+
 Policy versions: before the rollouts of a step, when ``trainer.state.global_step`` has advanced past
 the last published step, the trainer's weights are published as version ``global_step`` through
 ``publish`` (``publish_with(PolicyPublisher(...))``, loom/clients/policies.py; any
@@ -35,7 +41,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from loom.clients.rollouts import Rollouts, RolloutSample
-from loom.clients.trainer_rows import Leaves, check_tree_initial, trainer_mode_params, trainer_samples
+from loom.clients.trainer_rows import (
+    Leaves,
+    check_tree_initial,
+    episode_of,
+    follow_window,
+    loom_tools,
+    trainer_mode_params,
+    trainer_samples,
+)
 from loom.contracts.modes import ModeParams
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
@@ -123,7 +137,12 @@ class LoomRolloutFunc:
         policy_match: PolicyMatch = "exact",
         timeout: float = 600.0,
         leaves: Leaves = "subtree",
+        tools: Sequence[Any] | None = None,
     ) -> None:
+        if tools is not None:  # TRL-style tool functions, served by Loom's own built-ins of those names
+            if mode != "agent":
+                raise ValueError("LoomRolloutFunc(tools=...) is agent mode's: set mode='agent'")
+            mode_params = _with_tools(mode_params, loom_tools(tools, "TRL"))
         self._params = trainer_mode_params(mode, mode_params, "TRL")  # as a dict, checked once
         self.rollouts = Rollouts(url, api_key, timeout=timeout)
         self.mode, self.mode_params, self.leaves = mode, mode_params, leaves
@@ -137,6 +156,12 @@ class LoomRolloutFunc:
 
     # ---- TRL's entry
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        if getattr(trainer, "tools", None):
+            # TRL's own tool loop would run over Loom's finished episodes and replace env_mask
+            raise ValueError(
+                "GRPOTrainer(tools=/environment_factory=) runs TRL's tool loop after rollout_func and "
+                "drops its env_mask: pass the tools to LoomRolloutFunc(mode='agent', tools=...) instead"
+            )
         step = int(trainer.state.global_step)
         self._sync(trainer, step)
         g = int(trainer.num_generations if trainer.model.training else trainer.num_generations_eval)
@@ -153,7 +178,7 @@ class LoomRolloutFunc:
         groups = self.rollouts.generate(
             [self._task(p, trainer) for p in unique],
             mode=self.mode,
-            mode_params=self.mode_params,
+            mode_params=follow_window(self.mode, self.mode_params, int(trainer.max_completion_length)),
             sampling=self._sampling(trainer, g),
             reward=self.reward,
             policy_version=self.version,
@@ -173,6 +198,10 @@ class LoomRolloutFunc:
                 out["loom_policy_namespace"].append(s.policy_namespace)
                 out["loom_trajectory_id"].append(s.id)
                 out["loom_group_id"].append(s.trajectory.group_id)
+                ep = episode_of(s)
+                out["loom_turns"].append(ep["turns"])
+                out["loom_tool_calls"].append(ep["tool_calls"])
+                out["loom_stop_reason"].append(ep["stop_reason"])
         self.history.append(
             {
                 "step": step,
@@ -238,7 +267,16 @@ _KEYS = (
     "loom_policy_namespace",
     "loom_trajectory_id",
     "loom_group_id",
+    "loom_turns",
+    "loom_tool_calls",
+    "loom_stop_reason",
 )
+
+
+def _with_tools(mode_params: ModeParams | Mapping[str, Any] | None, tools: list[str]) -> Any:
+    if isinstance(mode_params, ModeParams):
+        return mode_params.model_copy(update={"tools": tools})
+    return dict(mode_params or {}) | {"tools": tools}
 
 
 def _prompt_text(prompt: Any, trainer: Any) -> str:

@@ -62,7 +62,14 @@ from verl.experimental.agent_loop.agent_loop import (
 
 from loom.clients.policies import PolicyPublisher
 from loom.clients.rollouts import AsyncRollouts, RolloutSample
-from loom.clients.trainer_rows import check_tree_initial, trainer_mode_params, trainer_samples
+from loom.clients.trainer_rows import (
+    check_tree_initial,
+    episode_of,
+    follow_window,
+    loom_tools,
+    trainer_mode_params,
+    trainer_samples,
+)
 from loom.contracts.policies import PolicyMatch
 from loom.contracts.wire import Mode
 from loom.interop import label_text, message_text, plain
@@ -183,13 +190,14 @@ class LoomAgentLoop(AgentLoopBase):
             )
         n = self.response_length
         logprobs = s.logprobs if s.logprobs is not None else [0.0] * len(s.completion_ids)
+        ep = episode_of(s)
         return AgentLoopOutput(
             prompt_ids=list(s.prompt_ids),
             response_ids=list(s.completion_ids[:n]),
             response_mask=list(s.loss_mask[:n]),
             response_logprobs=[float(x) for x in logprobs[:n]],
             reward_score=None if not self.settings.use_reward or s.reward is None else float(s.reward),
-            num_turns=2,
+            num_turns=1 + ep["turns"] + ep["tool_calls"],  # verl's count: the prompt, each turn, each tool
             metrics=AgentLoopMetrics(generate_sequences=seconds),
             extra_fields={
                 "loom_policy_version": s.policy_version,
@@ -201,6 +209,8 @@ class LoomAgentLoop(AgentLoopBase):
                 "loom_env_mask": list(s.env_mask[:n]),
                 "loom_advantages": None if s.advantages is None else list(s.advantages[:n]),
                 "loom_truncated": len(s.completion_ids) > n,
+                "loom_stop_reason": ep["stop_reason"],
+                "loom_tool_calls": ep["tool_calls"],
                 "turn_scores": [],
                 "tool_rewards": [],
             },
@@ -247,7 +257,7 @@ class _Job:
             groups = await rollouts.generate(
                 [self.tasks[u] for u in uids],
                 mode=s.mode,
-                mode_params=s.mode_params,
+                mode_params=follow_window(s.mode, s.mode_params, self.response_length),
                 sampling=self._sampling(n),
                 reward=s.reward,
                 policy_version=version,
@@ -291,3 +301,46 @@ class _Job:
         if p.get("top_k") is not None:
             follows["top_k"] = int(p["top_k"]) if int(p["top_k"]) > 0 else -1
         return follows | self.settings.sampling
+
+
+@register("loom_tool_agent")
+class LoomToolAgentLoop(LoomAgentLoop):
+    """verl's tool agent loop (``tool_agent``, verl/experimental/agent_loop/tool_agent_loop.py) with
+    every episode from Loom's agent mode (docs/interop-rollout.md, "Agent mode at each trainer's
+    seam"): the same config keys as ``LoomAgentLoop``, mode ``agent``, and what verl's own
+    ``rollout.multi_turn`` says where ``mode_params`` leave it unset: ``max_assistant_turns`` is
+    ``max_turns``, ``format`` the parser (where it is one of Loom's), and the tools verl loaded
+    (``tool_config_path`` / ``function_tool_path``) Loom's ``tools`` where each is a built-in of that
+    name (Loom runs its own; any other is refused). Each row's ``response_mask`` is 0 on the tool
+    responses, as verl's own loop masks them, and ``num_turns`` counts the prompt, each policy turn
+    and each tool response, as verl's does."""
+
+    def __init__(
+        self, *args: Any, mode: Mode = "agent", mode_params: Mapping[str, Any] | None = None, **kwargs: Any
+    ):
+        if mode != "agent":
+            raise ValueError(f"LoomToolAgentLoop runs Loom's agent mode, not {mode!r}")
+        params = dict(plain(mode_params) or {})
+        config = kwargs.get("trainer_config")
+        multi_turn = _multi_turn(config)
+        turns = multi_turn.get("max_assistant_turns")
+        if turns is not None:
+            params.setdefault("max_turns", int(turns))
+        if multi_turn.get("format") in ("hermes", "function"):
+            params.setdefault("parser", multi_turn["format"])
+        wrap = kwargs.get("tools")
+        verl_tools = list(getattr(wrap, "tools", None) or [])
+        if verl_tools:
+            params.setdefault("tools", loom_tools(verl_tools, "verl"))
+        super().__init__(*args, mode="agent", mode_params=params, **kwargs)
+
+
+def _multi_turn(config: Any) -> dict[str, Any]:
+    """What Loom reads of verl's ``actor_rollout_ref.rollout.multi_turn`` (verl's ``MultiTurnConfig``),
+    from the trainer config verl passes (wrapped in ``DictConfigWrap``)."""
+    cfg = getattr(config, "config", config)
+    try:
+        found = cfg.actor_rollout_ref.rollout.multi_turn
+    except AttributeError:
+        return {}
+    return {k: plain(found.get(k)) for k in ("max_assistant_turns", "format")}

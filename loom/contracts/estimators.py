@@ -57,8 +57,23 @@ class GlobalBaselineParams(EstimatorParams):
     std: bool = False
 
 
+PROCESS_KEY = "process"  # the reward component whose step scores the step-level estimators read
+
+
 class TreerlParams(EstimatorParams):
-    """TreeRL (docs/algorithms.md §5.1); ``reward_key`` None: the leaf value is the correctness."""
+    """TreeRL (docs/algorithms.md §5.1); ``reward_key`` None: the leaf value is the correctness;
+    ``process_weight`` w > 0 mixes each node's PRM score into its value (docs/algorithms.md §5.4)."""
+
+    process_weight: float = Field(default=0.0, ge=0.0, le=1.0)
+    process_key: str = PROCESS_KEY
+
+
+class StepGrpoParams(EstimatorParams):
+    """Step-level GRPO (docs/algorithms.md §5.4): the outcome advantage plus ``process_coef`` times the
+    step score normalised over the group's steps at the same depth."""
+
+    process_coef: float = Field(default=1.0, ge=0.0, le=100.0)
+    process_key: str = PROCESS_KEY
 
 
 class HrpoNames(BaseModel):
@@ -93,6 +108,7 @@ ESTIMATOR_PARAMS: dict[str, type[EstimatorParams]] = {
     "treerl": TreerlParams,
     "rea": ReaParams,
     "apr": AprParams,
+    "step_grpo": StepGrpoParams,
 }
 
 

@@ -12,15 +12,16 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loom.contracts.reward_settings import get_reward_settings
-from loom.contracts.wire import RewardSpec, TaskKind
+from loom.contracts.wire import RewardSpec, SegmentKind, TaskKind
 from loom.formats import REFLECTION_KEYWORDS
 
 ANSWER_TAIL_CHARS = 300  # docs/algorithms.md §1.1: fall back to the last ~300 characters
 MAX_ANSWER_CHARS = 2000  # the math verifier refuses a longer answer region (reward_svc.mathverify)
 JUDGE_TEMPLATES = ("default",)  # the judge's built-in templates (their text: reward_svc/judge.py)
+PROCESS_TEMPLATES = ("steps",)  # the PRM's built-in templates (their text: reward_svc/process.py)
 DEFAULT_DQ = 1 / 225.09  # REA-RL's fixed D_q (the authors' code), docs/algorithms.md §1.5
 
 
@@ -108,6 +109,50 @@ class JudgeParams(Params):
         return v
 
 
+# ``process`` (docs/interop-reward.md "Process rewards"): a PRM's P(yes) per step prefix.
+class ProcessParams(Params):
+    prm: str = Field(
+        default="default", min_length=1, max_length=64, description="a name in LOOM_REWARD_JUDGES"
+    )
+    steps: Literal["lines", "segments", "separator"] = "lines"
+    separator: str | None = Field(
+        default=None, min_length=1, max_length=64, description="steps='separator': the step separator"
+    )
+    segment_kinds: list[SegmentKind] | None = Field(
+        default=None,
+        max_length=16,
+        description="steps='segments': the kinds read (None: all but observations)",
+    )
+    template: str = Field(
+        default="steps",
+        min_length=1,
+        max_length=8000,
+        description="a built-in template's name, or a template with {question} {steps}",
+    )
+    aggregate: Literal["min", "mean", "last", "product"] = "min"
+    max_steps: int = Field(default=32, ge=1, le=256, description="more steps: the last ones merged into one")
+    max_step_chars: int = Field(
+        default=2000, ge=16, le=100_000, description="a step's last characters the PRM reads"
+    )
+    max_prefix_chars: int = Field(
+        default=8000, ge=64, le=200_000, description="the prefix's last characters the PRM reads"
+    )
+    timeout_s: float = Field(default=30.0, gt=0, le=300, description="per PRM request")
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        if v not in PROCESS_TEMPLATES and "{steps}" not in v:
+            raise ValueError(f"a built-in template ({', '.join(PROCESS_TEMPLATES)}) or one with {{steps}}")
+        return v
+
+    @model_validator(mode="after")
+    def _separator(self) -> ProcessParams:
+        if self.steps == "separator" and self.separator is None:
+            raise ValueError("steps='separator' needs a separator")
+        return self
+
+
 # The one table of components: name -> its params model (a component's registration is its line
 # here; its function is found by name, reward_svc/registry.py).
 COMPONENT_PARAMS: dict[str, type[Params]] = {
@@ -125,6 +170,7 @@ COMPONENT_PARAMS: dict[str, type[Params]] = {
     "code_pass": CodeParams,
     "code_all": CodeParams,
     "judge": JudgeParams,
+    "process": ProcessParams,
 }
 
 

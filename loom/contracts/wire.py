@@ -57,6 +57,9 @@ RewardStatus = Literal[
     "judge_timeout",
     "judge_unparsable",
     "judge_unavailable",
+    "prm_timeout",
+    "prm_unparsable",
+    "prm_unavailable",
 ]
 
 
@@ -414,12 +417,26 @@ class RewardSpec(Contract):
     timeout_s: int = Field(default=5, ge=1, le=300, description="hard per-item verification deadline")
 
 
+class StepScore(Contract):
+    """One step's score from a process reward (docs/interop-reward.md "Process rewards"): the step's
+    span [start, end) in completion-token offsets (``unit`` "char": character offsets in the text, for
+    a trajectory sent without its token ids) and the PRM's P(yes) for the prefix ending with it."""
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    score: float
+    unit: Literal["token", "char"] = "token"
+
+
 class TrajectoryReward(Contract):
     trajectory_id: str
     total: float
     components: dict[str, float] = Field(default_factory=dict)
     status: RewardStatus = "ok"
     detail: str | None = None
+    steps: dict[str, list[StepScore]] | None = Field(
+        default=None, description="per-step scores by component (process rewards); None: no step scores"
+    )
 
 
 class RewardResult(Contract):

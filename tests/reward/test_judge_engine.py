@@ -76,3 +76,22 @@ def test_engine_as_judge(engine: str, mode: str) -> None:
     assert all(r.status in STATUSES for r in rewards[:3]), [(r.status, r.detail) for r in rewards]
     assert rewards[3].status == "invalid"  # no text: not asked
     assert client.sent == 3
+
+
+def test_engine_as_prm(engine: str) -> None:
+    """The process component with ``loom engine`` as its PRM: a bounded score per step, or a typed status."""
+    model = httpx.get(f"{engine}/v1/models", timeout=10).json()["data"][0]["id"]
+    client = JudgeClient({"tiny": JudgeServer(url=engine, model=model)})
+    trajs = [
+        Trajectory(id="t0", group_id="g", text="3*4=12\nso the answer is 12"),
+        Trajectory(id="t1", group_id="g", text="3*4=11"),
+    ]
+    group = Group(id="g", prompt="What is 3*4?", label="12", trajectories=trajs)
+    spec = RewardSpec(components=[RewardComponent(name="process", params={"prm": "tiny", "timeout_s": 60})])
+    result = asyncio.run(ascore_group(group, spec, _no_verify, ask_judge=client.ask_batch))
+    for r in result.rewards:
+        assert r.status in {"ok", "prm_unparsable"}, (r.status, r.detail)
+        assert 0.0 <= r.components["process"] <= 1.0
+        if r.status == "ok":
+            assert r.steps and all(0.0 <= s.score <= 1.0 and s.unit == "char" for s in r.steps["process"])
+    assert client.sent == 3  # one request per step prefix
