@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+# the built-in names and their check live beside the agent's tools; re-exported for the tier
+from loom.contracts.modes import ENVIRONMENTS as ENVIRONMENTS
+from loom.contracts.modes import known_environment as known_environment
 from loom.contracts.wire import Contract
 
 EnvStatus = Literal["ok", "env_error", "timeout", "env_lost", "unknown_env"]
@@ -65,3 +68,20 @@ class EnvStep(Contract):
     status: EnvStatus = "ok"
     error: str | None = None
     meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvOpened(Contract):
+    """``env.open``'s answer: the episode's handle and the queue of the one worker that holds it (its
+    steps and its close go there: an episode's state lives in one process)."""
+
+    handle: str = Field(default="", max_length=128, description="empty: nothing was opened")
+    queue: str = Field(default="", max_length=256)
+    reset: EnvReset = Field(default_factory=EnvReset)
+
+
+class EnvStepRequest(Contract):
+    """``env.step``: one turn for the episode ``handle``, answered within ``timeout_s``."""
+
+    handle: str = Field(min_length=1, max_length=128)
+    action: EnvAction
+    timeout_s: float = Field(gt=0, le=3600)
