@@ -87,7 +87,9 @@ class SkyRLGymEnvironment:
 
     def __init__(self, env_id: str, config: SkyRLSettings | None = None) -> None:
         if env_id not in SKYRL_ENVS:
-            raise ValueError(f"skyrl-gym environment {env_id!r} is not offered; offered: {sorted(SKYRL_ENVS)}")
+            raise ValueError(
+                f"skyrl-gym environment {env_id!r} is not offered; offered: {sorted(SKYRL_ENVS)}"
+            )
         self.env_id = env_id
         self.config = config or settings()
         self._env: Any = None
@@ -115,7 +117,11 @@ class SkyRLGymEnvironment:
         added = [m for m in conversation if m not in prompt]
         return EnvReset(
             observation=render(added) if added else None,
-            meta={"env": self.env_id, "messages": plain_messages(conversation), "info": json_safe(info or {})},
+            meta={
+                "env": self.env_id,
+                "messages": plain_messages(conversation),
+                "info": json_safe(info or {}),
+            },
         )
 
     def step(self, action: EnvAction) -> EnvStep:
@@ -131,7 +137,9 @@ class SkyRLGymEnvironment:
             meta["postprocessed_action"] = str(out["postprocessed_action"])
         if done:
             meta["metrics"] = json_safe(self._env.get_metrics())
-        return EnvStep(observation=render(out["observations"]), reward=float(out["reward"]), done=done, meta=meta)
+        return EnvStep(
+            observation=render(out["observations"]), reward=float(out["reward"]), done=done, meta=meta
+        )
 
     def close(self) -> None:
         if self._env is not None:

@@ -138,7 +138,12 @@ class Turns:
         if pending is None:
             raise RuntimeError("the environment is not waiting for a turn")
         self.pending = None
-        self.loop.call_soon_threadsafe(lambda: pending.done() or pending.set_result(response))
+
+        def settle() -> None:
+            if not pending.done():  # cancelled with its rollout: nothing waits for it
+                pending.set_result(response)
+
+        self.loop.call_soon_threadsafe(settle)
 
     def next(self, wait_s: float) -> tuple[str, Any]:
         try:
@@ -235,7 +240,9 @@ class VerifiersEnvironment:
         self._prompt_len = len(rollout_input["prompt"])
         kind, value = self._turns.next(self.config.wait_s)
         if kind != "ask":
-            raise RuntimeError(f"the verifiers rollout ended before its first turn: {self._end_reason(value)}")
+            raise RuntimeError(
+                f"the verifiers rollout ended before its first turn: {self._end_reason(value)}"
+            )
         prompt, tools = value
         added = prompt[self._prompt_len :]
         self._seen = len(prompt)
@@ -243,7 +250,9 @@ class VerifiersEnvironment:
             "env": self.name,
             "env_id": self.config.envs[self.name].env_id,
             "messages": plain_messages(prompt),
-            "tools": [json_safe(t.model_dump()) if hasattr(t, "model_dump") else json_safe(t) for t in tools or []],
+            "tools": [
+                json_safe(t.model_dump()) if hasattr(t, "model_dump") else json_safe(t) for t in tools or []
+            ],
         }
         return EnvReset(observation=render(added) if added else None, meta=meta)
 

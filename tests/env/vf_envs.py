@@ -40,8 +40,15 @@ def tool_env() -> vf.Environment:
     return vf.ToolEnv(tools=[add], max_turns=4, dataset=dataset, rubric=vf.Rubric(funcs=[answered]))
 
 
+CLEANED: list[str] = []  # each finished rollout's stop condition, in order (its cleanup handler's)
+
+
 class GuessEnv(vf.MultiTurnEnv):
     """Guess the hidden number (the task's answer): each wrong guess is told higher or lower."""
+
+    @vf.cleanup
+    async def note_cleanup(self, state: vf.State) -> None:
+        CLEANED.append(str(state.get("stop_condition")))
 
     async def setup_state(self, state: vf.State) -> vf.State:
         state["guesses"] = []
