@@ -74,15 +74,13 @@ assert version('antlr4-python3-runtime').startswith('4.9.'), version('antlr4-pyt
   fi
 fi
 # Environment libraries (docs/environments.md, "Environment libraries"). skyrl-gym shares this venv
-# (it adds only func_timeout). prime's verifiers 0.2.1 (the last line whose MultiTurnEnv / ToolEnv are
-# its main API; 0.4 replaced them) pulls openai-agents, whose websockets<17 would downgrade uvicorn's
-# websockets here: a side interpreter like side-verl, .venv/side-envs, holds verifiers and what this
-# venv lacks or holds at another version (no deps: the list is the resolver's answer against this
-# venv), with a .pth appending this venv's site-packages. An env worker that serves verifiers names
-# runs from it; where it cannot be made, tests/env/test_verifiers_adapter.py skips and says so.
-if ! .venv/bin/python -c "from importlib.metadata import version; assert version('skyrl-gym') == '0.4.0'" 2>/dev/null; then
-  .venv/bin/python -m pip install -q "skyrl-gym==0.4.0"
-fi
+# (the dev extra; it adds only func_timeout). prime's verifiers 0.2.1 (the last line whose
+# MultiTurnEnv / ToolEnv are its main API; 0.4 replaced them) pulls openai-agents, whose websockets<17
+# would downgrade uvicorn's websockets here: a side interpreter like side-verl, .venv/side-envs, holds
+# verifiers and what this venv lacks or holds at another version (no deps: the list is the resolver's
+# answer against this venv), with a .pth appending this venv's site-packages. An env worker that
+# serves verifiers names runs from it; where it cannot be made, tests/env/test_verifiers_adapter.py
+# skips and says so.
 envs_side=.venv/side-envs
 envs_pins="verifiers==0.2.1 mcp==1.30.0 aiolimiter==1.3.0 anthropic==2.16.0 docstring_parser==0.18.0
   gepa==0.1.4 httpx-sse==0.4.3 loguru==0.7.3 openai-agents==0.24.0 griffelib==2.4.1 websockets==16.1.1
