@@ -106,12 +106,13 @@ def event_loop() -> asyncio.AbstractEventLoop:
 
 def load(name: str, spec: VerifiersEnvSpec) -> Any:
     """The environment ``name`` names, loaded by verifiers once per process."""
+    key = f"{name}\n{spec.model_dump_json()}"
     with _lock:
-        if name not in _loaded:
+        if key not in _loaded:
             import verifiers as vf
 
-            _loaded[name] = vf.load_environment(spec.env_id, **spec.env_args)
-        return _loaded[name]
+            _loaded[key] = vf.load_environment(spec.env_id, **spec.env_args)
+        return _loaded[key]
 
 
 # ------------------------------------------------------------------------------------------------
