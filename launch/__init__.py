@@ -15,4 +15,5 @@ SERVICE_PACKAGES: dict[str, str] = {
     "reflect": "reflect_svc",
     "learner": "learner",
     "sandbox": "sandbox_svc",
+    "env": "env_svc",
 }

@@ -119,6 +119,10 @@ def worker_main(argv: Sequence[str]) -> int:
         tasks.set_nproc(learner_nproc(args.nproc))
     if args.service == "sandbox":  # the task threads share the process's one pool of warm slots
         pool = "threads"
+    if args.service == "env":  # an episode's environment lives in this process (docs/environments.md)
+        from env_svc.config import get_env_settings
+
+        concurrency, pool = args.concurrency or get_env_settings().concurrency, "threads"
     tasks.celery_app.worker_main(worker_argv(args.service, settings, concurrency, pool) + list(extra))
     return 0
 

@@ -212,14 +212,23 @@ def wire(value: Any) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
-def send(app: Celery, task: TaskDef, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
+def send(
+    app: Celery, task: TaskDef, *args: Any, key: str | None = None, to: str | None = None, **kwargs: Any
+) -> Any:
     """Publish ``task`` (a row of the task table, loom/contracts/tasks.py); ``key`` is its idempotency
-    key (becomes the task id and result key). Contract models among the arguments go as their JSON."""
+    key (becomes the task id and result key). Contract models among the arguments go as their JSON.
+    ``to``: the broker name of one worker's own queue instead of the service's (an env worker holding
+    an episode, docs/environments.md), published through the default exchange and declared by nobody
+    but that worker: once it is gone the message is dropped, and its sender's bounded wait says so."""
+    route: dict[str, Any] = {}
+    if to is not None:
+        route = {"queue": Queue(to, no_declare=True), "exchange": "", "routing_key": to, "declare": []}
     return app.send_task(
         task.name,
         args=[wire(a) for a in args],
         kwargs={k: wire(v) for k, v in kwargs.items()},
         task_id=key,
+        **route,
     )
 
 

@@ -18,6 +18,7 @@ PACKAGES = (
     "reflect_svc",
     "learner",
     "sandbox_svc",
+    "env_svc",
     "launch",
 )
 DOC = ROOT / "docs" / "architecture.md"

@@ -137,7 +137,7 @@ add_cpu_torch() {  # CTX: torch's CPU wheel from pip's local wheel folder or cac
 
 build_loom() {
   local ctx=$WORK/ctx-loom
-  stage "$ctx" pyproject.toml README.md loom zoo launch gateway rollout_svc reward_svc reflect_svc learner sandbox_svc
+  stage "$ctx" pyproject.toml README.md loom zoo launch gateway rollout_svc reward_svc reflect_svc learner sandbox_svc env_svc
   if [ "$VARIANT" = cpu ]; then add_cpu_torch "$ctx"; fi
   build_image "loom:$VARIANT" deploy/Dockerfile "$ctx" --build-arg "VARIANT=$VARIANT" \
     --build-arg "TORCH_VERSION=$TORCH_VERSION"

@@ -65,3 +65,31 @@ class EnvStep(Contract):
     status: EnvStatus = "ok"
     error: str | None = None
     meta: dict[str, Any] = Field(default_factory=dict)
+
+
+# the built-in environments (env_svc/registry.py); a deployment's own are ``module:factory`` names of
+# a module in ``Settings.env_modules``
+ENVIRONMENTS: tuple[str, ...] = ("countdown", "python")
+
+
+def known_environment(name: str, modules: list[str]) -> bool:
+    """Whether an env worker can open ``name``: a built-in, or ``module:factory`` of a listed module."""
+    module, _, factory = name.partition(":")
+    return name in ENVIRONMENTS or (bool(factory) and module in modules and factory.isidentifier())
+
+
+class EnvOpened(Contract):
+    """``env.open``'s answer: the episode's handle and the queue of the one worker that holds it (its
+    steps and its close go there: an episode's state lives in one process)."""
+
+    handle: str = Field(default="", max_length=128, description="empty: nothing was opened")
+    queue: str = Field(default="", max_length=256)
+    reset: EnvReset = Field(default_factory=EnvReset)
+
+
+class EnvStepRequest(Contract):
+    """``env.step``: one turn for the episode ``handle``, answered within ``timeout_s``."""
+
+    handle: str = Field(min_length=1, max_length=128)
+    action: EnvAction
+    timeout_s: float = Field(gt=0, le=3600)

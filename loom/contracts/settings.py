@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-SERVICES: tuple[str, ...] = ("gateway", "rollout", "reward", "reflect", "learner", "sandbox")
+SERVICES: tuple[str, ...] = ("gateway", "rollout", "reward", "reflect", "learner", "sandbox", "env")
 
 TRACKERS: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
 
@@ -25,6 +25,7 @@ DEFAULT_PORTS: dict[str, int] = {
     "reflect": 8403,
     "learner": 8404,
     "sandbox": 8405,
+    "env": 8406,
     "engine": 8410,
 }
 
@@ -68,6 +69,7 @@ class Settings(BaseSettings):
     reflect_port: int = DEFAULT_PORTS["reflect"]
     learner_port: int = DEFAULT_PORTS["learner"]
     sandbox_port: int = DEFAULT_PORTS["sandbox"]
+    env_port: int = DEFAULT_PORTS["env"]
     engine_port: int = DEFAULT_PORTS["engine"]
     max_body_bytes: int = Field(default=16 * 1024 * 1024, description="larger request bodies get 413")
     # --- read deadlines of every Loom HTTP server (loom/service.py, docs/security.md "Read timeouts")
@@ -159,6 +161,25 @@ class Settings(BaseSettings):
         description="shared secret of the internal routes (the rollout service's /v1/policy, the "
         "learner's /v1/train_step and /v1/score/attention): when set they need 'Authorization: Bearer "
         "<token>'; `loom up` generates one per stack when unset",
+    )
+
+    # --- the environment tier (docs/environments.md)
+    env_modules: list[str] = Field(
+        default_factory=list,
+        description="modules whose factories agent episodes may name as environment 'module:factory' "
+        "(the env workers import them); the built-in environments need none",
+    )
+    env_open_timeout_s: float = Field(
+        default=60.0, gt=0, description="the longest an episode waits for an env worker to open its env"
+    )
+    env_grace_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="past a step's deadline, how long its env worker's answer is awaited before the "
+        "episode's environment is reported env_lost",
+    )
+    env_idle_s: float = Field(
+        default=900.0, gt=0, description="an env worker forgets an episode idle this long (its rollout died)"
     )
 
     @field_validator("attention_url", "policy_store_url")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from loom.contracts import wire
+from loom.contracts.envs import EnvOpened, EnvStep, EnvStepRequest, EnvTask
 from loom.contracts.sandbox import BatchRequest, BatchResult, CellsRequest, CellsResult
 from loom.contracts.settings import SERVICES
 
@@ -58,6 +59,11 @@ SCORE_ATTENTION = TaskDef("learner.score_attention")  # keyword arguments: token
 SANDBOX_RUN_BATCH = TaskDef("sandbox.run_batch", (BatchRequest,), BatchResult)
 # cells in order in one fresh interpreter session of the worker, closed at the end (docs/sandbox.md)
 SANDBOX_RUN_CELLS = TaskDef("sandbox.run_cells", (CellsRequest,), CellsResult)
+# the environment tier (docs/environments.md): open on the shared ``env`` queue; the answer names the
+# queue of the worker holding the episode, where its steps and its close (argument: the handle) go
+ENV_OPEN = TaskDef("env.open", (EnvTask,), EnvOpened)
+ENV_STEP = TaskDef("env.step", (EnvStepRequest,), EnvStep)
+ENV_CLOSE = TaskDef("env.close", (None,))
 
 
 def ping(service: str) -> TaskDef:
@@ -80,6 +86,9 @@ TASKS: dict[str, TaskDef] = {
         SCORE_ATTENTION,
         SANDBOX_RUN_BATCH,
         SANDBOX_RUN_CELLS,
+        ENV_OPEN,
+        ENV_STEP,
+        ENV_CLOSE,
         *(ping(s) for s in SERVICES),
     )
 }

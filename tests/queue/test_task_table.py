@@ -24,6 +24,7 @@ WORKERS = {
     "reflect": "reflect_svc.tasks",
     "learner": "learner.tasks",
     "sandbox": "sandbox_svc.tasks",
+    "env": "env_svc.tasks",
 }
 PUBLISHERS = {REPO / "loom" / "queue.py", REPO / "gateway" / "pipeline.py"}
 

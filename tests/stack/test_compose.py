@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from env_svc.config import EnvSettings
 from gateway.config import GatewaySettings
 from launch import SERVICE_PACKAGES
 from launch.cli import COMMANDS
@@ -22,7 +23,7 @@ from rollout_svc.config import RolloutSettings, VllmSettings
 # variables too
 ROLE_VARIABLES = {
     f"{role.model_config['env_prefix']}{name.upper()}"
-    for role in (LearnerSettings, GatewaySettings, RolloutSettings, VllmSettings, RewardSettings)
+    for role in (LearnerSettings, GatewaySettings, RolloutSettings, VllmSettings, RewardSettings, EnvSettings)
     for name in role.model_fields
 }
 REPO = Path(__file__).resolve().parents[2]

@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from env_svc.config import EnvSettings
 from gateway.config import GatewaySettings
 from learner.config import LearnerSettings
 from loom.contracts.reward_settings import RewardSettings
@@ -27,7 +28,7 @@ from rollout_svc.config import RolloutSettings, VllmSettings
 # variables too
 ROLE_VARIABLES = {
     f"{role.model_config['env_prefix']}{name.upper()}"
-    for role in (LearnerSettings, GatewaySettings, RolloutSettings, VllmSettings, RewardSettings)
+    for role in (LearnerSettings, GatewaySettings, RolloutSettings, VllmSettings, RewardSettings, EnvSettings)
     for name in role.model_fields
 }
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,54 @@
+"""Environments that misbehave, for the tier's fault tests (named ``tests.env.faulty:<Factory>``
+with ``LOOM_ENV_MODULES=["tests.env.faulty"]``): each is a real environment run by a real env worker.
+``marker``: a file an environment writes when its step starts, so a test acts mid-step."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from loom.contracts.envs import EnvAction, EnvReset, EnvStep, EnvTask
+
+
+class Base:
+    def __init__(self) -> None:
+        self.options: dict = {}
+
+    def reset(self, task: EnvTask) -> EnvReset:
+        self.options = task.options
+        return EnvReset(observation=self.options.get("first"))
+
+    def mark(self, action: EnvAction) -> None:
+        if self.options.get("marker"):
+            Path(self.options["marker"]).write_text(str(action.turn))
+
+    def close(self) -> None:
+        return None
+
+
+class NeverDone(Base):
+    """Answers every turn, never done: the episode ends on its own limits."""
+
+    def step(self, action: EnvAction) -> EnvStep:
+        self.mark(action)
+        return EnvStep(observation=f"turn {action.turn} seen", reward=0.5)
+
+
+class Raises(Base):
+    def step(self, action: EnvAction) -> EnvStep:
+        raise RuntimeError(f"broken at turn {action.turn}")
+
+
+class RaisesOnReset(Base):
+    def reset(self, task: EnvTask) -> EnvReset:
+        raise RuntimeError("cannot reset")
+
+
+class Hangs(Base):
+    """Turn 0 answers; from turn ``hang_from`` (default 1) each step sleeps ``sleep_s`` (default 30)."""
+
+    def step(self, action: EnvAction) -> EnvStep:
+        self.mark(action)
+        if action.turn >= int(self.options.get("hang_from", 1)):
+            time.sleep(float(self.options.get("sleep_s", 30)))
+        return EnvStep(observation=f"turn {action.turn} seen")
