@@ -42,7 +42,7 @@ import uuid
 from functools import lru_cache
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from env_svc.adapters.common import json_safe, plain_messages, render
@@ -70,6 +70,14 @@ class VerifiersSettings(BaseSettings):
     wait_s: float = Field(
         default=600.0, gt=0, le=86400, description="longest wait for the environment's next ask or end"
     )
+
+    @field_validator("envs")
+    @classmethod
+    def _names(cls, v: dict[str, VerifiersEnvSpec]) -> dict[str, VerifiersEnvSpec]:
+        bad = sorted(n for n in v if not n.isidentifier() or len(n) > 100)
+        if bad:
+            raise ValueError(f"names must be identifiers (they follow 'verifiers:'): {bad}")
+        return v
 
 
 class VerifiersOptions(Contract):

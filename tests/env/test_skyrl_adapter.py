@@ -101,3 +101,17 @@ def test_offered_names_and_refusals(sql_root: Path) -> None:
         SkyRLGymEnvironment("text2sql", SkyRLSettings()).reset(
             task("text2sql", "q", "SELECT 1", db_id="shop")
         )
+
+
+def test_library_names_in_the_registry_and_the_contracts() -> None:
+    from env_svc.registry import REGISTRY, UnknownEnvironment, factory_of
+    from loom.contracts.envs import known_environment
+
+    # registered by the registry's own import, where skyrl-gym is installed (this venv)
+    assert isinstance(factory_of("skyrl:gsm8k", [])(), SkyRLGymEnvironment)
+    assert known_environment("skyrl:gsm8k", []) and known_environment("verifiers:calc", [])
+    assert not known_environment("skyrl:no such", [])
+    for name in ("skyrl:lcb", "verifiers:calc"):  # not offered / not this interpreter's library
+        assert name not in REGISTRY
+        with pytest.raises(UnknownEnvironment, match="not served here"):
+            factory_of(name, [])
