@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -15,6 +16,7 @@ pytest.importorskip("skyrl_gym", reason="skyrl-gym is installed by deploy/setup.
 
 from env_svc.adapters.skyrl_gym import SkyRLGymEnvironment, SkyRLSettings, registrations  # noqa: E402
 from loom.contracts.envs import EnvAction, EnvTask  # noqa: E402
+from tests.env.library_tier import env_worker, episode, tiny_engine  # noqa: E402, F401
 
 
 def task(env: str, question: str, label: str | None, **options: object) -> EnvTask:
@@ -115,3 +117,24 @@ def test_library_names_in_the_registry_and_the_contracts() -> None:
         assert name not in REGISTRY
         with pytest.raises(UnknownEnvironment, match="not served here"):
             factory_of(name, [])
+
+
+def test_an_agent_episode_in_gsm8k_multi_turn_on_a_real_env_worker(tmp_path: Path, tiny_engine: Any) -> None:  # noqa: F811
+    """Loom's agent mode, the real torch engine, skyrl-gym's GSM8kMultiTurnEnv on ``loom worker env``:
+    the env's instruction is the observation the policy reads, its per-turn rewards the turns'."""
+    with env_worker(tmp_path):
+        t = episode(
+            tiny_engine,
+            "Q: 2 + 2?\n",
+            "4",
+            ["maybe #### 5", "#### 4"],
+            environment="skyrl:gsm8k_multi_turn",
+            env_options={"max_turns": 3},
+        )
+    assert t.meta["stop"] == "env_done" and t.meta["turns"] == 2
+    assert t.meta["turn_rewards"] == [pytest.approx(0.2 / 3), 1.0]
+    kinds = [s.kind for s in t.segments]
+    assert kinds == ["turn", "observation", "turn"]
+    obs = t.segments[1]
+    observed = tiny_engine.tokenizer.decode(t.completion_ids[obs.start : obs.end])
+    assert "#### ANSWER" in observed and obs.meta["env"] == "skyrl:gsm8k_multi_turn"

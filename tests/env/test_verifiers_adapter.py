@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.env.library_tier import env_worker, episode, tiny_engine  # noqa: F401
+
 SIDE_PYTHON = Path(sys.prefix) / "side-envs" / "bin" / "python"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,3 +108,32 @@ def test_close_before_the_end_cancels_and_cleans_up(side: dict[str, Any]) -> Non
 def test_unknown_name_and_bad_options_are_refused(side: dict[str, Any]) -> None:
     assert side["unknown_name"]["raised"] == "ValueError" and "'nope'" in side["unknown_name"]["message"]
     assert side["bad_options"]["raised"] == "ValidationError" and "info" in side["bad_options"]["message"]
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+def test_agent_episodes_in_verifiers_envs_on_a_side_env_worker(tmp_path: Path, tiny_engine: Any) -> None:  # noqa: F811
+    """Loom's agent mode, the real torch engine, a ``loom worker env`` started from the side
+    interpreter: the ToolEnv runs the call Loom parsed from the turn, its tool message is the
+    observation the policy reads, the rubric's reward the last turn's; then the MultiTurnEnv's own
+    responses."""
+    envs = {
+        "calc": {"env_id": "tests.env.vf_envs", "env_args": {"kind": "tool"}},
+        "guess": {"env_id": "tests.env.vf_envs", "env_args": {"kind": "guess"}},
+    }
+    with env_worker(tmp_path, python=str(SIDE_PYTHON), LOOM_ENV_VERIFIERS_ENVS=json.dumps(envs)):
+        tool = episode(
+            tiny_engine, "Q: what is 2 + 3?\n", "5", [CALL, "The answer is 5."], environment="verifiers:calc"
+        )
+        guess = episode(tiny_engine, "Guess my number.\n", "7", ["3", "7"], environment="verifiers:guess")
+    assert tool.meta["stop"] == "env_done" and tool.meta["tool_calls"] == 1
+    assert tool.meta["turn_rewards"] == [None, 1.0]
+    assert [s.kind for s in tool.segments] == ["turn", "observation", "turn"]
+    assert tool.segments[0].meta["call"]["name"] == "add"
+    obs = tool.segments[1]
+    observed = tiny_engine.tokenizer.decode(tool.completion_ids[obs.start : obs.end])
+    assert "<tool_response>\n5\n</tool_response>" in observed
+    assert guess.meta["stop"] == "env_done" and guess.meta["turn_rewards"] == [None, 0.5]
+    obs = guess.segments[1]
+    assert "3 is wrong: go higher." in tiny_engine.tokenizer.decode(guess.completion_ids[obs.start : obs.end])
