@@ -16,6 +16,7 @@ without a second parse (docs/architecture.md, "Contracts").
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from loom.contracts.settings import Settings
+from loom.contracts.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from loom.contracts.wire import RolloutRequest, SamplingParams
@@ -265,6 +266,7 @@ class SpawnParams(ModeParams):
         )
 
 
+MAX_ENV_OPTIONS_CHARS = 65_536
 AGENT_TOOLS = ("calculator", "countdown_check")  # rollout_svc.modes.agent.TOOLS: the built-in registry
 
 
@@ -283,12 +285,30 @@ class AgentParams(ModeParams):
     deadline_s: float = Field(120.0, gt=0, le=3600)
     tool_timeout_s: float = Field(5.0, gt=0, le=60)
     max_observation_tokens: int = Field(256, ge=8, le=8192)
+    # the episode's environment on the env tier (docs/environments.md): every turn is its step, the
+    # observation its answer, ``tool_timeout_s`` the step's deadline; done ends the episode (env_done)
+    environment: str | None = Field(None, min_length=1, max_length=128)
+    env_options: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
 
     @model_validator(mode="after")
     def _known_tools(self) -> AgentParams:
         unknown = sorted(set(self.tools) - set(AGENT_TOOLS))
         if unknown:
             raise ValueError(f"unknown tools {unknown}; built-in: {list(AGENT_TOOLS)}")
+        return self
+
+    @model_validator(mode="after")
+    def _known_environment(self) -> AgentParams:
+        from loom.contracts.envs import ENVIRONMENTS, known_environment  # envs imports wire, wire this
+
+        if self.environment is None:
+            if self.env_options:
+                raise ValueError("env_options needs an environment")
+            return self
+        if not known_environment(self.environment, get_settings().env_modules):
+            raise ValueError(f"unknown environment {self.environment!r}; built-in: {list(ENVIRONMENTS)}")
+        if len(json.dumps(self.env_options, default=str)) > MAX_ENV_OPTIONS_CHARS:
+            raise ValueError(f"env_options longer than {MAX_ENV_OPTIONS_CHARS} characters as JSON")
         return self
 
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from loom.clients.env import EnvSession, get_env_client
+from loom.contracts.envs import EnvTask
 from loom.contracts.modes import AgentParams
 from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
 from loom.exact import check_countdown
@@ -258,6 +260,8 @@ class Episode:
     tool_calls: int = 0
     stop: str = "no_tool_call"
     finish: FinishReason = "stop"
+    env: EnvSession | None = None  # the episode's environment on the env tier, when it has one
+    rewards: list[float | None] = field(default_factory=list)  # the environment's, per turn
 
     def append(
         self, ids: list[int], logprobs: list[float], trained: int, kind: SegmentKind, meta: dict
@@ -279,6 +283,7 @@ class Agent:
 
     def __init__(self, request: RolloutRequest, engine: Engine, tokenizer: Any, cfg: AgentParams):
         self.engine, self.tokenizer, self.cfg, self.sampling = engine, tokenizer, cfg, request.sampling
+        self.request = request
         self.syntax = SYNTAXES[cfg.parser]
         self.markers = [self.syntax.call_open, self.syntax.call_close]
         try:
@@ -320,8 +325,8 @@ class Agent:
             obs = Observation(f"{cut}... [truncated {len(body) - cap} tokens]", obs.status, True)
         return self.encode(self.syntax.response.format(output=obs.text)), obs
 
-    async def episode(self, prompt_ids: list[int], policy: Policy) -> Episode:
-        cfg, ep = self.cfg, Episode()
+    async def episode(self, prompt_ids: list[int], policy: Policy, ep: Episode | None = None) -> Episode:
+        cfg, ep = self.cfg, ep or Episode()
         deadline = time.monotonic() + cfg.deadline_s
         while True:
             if ep.turns >= cfg.max_turns:
@@ -350,6 +355,10 @@ class Agent:
                 "status": "no_tool_call" if not called else ("ok" if call is not None else "malformed"),
             }
             ep.append(c.token_ids, c.logprobs, 1, "turn", meta)
+            if ep.env is not None:  # the environment answers every turn (docs/environments.md)
+                if await self.env_turn(ep, c, call, deadline):
+                    break
+                continue
             if not called:
                 ep.end("no_tool_call", "stop") if c.finish_reason == "stop" else ep.end(why, "length")
                 break
@@ -380,6 +389,61 @@ class Agent:
             )
         return ep
 
+    async def env_episode(self, prompt_ids: list[int], policy: Policy, r: int) -> Episode:
+        """An episode in ``cfg.environment`` on the env tier (docs/environments.md): opened with the
+        task, its reset observation (if any) before the first turn, closed however the episode ends;
+        an environment that could not be opened ends it at once with its status."""
+        if self.cfg.environment is None:
+            return await self.episode(prompt_ids, policy)
+        req = self.request
+        task = EnvTask(
+            environment=self.cfg.environment,
+            question=req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids),
+            label=req.label,
+            options=self.cfg.env_options,
+            seed=sample_seed(req.sampling.seed, r) or r,
+        )
+        ep = Episode(env=await EnvSession.open(get_env_client(), task))
+        try:
+            reset = ep.env.reset  # type: ignore[union-attr]
+            if reset.status != "ok":
+                ep.end(reset.status, "abort")
+                return ep
+            if reset.observation:
+                ids, obs = self.observation(Observation(reset.observation, "ok"))
+                meta = {"env": self.cfg.environment, "status": "ok", "truncated": obs.truncated}
+                ep.append(ids, [0.0] * len(ids), 0, "observation", meta)
+            return await self.episode(prompt_ids, policy, ep)
+        finally:
+            await ep.env.close()  # type: ignore[union-attr]
+
+    async def env_turn(self, ep: Episode, c: Completion, call: ToolCall | None, deadline: float) -> bool:
+        """The turn as the environment's step: its reward in the turn's meta, its observation appended
+        as a tool's is; True when the episode ends (done, the env lost, or the episode's limits)."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            ep.end("deadline", "abort")
+            return True
+        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+        assert ep.env is not None
+        step = await ep.env.step(text, call, ep.turns - 1, min(self.cfg.tool_timeout_s, remaining))
+        ep.segments[-1].meta.update(env_status=step.status, reward=step.reward)
+        ep.rewards.append(step.reward)
+        ep.tool_calls += call is not None
+        if step.status == "env_lost" or step.done:
+            ep.end("env_lost", "abort") if step.status == "env_lost" else ep.end("env_done", "stop")
+            return True
+        if ep.turns >= self.cfg.max_turns:
+            ep.end("max_turns", "length")
+            return True
+        ids, obs = self.observation(Observation(step.observation, step.status))
+        if len(ids) > self.cfg.max_total_tokens - len(ep.ids):
+            ep.end("max_total_tokens", "length")
+            return True
+        meta = {"env": self.cfg.environment, "status": step.status, "truncated": obs.truncated}
+        ep.append(ids, [0.0] * len(ids), 0, "observation", meta | {"reward": step.reward})
+        return False
+
 
 # what agent() takes beyond (request, prompt_ids, group_id, engine), in its order
 NEEDS = ("tokenizer", "params")
@@ -396,7 +460,7 @@ async def agent(
     runner = Agent(request, engine, tokenizer, cfg)
     t0 = time.perf_counter()
     episodes = await asyncio.gather(
-        *(runner.episode(prompt_ids, runner.policy(r)) for r in range(request.sampling.n))
+        *(runner.env_episode(prompt_ids, runner.policy(r), r) for r in range(request.sampling.n))
     )
     wall = time.perf_counter() - t0
     trajectories = [trajectory(group_id, r, prompt_ids, ep, engine, wall) for r, ep in enumerate(episodes)]
@@ -431,5 +495,6 @@ def trajectory(
         policy_version=engine.policy_version,
         engine=engine.name,
         timing={"generate_s": wall},
-        meta={"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop},
+        meta={"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop}
+        | ({"turn_rewards": ep.rewards} if ep.env is not None else {}),
     )

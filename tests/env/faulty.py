@@ -4,6 +4,7 @@ with ``LOOM_ENV_MODULES=["tests.env.faulty"]``): each is a real environment run 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -52,3 +53,15 @@ class Hangs(Base):
         if action.turn >= int(self.options.get("hang_from", 1)):
             time.sleep(float(self.options.get("sleep_s", 30)))
         return EnvStep(observation=f"turn {action.turn} seen")
+
+
+class SlowFirstReset(NeverDone):
+    """The first reset (no file ``opener`` yet) writes its worker's pid there and sleeps a minute; the
+    others are at once: the open a killed worker left unacknowledged is redelivered and answered."""
+
+    def reset(self, task: EnvTask) -> EnvReset:
+        marker = Path(task.options["opener"])
+        if not marker.exists():
+            marker.write_text(str(os.getpid()))
+            time.sleep(60)
+        return super().reset(task)
