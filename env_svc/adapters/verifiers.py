@@ -20,7 +20,8 @@ rollout the environment stopped on its own error (``has_error``) still ends scor
 scores it. ``close`` before the end cancels the rollout, which runs the environment's cleanup.
 
 Environments are loaded by verifiers' own ``vf.load_environment(env_id, **env_args)`` (an installed
-environment module's ``load_environment``) once per process and shared by its episodes, as a
+environment module's ``load_environment``) once per process, in its main thread when the registry is
+imported (``load``: building one installs signal handlers), and shared by its episodes, as a
 verifiers environment serves many rollouts at once. Which ids are offered, with which arguments, is
 the operator's (``LOOM_ENV_VERIFIERS_ENVS``, a JSON object ``{"<name>": {"env_id": ..., "env_args":
 {...}}}``; registered as ``verifiers:<name>``); a request supplies only the task and its ``info``.
@@ -36,6 +37,7 @@ import asyncio
 import concurrent.futures
 import json
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -98,6 +100,7 @@ def settings() -> VerifiersSettings:
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _loaded: dict[str, Any] = {}
+_failed: dict[str, str] = {}  # what went wrong building an environment at start
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
@@ -113,14 +116,43 @@ def event_loop() -> asyncio.AbstractEventLoop:
 
 
 def load(name: str, spec: VerifiersEnvSpec) -> Any:
-    """The environment ``name`` names, loaded by verifiers once per process."""
+    """The environment ``name`` names, loaded by verifiers once per process.
+
+    A verifiers ``Environment`` installs SIGINT and SIGTERM handlers when it is built
+    (``Environment.__post_init__``), which Python allows only in the main thread, and which would
+    replace the host's (a Celery worker's warm shutdown): so environments are built in the main
+    thread, by ``registrations`` when the registry is imported, with the process's own handlers put
+    back after (verifiers' teardown still runs at exit, through its ``atexit`` hook). An environment
+    that failed to build there is refused at reset with the reason."""
     key = f"{name}\n{spec.model_dump_json()}"
     with _lock:
+        if key in _failed:
+            raise RuntimeError(f"verifiers environment {name!r} failed to load: {_failed[key]}")
         if key not in _loaded:
             import verifiers as vf
 
-            _loaded[key] = vf.load_environment(spec.env_id, **spec.env_args)
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError(
+                    f"verifiers environment {name!r} was not loaded at start (it must be built in the main "
+                    "thread: env_svc/adapters/verifiers.py registrations)"
+                )
+            held = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                _loaded[key] = vf.load_environment(spec.env_id, **spec.env_args)
+            finally:
+                for sig, handler in held.items():
+                    signal.signal(sig, handler)
         return _loaded[key]
+
+
+def preload(config: VerifiersSettings) -> None:
+    """Build every registered environment now (the main thread); a failure is kept for its resets."""
+    for name, spec in config.envs.items():
+        try:
+            load(name, spec)
+        except Exception as exc:  # reported by the name's resets, never at import
+            with _lock:
+                _failed[f"{name}\n{spec.model_dump_json()}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -326,6 +358,8 @@ def registrations(config: VerifiersSettings | None = None) -> dict[str, Factory]
     if find_spec("verifiers") is None:
         return {}
     config = config or settings()
+    if threading.current_thread() is threading.main_thread():
+        preload(config)
 
     def factory(name: str) -> Factory:
         return lambda: VerifiersEnvironment(name, config)

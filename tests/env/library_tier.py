@@ -2,13 +2,12 @@
 tests/env/test_skyrl_adapter.py): a real ``loom worker env`` on RabbitMQ in a namespace of its own,
 started from a given interpreter (the side one for verifiers, docs/environments.md "Environment
 libraries"), this process's settings pointed at it; and one agent episode of the real agent mode on
-Loom's tiny model in the real torch engine, its turns written by the test and scored by the model's
-own teacher-forced pass, its environment on that worker."""
+Loom's tiny model in the real torch engine (tests/env/conftest.py), its turns written by the test
+and scored by the model's own teacher-forced pass, its environment on that worker."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,21 +20,10 @@ from loom.clients.env import close_env_client
 from loom.contracts.modes import parse_mode_params
 from loom.contracts.wire import RolloutRequest, SamplingParams, Trajectory
 from loom.formats import ends_with
-from loom.runtime import configure_process
 from rollout_svc.engines.base import Completion
 from rollout_svc.engines.torch import teacher_forced_logprobs
 from rollout_svc.modes.agent import Agent, trajectory
 from tests.conftest import RABBITMQ_URL, REDIS_RESULTS_URL, SESSION_ID, BrokerEnv, _reachable, start_worker
-
-
-@pytest.fixture(scope="session")
-def tiny_engine() -> Any:
-    """Loom's tiny checkpoint in the real torch engine (``LOOM_TEST_DEVICE``, default cpu)."""
-    configure_process()
-    from rollout_svc.engines.torch import TorchEngine
-    from zoo.tiny import CHECKPOINT_DIR
-
-    return TorchEngine(CHECKPOINT_DIR, cache_entries=16, device=os.environ.get("LOOM_TEST_DEVICE", "cpu"))
 
 
 @contextmanager

@@ -16,7 +16,7 @@ pytest.importorskip("skyrl_gym", reason="skyrl-gym is installed by deploy/setup.
 
 from env_svc.adapters.skyrl_gym import SkyRLGymEnvironment, SkyRLSettings, registrations  # noqa: E402
 from loom.contracts.envs import EnvAction, EnvTask  # noqa: E402
-from tests.env.library_tier import env_worker, episode, tiny_engine  # noqa: E402, F401
+from tests.env.library_tier import env_worker, episode  # noqa: E402
 
 
 def task(env: str, question: str, label: str | None, **options: object) -> EnvTask:
@@ -119,7 +119,7 @@ def test_library_names_in_the_registry_and_the_contracts() -> None:
             factory_of(name, [])
 
 
-def test_an_agent_episode_in_gsm8k_multi_turn_on_a_real_env_worker(tmp_path: Path, tiny_engine: Any) -> None:  # noqa: F811
+def test_an_agent_episode_in_gsm8k_multi_turn_on_a_real_env_worker(tmp_path: Path, tiny_engine: Any) -> None:
     """Loom's agent mode, the real torch engine, skyrl-gym's GSM8kMultiTurnEnv on ``loom worker env``:
     the env's instruction is the observation the policy reads, its per-turn rewards the turns'."""
     with env_worker(tmp_path):

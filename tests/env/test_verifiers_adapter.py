@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.env.library_tier import env_worker, episode, tiny_engine  # noqa: F401
+from tests.env.library_tier import env_worker, episode
 
 SIDE_PYTHON = Path(sys.prefix) / "side-envs" / "bin" / "python"
 REPO = Path(__file__).resolve().parents[2]
@@ -105,6 +105,11 @@ def test_close_before_the_end_cancels_and_cleans_up(side: dict[str, Any]) -> Non
     assert side["after_close"][1]["reward"] == 1.0
 
 
+def test_an_environment_not_built_at_start_is_refused_off_the_main_thread(side: dict[str, Any]) -> None:
+    assert side["off_main_thread"]["raised"] == "RuntimeError"
+    assert "not loaded at start" in side["off_main_thread"]["message"]
+
+
 def test_unknown_name_and_bad_options_are_refused(side: dict[str, Any]) -> None:
     assert side["unknown_name"]["raised"] == "ValueError" and "'nope'" in side["unknown_name"]["message"]
     assert side["bad_options"]["raised"] == "ValidationError" and "info" in side["bad_options"]["message"]
@@ -113,7 +118,7 @@ def test_unknown_name_and_bad_options_are_refused(side: dict[str, Any]) -> None:
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
-def test_agent_episodes_in_verifiers_envs_on_a_side_env_worker(tmp_path: Path, tiny_engine: Any) -> None:  # noqa: F811
+def test_agent_episodes_in_verifiers_envs_on_a_side_env_worker(tmp_path: Path, tiny_engine: Any) -> None:
     """Loom's agent mode, the real torch engine, a ``loom worker env`` started from the side
     interpreter: the ToolEnv runs the call Loom parsed from the turn, its tool message is the
     observation the policy reads, the rubric's reward the last turn's; then the MultiTurnEnv's own
@@ -130,7 +135,8 @@ def test_agent_episodes_in_verifiers_envs_on_a_side_env_worker(tmp_path: Path, t
     assert tool.meta["stop"] == "env_done" and tool.meta["tool_calls"] == 1
     assert tool.meta["turn_rewards"] == [None, 1.0]
     assert [s.kind for s in tool.segments] == ["turn", "observation", "turn"]
-    assert tool.segments[0].meta["call"]["name"] == "add"
+    assert tool.segments[0].meta["tool_call"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    assert [s.meta.get("reward") for s in tool.segments if s.kind == "turn"] == [None, 1.0]
     obs = tool.segments[1]
     observed = tiny_engine.tokenizer.decode(tool.completion_ids[obs.start : obs.end])
     assert "<tool_response>\n5\n</tool_response>" in observed

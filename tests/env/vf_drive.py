@@ -49,6 +49,23 @@ def closed_early() -> dict[str, Any]:
     return {"steps": steps, "cleaned": vf_envs.CLEANED[before:]}
 
 
+def off_main_thread() -> dict[str, str]:
+    """An environment not built at start cannot be built in a worker thread (verifiers installs
+    signal handlers as it builds one): its reset is refused, saying so."""
+    import threading
+
+    from env_svc.adapters.verifiers import VerifiersSettings
+
+    config = VerifiersSettings(envs={"late": ENVS["calc"]})
+    out: list[dict[str, str]] = []
+    task = EnvTask(environment="verifiers:late", question="q")
+    env = VerifiersEnvironment("late", config)
+    t = threading.Thread(target=lambda: out.append(errors(lambda: env.reset(task))))
+    t.start()
+    t.join()
+    return out[0]
+
+
 def errors(fn: Callable[[], Any]) -> dict[str, str]:
     try:
         fn()
@@ -73,6 +90,7 @@ SCENARIOS: dict[str, Callable[[], Any]] = {
     "guess_out_of_turns": lambda: episode("guess", "Guess my number.", "7", ["1", "2", "3", "4", "5"]),
     "closed_early": closed_early,
     "after_close": lambda: episode("guess", "Guess my number.", "4", ["4"]),
+    "off_main_thread": off_main_thread,
     "unknown_name": lambda: errors(lambda: VerifiersEnvironment("nope")),
     "bad_options": lambda: errors(
         lambda: VerifiersEnvironment("calc").reset(
