@@ -74,7 +74,7 @@ assert version('antlr4-python3-runtime').startswith('4.9.'), version('antlr4-pyt
   fi
 fi
 # Environment libraries (docs/environments.md, "Environment libraries"). skyrl-gym shares this venv
-# (the dev extra; it adds only func_timeout). prime's verifiers 0.2.1 (the last line whose
+# (the envs extra, in dev; it adds only func_timeout). prime's verifiers 0.2.1 (the last line whose
 # MultiTurnEnv / ToolEnv are its main API; 0.4 replaced them) pulls openai-agents, whose websockets<17
 # would downgrade uvicorn's websockets here: a side interpreter like side-verl, .venv/side-envs, holds
 # verifiers and what this venv lacks or holds at another version (no deps: the list is the resolver's
