@@ -21,6 +21,12 @@ class EnvSettings(BaseSettings):
     concurrency: int = Field(
         default=16, ge=1, description="tasks (opens, steps, closes) at once per worker, when -c is not given"
     )
+    result_expires_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="how long an open's or a step's result is kept (read at once by its episode; the "
+        "store's 7-day default is for groups and steps of training)",
+    )
     step_threads: int = Field(
         default=64,
         ge=1,

@@ -29,6 +29,7 @@ from loom.queue import make_celery, queue_name, task_of
 from loom.runtime import Shared
 
 celery_app = make_celery("env")
+celery_app.conf.result_expires = get_env_settings().result_expires_s  # its episode reads it at once
 OWN_QUEUE = f"{queue_name('env', get_settings())}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
 
 

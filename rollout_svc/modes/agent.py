@@ -16,6 +16,11 @@ observation tokens together), ``max_turn_tokens`` (a turn cut by ``sampling.max_
 ``context`` (the model's context is full) or ``deadline`` (the episode's wall time, checked between
 steps; a tool's timeout is bounded by what is left of it).
 
+With ``environment`` (docs/environments.md) every turn is instead a step of that environment on the
+env tier (``loom.clients.env``): its observation is appended the same way, its per-turn reward kept
+in the turn's meta and ``turn_rewards``; ``env_done`` ends the episode when it says done, ``env_lost``
+when its worker is gone.
+
 Bad tool use is an observation, never an exception: a malformed call (``error: malformed tool
 call``), an unknown or disabled tool, a tool that raises, one that runs past ``tool_timeout_s`` (its
 thread is left to finish; the episode goes on) and an output over ``max_observation_tokens``

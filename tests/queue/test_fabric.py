@@ -54,10 +54,10 @@ def test_ping_round_trip_through_every_queue(broker_env, loom_worker):
     for service, result in results.items():
         value = result.get(timeout=30, interval=0.05)
         assert value["service"] == service
-        # the task ran in that service's own worker: in a prefork child, or (the rollout, reward and
-        # sandbox workers' threads pool) in the worker process itself
+        # the task ran in that service's own worker: in a prefork child, or (the rollout, reward,
+        # sandbox and env workers' threads pool) in the worker process itself
         owner = next(w for w in workers if w.service == service)
-        threads = service in ("rollout", "reward", "sandbox")
+        threads = service in ("rollout", "reward", "sandbox", "env")
         assert value["pid"] in ([owner.pid] if threads else owner.children())
     assert queue_depths(app) == {service: 0 for service in QUEUES}
 
