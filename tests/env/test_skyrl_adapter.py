@@ -113,6 +113,11 @@ def test_library_names_in_the_registry_and_the_contracts() -> None:
     assert isinstance(factory_of("skyrl:gsm8k", [])(), SkyRLGymEnvironment)
     assert known_environment("skyrl:gsm8k", []) and known_environment("verifiers:calc", [])
     assert not known_environment("skyrl:no such", [])
+    from loom.contracts.modes import AgentParams
+
+    assert AgentParams(environment="verifiers:calc").environment == "verifiers:calc"  # the request check
+    with pytest.raises(ValidationError, match="unknown environment"):
+        AgentParams(environment="skyrl:../x")
     for name in ("skyrl:lcb", "verifiers:calc"):  # not offered / not this interpreter's library
         assert name not in REGISTRY
         with pytest.raises(UnknownEnvironment, match="not served here"):
