@@ -73,6 +73,44 @@ assert version('antlr4-python3-runtime').startswith('4.9.'), version('antlr4-pyt
     echo "deploy/setup.sh: could not make the verl side interpreter ($side_pins); tests/interop_rollout/test_verl_rollout.py will skip" >&2
   fi
 fi
+# Environment libraries (docs/environments.md, "Environment libraries"). skyrl-gym shares this venv
+# (the envs extra, in dev; it adds only func_timeout). prime's verifiers 0.2.1 (the last line whose
+# MultiTurnEnv / ToolEnv are its main API; 0.4 replaced them) pulls openai-agents, whose websockets<17
+# would downgrade uvicorn's websockets here: a side interpreter like side-verl, .venv/side-envs, holds
+# verifiers and what this venv lacks or holds at another version (no deps: the list is the resolver's
+# answer against this venv), with a .pth appending this venv's site-packages. An env worker that
+# serves verifiers names runs from it; where it cannot be made, tests/env/test_verifiers_adapter.py
+# skips and says so.
+envs_side=.venv/side-envs
+envs_pins="verifiers==0.2.1 mcp==1.30.0 aiolimiter==1.3.0 anthropic==2.16.0 docstring_parser==0.18.0
+  gepa==0.1.4 httpx-sse==0.4.3 loguru==0.7.3 openai-agents==0.24.0 griffelib==2.4.1 websockets==16.1.1
+  prime-pydantic-config==0.4.3 prime-sandboxes==0.5.1 connectrpc==0.11.1 protobuf-py==0.1.1
+  protobuf-py-ext==0.1.1 aiofiles==25.1.0 prime-tunnel==0.1.15 PyJWT==2.15.1 pyqwest==0.12.0
+  pyzmq==27.3.0 renderers==0.1.12 openai-harmony==0.0.8 setproctitle==1.3.8 sse-starlette==3.7.1
+  tenacity==9.2.1 tomli_w==1.2.0 tiktoken==0.14.0 tomli==2.5.0"
+envs_ok() {
+  [ -x "$envs_side/bin/python" ] && "$envs_side/bin/python" - "$side_pth" <<'PY' 2>/dev/null
+import pathlib, sys, sysconfig
+from importlib.metadata import version
+pth = pathlib.Path(sysconfig.get_paths()["purelib"]) / "loom-main-venv.pth"
+assert pth.read_text().strip() == sys.argv[1]
+assert version("verifiers") == "0.2.1" and version("websockets") == "16.1.1"
+import verifiers, skyrl_gym, loom  # noqa: F401  (skyrl_gym and loom from the main venv)
+assert verifiers.MultiTurnEnv and verifiers.ToolEnv
+PY
+}
+if ! envs_ok; then
+  rm -rf "$envs_side"
+  if .venv/bin/python -m venv --without-pip "$envs_side" \
+    && .venv/bin/python -m pip --python "$envs_side/bin/python" install -q --no-deps $envs_pins \
+    && envs_sp=$("$envs_side/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+    && printf '%s\n' "$side_pth" >"$envs_sp/loom-main-venv.pth" && envs_ok; then
+    :
+  else
+    rm -rf "$envs_side"
+    echo "deploy/setup.sh: could not make the environment-library side interpreter ($envs_side); tests/env/test_verifiers_adapter.py will skip" >&2
+  fi
+fi
 # issue 28: tests/web drive Debian's chromium headless with playwright (dev extra); never
 # `playwright install`, which downloads a browser of its own. Installed only where it is missing.
 if [ ! -x /usr/bin/chromium ]; then

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import importlib
 
+from env_svc.adapters import skyrl_gym, verifiers
 from env_svc.base import Factory
 from env_svc.countdown import CountdownEnv
 from env_svc.python import PythonEnv
-from loom.contracts.modes import ENVIRONMENTS, known_environment
+from loom.contracts.modes import ENVIRONMENTS, LIBRARIES, known_environment
 
 REGISTRY: dict[str, Factory] = {"countdown": CountdownEnv, "python": PythonEnv}
 assert set(ENVIRONMENTS) <= set(REGISTRY), "every built-in name of the contracts has its factory"
@@ -38,7 +39,15 @@ def factory_of(name: str, modules: list[str]) -> Factory:
     if ":" not in name or not known_environment(name, modules):
         raise UnknownEnvironment(f"unknown environment {name[:128]!r}; registered: {sorted(REGISTRY)}")
     module, _, attr = name.partition(":")
+    if module in LIBRARIES:  # an adapter's name this interpreter did not register (env_svc/adapters/)
+        raise UnknownEnvironment(
+            f"environment {name[:128]!r} is not served here; registered: {sorted(REGISTRY)}"
+        )
     found = getattr(importlib.import_module(module), attr, None)
     if not callable(found):
         raise UnknownEnvironment(f"{module} has no environment factory {attr!r}")
     return found  # type: ignore[no-any-return]
+
+
+REGISTRY.update(skyrl_gym.registrations())  # skyrl:<id>, where skyrl-gym is installed
+REGISTRY.update(verifiers.registrations())  # verifiers:<name>, in the side interpreter (.venv/side-envs)

@@ -436,11 +436,13 @@ def start_worker(
     name: str | None = None,
     ready_timeout: float = READY_S,
     wait: bool = True,
+    python: str | None = None,
 ) -> Worker:
-    """Start ``loom worker <service>`` with ``benv``'s environment and wait until it is ready."""
+    """Start ``loom worker <service>`` with ``benv``'s environment and wait until it is ready
+    (``python``: another interpreter than this one, e.g. a side venv's; docs/environments.md)."""
     name = name or f"{service}-{uuid.uuid4().hex[:6]}"
     log_path = benv.tmp / f"worker-{name}.log"
-    argv = [sys.executable, "-m", "launch.cli", "worker", service, "-c", str(concurrency), *args]
+    argv = [python or sys.executable, "-m", "launch.cli", "worker", service, "-c", str(concurrency), *args]
     argv += ["-n", f"{name}@%h"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

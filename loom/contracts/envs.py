@@ -18,6 +18,7 @@ from pydantic import Field
 
 # the built-in names and their check live beside the agent's tools; re-exported for the tier
 from loom.contracts.modes import ENVIRONMENTS as ENVIRONMENTS
+from loom.contracts.modes import LIBRARIES as LIBRARIES
 from loom.contracts.modes import known_environment as known_environment
 from loom.contracts.wire import Contract
 

@@ -272,10 +272,17 @@ MAX_ENV_OPTIONS_CHARS = 65_536
 ENVIRONMENTS: tuple[str, ...] = ("countdown", "python")
 
 
+# environment libraries' names, ``<library>:<name>``, each registered by the env workers whose
+# interpreter has the library (env_svc/adapters/; docs/environments.md "Environment libraries")
+LIBRARIES: tuple[str, ...] = ("verifiers", "skyrl")
+
+
 def known_environment(name: str, modules: list[str]) -> bool:
-    """Whether an env worker can open ``name``: a built-in, or ``module:factory`` of a listed module."""
+    """Whether an env worker can open ``name``: a built-in, ``module:factory`` of a listed module, or
+    ``<library>:<name>`` of an environment library's adapter."""
     module, _, factory = name.partition(":")
-    return name in ENVIRONMENTS or (bool(factory) and module in modules and factory.isidentifier())
+    listed = module in modules or module in LIBRARIES
+    return name in ENVIRONMENTS or (bool(factory) and listed and factory.isidentifier())
 
 
 AGENT_TOOLS = ("calculator", "countdown_check")  # rollout_svc.modes.agent.TOOLS: the built-in registry
