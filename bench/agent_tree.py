@@ -20,7 +20,8 @@ Printed per strategy and seed, summed over the prompts:
 The mean and standard deviation over the ``--seeds`` (default three) close each strategy's rows.
 
     python bench/agent_tree.py [--prompts 6] [--seeds 0,1,2] [--initial 2] [--iterations 2]
-                               [--max-tokens 160] [--temperature 1.0] [--out FILE.md]
+                               [--max-tokens 160] [--temperature 1.0] [--strategies entropy,turn]
+                               [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--model", default="search")
+    p.add_argument("--strategies", default="entropy,turn")
     p.add_argument("--out", default=None, help="append the table to this markdown file")
     a = p.parse_args()
     configure_process()
@@ -131,7 +133,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|"
     )
     lines, t0 = [head], time.perf_counter()
-    for strategy in ("entropy", "turn"):
+    for strategy in a.strategies.split(","):
         per = [one_seed(engine, problems, strategy, s, a) for s in seeds]
         lines += [row(f"{strategy} / {s}", r) for s, r in zip(seeds, per, strict=True)]
         ratios = [r["tree_tok"] / r["eq_tok"] for r in per]
