@@ -8,6 +8,8 @@ generated completion tokens (``tokens``), per rollout request (one group):
 - plain: n trajectories of at most ``max_tokens``;
 - tree (TreeRL's EPTree): ``initial`` trees of 1 + ``iterations`` x ``branches`` x ``continuations``
   paths each, every path at most ``max_tokens`` (its copied prefix and its continuation);
+- agent_tree: ``initial`` episode trees of 1 + ``iterations`` x ``branches`` x ``continuations``
+  episodes each, every episode bounded as agent's (its copied prefix and its continuation);
 - spawn (APR): n rollouts, each a parent and its children: ``max_children`` per spawn block down to
   ``max_depth`` levels (one block per call; a call that spawns again spends tokens, which the token
   bound covers), at most ``max_total_tokens`` over the rollout's calls;
@@ -34,6 +36,7 @@ from gateway.quotas import Cost
 from loom.contracts.jobs import TaskItem
 from loom.contracts.modes import (
     AgentParams,
+    AgentTreeParams,
     ModeLimits,
     ModeParams,
     SpawnParams,
@@ -54,6 +57,9 @@ def per_sample(params: ModeParams, max_tokens: int) -> tuple[int, int]:
         children = sum(params.max_children**d for d in range(1, params.max_depth + 1))
         tokens = min(params.max_total_tokens, max_tokens + children * params.child_max_tokens)
         return 1 + children, tokens
+    if isinstance(params, AgentTreeParams):  # agent's bound per episode, tree's count of episodes
+        paths = params.initial * (1 + params.iterations * params.branches * params.continuations)
+        return paths, paths * min(params.max_turns * max_tokens, params.max_total_tokens)
     if isinstance(params, AgentParams):  # every turn its full budget, within the episode's bound
         return 1, min(params.max_turns * max_tokens, params.max_total_tokens)
     if isinstance(params, StreamingParams):
@@ -66,7 +72,7 @@ def group_budget(request: RolloutRequest, limits: ModeLimits | None = None) -> C
     """The worst case of one rollout request (one group) in trajectories and generated tokens."""
     params = mode_params_of(request, limits)
     samples, tokens = per_sample(params, request.sampling.max_tokens)
-    if isinstance(params, TreeParams):
+    if isinstance(params, TreeParams | AgentTreeParams):
         return Cost(samples, tokens)
     n = request.sampling.n
     return Cost(n * samples, n * tokens)

@@ -22,6 +22,7 @@ from loom.contracts.modes import AGENT_TOOLS, ModeParams
 from loom.contracts.wire import Mode
 
 Leaves = Literal["subtree", "spread"]
+TREES = ("tree", "agent_tree")  # the modes whose groups are trees (agent_tree: a tree of episodes)
 
 
 def pick_leaves(group: RolloutGroup, n: int, leaves: Leaves = "subtree") -> list[RolloutSample]:
@@ -59,7 +60,7 @@ def trainer_samples(
     ``leaves``: which of a tree's leaves (``pick_leaves``)."""
     if group.group is None:
         raise ValueError(f"prompt {group.index} came back without a group")
-    if mode == "tree":
+    if mode in TREES:
         return pick_leaves(group, n, leaves)
     roots = [s for s in group.samples if s.trajectory.parent_id is None]
     if len(roots) < n or (exact and len(roots) != n):
@@ -83,7 +84,7 @@ def check_tree_initial(mode: Mode, mode_params: Mapping[str, Any], n: int, what:
     """Refuse, before the job, a tree that starts from fewer responses than the ``n`` rows it must
     fill (``what`` names the trainer's own setting of ``n`` in the message)."""
     initial = mode_params.get("initial")
-    if mode == "tree" and initial is not None and int(initial) < n:
+    if mode in TREES and initial is not None and int(initial) < n:
         raise ValueError(f"tree mode_params.initial={initial} < {what}={n}: too few leaves")
 
 

@@ -291,14 +291,15 @@ AGENT_TOOLS = ("calculator", "countdown_check")  # rollout_svc.modes.agent.TOOLS
 class AgentParams(ModeParams):
     """agent (docs/algorithms.md §2.5): multi-turn tool use, token-in/token-out. ``parser`` names the
     tool-call format (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as the
-    Qwen2.5/Qwen3 templates write it; ``function``: ``<call>name(argument)</call>``); ``tools`` the
+    Qwen2.5/Qwen3 templates write it; ``function``: ``<call>name(argument)</call>``; ``inline``:
+    Toolformer's calculator, a turn ending ``7-3=`` calls it and its bare result follows); ``tools`` the
     enabled names of the built-in registry (a request never supplies code or URLs). A turn's budget is
     the request's ``sampling.max_tokens``; ``max_total_tokens`` bounds policy and observation tokens
     together; ``deadline_s`` the episode's wall time, ``tool_timeout_s`` one tool call's."""
 
     max_turns: int = Field(8, ge=1, le=64)
     max_total_tokens: int = Field(8192, ge=1, le=MAX_TOKENS)
-    parser: Literal["hermes", "function"] = "hermes"
+    parser: Literal["hermes", "function", "inline"] = "hermes"
     tools: list[str] = Field(default_factory=lambda: list(AGENT_TOOLS), min_length=1, max_length=16)
     deadline_s: float = Field(120.0, gt=0, le=3600)
     tool_timeout_s: float = Field(5.0, gt=0, le=60)
@@ -325,6 +326,39 @@ class AgentParams(ModeParams):
             raise ValueError(f"unknown environment {self.environment!r}; built-in: {list(ENVIRONMENTS)}")
         if len(json.dumps(self.env_options, default=str)) > MAX_ENV_OPTIONS_CHARS:
             raise ValueError(f"env_options longer than {MAX_ENV_OPTIONS_CHARS} characters as JSON")
+        return self
+
+
+class AgentTreeParams(AgentParams):
+    """agent_tree (docs/algorithms.md §2.6; TreeRL's EPTree over agent episodes): the agent's
+    parameters, and where its episodes branch. ``initial`` episodes (default ``sampling.n`` when n > 1,
+    else 6) are each branched at ``branches`` points per round (``iterations`` rounds) into
+    ``continuations`` children that continue from the parent's exact ids: ``strategy`` ``turn``
+    branches at the start of a turn that follows an observation, ``entropy`` at the policy tokens with
+    the highest -log-prob inside a turn (TreeRL's rule: never the first token, nothing from a
+    stop word on). A stateful environment cannot be forked (its state is not in the ids)."""
+
+    initial: int = Field(ge=1, le=256)
+    branches: int = Field(2, ge=0, le=64)
+    continuations: int = Field(2, ge=1, le=64)
+    iterations: int = Field(1, ge=1, le=8)
+    strategy: Literal["turn", "entropy"] = "entropy"
+    min_distance: int = Field(8, ge=0, le=MAX_TOKENS)
+    entropy_stop_words: list[str] = Field(default_factory=lambda: ["answer", "conclusion"])
+    train_prefix: bool = True
+
+    @classmethod
+    def request_defaults(cls, ctx: _Context) -> dict[str, Any]:
+        n = ctx.sampling.n
+        return {"initial": n if n > 1 else 6}
+
+    @model_validator(mode="after")
+    def _no_environment(self) -> AgentTreeParams:
+        if getattr(self, "environment", None) is not None:
+            raise ValueError(
+                "mode_params.environment cannot branch: an environment's state is not in the episode's "
+                "ids, so a child cannot continue from its parent's (use mode agent)"
+            )
         return self
 
 
@@ -360,6 +394,7 @@ MODE_PARAMS: dict[str, type[ModeParams]] = {
     "tree": TreeParams,
     "spawn": SpawnParams,
     "agent": AgentParams,
+    "agent_tree": AgentTreeParams,
 }
 
 

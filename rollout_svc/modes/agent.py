@@ -46,7 +46,15 @@ from pydantic import ValidationError
 from loom.clients.env import EnvSession, get_env_client
 from loom.contracts.envs import MAX_ACTION_CHARS, EnvTask
 from loom.contracts.modes import AgentParams
-from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, SegmentKind, Trajectory
+from loom.contracts.wire import (
+    FinishReason,
+    Group,
+    RolloutRequest,
+    SamplingParams,
+    Segment,
+    SegmentKind,
+    Trajectory,
+)
 from loom.exact import check_countdown
 from loom.formats import MarkerError, encode_with_markers, ends_with, marker_ids
 from rollout_svc.engines.base import Completion, Engine
@@ -70,6 +78,8 @@ SYNTAXES: dict[str, Syntax] = {
     "hermes": Syntax("<tool_call>", "</tool_call>", "\n<tool_response>\n{output}\n</tool_response>\n"),
     # a plain call: <call>calculator(2+3)</call>; the argument is the tool's input text, or a JSON object
     "function": Syntax("<call>", "</call>", "\n<result>{output}</result>\n"),
+    # Toolformer's inline calculator: a turn ending "7-3=" calls calculator("7-3"), the result follows
+    "inline": Syntax("", "=", "{output}"),
 }
 
 
@@ -81,6 +91,7 @@ class ToolCall:
 
 MALFORMED = "error: malformed tool call"
 _FUNCTION = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]{0,63})\((.*)\)\s*", re.DOTALL)
+_INLINE = re.compile(r"[0-9.+\-*/()]+\Z")
 
 
 def parse_call(text: str, parser: str) -> ToolCall | None:
@@ -90,6 +101,9 @@ def parse_call(text: str, parser: str) -> ToolCall | None:
     if not body.endswith(syntax.call_close):
         return None
     body = body[: -len(syntax.call_close)]
+    if parser == "inline":  # the arithmetic written just before the "="
+        m = _INLINE.search(body)
+        return None if m is None else ToolCall("calculator", {"expression": m.group(0)})
     start = body.rfind(syntax.call_open)
     if start < 0:
         return None
@@ -293,10 +307,11 @@ class Agent:
         self.engine, self.tokenizer, self.cfg, self.sampling = engine, tokenizer, cfg, request.sampling
         self.request = request
         self.syntax = SYNTAXES[cfg.parser]
-        self.markers = [self.syntax.call_open, self.syntax.call_close]
+        self.markers = [m for m in (self.syntax.call_open, self.syntax.call_close) if m]
         try:
             self.close_ids = marker_ids(tokenizer, self.syntax.call_close)
-            marker_ids(tokenizer, self.syntax.call_open)
+            for m in self.markers:
+                marker_ids(tokenizer, m)
         except MarkerError as exc:
             raise ModeError(f"agent: {exc}") from None
         self.by_ids = len(self.close_ids) == 1 or "stop_sequences" in engine.capabilities
@@ -308,20 +323,24 @@ class Agent:
         """The engine's turn: decode until the call's close tag (its canonical ids) or the end."""
 
         async def turn(ids: list[int], max_tokens: int, k: int) -> Completion:
-            close = self.close_ids
-            params = self.sampling.model_copy(
-                update={
-                    "n": 1,
-                    "max_tokens": max_tokens,
-                    "stop": [] if self.by_ids else [self.syntax.call_close],
-                    "stop_token_ids": close if len(close) == 1 else [],
-                    "stop_token_sequences": [close] if len(close) > 1 and self.by_ids else [],
-                    "seed": sample_seed(self.sampling.seed, seed_key, k),
-                }
-            )
+            params = self.turn_params(max_tokens, sample_seed(self.sampling.seed, seed_key, k))
             return (await self.engine.generate(ids, params))[0]
 
         return turn
+
+    def turn_params(self, max_tokens: int, seed: int | None, n: int = 1) -> SamplingParams:
+        """A turn's sampling: the request's, stopped at the call's close tag (its canonical ids)."""
+        close = self.close_ids
+        return self.sampling.model_copy(
+            update={
+                "n": n,
+                "max_tokens": max_tokens,
+                "stop": [] if self.by_ids else [self.syntax.call_close],
+                "stop_token_ids": close if len(close) == 1 else [],
+                "stop_token_sequences": [close] if len(close) > 1 and self.by_ids else [],
+                "seed": seed,
+            }
+        )
 
     def observation(self, obs: Observation) -> tuple[list[int], Observation]:
         """The observation's ids: its text (cut to ``max_observation_tokens``, marked) in the fixed

@@ -237,6 +237,8 @@ def test_work_that_would_fail_in_every_worker_is_422_at_submission(client: TestC
         ({**job, "mode": "agent", "mode_params": {"tools": ["shell"]}}, ["body", "mode_params"]),
         ({**job, "mode": "agent", "mode_params": {"environment": "nosuch"}}, ["body", "mode_params"]),
         ({**job, "mode": "agent", "mode_params": {"env_options": {"a": 1}}}, ["body", "mode_params"]),
+        ({**job, "mode": "agent_tree", "mode_params": {"strategy": "x"}}, ["body", "mode_params"]),
+        ({**job, "mode": "agent_tree", "mode_params": {"environment": "e"}}, ["body", "mode_params"]),
         (
             {"job_key": "k", "tasks": [{"prompt": "p"}, {"prompt": "q", "mode_params": {"x": 1}}]},
             ["body", "tasks", 1, "mode_params"],

@@ -1,0 +1,371 @@
+"""agent_tree (docs/algorithms.md §2.6): TreeRL's tree search over agent episodes.
+
+``initial`` agent episodes (rollout_svc/modes/agent.py: policy turns and tool observations on one
+running id sequence) are sampled; then, for ``iterations`` rounds, ``branches`` points per tree are
+picked over all its paths and each is continued ``continuations`` times (one engine call with n = T
+from the exact prefix, so a prefix-caching engine computes only the new tokens), every child going on
+as an episode of its own: its later turns, tool calls and observations are its own.
+
+- **Branch points** (``strategy``): ``turn``, the start of a turn that follows an observation (the
+  policy's first decision after a tool answered), most uncertain first (the highest -log-prob of the
+  turn's first token); ``entropy`` (TreeRL), the policy tokens with the highest -log-prob inside any
+  turn, never the first token of the episode, nothing from the first stop word (``"answer"``,
+  ``"conclusion"``) on. Both never pick an observation token, a point already taken, or a point
+  within ``min_distance`` of another on the same path (tree mode's ``spaced_points``).
+- **Exact prefixes**: a child's completion is the parent's ids up to the branch point + its own;
+  nothing is re-tokenized. A point inside a turn continues that turn (the turn's call is parsed from
+  the whole turn, prefix included); the tool observations of the shared prefix are the parent's,
+  computed once.
+- **The tree**: every path is a trajectory (``parent_id`` the path it branched from); ``Group.tree``
+  holds the nodes (a path's spans cut at its branch points, the first hanging from the parent's node
+  that ends at the branch point: tree mode's shape), and every trajectory carries a ``tree_node``
+  segment per node on its path beside its ``turn`` and ``observation`` segments, so §5.1 ``treerl``
+  (loom/treerl.py) computes node advantages over the episodes. Observation tokens keep loss mask 0;
+  the copied prefix is trained (``train_prefix``).
+- **Environments**: an environment's state is not in the ids, so an episode on one cannot be forked;
+  ``mode_params.environment`` is refused (AgentTreeParams).
+
+The group reports the policy tokens the tree generated against those its leaves hold (what sampling
+each leaf from scratch would decode) and the tool calls it ran against those its leaves hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom.contracts.modes import AgentTreeParams
+from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, Trajectory, TreeNode
+from loom.formats import ends_with
+from rollout_svc.engines.base import Completion, Engine
+from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
+from rollout_svc.modes.agent import Agent, Episode, parse_call, run_tool
+from rollout_svc.modes.tree import Point, entropy_mask, entropy_ranked, spaced_points
+
+# a branch call's seed round: past every turn number (AgentParams.max_turns <= 64)
+BRANCH_ROUND = 64
+
+
+@dataclass
+class _Path:
+    """One episode of a tree: a root (``start`` 0) or a child continuing ``parent``'s first ``start``
+    completion tokens."""
+
+    tid: str
+    index: int  # position among the group's paths: its turns' seeds
+    tree: int
+    ep: Episode
+    start: int = 0
+    parent: _Path | None = None
+    iteration: int = 0
+    branch_index: int = 0
+    seconds: float = 0.0
+    cuts: list[int] = field(default_factory=list)  # its own branch points, in the order taken
+
+
+def prefix_of(ep: Episode, b: int) -> tuple[Episode, list[int], list[float]]:
+    """``ep`` cut at completion offset ``b``: the finished segments before it, and the turn ``b`` falls
+    inside (its tokens before ``b``: the head a child's first turn continues; empty at a turn start)."""
+    inside = next((s for s in ep.segments if s.start < b < s.end), None)
+    if inside is not None and inside.kind != "turn":
+        raise ValueError(f"branch point {b} is inside an {inside.kind} segment")
+    cut = b if inside is None else inside.start
+    segs = [s.model_copy(deep=True) for s in ep.segments if s.end <= cut]
+    child = Episode(
+        ids=ep.ids[:cut],
+        logprobs=ep.logprobs[:cut],
+        mask=ep.mask[:cut],
+        segments=segs,
+        turns=sum(s.kind == "turn" for s in segs),
+        tool_calls=sum(s.kind == "observation" for s in segs),
+    )
+    return child, ep.ids[cut:b], ep.logprobs[cut:b]
+
+
+@dataclass
+class _Walker:
+    """One group's episodes: the agent's pieces (parser, tools, observations, turn sampling) and the
+    loop that runs an episode from any state: a fresh one, or a child's copied prefix."""
+
+    agent: Agent
+    prompt_ids: list[int]
+    cfg: AgentTreeParams
+
+    def budget(self, ep: Episode, head: list[int]) -> tuple[int, str]:
+        """The next turn's token budget (``head``: the tokens the turn already has) and what bounds it."""
+        left = self.cfg.max_total_tokens - len(ep.ids) - len(head)
+        turn = self.agent.sampling.max_tokens - len(head)
+        budget, why = min((turn, "max_turn_tokens"), (left, "max_total_tokens"))
+        room = self.agent.engine.room(self.prompt_ids + ep.ids + head)
+        if room is not None and room < budget:
+            budget, why = room, "context"
+        return budget, why
+
+    async def sample(
+        self, ep: Episode, head: list[int], budget: int, seed: int | None, n: int
+    ) -> list[Completion]:
+        params = self.agent.turn_params(budget, seed, n)
+        return await self.agent.engine.generate(self.prompt_ids + ep.ids + head, params)
+
+    async def walk(
+        self,
+        ep: Episode,
+        key: int,
+        first: Completion | None = None,
+        head: tuple[list[int], list[float]] = ([], []),
+        why: str = "max_turn_tokens",
+    ) -> Episode:
+        """Run ``ep`` to its end (agent.py's loop); ``first``: its next turn's continuation, already
+        sampled (a branch's), after the turn's ``head``."""
+        cfg, deadline = self.cfg, time.monotonic() + self.cfg.deadline_s
+        while True:
+            if ep.turns >= cfg.max_turns:
+                ep.end("max_turns", "length")
+                return ep
+            if time.monotonic() >= deadline:
+                ep.end("deadline", "abort")
+                return ep
+            if first is None:
+                budget, why = self.budget(ep, head[0])
+                if budget <= 0:
+                    ep.end(why, "length")
+                    return ep
+                seed = sample_seed(self.agent.sampling.seed, key, ep.turns)
+                first = (await self.sample(ep, head[0], budget, seed, 1))[0]
+            c, first = first, None
+            ep.turns += 1
+            if not await self.after_turn(ep, head[0] + c.token_ids, head[1] + c.logprobs, c, why, deadline):
+                return ep
+            head = ([], [])
+
+    async def after_turn(
+        self, ep: Episode, ids: list[int], logprobs: list[float], c: Completion, why: str, deadline: float
+    ) -> bool:
+        """Append the turn; run its call and append the observation. False: the episode ended."""
+        cfg, agent = self.cfg, self.agent
+        called = c.finish_reason == "stop" and ends_with(ids, agent.close_ids)
+        call = (
+            parse_call(agent.tokenizer.decode(ids, skip_special_tokens=False), cfg.parser) if called else None
+        )
+        meta: dict[str, Any] = {
+            "tool_call": None if call is None else {"name": call.name, "arguments": call.arguments},
+            "status": "no_tool_call" if not called else ("ok" if call is not None else "malformed"),
+        }
+        ep.append(ids, logprobs, 1, "turn", meta)
+        stop: tuple[str, FinishReason] | None = None
+        if not called:
+            stop = ("no_tool_call", "stop") if c.finish_reason == "stop" else (why, "length")
+        elif ep.turns >= cfg.max_turns:
+            stop = ("max_turns", "length")
+        elif deadline - time.monotonic() <= 0:
+            stop = ("deadline", "abort")
+        if stop is not None:
+            ep.end(*stop)
+            return False
+        obs = await run_tool(call, cfg.tools, min(cfg.tool_timeout_s, deadline - time.monotonic()))
+        obs_ids, obs = agent.observation(obs)
+        ep.tool_calls += 1
+        ep.segments[-1].meta["status"] = obs.status
+        if len(obs_ids) > cfg.max_total_tokens - len(ep.ids):
+            ep.end("max_total_tokens", "length")
+            return False
+        meta = {"tool": None if call is None else call.name, "status": obs.status, "truncated": obs.truncated}
+        ep.append(obs_ids, [0.0] * len(obs_ids), 0, "observation", meta)
+        return True
+
+
+def _candidates(p: _Path, cfg: AgentTreeParams, texts: list[str]) -> list[tuple[float, int]]:
+    """(log-prob, position) of ``p``'s own eligible branch points (module docstring)."""
+    ep, out = p.ep, []
+    if cfg.strategy == "turn":
+        for s in ep.segments:
+            if s.kind == "turn" and s.index > 0 and s.start > p.start and s.start < len(ep.ids):
+                out.append((ep.logprobs[s.start], s.start))
+        return out
+    ok = entropy_mask(texts, cfg.entropy_stop_words)
+    for s in ep.segments:
+        if s.kind == "turn":
+            out += [(ep.logprobs[i], i) for i in range(max(s.start, p.start + 1), s.end) if ok[i]]
+    return out
+
+
+def pick(paths: Sequence[_Path], cfg: AgentTreeParams, tokenizer: Any) -> list[tuple[_Path, int]]:
+    """One round's branch points of one tree, pooled over its paths, most uncertain first, spaced."""
+    scored: list[tuple[Any, float, int]] = []
+    for k, p in enumerate(paths):
+        texts = [tokenizer.decode([t], skip_special_tokens=False) for t in p.ep.ids]
+        scored += [(k, lp, i) for lp, i in _candidates(p, cfg, texts) if i not in p.cuts]
+    ranked: list[Point] = entropy_ranked(scored)
+    taken = {k: list(p.cuts) for k, p in enumerate(paths)}
+    picked = spaced_points(ranked, cfg.branches, cfg.min_distance, taken)
+    return [(paths[k], b) for k, b in sorted(picked)]
+
+
+@dataclass
+class _Forest:
+    """One prompt's trees: the walker, the group's paths, and the rounds that grow them."""
+
+    walker: _Walker
+    group_id: str
+    paths: list[_Path] = field(default_factory=list)
+
+    async def roots(self, m: int) -> None:
+        t0 = time.perf_counter()
+        eps = await asyncio.gather(*(self.walker.walk(Episode(), i) for i in range(m)))
+        dt = time.perf_counter() - t0
+        self.paths = [
+            _Path(trajectory_id(self.group_id, i), i, i, ep, seconds=dt) for i, ep in enumerate(eps)
+        ]
+
+    async def grow(self) -> None:
+        cfg = self.walker.cfg
+        trees: dict[int, list[_Path]] = {p.tree: [p] for p in self.paths}
+        for it in range(cfg.iterations):
+            jobs: list[Awaitable[list[_Path]]] = []
+            for tree_paths in trees.values():
+                for p, b in pick(tree_paths, cfg, self.walker.agent.tokenizer):
+                    index = len(self.paths) + cfg.continuations * len(jobs)  # its children's seeds
+                    jobs.append(self.branch(p, len(p.cuts), b, it + 1, index))
+                    p.cuts.append(b)
+            if not jobs:
+                return
+            for children in await asyncio.gather(*jobs):
+                for child in children:
+                    self.paths.append(child)
+                    trees[child.tree].append(child)
+
+    async def branch(self, p: _Path, k: int, b: int, iteration: int, index: int) -> list[_Path]:
+        """T children of ``p`` at ``b``: one engine call from the exact prefix, then each its own episode."""
+        walker, t0 = self.walker, time.perf_counter()
+        ep, head, head_lp = prefix_of(p.ep, b)
+        budget, why = walker.budget(ep, head)
+        if budget <= 0:
+            return []
+        seed = sample_seed(walker.agent.sampling.seed, p.index, BRANCH_ROUND + k)
+        firsts = await walker.sample(ep, head, budget, seed, walker.cfg.continuations)
+        eps = await asyncio.gather(
+            *(
+                walker.walk(prefix_of(p.ep, b)[0], index + j, c, (head, head_lp), why)
+                for j, c in enumerate(firsts)
+            )
+        )
+        dt = time.perf_counter() - t0
+        return [
+            _Path(f"{p.tid}.b{k}.{j}", index + j, p.tree, e, b, p, iteration, k, dt)
+            for j, e in enumerate(eps)
+        ]
+
+
+def tree_nodes(paths: Sequence[_Path]) -> tuple[list[TreeNode], dict[tuple[str, int], str]]:
+    """The nodes (tree mode's shape) and (path, end offset) -> node id."""
+    nodes: list[TreeNode] = []
+    node_at: dict[tuple[str, int], str] = {}
+    for p in paths:
+        bounds = [p.start, *sorted(p.cuts), len(p.ep.ids)]
+        parent = None if p.parent is None else node_at[(p.parent.tid, p.start)]
+        for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            node = TreeNode(id=f"{p.tid}:{d}", parent=parent, trajectory_id=p.tid, start=a, end=b)
+            nodes.append(node)
+            node_at[(p.tid, b)] = node.id
+            parent = node.id
+    return nodes, node_at
+
+
+def node_segments(nodes: list[TreeNode], node_at: dict[tuple[str, int], str], p: _Path) -> list[Segment]:
+    """``p``'s ``tree_node`` segments: one per non-empty node on its path, root first."""
+    by_id = {n.id: n for n in nodes}
+    path: list[TreeNode] = []
+    cur: str | None = node_at[(p.tid, len(p.ep.ids))]
+    while cur is not None:
+        path.append(by_id[cur])
+        cur = by_id[cur].parent
+    return [
+        Segment(kind="tree_node", start=n.start, end=n.end, index=d, meta={"node": n.id})
+        for d, n in enumerate(reversed(path))
+        if n.end > n.start
+    ]
+
+
+def policy_tokens(ep: Episode, start: int = 0) -> int:
+    """The policy's tokens of ``ep`` from ``start`` on (its turns'; observations are the tools')."""
+    return sum(max(0, s.end - max(s.start, start)) for s in ep.segments if s.kind == "turn")
+
+
+def trajectory_of(
+    p: _Path, group_id: str, prompt_ids: list[int], engine: Engine, cfg: AgentTreeParams
+) -> Trajectory:
+    ep = p.ep
+    mask = list(ep.mask)
+    if p.parent is not None and not cfg.train_prefix:
+        mask[: p.start] = [0] * p.start
+    meta: dict[str, Any] = {"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop}
+    if p.parent is not None:
+        meta |= {"branch_point": p.start, "branch_index": p.branch_index, "strategy": cfg.strategy}
+        meta |= {"iteration": p.iteration}
+    return Trajectory(
+        id=p.tid,
+        group_id=group_id,
+        prompt_ids=list(prompt_ids),
+        completion_ids=list(ep.ids),
+        logprobs=list(ep.logprobs),
+        logprobs_kind=engine.logprobs_kind,
+        loss_mask=mask,
+        segments=list(ep.segments),
+        finish_reason=ep.finish,
+        stop_reason=ep.stop,
+        policy_version=engine.policy_version,
+        engine=engine.name,
+        parent_id=None if p.parent is None else p.parent.tid,
+        timing={"generate_s": p.seconds},
+        meta=meta,
+    )
+
+
+# what agent_tree() takes beyond (request, prompt_ids, group_id, engine), in its order
+NEEDS = ("tokenizer", "params")
+
+
+async def agent_tree(
+    request: RolloutRequest,
+    prompt_ids: list[int],
+    group_id: str,
+    engine: Engine,
+    tokenizer: Any,
+    cfg: AgentTreeParams,
+) -> Group:
+    """One prompt's tree of episodes (module docstring)."""
+    if getattr(cfg, "environment", None) is not None:  # AgentTreeParams refuses it; a direct caller too
+        raise ModeError("agent_tree: mode_params.environment cannot branch (its state is not in the ids)")
+    forest = _Forest(_Walker(Agent(request, engine, tokenizer, cfg), list(prompt_ids), cfg), group_id)
+    t0 = time.perf_counter()
+    await forest.roots(cfg.initial)
+    await forest.grow()
+    paths = forest.paths
+    nodes, node_at = tree_nodes(paths)
+    trajectories = []
+    for p in paths:
+        t = trajectory_of(p, group_id, prompt_ids, engine, cfg)
+        t.segments = t.segments + node_segments(nodes, node_at, p)
+        trajectories.append(t)
+    generated = sum(policy_tokens(p.ep, p.start) for p in paths)
+    independent = sum(policy_tokens(p.ep) for p in paths)
+    calls_run = sum(sum(s.kind == "observation" and s.start >= p.start for s in p.ep.segments) for p in paths)
+    meta: dict[str, Any] = {
+        "strategy": cfg.strategy,
+        "initial": cfg.initial,
+        "iterations": cfg.iterations,
+        "n_leaves": len(trajectories),
+        "branch_points": {p.tid: sorted(p.cuts) for p in paths if p.cuts},
+        "tokens_generated": generated,
+        "tokens_independent": independent,
+        "token_ratio": generated / independent if independent else 1.0,
+        "tool_calls_run": calls_run,
+        "tool_calls_independent": sum(p.ep.tool_calls for p in paths),
+        "turns": sum(p.ep.turns for p in paths),
+        "stop": [p.ep.stop for p in paths],
+        "generate_s": time.perf_counter() - t0,
+    }
+    return group_of(request, group_id, "agent_tree", trajectories, tree=nodes, meta=meta)
