@@ -17,7 +17,7 @@ format before and after, the wall time per step and how many tree leaves each gr
 ``--native`` is the control: the same trainer, prompts and settings with TRL's own generation (HF
 ``generate``) and the exact accuracy of the boxed answer as the reward.
 
-    python bench/trl_rollout.py --mode tree|streaming [--steps 60] [--prompts 8] [--group 8]
+    python bench/trl_rollout.py --mode tree|streaming|plain|agent [--steps 60] [--prompts 8] [--group 8]
                                 [--lr 1e-4] [--warmup 20] [--scheduler constant_with_warmup]
                                 [--temperature 1.3] [--weight-decay 0.01] [--loss-type dapo]
                                 [--beta 0.0] [--epsilon-high 0.28] [--seed 0] [--eval 64] [--native]
@@ -27,6 +27,7 @@ format before and after, the wall time per step and how many tree leaves each gr
 
 Training prompts are the tiny model's arithmetic (+ and -, 2-3 digits: ``tiny_problems``, as ``loom
 demo`` and the held-out set); the defaults are ``loom demo``'s learner settings in TRL's terms.
+``--mode agent``: the built-in tool model (zoo/tiny/tool.py) on its own arithmetic, the calculator enabled.
 """
 
 from __future__ import annotations
