@@ -17,7 +17,7 @@ format before and after, the wall time per step and how many tree leaves each gr
 ``--native`` is the control: the same trainer, prompts and settings with TRL's own generation (HF
 ``generate``) and the exact accuracy of the boxed answer as the reward.
 
-    python bench/trl_rollout.py --mode tree|streaming [--steps 60] [--prompts 8] [--group 8]
+    python bench/trl_rollout.py --mode tree|streaming|plain|agent [--steps 60] [--prompts 8] [--group 8]
                                 [--lr 1e-4] [--warmup 20] [--scheduler constant_with_warmup]
                                 [--temperature 1.3] [--weight-decay 0.01] [--loss-type dapo]
                                 [--beta 0.0] [--epsilon-high 0.28] [--seed 0] [--eval 64] [--native]
@@ -27,6 +27,7 @@ format before and after, the wall time per step and how many tree leaves each gr
 
 Training prompts are the tiny model's arithmetic (+ and -, 2-3 digits: ``tiny_problems``, as ``loom
 demo`` and the held-out set); the defaults are ``loom demo``'s learner settings in TRL's terms.
+``--mode agent``: the built-in tool model (zoo/tiny/tool.py) on its own arithmetic, the calculator enabled.
 """
 
 from __future__ import annotations
@@ -47,6 +48,25 @@ sys.path[:] = [str(_BENCH.parent)] + [p for p in sys.path if Path(p or ".").reso
 
 TREE = {"strategy": "random", "branches": 1, "continuations": 2, "min_distance": 4}
 STREAM = {"segment_cap": 32, "answer_max_tokens": 16}
+# --mode agent: the built-in tool model (zoo/tiny/tool.py) on its arithmetic, the calculator enabled
+AGENT_MODEL = "tool"
+
+
+def _agent_params() -> dict[str, Any]:
+    from zoo.tiny import tool
+
+    return {"parser": tool.PARSER, "tools": tool.TOOLS_ON, "max_turns": tool.MAX_TURNS}
+
+
+def _model_name(mode: str) -> str:
+    return AGENT_MODEL if mode == "agent" else "tiny"
+
+
+def _problems(mode: str, n: int, seed: int, split: str) -> list[Any]:
+    """The training or held-out problems: the tiny model's arithmetic, or the tool model's."""
+    from zoo.tiny import tiny_problems, tool
+
+    return tool.tool_problems(n, seed, split) if mode == "agent" else tiny_problems("arith", n, seed, split)
 
 
 def _free_port() -> int:
@@ -60,7 +80,7 @@ def _tasks(mode: str, problems: list[Any]) -> tuple[list[dict[str, Any]], dict[s
     from zoo.tiny import STREAM_HEADER, plain_prompt
     from zoo.tiny.traces import stream_sentences
 
-    if mode in ("tree", "plain"):
+    if mode in ("tree", "plain", "agent"):
         rows = [{"prompt": plain_prompt(p), "answer": p.gold} for p in problems]
         return rows, {plain_prompt(p): {"label": p.gold, "task": "arithmetic"} for p in problems}
     rows = [{"prompt": p.text, "answer": p.gold} for p in problems]
@@ -77,11 +97,13 @@ def _tasks(mode: str, problems: list[Any]) -> tuple[list[dict[str, Any]], dict[s
 
 
 def held_out(mode: str, model: Any, tok: Any, n: int) -> float:
-    from zoo.tiny import HELDOUT_SEED, tiny_problems
+    from zoo.tiny import HELDOUT_SEED, tool
     from zoo.tiny.evaluate import eval_plain, eval_stream
 
-    problems = tiny_problems("arith", n, HELDOUT_SEED, "test")
+    problems = _problems(mode, n, HELDOUT_SEED, "test")
     model.eval()
+    if mode == "agent":  # greedy episodes with the calculator (the tool model's card loop)
+        return tool.eval_agent(model, tok, problems, tool.TOOLS_ON).accuracy
     res = eval_plain(model, tok, problems) if mode != "streaming" else eval_stream(model, tok, problems)
     return res.accuracy
 
@@ -96,14 +118,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from loom.clients.trl_rollout import LoomRolloutFunc, job_reward, off_policy_calls, publish_with
     from loom.contracts.settings import Settings
     from loom.store import PolicyStore
-    from zoo.tiny import load_model, load_tokenizer, tiny_problems
+    from zoo.registry import resolve_model_path
+    from zoo.tiny import load_model as load_path
+    from zoo.tiny import load_tokenizer
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="loom-trl-rollout-"))
     # the distribution the tiny model was trained on and is held out from (`loom demo`'s built-in set)
-    problems = tiny_problems("arith", args.steps * args.prompts, args.seed, "train")
+    problems = _problems(args.mode, args.steps * args.prompts, args.seed, "train")
     rows, tasks = _tasks(args.mode, problems)
-    tok = load_tokenizer()
+    checkpoint = resolve_model_path(_model_name(args.mode))
+
+    def load_model() -> Any:
+        return load_path(checkpoint)
+
+    tok = load_tokenizer(checkpoint)
     acc_before = held_out(args.mode, load_model(), tok, args.eval)
     run_info = {
         "mode": "native" if args.native else args.mode,
@@ -169,7 +198,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         embedded = {"broker_url": "embedded", "result_backend": "embedded"}
         # processed log-probs: the tempered distribution's, as TRL recomputes them (``trl_logprobs``)
         settings = Settings(
-            data_dir=tmp, api_keys=keys, engine_logprobs_mode="processed", **embedded, **ports
+            data_dir=tmp,
+            api_keys=keys,
+            engine_logprobs_mode="processed",
+            model=_model_name(args.mode),
+            **embedded,
+            **ports,
         )
         store = PolicyStore(settings.policy_store_path / "ns" / "trainer")
         with Stack(settings, services=("gateway", "rollout", "reward"), ready_timeout=300):
@@ -178,7 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 url,
                 key,
                 mode=args.mode,
-                mode_params=TREE if args.mode == "tree" else None,
+                mode_params={"tree": TREE, "agent": _agent_params()}.get(args.mode),
                 tasks=tasks,
                 publish=publish_with(PolicyPublisher(url, key), tok),
                 leaves=args.leaves,
@@ -380,7 +414,7 @@ def _read_runs(path: Path) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", dest="modes", choices=["tree", "streaming", "plain"], action="append")
+    p.add_argument("--mode", dest="modes", choices=["tree", "streaming", "plain", "agent"], action="append")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument(
         "--leaves",

@@ -1,6 +1,7 @@
 """``loom demo``: a short RL run on the built-in tiny model, driven through the platform itself.
 ``--task code``: the built-in code model on the built-in programming problems, rewarded by their
-tests run in the stack's sandbox service (docs/sandbox.md).
+tests run in the stack's sandbox service (docs/sandbox.md). ``--mode agent``: multi-turn tool use, the
+built-in tool model calling the calculator on its arithmetic (zoo/tiny/tool.py, docs/models.md).
 
 It brings up the embedded stack (or uses a running gateway with ``--url``), starts a run through the
 gateway's runs API (the gateway drives rollout -> reward -> learner over the queues), follows it with
@@ -20,7 +21,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-MODES = ("plain", "streaming", "tree", "spawn")
+MODES = ("plain", "streaming", "tree", "spawn", "agent")
 ESTIMATORS = ("grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "apr")
 
 # Reward spec per mode: what the tiny model's format makes checkable (reward_svc component names).
@@ -33,6 +34,7 @@ REWARDS: dict[str, list[dict[str, Any]]] = {
     ],
     "tree": [{"name": "accuracy", "weight": 1.0}],
     "spawn": [{"name": "accuracy", "weight": 1.0}],
+    "agent": [{"name": "accuracy", "weight": 1.0}],
 }
 TASKS = ("arith", "countdown", "code")
 # --task code: the code model (zoo/code) and the fraction of tests passed; a code task's accuracy is
@@ -46,6 +48,9 @@ CODE_REWARD: list[dict[str, Any]] = [
 # problem, zoo/code/tasks.py), so fewer prompts per step than arithmetic's 16 (docs/benchmarks/demo.md)
 CODE_DEFAULTS = {"batch_size": 8, "group_size": 8, "lr": 2e-4, "temperature": 1.3}
 TASK_DEFAULTS = {"batch_size": 16, "group_size": 8, "lr": 1e-4, "temperature": 1.3}
+# --mode agent: the tool model (zoo/tiny/tool.py) on its arithmetic, the calculator enabled
+AGENT_MODEL = "tool"
+AGENT_DEFAULTS = {"batch_size": 16, "group_size": 8, "lr": 1e-4, "temperature": 1.3}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -112,7 +117,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(list(argv))
     if args.task == "code" and args.mode != "plain":
         p.error("--task code runs in the plain mode")
-    for name, value in (CODE_DEFAULTS if args.task == "code" else TASK_DEFAULTS).items():
+    if args.mode == "agent" and args.task != "arith":
+        p.error("--mode agent runs the tool model on arithmetic (--task arith)")
+    defaults = (
+        CODE_DEFAULTS if args.task == "code" else AGENT_DEFAULTS if args.mode == "agent" else TASK_DEFAULTS
+    )
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
@@ -145,11 +155,26 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
         },
     }
+    if args.mode == "agent":
+        fields = agent_fields()
+        body["mode_params"] = fields["mode_params"]
+        body["dataset"]["knobs"] = fields["knobs"]
     if args.filter_groups:
         body["filter_groups"] = args.filter_groups
     if args.tracker:
         body["trackers"] = [{"name": name} for name in dict.fromkeys(args.tracker)]
     return body
+
+
+def agent_fields() -> dict[str, Any]:
+    """A ``--mode agent`` run's dataset knobs and mode params: the tool model's own (zoo/tiny/tool.py),
+    its arithmetic with multi-digit multiplication, the calculator enabled, the function parser."""
+    from zoo.tiny import tool
+
+    return {
+        "mode_params": {"parser": tool.PARSER, "tools": tool.TOOLS_ON, "max_turns": tool.MAX_TURNS},
+        "knobs": {k: list(v) for k, v in tool.TOOL_KNOBS.items()},
+    }
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -307,7 +332,8 @@ def main(argv: Sequence[str] = ()) -> int:
 
     # A fresh data dir per demo: its own embedded broker, run state and policy store. The stack runs
     # every service, the sandbox among them, which the code reward runs the programs in.
-    model = {"model": CODE_MODEL} if args.task == "code" and "LOOM_MODEL" not in os.environ else {}
+    own = CODE_MODEL if args.task == "code" else AGENT_MODEL if args.mode == "agent" else None
+    model = {"model": own} if own and "LOOM_MODEL" not in os.environ else {}
     settings = Settings(data_dir=out / "state", **model)  # type: ignore[arg-type]
     if args.task == "code":
         from sandbox_svc.runner import bwrap_path

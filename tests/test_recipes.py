@@ -19,10 +19,10 @@ from zoo.registry import BUILTIN, resolve_model_path
 
 
 def test_every_built_in_model_has_a_row_and_a_command() -> None:
-    assert set(RECIPES) == set(BUILTIN) == {"tiny", "search", "stream", "reflect", "deep", "code"}
+    assert set(RECIPES) == set(BUILTIN) == {"tiny", "search", "stream", "reflect", "deep", "code", "tool"}
     assert {command: name for command, name in TRAIN.items()} == {f"train-{n}": n for n in BUILTIN}
     assert all(COMMANDS[f"train-{n}"][0] == "zoo.recipes:main" for n in BUILTIN)
-    # the fine-tunes start from the search model; tiny, search and code from scratch
+    # the fine-tunes start from the search model (tool: from tiny); tiny, search and code from scratch
     assert {n: r.base for n, r in RECIPES.items()} == {
         "tiny": None,
         "search": None,
@@ -30,6 +30,7 @@ def test_every_built_in_model_has_a_row_and_a_command() -> None:
         "reflect": "search",
         "deep": "search",
         "code": None,
+        "tool": "tiny",
     }
 
 

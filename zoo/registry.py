@@ -2,7 +2,8 @@
 the tests and the demo), ``search`` (zoo/search, trained on Countdown search traces), and three
 fine-tunes of it: ``stream`` (a wasteful streaming reading phase), ``reflect`` (reflecting
 mid-reasoning) and ``deep`` (four-number Countdown, spawn/join); ``code`` (zoo/code, writing the
-Python function a generated problem asks for). Any other value is a Hugging Face
+Python function a generated problem asks for); ``tool`` (zoo/tiny/tool.py, the tiny model fine-tuned to
+call the calculator in agent mode). Any other value is a Hugging Face
 model directory. How each is trained is its row of zoo/recipes.py (``loom train-<name>``).
 
 Light on purpose: the services resolve a name at start-up and import nothing of the recipes.
@@ -22,6 +23,7 @@ CHECKPOINTS: dict[str, Path] = {
     "reflect": _HERE / "search" / "reflect_checkpoint",
     "deep": _HERE / "search" / "deep_checkpoint",
     "code": _HERE / "code" / "checkpoint",
+    "tool": _HERE / "tiny" / "tool_checkpoint",
 }
 BUILTIN = tuple(CHECKPOINTS)
 
