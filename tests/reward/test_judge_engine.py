@@ -3,7 +3,8 @@ the reward core (docs/interop-reward.md "Judge rewards"). With ``--model tiny``,
 give bounded scores and a typed status for every trajectory: the path, not its verdicts. With
 ``--model judge``, the built-in judge (docs/models.md "The judge model"), the verdicts: on clearly
 right and clearly wrong answers the ``logprob`` score ranks each right answer above its problem's
-wrong ones, and ``verdict`` mode reads every reply (status ok)."""
+wrong ones (Countdown; arithmetic is expected to fail: the shipped judge is at chance there), and
+``verdict`` mode reads every reply (status ok)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The judge model's data (zoo/search/judge.py, docs/models.md "The judge model"): its prompts are the
 judge reward's own rendering byte for byte, its labels are the exact verifier's, right and wrong come
 about half each, every target is one token, and the shipped checkpoint agrees with the exact
-verifier on held-out answers and steps."""
+verifier on held-out Countdown answers (the one skill it has learned so far)."""
 
 from __future__ import annotations
 
