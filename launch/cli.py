@@ -7,8 +7,8 @@ loom worker SERVICE          one service's Celery worker on its own queue
 loom engine                  the torch engine behind a vLLM-compatible HTTP server
 loom demo                    a short RL run on the built-in tiny model (--task code: the code model;
                              --mode agent: the tool model calling the calculator)
-loom train-MODEL             reproduce a built-in model (tiny, search, stream, reflect, deep, code, tool): its
-                             row of the recipe table, zoo/recipes.py (docs/models.md)
+loom train-MODEL             reproduce a built-in model (tiny, search, stream, reflect, deep, judge, code,
+                             tool): its row of the recipe table, zoo/recipes.py (docs/models.md)
 loom bench NAME              run a benchmark from bench/
 """
 

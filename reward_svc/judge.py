@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.clients.judge import JudgeAsk, JudgeReply
-from loom.contracts.rewards import JudgeParams
+from loom.contracts.rewards import ARITH_JUDGE_TEMPLATE, JudgeParams
 from loom.contracts.wire import Group
 from reward_svc.context import GroupContext, reads
 
@@ -29,6 +29,7 @@ TEMPLATES = {
         "Question:\n{question}\n\nReference answer:\n{reference}\n\n{answer}\n\n"
         "Reply with one word, yes or no.\nVerdict:"
     ),
+    "arith": ARITH_JUDGE_TEMPLATE,  # the built-in judge model's (docs/models.md)
 }
 _PLACEHOLDER = re.compile(r"\{(question|answer|reference)\}")
 _TAG = re.compile(r"<\s*/?\s*answer\b[^>]*>?", re.IGNORECASE)

@@ -19,7 +19,11 @@ from zoo.registry import BUILTIN, resolve_model_path
 
 
 def test_every_built_in_model_has_a_row_and_a_command() -> None:
-    assert set(RECIPES) == set(BUILTIN) == {"tiny", "search", "stream", "reflect", "deep", "code", "tool"}
+    assert (
+        set(RECIPES)
+        == set(BUILTIN)
+        == {"tiny", "search", "stream", "reflect", "deep", "judge", "code", "tool"}
+    )
     assert {command: name for command, name in TRAIN.items()} == {f"train-{n}": n for n in BUILTIN}
     assert all(COMMANDS[f"train-{n}"][0] == "zoo.recipes:main" for n in BUILTIN)
     # the fine-tunes start from the search model (tool: from tiny); tiny, search and code from scratch
@@ -29,6 +33,7 @@ def test_every_built_in_model_has_a_row_and_a_command() -> None:
         "stream": "search",
         "reflect": "search",
         "deep": "search",
+        "judge": "search",
         "code": None,
         "tool": "tiny",
     }

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from zoo.code import train as code
 from zoo.recipe import Recipe, RowModule, TrainConfig, card_markdown
 from zoo.recipe import main as run_main
-from zoo.search import deep_train, reflect, stream
+from zoo.search import deep_train, judge, reflect, stream
 from zoo.search import train as search
 from zoo.tiny import tool
 from zoo.tiny import train as tiny
@@ -42,6 +42,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _row("stream", stream, stream.StreamTrainConfig, "wasteful reading", base="search", flags=PER_KIND),
     _row("reflect", reflect, reflect.ReflectTrainConfig, "reflecting", base="search", flags=MISTAKE),
     _row("deep", deep_train, deep_train.DeepTrainConfig, "spawn/join", base="search", flags=deep_train.FLAGS),
+    _row("judge", judge, judge.JudgeTrainConfig, "grading answers and steps", base="search", flags=PER_KIND),
     _row("code", code, code.CodeTrainConfig, "Python functions, from scratch", model=code.MODEL, gpu=False),
     _row("tool", tool, tool.ToolTrainConfig, "calculator calls in agent mode", base="tiny", gpu=False),
 )}

@@ -1,7 +1,8 @@
 """The built-in models by name (``LOOM_MODEL``; docs/models.md): ``tiny`` (zoo/tiny, the fast model of
 the tests and the demo), ``search`` (zoo/search, trained on Countdown search traces), and three
 fine-tunes of it: ``stream`` (a wasteful streaming reading phase), ``reflect`` (reflecting
-mid-reasoning) and ``deep`` (four-number Countdown, spawn/join); ``code`` (zoo/code, writing the
+mid-reasoning), ``deep`` (four-number Countdown, spawn/join) and ``judge`` (grading answers and
+steps: the judge reward's built-in judge); ``code`` (zoo/code, writing the
 Python function a generated problem asks for); ``tool`` (zoo/tiny/tool.py, the tiny model fine-tuned to
 call the calculator in agent mode). Any other value is a Hugging Face
 model directory. How each is trained is its row of zoo/recipes.py (``loom train-<name>``).
@@ -24,6 +25,7 @@ CHECKPOINTS: dict[str, Path] = {
     "deep": _HERE / "search" / "deep_checkpoint",
     "code": _HERE / "code" / "checkpoint",
     "tool": _HERE / "tiny" / "tool_checkpoint",
+    "judge": _HERE / "search" / "judge_checkpoint",
 }
 BUILTIN = tuple(CHECKPOINTS)
 

@@ -20,7 +20,12 @@ from loom.formats import REFLECTION_KEYWORDS
 
 ANSWER_TAIL_CHARS = 300  # docs/algorithms.md §1.1: fall back to the last ~300 characters
 MAX_ANSWER_CHARS = 2000  # the math verifier refuses a longer answer region (reward_svc.mathverify)
-JUDGE_TEMPLATES = ("default",)  # the judge's built-in templates (their text: reward_svc/judge.py)
+JUDGE_TEMPLATES = ("default", "arith")  # the judge's built-in templates (their text: reward_svc/judge.py)
+# "arith": the compact template the built-in judge model is trained on (zoo/search/judge.py, docs/models.md)
+ARITH_JUDGE_TEMPLATE = (
+    "Question:\n{question}\n\nReference answer:\n{reference}\n\n{answer}\n\n"
+    "Is the answer correct? Reply yes or no.\nVerdict:"
+)
 PROCESS_TEMPLATES = ("steps",)  # the PRM's built-in templates (their text: reward_svc/process.py)
 DEFAULT_DQ = 1 / 225.09  # REA-RL's fixed D_q (the authors' code), docs/algorithms.md §1.5
 

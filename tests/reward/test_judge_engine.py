@@ -1,7 +1,10 @@
-"""The judge component end to end against a real ``loom engine --model tiny`` (an OpenAI-compatible
-server): both modes give bounded scores and a typed status for every trajectory, through the reward
-core (docs/interop-reward.md "Judge rewards"). The tiny model is no grader: what is checked is the
-path, not its verdicts."""
+"""The judge component end to end against a real ``loom engine`` (an OpenAI-compatible server), through
+the reward core (docs/interop-reward.md "Judge rewards"). With ``--model tiny``, no grader, both modes
+give bounded scores and a typed status for every trajectory: the path, not its verdicts. With
+``--model judge``, the built-in judge (docs/models.md "The judge model"), the verdicts: on clearly
+right and clearly wrong answers the ``logprob`` score ranks each right answer above its problem's
+wrong ones (Countdown; arithmetic is expected to fail: the shipped judge is at chance there), and
+``verdict`` mode reads every reply (status ok)."""
 
 from __future__ import annotations
 
@@ -27,13 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 STATUSES = {"ok", "judge_unparsable"}  # a reachable judge: its answer is read, or typed unparsable
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[str]:
+def _serve(model: str) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     env = {**os.environ, "LOOM_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "launch.cli", "engine", "--model", "tiny", "--port", str(port)]
+    argv = [sys.executable, "-m", "launch.cli", "engine", "--model", model, "--port", str(port)]
     proc = subprocess.Popen(
         argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -55,6 +57,16 @@ def engine() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[str]:
+    yield from _serve("tiny")
+
+
+@pytest.fixture(scope="module")
+def judge_engine() -> Iterator[str]:
+    yield from _serve("judge")
 
 
 async def _no_verify(items: Any, timeout: int) -> list[Any]:
@@ -95,3 +107,55 @@ def test_engine_as_prm(engine: str) -> None:
         if r.status == "ok":
             assert r.steps and all(0.0 <= s.score <= 1.0 and s.unit == "char" for s in r.steps["process"])
     assert client.sent == 3  # one request per step prefix
+
+
+# (question, reference, right answers, wrong answers): the search model's trace format
+CLEAR = [
+    (
+        "[plain] Compute 958+47.\n",
+        "1005",
+        ["<think> 8+7+0=15 r5\n5+4+1=10 r05\n9+0+1=10 r1005 </think> \\boxed{1005}"],
+        ["<think> 8+7+0=15 r5\n5+4+1=10 r05\n9+0+1=10 r1005 </think> \\boxed{1105}", "<think> 8+7+0=15 r5"],
+    ),
+    (
+        "[plain] Use 5 5 4 to make 40.\n",
+        '{"numbers": [5, 5, 4], "target": 40}',
+        ["<think> 40:[5,5,4]\n5+5=10 [10,4] 14 6 40 - 40? yes 10*4=40\n</think> \\boxed{(5+5)*4}"],
+        ["<think> 40:[5,5,4]\n5+5=10 [10,4] 14 6 40 - 40? yes 10*4=40\n</think> \\boxed{(5+5)*}", "5*4"],
+    ),
+]
+
+
+def _judged(url: str, mode: str, question: str, reference: str, texts: list[str]) -> list[Any]:
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    client = JudgeClient({"judge": JudgeServer(url=url, model=model)})
+    trajs = [Trajectory(id=f"t{i}", group_id="g", text=t) for i, t in enumerate(texts)]
+    group = Group(id="g", prompt=question, label=reference, trajectories=trajs)
+    params = {"judge": "judge", "template": "arith", "mode": mode, "max_tokens": 4, "timeout_s": 60}
+    spec = RewardSpec(components=[RewardComponent(name="judge", params=params)])
+    return asyncio.run(ascore_group(group, spec, _no_verify, ask_judge=client.ask_batch)).rewards
+
+
+# the shipped judge's arithmetic verdicts are at chance (docs/models.md "The judge model": 0.550 held out)
+ARITH_AT_CHANCE = pytest.mark.xfail(reason="the shipped judge has not learned arithmetic yet", strict=False)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(CLEAR[0], id="arith", marks=ARITH_AT_CHANCE), pytest.param(CLEAR[1], id="countdown")],
+)
+def test_the_built_in_judge_scores_right_answers_above_wrong_ones(judge_engine: str, case: tuple) -> None:
+    question, reference, right, wrong = case
+    verdicts = _judged(judge_engine, "logprob", question, reference, right + wrong)
+    scores = [r.components["judge"] for r in verdicts]
+    assert all(r.status == "ok" for r in verdicts)
+    assert min(scores[: len(right)]) > max(scores[len(right) :]), scores
+
+
+@pytest.mark.parametrize("case", CLEAR, ids=["arith", "countdown"])
+def test_the_built_in_judges_verdicts_are_read(judge_engine: str, case: tuple) -> None:
+    question, reference, right, wrong = case
+    verdicts = _judged(judge_engine, "verdict", question, reference, right + wrong)
+    statuses = [(r.status, r.detail) for r in verdicts]
+    assert [s for s, _ in statuses] == ["ok"] * len(right + wrong), statuses
+    assert all(r.components["judge"] in (0.0, 1.0) for r in verdicts)  # a yes or a no, not a number
