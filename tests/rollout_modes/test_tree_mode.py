@@ -136,7 +136,7 @@ def test_bad_mode_params_are_mode_errors():
         parse_mode_params(_request(strategy="greedy"))
     with pytest.raises(ModeError, match="does not know"):
         parse_mode_params(_request(branchez=2))
-    assert set(MODES) == {"plain", "streaming", "tree", "spawn", "agent"}
+    assert set(MODES) == {"plain", "streaming", "tree", "spawn", "agent", "agent_tree"}
 
 
 @pytest.mark.parametrize("strategy", ["attention", "entropy", "random"])

@@ -73,12 +73,13 @@ def uid_processes(pool: SandboxPool) -> list[int]:
 
 
 def assert_nothing_left(pool: SandboxPool) -> None:
-    for _ in range(50):
+    for _ in range(300):  # up to 30 s: the kernel's kills and reaping lag on a loaded host
         left = uid_processes(pool)
         if not left:
             return
         time.sleep(0.1)
-    raise AssertionError(f"processes of the run outlived it: {left}")
+    states = {pid: (_status(pid).get("State", "").strip(), _status(pid).get("Name", "").strip()) for pid in left}
+    raise AssertionError(f"processes of the run outlived it: {states}")
 
 
 def assert_pool_works(pool: SandboxPool) -> None:
