@@ -78,7 +78,9 @@ def assert_nothing_left(pool: SandboxPool) -> None:
         if not left:
             return
         time.sleep(0.1)
-    states = {pid: (_status(pid).get("State", "").strip(), _status(pid).get("Name", "").strip()) for pid in left}
+    states = {
+        pid: (_status(pid).get("State", "").strip(), _status(pid).get("Name", "").strip()) for pid in left
+    }
     raise AssertionError(f"processes of the run outlived it: {states}")
 
 
