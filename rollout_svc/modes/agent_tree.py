@@ -43,7 +43,7 @@ from loom.formats import ends_with
 from rollout_svc.engines.base import Completion, Engine
 from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
 from rollout_svc.modes.agent import Agent, Episode, parse_call, run_tool
-from rollout_svc.modes.tree import Point, entropy_mask, entropy_ranked, spaced_points
+from rollout_svc.modes.tree import Point, entropy_mask, entropy_ranked, spaced_points, tree_nodes
 
 # a branch call's seed round: past every turn number (AgentParams.max_turns <= 64)
 BRANCH_ROUND = 64
@@ -259,21 +259,6 @@ class _Forest:
         ]
 
 
-def tree_nodes(paths: Sequence[_Path]) -> tuple[list[TreeNode], dict[tuple[str, int], str]]:
-    """The nodes (tree mode's shape) and (path, end offset) -> node id."""
-    nodes: list[TreeNode] = []
-    node_at: dict[tuple[str, int], str] = {}
-    for p in paths:
-        bounds = [p.start, *sorted(p.cuts), len(p.ep.ids)]
-        parent = None if p.parent is None else node_at[(p.parent.tid, p.start)]
-        for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
-            node = TreeNode(id=f"{p.tid}:{d}", parent=parent, trajectory_id=p.tid, start=a, end=b)
-            nodes.append(node)
-            node_at[(p.tid, b)] = node.id
-            parent = node.id
-    return nodes, node_at
-
-
 def node_segments(nodes: list[TreeNode], node_at: dict[tuple[str, int], str], p: _Path) -> list[Segment]:
     """``p``'s ``tree_node`` segments: one per non-empty node on its path, root first."""
     by_id = {n.id: n for n in nodes}
@@ -344,7 +329,7 @@ async def agent_tree(
     await forest.roots(cfg.initial)
     await forest.grow()
     paths = forest.paths
-    nodes, node_at = tree_nodes(paths)
+    nodes, node_at = tree_nodes(paths, lambda p: len(p.ep.ids))
     trajectories = []
     for p in paths:
         t = trajectory_of(p, group_id, prompt_ids, engine, cfg)

@@ -47,7 +47,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -468,13 +468,17 @@ def _fci_at(p: _Path, start: int) -> float | None:
     return None
 
 
-def _tree_nodes(paths: Sequence[_Path]) -> tuple[list[TreeNode], dict[tuple[str, int], str]]:
-    """The tree's nodes and (path, end offset) -> node id: a path is the chain of its own spans cut at
-    its branch points; its first node hangs from the parent's node that ends at its branch point."""
+def tree_nodes(
+    paths: Sequence[Any], length: Callable[[Any], int]
+) -> tuple[list[TreeNode], dict[tuple[str, int], str]]:
+    """The tree's nodes and (path, end offset) -> node id: a path (``tid``, ``start``, ``cuts``,
+    ``parent``; ``length(path)`` its completion's length) is the chain of its own spans cut at its
+    branch points; its first node hangs from the parent's node that ends at its branch point. Tree
+    mode's paths and agent_tree's episodes (rollout_svc/modes/agent_tree.py) share it."""
     nodes: list[TreeNode] = []
     node_at: dict[tuple[str, int], str] = {}
     for p in paths:
-        bounds = [p.start, *sorted(p.cuts), len(p.c.token_ids)]
+        bounds = [p.start, *sorted(p.cuts), length(p)]
         parent = None if p.parent is None else node_at[(p.parent.tid, p.start)]
         for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
             node = TreeNode(id=f"{p.tid}:{d}", parent=parent, trajectory_id=p.tid, start=a, end=b)
@@ -529,7 +533,7 @@ async def tree(
     mean_fci = await grower.mean_fci(responses) if needs_fci else None
     m, filtered = expanded_trees(cfg.initial, correct, cfg.expansion, mean_fci, cfg.fci_running_mean)
     paths = await grower.expand(responses, m)
-    nodes, node_at = _tree_nodes(paths)
+    nodes, node_at = tree_nodes(paths, lambda p: len(p.c.token_ids))
     trajectories = initial + [grower.trajectory(p) for p in paths[len(responses) :]]
     _node_segments(trajectories, nodes, node_at)
     if correct is not None:
