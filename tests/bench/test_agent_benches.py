@@ -38,7 +38,18 @@ def test_the_tree_bench_counts_tokens_and_accuracy_of_real_groups(tiny_engine):
 @pytest.mark.slow
 def test_the_overhead_bench_runs_the_same_episodes_on_both_sides():
     out = subprocess.run(
-        [sys.executable, "bench/agent_overhead.py", "--prompts", "1", "--reps", "1", "--max-tokens", "48"],
+        [
+            sys.executable,
+            "bench/agent_overhead.py",
+            "--prompts",
+            "1",
+            "--reps",
+            "1",
+            "--max-tokens",
+            "48",
+            "--max-turns",
+            "6",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -40,7 +40,7 @@ def test_tiny_run_reports_every_field_and_the_counts_add_up(tmp_path: Path) -> N
         pytest.skip("bench/replicas.py needs RabbitMQ on 127.0.0.1:5672 and Redis on 127.0.0.1:6379")
     out = tmp_path / "phases.json"
     cmd = [sys.executable, "bench/replicas.py", "--workers", "2", "--slots", "2", "--keys", "2"]
-    cmd += ["--jobs", "1", "--prompts", "4", "--phases", "pipeline", "--warmup", "3", "--seconds", "12"]
+    cmd += ["--jobs", "1", "--prompts", "4", "--phases", "pipeline", "--warmup", "1", "--seconds", "6"]
     cmd += ["--group-ms", "400", "--slow-tokens", "8", "--fast-tokens", "4", "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

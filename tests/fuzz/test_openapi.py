@@ -10,7 +10,7 @@ programs run in bubblewrap), the reflect service over HTTP to the rollout and
 reward apps (served by uvicorn in threads). ``POST /v1/ping`` is left out: it waits on a round trip
 through every queue by design (up to its ``timeout``, 600 s).
 
-Bounded: ``LOOM_FUZZ_EXAMPLES`` examples per operation and generation mode (default 25), the same
+Bounded: ``LOOM_FUZZ_EXAMPLES`` examples per operation and generation mode (default 12), the same
 examples every run unless ``LOOM_FUZZ_RANDOM=1``. Costs requests, not model calls: generated sampling sizes
 are capped (``_small``) so a valid rollout costs milliseconds of the tiny model.
 """
@@ -46,7 +46,7 @@ from tests.conftest import BrokerEnv, free_port, start_worker
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("LOOM_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("LOOM_FUZZ_EXAMPLES", "12"))
 CHECKS = [
     not_a_server_error,
     status_code_conformance,

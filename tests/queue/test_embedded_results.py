@@ -85,53 +85,73 @@ def test_readers_never_see_a_partial_result_while_another_process_rewrites_it(tm
     assert len(seen) > 1  # the reader really ran while the writer rewrote the value
 
 
+_FORKS = """
+import os, sys, threading, time
+from pathlib import Path
+
+from loom.contracts.settings import Settings
+from loom.embedded_broker import Database
+from loom.embedded_results import SQLiteBackend
+from loom.queue import make_celery
+
+tmp = Path(sys.argv[1])
+db = Database.get(str(tmp / "broker.sqlite"))
+backend = make_celery("reward", Settings(data_dir=tmp)).backend
+stop = threading.Event()
+
+
+def poll():  # what a worker's main thread does between tasks
+    while not stop.is_set():
+        db.execute("INSERT INTO queues (name) VALUES ('q') ON CONFLICT DO NOTHING")
+        db.execute("SELECT * FROM messages WHERE queue = 'q' LIMIT 1")
+        backend.get(b"k")
+
+
+hung = []
+
+
+def fork_children():
+    for i in range(250):
+        pid = os.fork()
+        if pid == 0:  # a fresh child's first act: open the result store and write
+            try:
+                SQLiteBackend(url=backend.url, app=backend.app).set(b"child", b"1")
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + 5
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                hung.append(i)
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                return  # one hung child is enough to fail
+            time.sleep(0.001)
+
+
+poller = threading.Thread(target=poll)
+poller.start()
+try:
+    forker = threading.Thread(target=fork_children)
+    forker.start()
+    forker.join()
+finally:
+    stop.set()
+    poller.join()
+print("hung", hung, "child", backend.get(b"child"))
+"""
+
+
 def test_forks_from_a_thread_while_the_broker_polls_never_hang_the_child(tmp_path):
     """Celery's prefork supervisor forks replacement children from a thread while the main thread
     polls the embedded broker. Without SQLITE_LOCK about 2 % of such forks left the child hung in
     its first SQLite call (measured with raw sqlite3: 28 of 1500); with it, none may. 250 forks: a
-    2 % hang rate goes unseen with probability 0.98^250 = 0.6 %."""
-    import os
-    import threading
+    2 % hang rate goes unseen with probability 0.98^250 = 0.6 %. Run in a fresh interpreter, as a
+    worker is: forking this test process (torch and every test module loaded) costs ~0.15 s a fork."""
+    import subprocess
+    import sys
 
-    from loom.embedded_broker import Database
-
-    db = Database.get(str(tmp_path / "broker.sqlite"))
-    backend = _app(tmp_path).backend
-    stop = threading.Event()
-
-    def poll() -> None:  # what a worker's main thread does between tasks
-        while not stop.is_set():
-            db.execute("INSERT INTO queues (name) VALUES ('q') ON CONFLICT DO NOTHING")
-            db.execute("SELECT * FROM messages WHERE queue = 'q' LIMIT 1")
-            backend.get(b"k")
-
-    hung: list[int] = []
-
-    def fork_children() -> None:
-        for i in range(250):
-            pid = os.fork()
-            if pid == 0:  # a fresh child's first act: open the result store and write
-                try:
-                    SQLiteBackend(url=backend.url, app=backend.app).set(b"child", b"1")
-                finally:
-                    os._exit(0)
-            deadline = time.monotonic() + 5
-            while os.waitpid(pid, os.WNOHANG)[0] == 0:
-                if time.monotonic() > deadline:
-                    hung.append(i)
-                    os.kill(pid, 9)
-                    os.waitpid(pid, 0)
-                    return  # one hung child is enough to fail
-                time.sleep(0.001)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        forker = threading.Thread(target=fork_children)
-        forker.start()
-        forker.join()
-    finally:
-        stop.set()
-        poller.join()
-    assert hung == []
-    assert backend.get(b"child") == b"1"
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKS, str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "hung [] child b'1'", done.stdout[-3000:]
