@@ -13,8 +13,8 @@ as an episode of its own: its later turns, tool calls and observations are its o
   ``"conclusion"``) on; ``attention`` (AttnRL's ATB, tree mode's rule over episodes), the earliest
   reasoning steps whose FCI (loom/fci.py, eq. 5-6, ``delta``) is at least the ``quantile`` of the
   tree's eligible steps (eq. 7). An episode's steps are the policy's own: each turn split after every
-  token that completes ``separator`` (``fallback_separator`` for a turn it leaves without an inner
-  step, tree mode's ``split_steps``), a turn's first token always a step start; an observation is no
+  token that completes ``separator`` (``fallback_separator`` for a turn it leaves with fewer than 3
+  steps, tree mode's ``split_steps``), a turn's first token always a step start; an observation is no
   step. The FCI is scored over the whole episode (prompt, turns and observations, the prompt step 0)
   by the engine's own scorer or the operator's (``LOOM_ATTENTION_URL``, rollout_svc/modes/scorers.py);
   with neither the group is ``UnsupportedCapability`` before any token is sampled, and a failing
@@ -35,7 +35,9 @@ as an episode of its own: its later turns, tool calls and observations are its o
   ``mode_params.environment`` is refused (AgentTreeParams).
 
 The group reports the policy tokens the tree generated against those its leaves hold (what sampling
-each leaf from scratch would decode) and the tool calls it ran against those its leaves hold.
+each leaf from scratch would decode) and the tool calls it ran against those its leaves hold;
+``attention`` adds each scored path's steps and their FCI (``steps``, ``fci``) and, on a branch, the
+FCI of the step it starts (``branch_fci``).
 """
 
 from __future__ import annotations
