@@ -2,7 +2,8 @@
 
 The search model on its plain-format Countdown prompts (zoo/search), each episode multi-turn with the
 inline calculator (agent's ``inline`` parser: a turn ends at ``=``, the calculator's exact result is
-the observation, loss-masked). Per seed and prompt, per branching strategy (``entropy``, ``turn``):
+the observation, loss-masked). Per seed and prompt, per branching strategy (``entropy``, ``turn``,
+``attention``: the FCI of the episodes' reasoning steps from the torch engine's own scorer):
 
 - **tree**: agent_tree with M' = ``--initial``, N = 2, T = 2, L = ``--iterations``;
 - **independent**: agent mode, n = as many episodes as the largest tree has leaves, same prompt.
@@ -20,7 +21,7 @@ Printed per strategy and seed, summed over the prompts:
 The mean and standard deviation over the ``--seeds`` (default three) close each strategy's rows.
 
     python bench/agent_tree.py [--prompts 6] [--seeds 0,1,2] [--initial 2] [--iterations 2]
-                               [--max-tokens 160] [--temperature 1.0] [--strategies entropy,turn]
+                               [--max-tokens 160] [--temperature 1.0] [--strategies entropy,turn,attention]
                                [--out FILE.md]
 """
 
@@ -112,7 +113,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--model", default="search")
-    p.add_argument("--strategies", default="entropy,turn")
+    p.add_argument("--strategies", default="entropy,turn,attention")
     p.add_argument("--out", default=None, help="append the table to this markdown file")
     a = p.parse_args()
     configure_process()

@@ -219,13 +219,18 @@ class TreeParams(ModeParams):
 
     @model_validator(mode="after")
     def _timeout_bound(self, info: ValidationInfo) -> TreeParams:
-        bound = _context(info).limits.max_attention_timeout_s
-        if not 0.0 < self.attention_timeout_s <= bound:
-            raise ValueError(
-                f"mode_params.attention_timeout_s must be > 0 and at most {bound} s "
-                "(LOOM_ATTENTION_TIMEOUT_S on this deployment)"
-            )
+        attention_timeout_bound(self.attention_timeout_s, info)
         return self
+
+
+def attention_timeout_bound(value: float, info: ValidationInfo) -> None:
+    """A request's ``attention_timeout_s`` may only shorten the deployment's bound."""
+    bound = _context(info).limits.max_attention_timeout_s
+    if not 0.0 < value <= bound:
+        raise ValueError(
+            f"mode_params.attention_timeout_s must be > 0 and at most {bound} s "
+            "(LOOM_ATTENTION_TIMEOUT_S on this deployment)"
+        )
 
 
 _SYNTAX_KEYS = ("spawn_open", "spawn_child", "spawn_close", "join_open", "join_child", "join_close")
@@ -336,21 +341,36 @@ class AgentTreeParams(AgentParams):
     ``continuations`` children that continue from the parent's exact ids: ``strategy`` ``turn``
     branches at the start of a turn that follows an observation, ``entropy`` at the policy tokens with
     the highest -log-prob inside a turn (TreeRL's rule: never the first token, nothing from a
-    stop word on). A stateful environment cannot be forked (its state is not in the ids)."""
+    stop word on), ``attention`` at the earliest high-FCI reasoning steps of the turns (AttnRL: the
+    policy's steps split by ``separator``, else ``fallback_separator``; ``delta`` and ``quantile`` as
+    tree mode's; the operator's scorer, bounded by ``attention_timeout_s``, as tree mode's). A
+    stateful environment cannot be forked (its state is not in the ids)."""
+
+    REFUSED: ClassVar[dict[str, str]] = TreeParams.REFUSED  # the scorer is the operator's, never a request's
 
     initial: int = Field(ge=1, le=256)
     branches: int = Field(2, ge=0, le=64)
     continuations: int = Field(2, ge=1, le=64)
     iterations: int = Field(1, ge=1, le=8)
-    strategy: Literal["turn", "entropy"] = "entropy"
+    strategy: Literal["turn", "entropy", "attention"] = "entropy"
     min_distance: int = Field(8, ge=0, le=MAX_TOKENS)
     entropy_stop_words: list[str] = Field(default_factory=lambda: ["answer", "conclusion"])
+    delta: int = Field(4, ge=1, le=MAX_TOKENS)
+    quantile: float = Field(0.8, ge=0.0, le=1.0)
+    separator: str = Field("\n\n", min_length=1)
+    fallback_separator: str = Field("\n", min_length=1)
     train_prefix: bool = True
+    attention_timeout_s: float
 
     @classmethod
     def request_defaults(cls, ctx: _Context) -> dict[str, Any]:
         n = ctx.sampling.n
-        return {"initial": n if n > 1 else 6}
+        return {"initial": n if n > 1 else 6, "attention_timeout_s": ctx.limits.max_attention_timeout_s}
+
+    @model_validator(mode="after")
+    def _timeout_bound(self, info: ValidationInfo) -> AgentTreeParams:
+        attention_timeout_bound(self.attention_timeout_s, info)
+        return self
 
     @model_validator(mode="after")
     def _no_environment(self) -> AgentTreeParams:

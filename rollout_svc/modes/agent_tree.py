@@ -10,8 +10,17 @@ as an episode of its own: its later turns, tool calls and observations are its o
   policy's first decision after a tool answered), most uncertain first (the highest -log-prob of the
   turn's first token); ``entropy`` (TreeRL), the policy tokens with the highest -log-prob inside any
   turn, never the first token of the episode, nothing from the first stop word (``"answer"``,
-  ``"conclusion"``) on. Both never pick an observation token, a point already taken, or a point
-  within ``min_distance`` of another on the same path (tree mode's ``spaced_points``).
+  ``"conclusion"``) on; ``attention`` (AttnRL's ATB, tree mode's rule over episodes), the earliest
+  reasoning steps whose FCI (loom/fci.py, eq. 5-6, ``delta``) is at least the ``quantile`` of the
+  tree's eligible steps (eq. 7). An episode's steps are the policy's own: each turn split after every
+  token that completes ``separator`` (``fallback_separator`` for a turn it leaves with fewer than 3
+  steps, tree mode's ``split_steps``), a turn's first token always a step start; an observation is no
+  step. The FCI is scored over the whole episode (prompt, turns and observations, the prompt step 0)
+  by the engine's own scorer or the operator's (``LOOM_ATTENTION_URL``, rollout_svc/modes/scorers.py);
+  with neither the group is ``UnsupportedCapability`` before any token is sampled, and a failing
+  scorer is its typed ``ScorerError``, as in tree mode; the episode's first step and the steps from
+  the first stop word on score 0. All three never pick an observation token, a point already taken,
+  or a point within ``min_distance`` of another on the same path (tree mode's ``spaced_points``).
 - **Exact prefixes**: a child's completion is the parent's ids up to the branch point + its own;
   nothing is re-tokenized. A point inside a turn continues that turn (the turn's call is parsed from
   the whole turn, prefix included); the tool observations of the shared prefix are the parent's,
@@ -26,7 +35,9 @@ as an episode of its own: its later turns, tool calls and observations are its o
   ``mode_params.environment`` is refused (AgentTreeParams).
 
 The group reports the policy tokens the tree generated against those its leaves hold (what sampling
-each leaf from scratch would decode) and the tool calls it ran against those its leaves hold.
+each leaf from scratch would decode) and the tool calls it ran against those its leaves hold;
+``attention`` adds each scored path's steps and their FCI (``steps``, ``fci``) and, on a branch, the
+FCI of the step it starts (``branch_fci``).
 """
 
 from __future__ import annotations
@@ -43,7 +54,16 @@ from loom.formats import ends_with
 from rollout_svc.engines.base import Completion, Engine
 from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
 from rollout_svc.modes.agent import Agent, Episode, parse_call, run_tool
-from rollout_svc.modes.tree import Point, entropy_mask, entropy_ranked, spaced_points, tree_nodes
+from rollout_svc.modes.scorers import PolicyScorer, Scorer, resolve_scorer
+from rollout_svc.modes.tree import (
+    Point,
+    attention_ranked,
+    entropy_mask,
+    entropy_ranked,
+    spaced_points,
+    split_steps,
+    tree_nodes,
+)
 
 # a branch call's seed round: past every turn number (AgentParams.max_turns <= 64)
 BRANCH_ROUND = 64
@@ -64,6 +84,19 @@ class _Path:
     branch_index: int = 0
     seconds: float = 0.0
     cuts: list[int] = field(default_factory=list)  # its own branch points, in the order taken
+    steps: list[tuple[int, int]] | None = None  # attention: its reasoning steps (completion offsets)
+    fci: list[float] | None = None  # attention: each step's FCI (zeroed)
+
+
+def episode_steps(ep: Episode, texts: list[str], cfg: AgentTreeParams) -> list[tuple[int, int]]:
+    """The policy's reasoning steps of ``ep`` (completion offsets): each turn split by tree mode's
+    ``split_steps``; observations are no step."""
+    out: list[tuple[int, int]] = []
+    for s in ep.segments:
+        if s.kind == "turn" and s.end > s.start:
+            spans = split_steps(texts[s.start : s.end], cfg.separator, cfg.fallback_separator)
+            out += [(s.start + a, s.start + b) for a, b in spans]
+    return out
 
 
 def prefix_of(ep: Episode, b: int) -> tuple[Episode, list[int], list[float]]:
@@ -178,8 +211,16 @@ class _Walker:
 
 
 def _candidates(p: _Path, cfg: AgentTreeParams, texts: list[str]) -> list[tuple[float, int]]:
-    """(log-prob, position) of ``p``'s own eligible branch points (module docstring)."""
+    """(score, position) of ``p``'s own eligible branch points (module docstring): the log-prob
+    (``turn``, ``entropy``) or the step's FCI (``attention``: a step start, > 0 once zeroed)."""
     ep, out = p.ep, []
+    if cfg.strategy == "attention":
+        ok = entropy_mask(texts, cfg.entropy_stop_words)
+        return [
+            (v, a)
+            for (a, _), v in zip(p.steps or [], p.fci or [], strict=False)
+            if v > 0.0 and a > p.start and ok[a]
+        ]
     if cfg.strategy == "turn":
         for s in ep.segments:
             if s.kind == "turn" and s.index > 0 and s.start > p.start and s.start < len(ep.ids):
@@ -192,13 +233,25 @@ def _candidates(p: _Path, cfg: AgentTreeParams, texts: list[str]) -> list[tuple[
     return out
 
 
-def pick(paths: Sequence[_Path], cfg: AgentTreeParams, tokenizer: Any) -> list[tuple[_Path, int]]:
-    """One round's branch points of one tree, pooled over its paths, most uncertain first, spaced."""
+def token_texts(tokenizer: Any, ids: Sequence[int], cache: dict[int, str]) -> list[str]:
+    out = []
+    for t in ids:
+        if t not in cache:
+            cache[t] = tokenizer.decode([t], skip_special_tokens=False)
+        out.append(cache[t])
+    return out
+
+
+def pick(paths: Sequence[_Path], cfg: AgentTreeParams, texts_of: Any) -> list[tuple[_Path, int]]:
+    """One round's branch points of one tree, pooled over its paths (``texts_of(path)``: its tokens'
+    texts), ranked by the strategy (most uncertain first; ``attention``: the earliest candidates of
+    eq. 7), spaced."""
     scored: list[tuple[Any, float, int]] = []
     for k, p in enumerate(paths):
-        texts = [tokenizer.decode([t], skip_special_tokens=False) for t in p.ep.ids]
-        scored += [(k, lp, i) for lp, i in _candidates(p, cfg, texts) if i not in p.cuts]
-    ranked: list[Point] = entropy_ranked(scored)
+        scored += [(k, v, i) for v, i in _candidates(p, cfg, texts_of(p)) if i not in p.cuts]
+    ranked: list[Point] = (
+        attention_ranked(scored, cfg.quantile) if cfg.strategy == "attention" else entropy_ranked(scored)
+    )
     taken = {k: list(p.cuts) for k, p in enumerate(paths)}
     picked = spaced_points(ranked, cfg.branches, cfg.min_distance, taken)
     return [(paths[k], b) for k, b in sorted(picked)]
@@ -210,7 +263,30 @@ class _Forest:
 
     walker: _Walker
     group_id: str
+    scorer: Scorer | None = None  # attention: the FCI scorer (resolve_scorer's)
     paths: list[_Path] = field(default_factory=list)
+    cache: dict[int, str] = field(default_factory=dict)  # token id -> text
+
+    def texts(self, p: _Path) -> list[str]:
+        return token_texts(self.walker.agent.tokenizer, p.ep.ids, self.cache)
+
+    async def score(self, p: _Path) -> None:
+        """FCI of each of ``p``'s steps (once), over the whole episode: the prompt is step 0, the
+        observations are read but are no step; the steps from the first stop word on score 0."""
+        if p.fci is not None or self.scorer is None:
+            return
+        cfg, texts = self.walker.cfg, self.texts(p)
+        p.steps = episode_steps(p.ep, texts, cfg)
+        if not p.steps:
+            p.fci = []
+            return
+        ok = entropy_mask(texts, cfg.entropy_stop_words)
+        cut = next((s for s, (a, _) in enumerate(p.steps) if s > 0 and not ok[a]), None)
+        prompt = self.walker.prompt_ids
+        n = len(prompt)
+        spans = [(0, n)] + [(n + a, n + b) for a, b in p.steps]
+        scores = await self.scorer(prompt + p.ep.ids, spans, cfg.delta, None if cut is None else cut + 1)
+        p.fci = [float(x) for x in scores[1:]]
 
     async def roots(self, m: int) -> None:
         t0 = time.perf_counter()
@@ -225,8 +301,10 @@ class _Forest:
         trees: dict[int, list[_Path]] = {p.tree: [p] for p in self.paths}
         for it in range(cfg.iterations):
             jobs: list[Awaitable[list[_Path]]] = []
+            if cfg.strategy == "attention":
+                await asyncio.gather(*(self.score(q) for q in self.paths))
             for tree_paths in trees.values():
-                for p, b in pick(tree_paths, cfg, self.walker.agent.tokenizer):
+                for p, b in pick(tree_paths, cfg, self.texts):
                     index = len(self.paths) + cfg.continuations * len(jobs)  # its children's seeds
                     jobs.append(self.branch(p, len(p.cuts), b, it + 1, index))
                     p.cuts.append(b)
@@ -290,6 +368,9 @@ def trajectory_of(
     if p.parent is not None:
         meta |= {"branch_point": p.start, "branch_index": p.branch_index, "strategy": cfg.strategy}
         meta |= {"iteration": p.iteration}
+        at = [v for (a, _), v in zip(p.parent.steps or [], p.parent.fci or [], strict=False) if a == p.start]
+        if at:  # the FCI of the parent's step this branch starts (AttnRL eq. 6)
+            meta["branch_fci"] = at[0]
     return Trajectory(
         id=p.tid,
         group_id=group_id,
@@ -310,7 +391,8 @@ def trajectory_of(
 
 
 # what agent_tree() takes beyond (request, prompt_ids, group_id, engine), in its order
-NEEDS = ("tokenizer", "params")
+# (rollout_svc.modes.PROVIDERS gives each)
+NEEDS = ("tokenizer", "params", "scorer")
 
 
 async def agent_tree(
@@ -320,11 +402,15 @@ async def agent_tree(
     engine: Engine,
     tokenizer: Any,
     cfg: AgentTreeParams,
+    scorer: PolicyScorer | None = None,
 ) -> Group:
-    """One prompt's tree of episodes (module docstring)."""
+    """One prompt's tree of episodes (module docstring). ``scorer``: the operator's attention scorer,
+    used by ``attention`` when the engine has none of its own."""
     if getattr(cfg, "environment", None) is not None:  # AgentTreeParams refuses it; a direct caller too
         raise ModeError("agent_tree: mode_params.environment cannot branch (its state is not in the ids)")
-    forest = _Forest(_Walker(Agent(request, engine, tokenizer, cfg), list(prompt_ids), cfg), group_id)
+    scoring = resolve_scorer(engine, scorer) if cfg.strategy == "attention" else None
+    walker = _Walker(Agent(request, engine, tokenizer, cfg), list(prompt_ids), cfg)
+    forest = _Forest(walker, group_id, scoring)
     t0 = time.perf_counter()
     await forest.roots(cfg.initial)
     await forest.grow()
@@ -353,4 +439,7 @@ async def agent_tree(
         "stop": [p.ep.stop for p in paths],
         "generate_s": time.perf_counter() - t0,
     }
+    if cfg.strategy == "attention":  # the scored paths' steps and their FCI, aligned
+        meta["steps"] = {p.tid: [list(s) for s in p.steps] for p in paths if p.steps is not None}
+        meta["fci"] = {p.tid: p.fci for p in paths if p.fci is not None}
     return group_of(request, group_id, "agent_tree", trajectories, tree=nodes, meta=meta)

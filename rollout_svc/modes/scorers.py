@@ -1,5 +1,6 @@
-"""Tree mode's reward callback and attention scorers: what grades an initial response and what scores
-its steps, apart from the algorithm (rollout_svc.modes.tree), which takes both as plain callables.
+"""The tree modes' reward callback and attention scorers (tree mode, agent_tree's ``attention``): what
+grades an initial response and what scores its steps, apart from the algorithm (rollout_svc.modes.tree,
+rollout_svc.modes.agent_tree), which takes both as plain callables.
 
 Reward callback (``RewardFn``): ``(trajectories) -> correctness in [0, 1] per trajectory`` (sync or
 async); ``exact_reward_fn`` builds one from loom.exact for arithmetic/countdown requests with a label.

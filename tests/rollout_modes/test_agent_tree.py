@@ -2,8 +2,10 @@
 inline calculator (the tiny model's traces write ``3+9+0=``, the calculator answers ``12``): leaves
 are exact concatenations of policy and observation tokens sharing their parents' prefixes, the
 tree's node advantages (the learner's ``treerl`` estimator and the trainers' client) are eq. 2-3 on
-the leaves' rewards, observation tokens are masked in training, bad parameters are refused. Nothing
-is mocked."""
+the leaves' rewards, observation tokens are masked in training, bad parameters are refused. The
+``attention`` strategy's FCI comes from the engine's own scorer (as tree mode's tests) and, on an
+engine without one, from the operator's scorer: a real ``loom engine``'s ``/v1/score/attention``
+(the worker security tests' ``engine_url``). Nothing is mocked."""
 
 from __future__ import annotations
 
@@ -31,11 +33,18 @@ from loom.contracts.wire import (
     TrajectoryReward,
 )
 from loom.treerl import node_depths
+from rollout_svc.engines.base import UnsupportedCapability
 from rollout_svc.engines.torch import teacher_forced_logprobs
+from rollout_svc.engines.vllm import VLLMEngine
 from rollout_svc.modes import ModeError
 from rollout_svc.modes import run as run_mode
 from rollout_svc.modes.agent import MALFORMED, ToolCall, ToolError, calculate, parse_call
+from rollout_svc.modes.scorers import ScorerError, http_scorer
+from rollout_svc.modes.tree import first_token_containing
+from tests.security import workers_fixtures
 from zoo.tiny import CHECKPOINT_DIR, plain_prompt, tiny_problems
+
+engine_url = workers_fixtures.engine_url  # a real `loom engine` on the tiny model (a subprocess)
 
 PROMPT = plain_prompt(tiny_problems("arith", 1, seed=3)[0])  # "[plain] Compute 63+99.\n"
 
@@ -57,16 +66,22 @@ def _calculated(expression: str) -> str:
         return f"error: {exc}"
 
 
-def _group(engine: Any, **mode_params: Any) -> Group:
+def _group(engine: Any, settings: Settings | None = None, tokenizer: Any = None, **mode_params: Any) -> Group:
     request = _request(**mode_params)
-    ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    tok = tokenizer or engine.tokenizer
+    ids = tok.encode(PROMPT, add_special_tokens=False)
     params = parse_mode_params(request)
-    return run(run_mode(request, ids, "g", engine, lambda: engine.tokenizer, params, Settings()))
+    return run(run_mode(request, ids, "g", engine, lambda: tok, params, settings or Settings()))
 
 
-@pytest.fixture(scope="module", params=["entropy", "turn"])
+# attention: delta 1 (the tiny model's episodes hold a handful of steps), nothing from "</think>" on
+ATTENTION = {"strategy": "attention", "delta": 1, "entropy_stop_words": ["</think>"]}
+STRATEGIES = {"entropy": {"strategy": "entropy"}, "turn": {"strategy": "turn"}, "attention": ATTENTION}
+
+
+@pytest.fixture(scope="module", params=list(STRATEGIES))
 def group(request: pytest.FixtureRequest, tiny_engine: Any) -> Group:
-    return _group(tiny_engine, strategy=request.param)
+    return _group(tiny_engine, **STRATEGIES[request.param])
 
 
 def test_leaves_are_exact_and_share_their_parents_prefixes(group, tiny_engine):
@@ -202,9 +217,100 @@ def test_the_learner_trains_the_tree_and_observations_carry_no_gradient(tiny_eng
     assert not all(torch.equal(a, b) for a, b in zip(w0, w_turn, strict=True))
 
 
+def _assert_attention_points(group: Group, tokenizer: Any) -> None:
+    """Every branch point is a reasoning step's start inside a policy turn (a turn's first token or
+    the token after a separator), before the stop word, and the step's FCI is one that chose it."""
+    by_id = {t.id: t for t in group.trajectories}
+    steps, fci = group.meta["steps"], group.meta["fci"]
+    n_points = 0
+    for tid, points in group.meta["branch_points"].items():
+        t = by_id[tid]
+        texts = [tokenizer.decode([i], skip_special_tokens=False) for i in t.completion_ids]
+        turns = [s for s in t.segments if s.kind == "turn"]
+        obs = [s for s in t.segments if s.kind == "observation"]
+        spans = [tuple(x) for x in steps[tid]]
+        # the steps tile the turns exactly; each ends a turn or after a newline (the separators)
+        assert sorted(spans) == spans and len(spans) == len(fci[tid])
+        for turn in turns:
+            inner = [(a, b) for a, b in spans if turn.start <= a < turn.end]
+            assert inner[0][0] == turn.start and inner[-1][1] == turn.end
+            assert all(x[1] == y[0] for x, y in zip(inner, inner[1:], strict=False))
+            assert all("".join(texts[turn.start : b]).endswith("\n") for _, b in inner[:-1])
+        assert not any(o.start <= a < o.end for a, _ in spans for o in obs)  # never a step start
+        stop = first_token_containing(texts, "</think>")
+        for b in points:
+            n_points += 1
+            assert b in [a for a, _ in spans] and fci[tid][[a for a, _ in spans].index(b)] > 0.0
+            assert any(s.start <= b < s.end for s in turns) and not any(o.start <= b < o.end for o in obs)
+            assert stop is None or b < stop
+    assert n_points > 0, "attention found no branch point"
+    for t in group.trajectories:
+        if t.parent_id is not None:
+            assert t.meta["strategy"] == "attention" and t.meta["branch_fci"] > 0.0
+            assert t.meta["branch_fci"] in fci[t.parent_id]
+    assert group.meta["strategy"] == "attention"
+
+
+def test_attention_branches_at_step_starts_inside_policy_turns(group, tiny_engine):
+    if group.meta["strategy"] != "attention":
+        pytest.skip("the attention strategy's own rules")
+    _assert_attention_points(group, tiny_engine.tokenizer)
+    # the FCI is the scorer's over the whole episode: prompt step, then the steps; observations read
+    prompt_ids = tiny_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    t = next(t for t in group.trajectories if t.id in group.meta["branch_points"])
+    n, spans = len(prompt_ids), group.meta["steps"][t.id]
+    direct = run(
+        tiny_engine.score_attention(
+            prompt_ids + t.completion_ids, [(0, n)] + [(n + a, n + b) for a, b in spans], 1, None
+        )
+    )
+    got = group.meta["fci"][t.id]
+    assert [g for g in got if g > 0.0] == pytest.approx(
+        [d for d, g in zip(direct[1:], got, strict=True) if g > 0.0], abs=1e-5
+    )
+
+
+def test_attention_on_the_operators_scorer_route_and_its_typed_outcomes(engine_url, tiny_engine):
+    """An engine without scores (Loom's vLLM client on a real ``loom engine``): the FCI comes from the
+    operator's ``LOOM_ATTENTION_URL`` route; without one the group is refused before any token is
+    sampled (``UnsupportedCapability``, 422), and a scorer that cannot be reached is a ``ScorerError``."""
+    tok, params = tiny_engine.tokenizer, ATTENTION | {"iterations": 1}
+
+    def engine() -> VLLMEngine:  # one client per event loop (each _group runs its own)
+        return VLLMEngine(engine_url, timeout=60, retries=0)
+
+    group = _group(engine(), Settings(attention_url=engine_url), tok, **params)
+    _assert_attention_points(group, tok)
+    prompt_ids = tok.encode(PROMPT, add_special_tokens=False)
+    by_id = {t.id: t for t in group.trajectories}
+    for t in group.trajectories:
+        if t.parent_id is not None:  # the child's completion: the parent's exact ids, then its own
+            b = t.meta["branch_point"]
+            assert t.completion_ids[:b] == by_id[t.parent_id].completion_ids[:b]
+    tid = next(iter(group.meta["branch_points"]))
+    n, spans = len(prompt_ids), group.meta["steps"][tid]
+    route = http_scorer(engine_url)
+    direct = run(
+        route(prompt_ids + by_id[tid].completion_ids, [(0, n)] + [(n + a, n + b) for a, b in spans], 1, None)
+    )
+    got = group.meta["fci"][tid]
+    assert [g for g in got if g > 0.0] == pytest.approx(
+        [d for d, g in zip(direct[1:], got, strict=True) if g > 0.0], abs=1e-5
+    )
+    with pytest.raises(UnsupportedCapability, match="attention_scores.*LOOM_ATTENTION_URL"):
+        _group(VLLMEngine("http://127.0.0.1:9"), Settings(attention_url=""), tok, **params)
+    with pytest.raises(ScorerError, match="could not be reached"):
+        _group(engine(), Settings(attention_url="http://127.0.0.1:9"), tok, **params)
+
+
 def test_bad_params_are_refused_naming_the_field():
     for bad, field in [
-        ({"strategy": "attention"}, "strategy"),
+        ({"strategy": "random"}, "strategy"),
+        ({"quantile": 1.5}, "quantile"),
+        ({"delta": 0}, "delta"),
+        ({"separator": ""}, "separator"),
+        ({"attention_timeout_s": 1e9}, "attention_timeout_s"),
+        ({"attention_url": "http://127.0.0.1:9"}, "attention_url is not accepted"),
         ({"continuations": 0}, "continuations"),
         ({"branches": -1}, "branches"),
         ({"parser": "xml"}, "parser"),
