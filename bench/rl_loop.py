@@ -58,6 +58,7 @@ class Arm:
     estimator_params: dict[str, Any] = field(default_factory=dict)
     reflect: ReflectParams | None = None  # REA-RL: revisions, scored with ``spec`` once
     loss: dict[str, Any] = field(default_factory=dict)  # LossSpec fields of this arm (e.g. hrpo_lambda)
+    eval_spec: RewardSpec | None = None  # the held-out accuracy's spec (None: ``spec``)
 
 
 def engine_for(cfg: LoopConfig) -> Any:
@@ -150,7 +151,7 @@ def run_arm(
             steps.append(entry)
             log(step_line(arm, entry, cfg))
         change = weight_change(start, learner.model.state_dict())
-    after = evaluate(stages, held_out, make, arm.spec, measure, cfg.max_tokens)
+    after = evaluate(stages, held_out, make, arm.eval_spec or arm.spec, measure, cfg.max_tokens)
     stages.close()
     engine.stop_scheduler()
     return ArmResult(arm, steps, after, change, engine.policy_version, time.perf_counter() - t0)

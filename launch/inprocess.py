@@ -5,8 +5,10 @@ through it; it lives in launch/ because only the launcher may import every servi
 
 - generate: the rollout core (``rollout_svc.rollout.generate_group``, each mode's real code path) on
   one torch engine; the groups of a step run concurrently, so the engine batches them;
-- score / match: the reward core (``reward_svc.core.score_group``, ``reward_svc.match``), math-verify in
-  its isolated pool, started only when an item needs it (Countdown and arithmetic are exact);
+- score / match: the reward core (``reward_svc.core.ascore_group``, ``reward_svc.match``), math-verify in
+  its isolated pool, started only when an item needs it (Countdown and arithmetic are exact); the
+  ``judge`` and ``process`` components ask the judges of ``LOOM_REWARD_JUDGES`` through one
+  ``loom.clients.JudgeClient`` (its limits and cache), made when a spec first asks;
 - cut / revised: the reflect core (``reflect_svc.revise``) with the engine's tokenizer;
 - train: one ``learner.train.Learner`` step; a batch without a lineage (a bench's) has its published
   version loaded at once (the engine is the only replica), a run's lineage is loaded when its next
@@ -15,9 +17,11 @@ through it; it lives in launch/ because only the launcher may import every servi
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from loom.clients.judge import JudgeAsk, JudgeClient, JudgeReply
 from loom.contracts.settings import get_settings
 from loom.contracts.wire import (
     Group,
@@ -33,22 +37,44 @@ from loom.contracts.wire import (
 
 class Scorer:
     """The reward service's core in-process; its verifier pool starts only if an item needs
-    math-verify."""
+    math-verify, its judge client (``judges``, else one over ``LOOM_REWARD_JUDGES``) only if a spec
+    asks a judge or a PRM."""
 
-    def __init__(self) -> None:
+    def __init__(self, judges: JudgeClient | None = None) -> None:
         self._pool: Any = None
+        self._judges = judges
 
-    def verify(self, items: Sequence[Any], timeout_s: int) -> list[Any]:
+    def _get_pool(self) -> Any:
         if self._pool is None:
             from reward_svc.pool import VerifierPool
 
             self._pool = VerifierPool(1)
-        return list(self._pool.check_many(items, timeout_s))
+        return self._pool
+
+    def judges(self) -> JudgeClient:
+        if self._judges is None:
+            from loom.contracts.reward_settings import get_reward_settings
+
+            self._judges = JudgeClient(get_reward_settings().judges)
+        return self._judges
+
+    def verify(self, items: Sequence[Any], timeout_s: int) -> list[Any]:
+        return list(self._get_pool().check_many(items, timeout_s))
+
+    async def averify(self, items: Sequence[Any], timeout_s: int) -> list[Any]:
+        return list(await self._get_pool().acheck_many(items, timeout_s))
+
+    async def ask_judge(self, asks: Sequence[JudgeAsk]) -> list[JudgeReply]:
+        return await self.judges().ask_batch(asks)
 
     def score(self, group: Group, spec: RewardSpec) -> RewardResult:
-        from reward_svc.core import score_group
+        """``ascore`` outside an event loop (a bench's evaluation)."""
+        return asyncio.run(self.ascore(group, spec))
 
-        return score_group(group, spec, self.verify)
+    async def ascore(self, group: Group, spec: RewardSpec) -> RewardResult:
+        from reward_svc.core import ascore_group
+
+        return await ascore_group(group, spec, self.averify, ask_judge=self.ask_judge)
 
     def match(self, group: Group, texts: list[str]) -> list[bool]:
         from reward_svc.match import MatchRequest, finish_matches, plan_matches
@@ -64,6 +90,8 @@ class Scorer:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._judges is not None:
+            self._judges.close()
 
 
 class InProcessStages:
@@ -95,7 +123,7 @@ class InProcessStages:
         return await generate_group(request, self.engine, self._tokenizer, self.settings)
 
     async def score(self, key: str, group: Group, spec: RewardSpec) -> RewardResult:
-        return self.scorer.score(group, spec)
+        return await self.scorer.ascore(group, spec)
 
     async def match(self, key: str, group: Group, texts: list[str]) -> list[bool]:
         return self.scorer.match(group, texts)

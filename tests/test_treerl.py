@@ -101,3 +101,45 @@ def test_a_tree_that_is_not_one_is_refused_by_both(nodes: list[TreeNode], words:
         assign(group, rewards, TreerlParams())
     with pytest.raises(ValueError, match=f"group g: the tree is not a tree: .*{words}"):
         tree_advantages(group, rewards)
+
+
+def _with_steps(group: Group, rewards: dict[str, TrajectoryReward], seed: int) -> dict[str, TrajectoryReward]:
+    """Each trajectory's PRM step scores: one per node of its own that lies inside its completion."""
+    from loom.contracts.wire import StepScore
+
+    rng = random.Random(seed)
+    n = {t.id: len(t.completion_ids) for t in group.trajectories}
+    out = {}
+    for tid, r in rewards.items():
+        spans = [
+            (x.start, x.end) for x in group.tree or [] if x.trajectory_id == tid and x.start < x.end <= n[tid]
+        ]
+        steps = [StepScore(start=a, end=b, score=rng.random()) for a, b in spans]
+        out[tid] = r.model_copy(update={"steps": {"process": steps}})
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_client_mixes_in_process_scores_as_the_learner_does(seed: int) -> None:
+    from loom.clients.rollouts import RolloutGroup
+
+    group, plain = _random_group(seed)
+    rewards = _with_steps(group, plain, seed)
+    params = TreerlParams(process_weight=0.4)
+    learner = {ta.trajectory.id: ta.adv for ta in assign(group, rewards, params)}
+    client, _ = tree_advantages(group, rewards, params=params)
+    assert client == learner
+    scored = {"index": 0, "group": group, "rewards": {"group_id": "g", "rewards": list(rewards.values())}}
+    from_event = RolloutGroup.from_event(scored, params)
+    assert {s.id: s.advantages for s in from_event.samples} == learner
+    without = {ta.trajectory.id: ta.adv for ta in assign(group, rewards, TreerlParams())}
+    assert {s.id: s.advantages for s in RolloutGroup.from_event(scored).samples} == without
+
+
+def test_the_client_refuses_process_weight_without_step_scores_like_the_learner() -> None:
+    group, rewards = _random_group(3)
+    params = TreerlParams(process_weight=0.5)
+    with pytest.raises(ValueError, match="no step scores"):
+        assign(group, rewards, params)
+    with pytest.raises(ValueError, match="no step scores"):
+        tree_advantages(group, rewards, params=params)

@@ -19,8 +19,10 @@ What a sample carries (``RolloutSample``; every per-token list is aligned to ``c
 - ``env_mask``: 1 where the policy sampled the token, 0 where the mode inserted it (streaming's
   context sentences and forced markers, spawn's join blocks, a reflection revision's forced ending);
 - ``advantages``: the per-token advantages the mode defines: tree mode's TreeRL node advantages
-  (AttnRL eq. 2-3 on the leaves' correctness, as ``learner.estimators.treerl`` assigns them);
-  None for the other modes, whose advantages are the estimator's choice (group-normalised rewards);
+  (AttnRL eq. 2-3 on the leaves' correctness, as ``learner.estimators.treerl`` assigns them; with
+  ``treerl={"process_weight": w}`` on the client, each node's value mixes in its PRM step score as
+  the learner's estimator does, docs/algorithms.md §5.4); None for the other modes, whose
+  advantages are the estimator's choice (group-normalised rewards);
 - ``policy_version`` (and ``policy_namespace``), the reward the job's spec gave (``reward``,
   ``components``, ``reward_status``) and the ``Trajectory`` itself (``segments``, ``parent_id``, meta).
 """
@@ -38,7 +40,7 @@ import httpx
 
 from loom.clients.base import Closing, EventLines, LoomHTTPError, response_body
 from loom.clients.gateway import GatewayClient
-from loom.contracts.estimators import TREERL_REWARD_KEY
+from loom.contracts.estimators import TREERL_REWARD_KEY, TreerlParams
 from loom.contracts.jobs import ScoredGroup
 from loom.contracts.modes import ModeLimits, ModeParams, _Context, parse_mode_params
 from loom.contracts.policies import PolicyMatch
@@ -54,7 +56,7 @@ from loom.contracts.wire import (
     TrajectoryReward,
     TreeNode,
 )
-from loom.treerl import token_advantages, tree_values
+from loom.treerl import node_process_scores, token_advantages, tree_values
 
 _RETRY_STATUS = (502, 503, 504)
 
@@ -102,15 +104,22 @@ class RolloutGroup:
     node_values: dict[str, float] | None = None
 
     @classmethod
-    def from_event(cls, payload: ScoredGroup | Mapping[str, Any]) -> RolloutGroup:
+    def from_event(
+        cls,
+        payload: ScoredGroup | Mapping[str, Any],
+        treerl: TreerlParams | Mapping[str, Any] | None = None,
+    ) -> RolloutGroup:
         """A ``ScoredGroup`` (loom/contracts/jobs.py) as the gateway stores and streams it, parsed
-        with the gateway's own model."""
+        with the gateway's own model; a tree's advantages under ``treerl`` (the learner's estimator
+        parameters: its reward key, its process weight)."""
         scored = payload if isinstance(payload, ScoredGroup) else ScoredGroup.model_validate(payload)
         group, rewards = scored.group, scored.rewards
         if group is None:
             return cls(scored.index, None, rewards, [])
         by_id = {r.trajectory_id: r for r in rewards.rewards} if rewards is not None else {}
-        advantages, values = tree_advantages(group, by_id) if group.tree else ({}, None)
+        advantages, values = (
+            tree_advantages(group, by_id, params=_treerl(treerl)) if group.tree else ({}, None)
+        )
         samples = [_sample(t, by_id.get(t.id), advantages.get(t.id)) for t in group.trajectories]
         return cls(scored.index, group, rewards, samples, values)
 
@@ -168,7 +177,10 @@ def env_mask(t: Trajectory) -> list[int]:
 
 
 def tree_advantages(
-    group: Group, rewards: Mapping[str, TrajectoryReward], reward_key: str = TREERL_REWARD_KEY
+    group: Group,
+    rewards: Mapping[str, TrajectoryReward],
+    reward_key: str | None = None,
+    params: TreerlParams | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """TreeRL's per-token advantages of a tree group and its node values (AttnRL eq. 2-3):
 
@@ -179,19 +191,50 @@ def tree_advantages(
     Each trained token gets the advantage of the deepest node on its trajectory's path that covers
     it (a node of another trajectory counts where this completion repeats its tokens, the copied
     prefix of a branch); the rest of the trained tokens get the leaf's; untrained tokens get 0.
-    The same assignment as the learner's ``treerl`` estimator: both call ``loom/treerl.py``."""
+    The same assignment as the learner's ``treerl`` estimator: both call ``loom/treerl.py``. With
+    ``params.process_weight`` w > 0 a node's value is (1 - w) V(s) + w P(s), P its segment's step score
+    under ``params.process_key`` (docs/algorithms.md §5.4); a scored trajectory without step scores,
+    or a group with none, is a ValueError, as the learner refuses such a batch."""
+    p = params or TreerlParams()
+    reward_key = reward_key or p.reward_key or TREERL_REWARD_KEY
     tree: list[TreeNode] = list(group.tree or [])
     by_traj = {t.id: t for t in group.trajectories}
     leaf_value: dict[str, float] = {}
     for t in group.trajectories:
         r = rewards.get(t.id)
         leaf_value[t.id] = 0.0 if r is None else float(r.components.get(reward_key, r.total))
+    process = _process_scores(group, rewards, p) if p.process_weight > 0 else None
     try:
-        values = tree_values(tree, leaf_value)
+        values = tree_values(tree, leaf_value, process, p.process_weight)
     except ValueError as e:
         raise ValueError(f"group {group.id}: the tree is not a tree: {e}") from None
     out = {t.id: token_advantages(tree, values, t, by_traj, trained_mask(t)) for t in group.trajectories}
     return out, values.value
+
+
+def _process_scores(
+    group: Group, rewards: Mapping[str, TrajectoryReward], p: TreerlParams
+) -> dict[str, float]:
+    """Each node's PRM score (``loom.treerl.node_process_scores``) from the trajectories' step scores
+    under ``p.process_key``, checked as the learner checks them (``learner.estimators.common``)."""
+    steps: dict[str, list[tuple[int, int, float]]] = {}
+    for t in group.trajectories:
+        r = rewards.get(t.id)
+        scored = None if r is None else (r.steps or {}).get(p.process_key)
+        if scored is None:
+            if r is not None and r.status == "ok":
+                raise ValueError(
+                    f"trajectory {t.id} of group {group.id} has no step scores of component "
+                    f"{p.process_key!r}: score the job with the process reward (docs/interop-reward.md)"
+                )
+            continue
+        for s in scored:
+            if s.unit != "token" or not s.start < s.end <= len(t.completion_ids):
+                raise ValueError(f"trajectory {t.id}: step [{s.start}, {s.end}) is not a token span of it")
+        steps[t.id] = [(s.start, s.end, s.score) for s in scored]
+    if not steps:
+        raise ValueError(f"group {group.id} has no step scores of component {p.process_key!r}")
+    return node_process_scores(group.tree or [], steps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,13 +319,28 @@ def _params_dict(params: ModeParams | Mapping[str, Any] | None) -> dict[str, Any
 # the clients
 
 
+def _treerl(params: TreerlParams | Mapping[str, Any] | None) -> TreerlParams | None:
+    return (
+        params if params is None or isinstance(params, TreerlParams) else TreerlParams.model_validate(params)
+    )
+
+
 class Rollouts(Closing):
-    """Synchronous rollouts through a gateway (``api_key`` with the ``jobs`` scope)."""
+    """Synchronous rollouts through a gateway (``api_key`` with the ``jobs`` scope); ``treerl``: the
+    trainer's TreeRL parameters (``TreerlParams``: reward key, process weight) for tree groups'
+    advantages."""
 
     def __init__(
-        self, url: str, api_key: str | None = None, *, timeout: float = 60.0, reconnects: int = 5
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        reconnects: int = 5,
+        treerl: TreerlParams | Mapping[str, Any] | None = None,
     ) -> None:
         self.gateway = GatewayClient(url, api_key=api_key, timeout=timeout)
+        self.treerl = _treerl(treerl)
         self.reconnects = reconnects
         self.reconnections = 0  # event streams resumed after a dropped connection
 
@@ -292,7 +350,7 @@ class Rollouts(Closing):
 
     def groups(self, job_id: str) -> Iterator[RolloutGroup]:
         """The job's groups as they finish; raises ``RolloutJobError`` when the job fails."""
-        resume = _Resume(job_id, self.reconnects)
+        resume = _Resume(job_id, self.reconnects, self.treerl)
         while True:
             try:
                 for event in self.gateway.job_events_with_ids(job_id, resume.last):
@@ -334,6 +392,7 @@ class _Resume:
 
     job_id: str
     reconnects: int
+    treerl: TreerlParams | None = None
     last: int | None = None
     tries: int = 0
 
@@ -343,7 +402,7 @@ class _Resume:
             _check_end(self.job_id, data)
             return None
         self.last, self.tries = event_id, 0
-        return RolloutGroup.from_event(data)
+        return RolloutGroup.from_event(data, self.treerl)
 
     def delay(self, exc: httpx.TransportError | LoomHTTPError) -> float:
         """The wait before the next try; ``exc`` again when it is not worth one (an HTTP error other
@@ -365,10 +424,17 @@ class AsyncRollouts:
     """``Rollouts`` over asyncio (httpx.AsyncClient): ``await submit``, ``async for g in stream``."""
 
     def __init__(
-        self, url: str, api_key: str | None = None, *, timeout: float = 60.0, reconnects: int = 5
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        reconnects: int = 5,
+        treerl: TreerlParams | Mapping[str, Any] | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self.treerl = _treerl(treerl)
         self.reconnects = reconnects
         self.reconnections = 0
 
@@ -391,7 +457,7 @@ class AsyncRollouts:
         raise AssertionError("unreachable")
 
     async def groups(self, job_id: str) -> AsyncIterator[RolloutGroup]:
-        resume = _Resume(job_id, self.reconnects)
+        resume = _Resume(job_id, self.reconnects, self.treerl)
         while True:
             headers = {} if resume.last is None else {"Last-Event-ID": str(resume.last)}
             try:

@@ -1,15 +1,15 @@
 """Tree mode with process scores end to end (docs/algorithms.md §5.4): the torch engine on the tiny model
-grows a tree-mode group, the reward core scores it with ``accuracy`` and the ``process`` component
-(steps = the tree's node segments) against a real PRM server, and the learner trains it with the
-``treerl`` estimator and a process weight: every node gets its segment's PRM score, the weight moves
-the advantages, and the step publishes a version."""
+grows a tree-mode group, the in-process stages' reward core scores it with ``accuracy`` and the
+``process`` component (steps = the tree's node segments) against a real PRM server, and the learner
+trains it with the ``treerl`` estimator and a process weight: every node gets its segment's PRM
+score, the weight moves the advantages, the rollouts client gives a trainer those advantages, and
+the step publishes a version."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,21 +26,17 @@ def prm_url() -> Iterator[str]:
         yield url
 
 
-async def _no_verify(items: Any, timeout: int) -> list[Any]:
-    return []
-
-
 def test_tree_group_with_process_scores_trains(
     prm_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LOOM_DATA_DIR", str(tmp_path / "data"))
-    from launch.inprocess import InProcessStages
+    from launch.inprocess import InProcessStages, Scorer
     from learner.assign import assign_batch
     from learner.config import LearnerSettings
     from learner.train import Learner
+    from loom.clients.rollouts import RolloutGroup
     from loom.runtime import configure_process
     from loom.treerl import node_process_scores
-    from reward_svc.core import ascore_group
     from rollout_svc.engines.torch import TorchEngine
     from zoo.tiny import CHECKPOINT_DIR, make_problems, reflect_prompt
 
@@ -56,7 +52,8 @@ def test_tree_group_with_process_scores_trains(
     )
     engine = TorchEngine(CHECKPOINT_DIR, device="cpu")
     learner = Learner(LearnerSettings(model=CHECKPOINT_DIR, store=tmp_path / "store", token_budget=512))
-    stages = InProcessStages(engine, learner)
+    client = JudgeClient({"p": JudgeServer(url=prm_url, model="ok")})
+    stages = InProcessStages(engine, learner, Scorer(judges=client))
     try:
         group = asyncio.run(stages.generate("tree-g", request))
         assert group.tree and len(group.trajectories) > 2
@@ -66,8 +63,7 @@ def test_tree_group_with_process_scores_trains(
                 RewardComponent(name="process", weight=0.0, params={"prm": "p", "steps": "segments"}),
             ]
         )
-        client = JudgeClient({"p": JudgeServer(url=prm_url, model="ok")})
-        scored = asyncio.run(ascore_group(group, spec, _no_verify, ask_judge=client.ask_batch))
+        scored = asyncio.run(stages.score("tree-s", group, spec))
         # the PRM answered every step (the tiny model's answers may be wrong: accuracy's status is its own)
         assert all(not r.status.startswith("prm_") and r.steps for r in scored.rewards)
         steps = {
@@ -89,6 +85,11 @@ def test_tree_group_with_process_scores_trains(
         plain = TrainBatch(step=0, groups=[group], rewards=[scored], estimator="treerl")
         mixed = [s.adv for s in assign_batch(batch, drop_zero=False).samples]
         assert mixed != [s.adv for s in assign_batch(plain, drop_zero=False).samples]  # the weight acts
+        # the trainer-facing client, given the same estimator parameters, gives the learner's numbers
+        event = {"index": 0, "group": group, "rewards": scored}
+        trainer = RolloutGroup.from_event(event, treerl=params)
+        by_traj = {s.trajectory.id: s.adv for s in assign_batch(batch, drop_zero=False).samples}
+        assert {s.id: s.advantages for s in trainer.samples} == by_traj
         result = asyncio.run(stages.train("tree-t", batch))
     finally:
         stages.close()
