@@ -5,6 +5,12 @@ turn until it answers ``done`` (or the episode ends on its own limits), ``close`
 an error. ``reset`` and ``step`` may raise; the tier turns a raise into ``env_error`` and a step past
 its deadline into ``timeout`` (``loom/contracts/envs.py``), so an environment needs no defensive code
 of its own.
+
+**Replayable**: a factory with ``replayable = True`` (a class attribute) promises that a fresh
+instance reset with the same task (the same seed) and sent the same actions answers the same
+observations, rewards and ``done``; agent_tree branches such an environment's episodes by reopening it
+and replaying the parent's actions (docs/environments.md "Trees by replay"), every replayed answer
+checked against the parent's. Without it (the default) a tree's open is refused, ``not_replayable``.
 """
 
 from __future__ import annotations
@@ -25,3 +31,8 @@ class Environment(Protocol):
 
 # the registry: name -> factory (no arguments; the task comes with reset)
 Factory = Callable[[], Environment]
+
+
+def replayable(factory: object) -> bool:
+    """Whether ``factory`` declares its environments replayable (``replayable = True``)."""
+    return getattr(factory, "replayable", False) is True

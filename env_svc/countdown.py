@@ -27,6 +27,9 @@ class CountdownOptions(Contract):
 
 
 class CountdownEnv:
+    # a pure function of the task and the actions so far (the tries counted): a tree replays it
+    replayable = True
+
     def __init__(self) -> None:
         self.numbers: list[int] = []
         self.target = 0

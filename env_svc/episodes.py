@@ -21,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from env_svc.base import Environment
+from env_svc.base import Environment, replayable
 from env_svc.registry import UnknownEnvironment, factory_of
 from loom.contracts.envs import EnvOpened, EnvReset, EnvStep, EnvStepRequest, EnvTask
 
@@ -82,6 +82,9 @@ class Episodes:
             make = factory_of(task.environment, self.modules)
         except UnknownEnvironment as exc:
             return EnvOpened(reset=EnvReset(status="unknown_env", error=str(exc)))
+        if task.replay and not replayable(make):
+            why = f"environment {task.environment[:128]!r} is not replayable: a tree cannot branch it"
+            return EnvOpened(reset=EnvReset(status="not_replayable", error=why))
         made: list[Environment] = []
         try:
             made.append(self._bounded(make, self.open_timeout_s, "construction", None))

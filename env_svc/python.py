@@ -37,6 +37,11 @@ def render(result: CallResult, cap: int) -> str:
 
 
 class PythonEnv:
+    # replayable: the same cells rerun in a fresh session answer the same as far as they are
+    # deterministic; a tree checks every replayed output (a seedless random, the clock, set order
+    # under hash randomization, a timeout's race differ: env_replay_mismatch, never a wrong episode)
+    replayable = True
+
     def __init__(self, client: SandboxSessionClient | None = None) -> None:
         self.client = client or SandboxSessionClient(get_env_settings().sandbox_url or None)
         self.session: ToolSession | None = None

@@ -12,13 +12,14 @@ from __future__ import annotations
 import importlib
 
 from env_svc.adapters import skyrl_gym, verifiers
-from env_svc.base import Factory
+from env_svc.base import Factory, replayable
 from env_svc.countdown import CountdownEnv
 from env_svc.python import PythonEnv
-from loom.contracts.modes import ENVIRONMENTS, LIBRARIES, known_environment
+from loom.contracts.modes import ENVIRONMENTS, LIBRARIES, REPLAYABLE, known_environment
 
 REGISTRY: dict[str, Factory] = {"countdown": CountdownEnv, "python": PythonEnv}
 assert set(ENVIRONMENTS) <= set(REGISTRY), "every built-in name of the contracts has its factory"
+assert {n for n in ENVIRONMENTS if replayable(REGISTRY[n])} == set(REPLAYABLE), "the contracts' replayable"
 
 
 class UnknownEnvironment(LookupError):

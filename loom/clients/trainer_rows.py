@@ -93,18 +93,23 @@ def check_tree_initial(mode: Mode, mode_params: Mapping[str, Any], n: int, what:
 
 
 def episode_of(s: RolloutSample) -> dict[str, Any]:
-    """An agent sample's episode as the trainers' multi-turn records count it: its policy turns and
-    tool observations (``[start, end)`` in completion offsets, the mode's ``turn`` and
-    ``observation`` segments) and why it ended. A sample of another mode is one turn, no tool call."""
+    """An agent sample's episode as the trainers' multi-turn records count it: its policy turns, the
+    answers it read (``[start, end)`` in completion offsets, the mode's ``turn`` and ``observation``
+    segments: ``responses``, a tool's or an environment's), the tool calls among them, the steps its
+    environment took (every turn of an environment's episode is a step, a tool call or not, the last
+    one too) and why it ended. A sample of another mode is one turn, no tool call."""
     t = s.trajectory
-    turns = [(g.start, g.end) for g in t.segments if g.kind == "turn"]
+    turn_segs = [g for g in t.segments if g.kind == "turn"]
+    turns = [(g.start, g.end) for g in turn_segs]
     # other modes' observation segments (streaming's sentences, spawn's join blocks) are no tool's
-    observations = [(g.start, g.end) for g in t.segments if g.kind == "observation"] if turns else []
+    obs = [g for g in t.segments if g.kind == "observation"] if turns else []
     return {
         "turns": len(turns) or 1,
-        "tool_calls": len(observations),
+        "tool_calls": sum("env" not in g.meta for g in obs),
+        "env_steps": sum("env_status" in g.meta for g in turn_segs),
+        "responses": len(obs),
         "turn_spans": turns or [(0, len(s.completion_ids))],
-        "observation_spans": observations,
+        "observation_spans": [(g.start, g.end) for g in obs],
         "stop_reason": t.stop_reason,
     }
 

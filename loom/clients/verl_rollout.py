@@ -197,7 +197,7 @@ class LoomAgentLoop(AgentLoopBase):
             response_mask=list(s.loss_mask[:n]),
             response_logprobs=[float(x) for x in logprobs[:n]],
             reward_score=None if not self.settings.use_reward or s.reward is None else float(s.reward),
-            num_turns=1 + ep["turns"] + ep["tool_calls"],  # verl's count: the prompt, each turn, each tool
+            num_turns=1 + ep["turns"] + ep["responses"],  # verl's: the prompt, each turn, each answer read
             metrics=AgentLoopMetrics(generate_sequences=seconds),
             extra_fields={
                 "loom_policy_version": s.policy_version,
@@ -211,6 +211,7 @@ class LoomAgentLoop(AgentLoopBase):
                 "loom_truncated": len(s.completion_ids) > n,
                 "loom_stop_reason": ep["stop_reason"],
                 "loom_tool_calls": ep["tool_calls"],
+                "loom_env_steps": ep["env_steps"],
                 "turn_scores": [],
                 "tool_rewards": [],
             },

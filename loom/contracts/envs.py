@@ -6,7 +6,8 @@ question and label, the environment's own options), answers each of the policy's
 (the observation the policy reads next, a per-turn reward where the environment gives one, ``done``)
 and is closed when the episode ends. Every failure is a typed status, never an exception across the
 boundary: ``env_error`` (the environment raised), ``timeout`` (a step ran past its deadline),
-``env_lost`` (the worker holding the episode's state died or forgot it), ``unknown_env``. The
+``env_lost`` (the worker holding the episode's state died or forgot it), ``unknown_env``,
+``not_replayable`` (opened for a tree's replay, an environment that does not declare it). The
 implementations and the protocol they follow are ``env_svc/base.py``.
 """
 
@@ -22,7 +23,7 @@ from loom.contracts.modes import LIBRARIES as LIBRARIES
 from loom.contracts.modes import known_environment as known_environment
 from loom.contracts.wire import Contract
 
-EnvStatus = Literal["ok", "env_error", "timeout", "env_lost", "unknown_env"]
+EnvStatus = Literal["ok", "env_error", "timeout", "env_lost", "unknown_env", "not_replayable"]
 
 MAX_ACTION_CHARS = 200_000
 MAX_OBSERVATION_CHARS = 1_000_000
@@ -36,6 +37,11 @@ class EnvTask(Contract):
     label: str | None = Field(default=None, max_length=MAX_ACTION_CHARS)
     options: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
     seed: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    replay: bool = Field(
+        default=False,
+        description="opened to be replayed (an agent_tree's episode): an environment whose factory is not "
+        "replayable is refused (not_replayable)",
+    )
 
 
 class ToolCallBody(Contract):

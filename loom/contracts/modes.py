@@ -281,6 +281,20 @@ ENVIRONMENTS: tuple[str, ...] = ("countdown", "python")
 # interpreter has the library (env_svc/adapters/; docs/environments.md "Environment libraries")
 LIBRARIES: tuple[str, ...] = ("verifiers", "skyrl")
 
+# the built-ins an agent_tree may branch by replay (docs/environments.md "Trees by replay"): their
+# factories declare ``replayable`` (env_svc/registry.py checks the two agree); a library's never are
+REPLAYABLE: tuple[str, ...] = ("countdown", "python")
+
+
+def replayable_environment(name: str, modules: list[str]) -> bool:
+    """Whether an agent_tree may branch episodes of ``name`` by replay: a replayable built-in, or
+    ``module:factory`` of a listed module (its factory's ``replayable`` is checked by the env worker
+    at each open, which the rollout side cannot import); never a library adapter's."""
+    module, _, factory = name.partition(":")
+    if name in ENVIRONMENTS or module in LIBRARIES:
+        return name in REPLAYABLE
+    return bool(factory) and module in modules and known_environment(name, modules)
+
 
 def known_environment(name: str, modules: list[str]) -> bool:
     """Whether an env worker can open ``name``: a built-in, ``module:factory`` of a listed module, or
@@ -343,8 +357,9 @@ class AgentTreeParams(AgentParams):
     the highest -log-prob inside a turn (TreeRL's rule: never the first token, nothing from a
     stop word on), ``attention`` at the earliest high-FCI reasoning steps of the turns (AttnRL: the
     policy's steps split by ``separator``, else ``fallback_separator``; ``delta`` and ``quantile`` as
-    tree mode's; the operator's scorer, bounded by ``attention_timeout_s``, as tree mode's). A
-    stateful environment cannot be forked (its state is not in the ids)."""
+    tree mode's; the operator's scorer, bounded by ``attention_timeout_s``, as tree mode's). An
+    environment's state is not in the ids: a child reopens it and replays its parent's actions, so
+    only a replayable ``environment`` is accepted (docs/environments.md)."""
 
     REFUSED: ClassVar[dict[str, str]] = TreeParams.REFUSED  # the scorer is the operator's, never a request's
 
@@ -373,11 +388,13 @@ class AgentTreeParams(AgentParams):
         return self
 
     @model_validator(mode="after")
-    def _no_environment(self) -> AgentTreeParams:
-        if getattr(self, "environment", None) is not None:
+    def _replayable_environment(self) -> AgentTreeParams:
+        name = getattr(self, "environment", None)
+        if name is not None and not replayable_environment(name, get_settings().env_modules):
             raise ValueError(
-                "mode_params.environment cannot branch: an environment's state is not in the episode's "
-                "ids, so a child cannot continue from its parent's (use mode agent)"
+                f"mode_params.environment {name!r} cannot branch: its state is not in the episode's ids "
+                "and it is not replayable (a child reopens the environment and replays its parent's "
+                f"actions; replayable built-ins: {list(REPLAYABLE)}; or use mode agent)"
             )
         return self
 

@@ -119,6 +119,8 @@ class Episode:
     env: EnvSession | None = None  # the episode's environment on the env tier, when it has one
     rewards: list[float | None] = field(default_factory=list)  # the environment's, per turn
     env_error: str | None = None  # why the environment ended the episode, when it failed
+    env_steps: int = 0  # the turns the environment answered (a step per turn, a tool call or not)
+    replayed: int = 0  # the steps replayed to reopen it (an agent_tree child's, env_replay.py)
 
     def append(
         self, ids: list[int], logprobs: list[float], trained: int, kind: SegmentKind, meta: dict
@@ -218,7 +220,7 @@ class Agent:
             }
             ep.append(c.token_ids, c.logprobs, 1, "turn", meta)
             if ep.env is not None:  # the environment answers every turn (docs/environments.md)
-                if await self.env_turn(ep, c, call, deadline):
+                if await self.env_turn(ep, call, deadline):
                     break
                 continue
             if not called:
@@ -257,48 +259,67 @@ class Agent:
         an environment that could not be opened ends it at once with its status."""
         if self.cfg.environment is None:
             return await self.episode(prompt_ids, policy)
-        req = self.request
-        question = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids)
-        try:
-            task = EnvTask(
-                environment=self.cfg.environment,
-                question=question[:MAX_ACTION_CHARS],
-                label=req.label,
-                options=self.cfg.env_options,
-                seed=sample_seed(req.sampling.seed, r) or r,
-            )
-        except ValidationError as exc:  # a label past the environment's bound
-            ep = Episode(env_error=f"the episode's task: {str(exc)[:300]}")
-            ep.end("env_error", "abort")
+        ep, opened = await self.open_episode(prompt_ids, r)
+        if not opened:
             return ep
-        ep = Episode(env=await EnvSession.open(get_env_client(), task))
         try:
-            reset = ep.env.reset  # type: ignore[union-attr]
-            if reset.status != "ok":
-                ep.env_error = reset.error
-                ep.end(reset.status, "abort")
-                return ep
-            if reset.observation:
-                ids, obs = self.observation(Observation(reset.observation, "ok"))
-                meta = {"env": self.cfg.environment, "status": "ok", "truncated": obs.truncated}
-                ep.append(ids, [0.0] * len(ids), 0, "observation", meta)
             return await self.episode(prompt_ids, policy, ep)
         finally:
             await ep.env.close()  # type: ignore[union-attr]
 
-    async def env_turn(self, ep: Episode, c: Completion, call: ToolCall | None, deadline: float) -> bool:
-        """The turn as the environment's step: its reward in the turn's meta, its observation appended
-        as a tool's is; True when the episode ends (done, the env lost, or the episode's limits)."""
+    def env_task(self, prompt_ids: list[int], r: int, replay: bool = False) -> EnvTask:
+        """Sample ``r``'s task (raises ValidationError: a label past the environment's bound)."""
+        req = self.request
+        question = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids)
+        return EnvTask(
+            environment=self.cfg.environment or "",
+            question=question[:MAX_ACTION_CHARS],
+            label=req.label,
+            options=self.cfg.env_options,
+            seed=sample_seed(req.sampling.seed, r) or r,
+            replay=replay,
+        )
+
+    async def open_episode(self, prompt_ids: list[int], r: int, replay: bool = False) -> tuple[Episode, bool]:
+        """A new episode with sample ``r``'s environment open and its reset observation appended, and
+        True; or, where it could not be opened, the episode ended with the status (closed) and False.
+        ``replay``: the episode is a tree's, to be replayed (a non-replayable environment refuses)."""
+        try:
+            task = self.env_task(prompt_ids, r, replay)
+        except ValidationError as exc:
+            ep = Episode(env_error=f"the episode's task: {str(exc)[:300]}")
+            ep.end("env_error", "abort")
+            return ep, False
+        ep = Episode(env=await EnvSession.open(get_env_client(), task))
+        assert ep.env is not None
+        reset = ep.env.reset
+        if reset.status != "ok":
+            ep.env_error = reset.error
+            ep.end(reset.status, "abort")
+            await ep.env.close()
+            return ep, False
+        if reset.observation:
+            ids, obs = self.observation(Observation(reset.observation, "ok"))
+            meta = {"env": self.cfg.environment, "status": "ok", "truncated": obs.truncated}
+            ep.append(ids, [0.0] * len(ids), 0, "observation", meta)
+        return ep, True
+
+    async def env_turn(self, ep: Episode, call: ToolCall | None, deadline: float) -> bool:
+        """The episode's last turn (its whole text: a tree child's includes its parent's head) as the
+        environment's step: its reward in the turn's meta, its observation appended as a tool's is;
+        True when the episode ends (done, the env lost, or the episode's limits)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             ep.end("deadline", "abort")
             return True
-        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+        turn = ep.segments[-1]
+        text = self.tokenizer.decode(ep.ids[turn.start : turn.end], skip_special_tokens=False)
         assert ep.env is not None
         step = await ep.env.step(text, call, ep.turns - 1, min(self.cfg.tool_timeout_s, remaining))
         ep.segments[-1].meta.update(env_status=step.status, reward=step.reward)
         ep.rewards.append(step.reward)
         ep.tool_calls += call is not None
+        ep.env_steps += 1
         if step.status == "env_lost":
             ep.env_error = step.error
         if step.status == "env_lost" or step.done:
@@ -366,6 +387,12 @@ def trajectory(
         policy_version=engine.policy_version,
         engine=engine.name,
         timing={"generate_s": wall},
-        meta={"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop}
-        | ({"turn_rewards": ep.rewards, "env_error": ep.env_error} if ep.env or ep.env_error else {}),
+        meta={"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop} | env_meta(ep),
     )
+
+
+def env_meta(ep: Episode) -> dict[str, Any]:
+    """An environment's episode's own meta: its per-turn rewards, why it failed, its steps."""
+    if ep.env is None and ep.env_error is None:
+        return {}
+    return {"turn_rewards": ep.rewards, "env_error": ep.env_error, "env_steps": ep.env_steps}

@@ -31,7 +31,8 @@ as an episode of its own: its later turns, tool calls and observations are its o
   segment per node on its path beside its ``turn`` and ``observation`` segments, so §5.1 ``treerl``
   (loom/treerl.py) computes node advantages over the episodes. Observation tokens keep loss mask 0;
   the copied prefix is trained (``train_prefix``).
-- **Environments**: an environment's state is not in the ids, so an episode on one cannot be forked;
+- **Environments**: an environment's state is not in the ids, so a child reopens it and replays its
+  parent's actions, each answer checked (rollout_svc/modes/env_replay.py); a non-replayable
   ``mode_params.environment`` is refused (AgentTreeParams).
 
 The group reports the policy tokens the tree generated against those its leaves hold (what sampling
@@ -48,12 +49,13 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.contracts.modes import AgentTreeParams
+from loom.contracts.modes import AgentTreeParams, replayable_environment
+from loom.contracts.settings import get_settings
 from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, Trajectory, TreeNode
 from loom.formats import ends_with
 from rollout_svc.engines.base import Completion, Engine
-from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
-from rollout_svc.modes.agent import Agent, Episode, parse_call, run_tool
+from rollout_svc.modes import ModeError, env_replay, group_of, sample_seed, trajectory_id
+from rollout_svc.modes.agent import Agent, Episode, env_meta, parse_call, run_tool
 from rollout_svc.modes.scorers import PolicyScorer, Scorer, resolve_scorer
 from rollout_svc.modes.tree import (
     Point,
@@ -188,6 +190,8 @@ class _Walker:
             "status": "no_tool_call" if not called else ("ok" if call is not None else "malformed"),
         }
         ep.append(ids, logprobs, 1, "turn", meta)
+        if ep.env is not None:  # the environment answers every turn (agent.py, env_replay.py)
+            return not await agent.env_turn(ep, call, deadline)
         stop: tuple[str, FinishReason] | None = None
         if not called:
             stop = ("no_tool_call", "stop") if c.finish_reason == "stop" else (why, "length")
@@ -290,7 +294,11 @@ class _Forest:
 
     async def roots(self, m: int) -> None:
         t0 = time.perf_counter()
-        eps = await asyncio.gather(*(self.walker.walk(Episode(), i) for i in range(m)))
+        env = self.walker.cfg.environment is not None
+        walk = self.walker.walk
+        eps = await asyncio.gather(
+            *(env_replay.root(self.walker, i) if env else walk(Episode(), i) for i in range(m))
+        )
         dt = time.perf_counter() - t0
         self.paths = [
             _Path(trajectory_id(self.group_id, i), i, i, ep, seconds=dt) for i, ep in enumerate(eps)
@@ -304,7 +312,8 @@ class _Forest:
             if cfg.strategy == "attention":
                 await asyncio.gather(*(self.score(q) for q in self.paths))
             for tree_paths in trees.values():
-                for p, b in pick(tree_paths, cfg, self.texts):
+                live = [q for q in tree_paths if q.ep.stop != env_replay.REPLAY_MISMATCH]
+                for p, b in pick(live, cfg, self.texts):
                     index = len(self.paths) + cfg.continuations * len(jobs)  # its children's seeds
                     jobs.append(self.branch(p, len(p.cuts), b, it + 1, index))
                     p.cuts.append(b)
@@ -323,13 +332,18 @@ class _Forest:
         if budget <= 0:
             return []
         seed = sample_seed(walker.agent.sampling.seed, p.index, BRANCH_ROUND + k)
-        firsts = await walker.sample(ep, head, budget, seed, walker.cfg.continuations)
-        eps = await asyncio.gather(
-            *(
-                walker.walk(prefix_of(p.ep, b)[0], index + j, c, (head, head_lp), why)
-                for j, c in enumerate(firsts)
+        sampled = walker.sample(ep, head, budget, seed, walker.cfg.continuations)
+        if walker.cfg.environment is not None:  # each child's environment reopened and replayed
+            prefixes = [prefix_of(p.ep, b)[0] for _ in range(walker.cfg.continuations)]
+            eps = await env_replay.children(walker, prefixes, p.tree, sampled, index, (head, head_lp), why)
+        else:
+            firsts = await sampled
+            eps = await asyncio.gather(
+                *(
+                    walker.walk(prefix_of(p.ep, b)[0], index + j, c, (head, head_lp), why)
+                    for j, c in enumerate(firsts)
+                )
             )
-        )
         dt = time.perf_counter() - t0
         return [
             _Path(f"{p.tid}.b{k}.{j}", index + j, p.tree, e, b, p, iteration, k, dt)
@@ -364,7 +378,7 @@ def trajectory_of(
     mask = list(ep.mask)
     if p.parent is not None and not cfg.train_prefix:
         mask[: p.start] = [0] * p.start
-    meta: dict[str, Any] = {"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop}
+    meta: dict[str, Any] = {"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop} | env_meta(ep)
     if p.parent is not None:
         meta |= {"branch_point": p.start, "branch_index": p.branch_index, "strategy": cfg.strategy}
         meta |= {"iteration": p.iteration}
@@ -406,8 +420,9 @@ async def agent_tree(
 ) -> Group:
     """One prompt's tree of episodes (module docstring). ``scorer``: the operator's attention scorer,
     used by ``attention`` when the engine has none of its own."""
-    if getattr(cfg, "environment", None) is not None:  # AgentTreeParams refuses it; a direct caller too
-        raise ModeError("agent_tree: mode_params.environment cannot branch (its state is not in the ids)")
+    name = cfg.environment  # AgentTreeParams refuses a non-replayable one; a direct caller too
+    if name is not None and not replayable_environment(name, get_settings().env_modules):
+        raise ModeError(f"agent_tree: mode_params.environment {name!r} is not replayable, it cannot branch")
     scoring = resolve_scorer(engine, scorer) if cfg.strategy == "attention" else None
     walker = _Walker(Agent(request, engine, tokenizer, cfg), list(prompt_ids), cfg)
     forest = _Forest(walker, group_id, scoring)
@@ -435,6 +450,7 @@ async def agent_tree(
         "token_ratio": generated / independent if independent else 1.0,
         "tool_calls_run": calls_run,
         "tool_calls_independent": sum(p.ep.tool_calls for p in paths),
+        "env_steps_replayed": sum(p.ep.replayed for p in paths),
         "turns": sum(p.ep.turns for p in paths),
         "stop": [p.ep.stop for p in paths],
         "generate_s": time.perf_counter() - t0,

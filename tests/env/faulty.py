@@ -65,3 +65,19 @@ class SlowFirstReset(NeverDone):
             marker.write_text(str(os.getpid()))
             time.sleep(60)
         return super().reset(task)
+
+
+class Drifts(NeverDone):
+    """Declares itself replayable but is not: each step's observation names how many episodes this
+    worker has opened, so a tree's replay on a fresh episode answers otherwise (env_replay_mismatch)."""
+
+    replayable = True
+    opened = 0
+
+    def reset(self, task: EnvTask) -> EnvReset:
+        Drifts.opened += 1
+        self.episode = Drifts.opened
+        return super().reset(task)
+
+    def step(self, action: EnvAction) -> EnvStep:
+        return EnvStep(observation=f"turn {action.turn} of episode {self.episode}", reward=0.5)

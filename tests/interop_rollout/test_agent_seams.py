@@ -300,10 +300,24 @@ def test_an_episodes_turns_and_tool_calls_are_its_agent_segments_only() -> None:
     assert episode_of(agent) == {
         "turns": 2,
         "tool_calls": 1,
+        "env_steps": 0,
+        "responses": 1,
         "turn_spans": [(0, 3), (5, 9)],
         "observation_spans": [(3, 5)],
         "stop_reason": "no_tool_call",
     }
+    # an environment's episode: a reset observation, two steps (the last done, unanswered), none a tool
+    env = sample(
+        [
+            Segment(kind="observation", start=0, end=2, meta={"env": "countdown"}),
+            Segment(kind="turn", start=2, end=4, meta={"env_status": "ok"}),
+            Segment(kind="observation", start=4, end=6, index=0, meta={"env": "countdown"}),
+            Segment(kind="turn", start=6, end=9, index=1, meta={"env_status": "ok"}),
+        ],
+        "env_done",
+    )
+    got = episode_of(env)
+    assert (got["turns"], got["env_steps"], got["tool_calls"], got["responses"]) == (2, 2, 0, 2)
     streaming = sample(
         [Segment(kind="observation", start=0, end=4), Segment(kind="stream", start=4, end=9)], None
     )

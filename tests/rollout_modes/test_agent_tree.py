@@ -322,13 +322,13 @@ def test_bad_params_are_refused_naming_the_field():
     assert parse_mode_params(_request(initial=None)).initial == 6  # type: ignore[union-attr]
 
 
-def test_an_environment_is_refused_by_the_params_model():
-    """Where AgentParams carries ``environment`` (the environment tier), a tree of its episodes is
-    refused: the environment's state is not in the ids a child copies."""
-    if "environment" not in AgentTreeParams.model_fields:
-        pytest.skip("AgentParams has no environment field on this tree")
-    with pytest.raises(ModeError, match="environment"):
-        parse_mode_params(_request(environment="counter"))
+def test_a_non_replayable_environment_is_refused_by_the_params_model():
+    """An environment's state is not in the ids a child copies: a tree reopens and replays it, so only
+    a replayable one is accepted (tests/env/test_tree_replay.py runs them); a library's is refused."""
+    with pytest.raises(ModeError, match="mode_params.environment 'verifiers:wordle' cannot branch"):
+        parse_mode_params(_request(environment="verifiers:wordle"))
+    params = parse_mode_params(_request(environment="countdown"))
+    assert isinstance(params, AgentTreeParams) and params.environment == "countdown"
 
 
 def test_the_inline_parser_calls_the_calculator_on_what_precedes_the_equals_sign():
