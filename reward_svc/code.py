@@ -6,12 +6,14 @@ the form of verl's ``sandbox_fusion`` reward and of PRIME/TACO-style datasets, o
 verl's ``assert_case`` is read too). ``language`` is ``python`` (default) or ``bash``. The program is
 the last fenced code block of the answer (``extract_program``).
 
-A Python program's stdin/stdout tests share one sandbox run (``_DRIVER``): a driver forks the program
-once per test (a fresh process each: one test's memory never leaks into the next; its own CPU limit
-and wall clock: one test's hang costs only that test), so an item pays one sandbox start, not one per
-test. What the tests of one program share is that run's private tmp and their stdins, which tell it
-nothing it is judged on: the outputs are compared here, outside the sandbox. Assert-style tests and
-bash stay one run per test (an assert's pass is its run's exit status). An item's runs go to the
+A Python program's tests share one sandbox run (``_DRIVER``): a driver forks the program once per
+test (a fresh process each: one test's memory never leaks into the next; its own CPU limit and wall
+clock: one test's hang costs only that test), so an item pays one sandbox start, not one per test.
+What the tests of one program share is that run's private tmp and their inputs, which tell it
+nothing it is judged on: stdout is compared here, outside the sandbox. An assert's pass is its
+process's exit status, which the program can forge in one run as in many (``os._exit(0)`` before
+the assert): the assert form trusts the program's exit either way. Bash stays one run per test.
+An item's runs go to the
 sandbox in one batch with every other item's, so they run at once on its warm slots. ``code_pass`` is the
 fraction of tests passed, ``code_all`` 1 when every test passed; the ``accuracy`` of a ``code`` task
 is ``code_all``. Pure: the runs are made by the caller (``reward_svc.core``) through the sandbox
@@ -107,8 +109,7 @@ def _text(value: Any) -> str:
 _DRIVER = """\
 import json, os, resource, signal, sys, time
 PROGRAM, CASES, CPU, WALL, OUT = json.loads(sys.stdin.read())
-code = compile(PROGRAM, "<program>", "exec")
-for i, case in enumerate(CASES):
+for i, (case, check) in enumerate(CASES):
     paths = [f"/tmp/.t{i}.{n}" for n in ("in", "out", "err")]
     with open(paths[0], "w") as f:
         f.write(case)
@@ -124,6 +125,7 @@ for i, case in enumerate(CASES):
         sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
         rc = 0
         try:
+            code = compile(PROGRAM + check, "<program>", "exec")
             exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -184,14 +186,12 @@ def plan_runs(
         memory_mb=params.memory_mb,
         output_bytes=params.output_bytes,
     )
-    if tests.asserts is not None:
-        return [
-            RunRequest(language=language, code=f"{program}\n\n{a}\n", limits=limits) for a in tests.asserts
-        ]
-    n = len(tests.stdin)
+    checks = [f"\n\n{a}\n" for a in tests.asserts] if tests.asserts is not None else [""] * len(tests)
+    n = len(tests)
     if language == "python" and n > 1:
         cpu = max(1, math.ceil(params.timeout_s))
-        each = [program, tests.stdin, cpu, params.timeout_s * 2, params.output_bytes]
+        cases = [[s, c] for s, c in zip(tests.stdin, checks, strict=True)]
+        each = [program, cases, cpu, params.timeout_s * 2, params.output_bytes]
         whole = Limits(
             cpu_s=min(600.0, (cpu + 1) * n + 1),
             wall_s=min(600.0, (params.timeout_s * 2 + 0.5) * n + 2),
@@ -199,6 +199,8 @@ def plan_runs(
             output_bytes=min(64 << 20, (params.output_bytes + 256) * 2 * n),
         )
         return [RunRequest(language="python", code=_DRIVER, stdin=json.dumps(each), limits=whole)]
+    if tests.asserts is not None:
+        return [RunRequest(language=language, code=f"{program}{c}", limits=limits) for c in checks]
     return [RunRequest(language=language, code=program, stdin=s, limits=limits) for s in tests.stdin]
 
 
@@ -230,7 +232,7 @@ def unbatch(tests: CodeTests, run: RunResult) -> list[RunResult]:
 def judge(tests: CodeTests, results: list[RunResult]) -> CodeVerdict:
     """The verdict of one trajectory's runs: the fraction passed; a sandbox failure is
     ``sandbox_error`` (not the policy's fault: reward 0 and a status a trainer can filter on)."""
-    if len(results) == 1 < len(tests) and tests.asserts is None:
+    if len(results) == 1 < len(tests):
         results = unbatch(tests, results[0])
     if any(r.status == "sandbox_error" for r in results):
         why = next(r.detail for r in results if r.status == "sandbox_error")
