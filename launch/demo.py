@@ -37,13 +37,12 @@ REWARDS: dict[str, list[dict[str, Any]]] = {
     "agent": [{"name": "accuracy", "weight": 1.0}],
 }
 TASKS = ("arith", "countdown", "code")
-# --task code: the code model (zoo/code), rewarded half by the fraction of tests passed and half by
-# passing them all (code_pass alone traded whole solutions for partial ones: the greedy policy fell,
-# docs/benchmarks/demo.md); a code task's accuracy is code_all (reward_svc/code.py), logged beside it
+# --task code: the code model (zoo/code) and the fraction of tests passed (half code_pass, half code_all
+# stayed flat, docs/benchmarks/demo.md); a code task's accuracy is code_all (reward_svc/code.py),
+# logged beside it
 CODE_MODEL = "code"
 CODE_REWARD: list[dict[str, Any]] = [
-    {"name": "code_pass", "weight": 0.5},
-    {"name": "code_all", "weight": 0.5},
+    {"name": "code_pass", "weight": 1.0},
     {"name": "accuracy", "weight": 0.0},
 ]
 # --task code's own defaults where a flag is not given: every sample's tests are sandbox runs (4 per
