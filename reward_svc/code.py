@@ -9,13 +9,13 @@ the last fenced code block of the answer (``extract_program``).
 A Python program's tests share one sandbox run (``_DRIVER``): a driver forks the program once per
 test (a fresh process each: one test's memory never leaks into the next; its own CPU limit and wall
 clock: one test's hang costs only that test), so an item pays one sandbox start, not one per test.
-What the tests of one program share is that run's private tmp and their inputs, which tell it
-nothing it is judged on: stdout is compared here, outside the sandbox. An assert's pass is its
-process's exit status, which the program can forge in one run as in many (``os._exit(0)`` before
-the assert): the assert form trusts the program's exit either way. Bash stays one run per test.
-An item's runs go to the
-sandbox in one batch with every other item's, so they run at once on its warm slots. ``code_pass`` is the
-fraction of tests passed, ``code_all`` 1 when every test passed; the ``accuracy`` of a ``code`` task
+What the tests of one program share is that run's private tmp and the driver (its uid's): for
+stdin/stdout tests nothing they are judged on, since the expected outputs stay outside and stdout is
+compared here. An assert's pass is its process's exit status, which the program can forge in one run
+as in many (``os._exit(0)`` before the assert): the assert form trusts the program's exit either
+way (docs/sandbox.md). Bash stays one run per test. An item's runs go to the sandbox in one batch
+with every other item's, so they run at once on its warm slots. ``code_pass`` is the fraction of
+tests passed, ``code_all`` 1 when every test passed; the ``accuracy`` of a ``code`` task
 is ``code_all``. Pure: the runs are made by the caller (``reward_svc.core``) through the sandbox
 service's client.
 """
