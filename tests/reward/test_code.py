@@ -79,6 +79,33 @@ def test_code_rewards_score_each_program_by_its_tests(reward_url: str) -> None:
     assert "timeout" in rows[2]["detail"]
 
 
+# one sandbox run for all of a program's tests, a process per test: a hang, a crash and a changed
+# interpreter in one test leave the others' outcomes and state alone
+MIXED = (
+    "```python\nimport builtins\na, b = map(int, input().split())\n"
+    "if hasattr(builtins, 'seen'):\n    print('leaked')\nbuiltins.seen = 1\n"
+    "if a == 5:\n    while True:\n        pass\nif a == 10:\n    raise ValueError(a)\nprint(a + b)\n```"
+)
+
+
+def test_a_programs_tests_share_one_run_but_not_their_state(reward_url: str) -> None:
+    runs = plan_runs(read_tests(TESTS), MIXED, CodeParams(timeout_s=1))
+    assert isinstance(runs, list) and len(runs) == 1
+    group = {
+        "id": "m",
+        "task": "code",
+        "label": TESTS,
+        "trajectories": [{"id": "m0", "group_id": "m", "text": MIXED}],
+    }
+    r = httpx.post(
+        f"{reward_url}/v1/rewards", json={"groups": [group], "spec": {"components": COMPONENTS}}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    row = r.json()["results"][0]["rewards"][0]
+    assert row["components"]["code_pass"] == 0.5 and row["status"] == "ok"
+    assert "(ok,timeout,runtime_error,ok)" in row["detail"]
+
+
 def test_assert_style_tests_and_a_bash_program(reward_url: str) -> None:
     label = json.dumps(
         {"asserts": ["assert double(2) == 4", "assert double(-1) == -2", "assert double(0) == 1"]}

@@ -1,6 +1,7 @@
 """The code model's held-out evaluation: greedy programs run against their problems' tests in the
 sandbox service (over HTTP: ``loom/clients/sandbox.py``; model-written code runs nowhere else,
-docs/sandbox.md), each test its own run as the code reward makes them (reward_svc/code.py).
+docs/sandbox.md), each test its own run (the code reward, reward_svc/code.py, runs a program's
+tests in one run, a process each: the same verdicts).
 
 Two rows: ``code_all`` (problems whose program passed every test) and ``code_pass`` (tests passed
 over all tests; every problem has ``zoo.code.tasks.TESTS`` of them, so this is the mean of the code reward's
