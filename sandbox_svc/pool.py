@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from loom.closing import Closing
 from loom.contracts.sandbox import Limits, RunRequest, RunResult
 from sandbox_svc.cgroups import sweep_stale
 from sandbox_svc.reaper import adopt_orphans, reap_orphans, release_orphans
@@ -93,7 +94,7 @@ class _Runner:
             self.slot.close()
 
 
-class SandboxPool:
+class SandboxPool(Closing):
     """Thread-safe. ``submit`` / ``run_batch`` (blocking) / ``arun_batch`` (asyncio)."""
 
     def __init__(
@@ -235,12 +236,6 @@ class SandboxPool:
             if job is not None and not job.future.done():
                 job.future.set_result(RunResult(status="killed", detail="sandbox pool closed"))
         release_orphans()
-
-    def __enter__(self) -> SandboxPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------------- internals
 

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.closing import Closing
 from loom.contracts.sandbox import (
     CallResult,
     CallStatus,
@@ -447,7 +448,7 @@ class SessionStats:
     ended: dict[str, int] = field(default_factory=dict)
 
 
-class SessionManager:
+class SessionManager(Closing):
     """The process's sessions: at most ``max_sessions`` live (``Busy`` beyond), each on a slot of its
     own (uid, cgroup, stub ``/etc``: never a one-shot pool's); ended ones are remembered (the last
     ``remember``) so a late call answers ``session_lost`` with the reason, not an unknown id. A reaper
@@ -616,12 +617,6 @@ class SessionManager:
             self._forget(s)
         self._reaper.join(timeout=5)
         release_orphans()
-
-    def __enter__(self) -> SessionManager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _forget(self, s: Session) -> None:
         """Move an ended session to the remembered ones (counted once by its reason)."""
