@@ -36,6 +36,20 @@ log = logging.getLogger("sandbox_svc.pool")
 _SLOT_INDEX = itertools.count()
 
 
+def default_ceiling() -> Limits:
+    """The largest limits a request may ask for, where the caller gives none (the service's own are
+    its settings': sandbox_svc/config.py)."""
+    return Limits(
+        cpu_s=60,
+        wall_s=120,
+        memory_mb=4096,
+        processes=256,
+        open_files=1024,
+        output_bytes=16 << 20,
+        tmp_mb=512,
+    )
+
+
 class Busy(Exception):
     """Every slot is running and the queue is full: retry later (HTTP 429 ``busy``)."""
 
@@ -113,15 +127,7 @@ class SandboxPool(Closing):
     ) -> None:
         self.n_slots = max(1, slots)
         self.capacity = self.n_slots + max(0, queue_size)
-        self.max_limits = max_limits or Limits(
-            cpu_s=60,
-            wall_s=120,
-            memory_mb=4096,
-            processes=256,
-            open_files=1024,
-            output_bytes=16 << 20,
-            tmp_mb=512,
-        )
+        self.max_limits = max_limits or default_ceiling()
         self.grace_s = grace_s
         self.bwrap = bwrap_path(bwrap)
         self.python = python

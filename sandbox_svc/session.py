@@ -44,7 +44,7 @@ from loom.contracts.sandbox import (
     SessionOpen,
 )
 from sandbox_svc.cgroups import sweep_stale
-from sandbox_svc.pool import _SLOT_INDEX, Busy
+from sandbox_svc.pool import _SLOT_INDEX, Busy, default_ceiling
 from sandbox_svc.reaper import adopt_orphans, reap_orphans, release_orphans
 from sandbox_svc.runner import (
     _MEMORY_MARKERS,
@@ -468,15 +468,7 @@ class SessionManager(Closing):
         reap_every_s: float = 0.5,
     ) -> None:
         self.max_sessions = max(1, max_sessions)
-        self.max_limits = max_limits or Limits(
-            cpu_s=60,
-            wall_s=120,
-            memory_mb=4096,
-            processes=256,
-            open_files=1024,
-            output_bytes=16 << 20,
-            tmp_mb=512,
-        )
+        self.max_limits = max_limits or default_ceiling()
         self.max_session = max_session or SessionLimits(
             cpu_budget_s=600, wall_budget_s=3600, idle_ttl_s=3600, max_calls=10_000
         )
