@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 from gateway.models import DATASET_ID, KNOBS, DatasetSpec, TaskItem
+from loom.contracts.modes import MODE_PARAMS
 from loom.contracts.wire import unencodable_path
 
 if TYPE_CHECKING:
@@ -61,25 +62,17 @@ def no_dataset(dataset_id: str) -> DatasetError:
 
 
 def builtin_item(problem: Any, mode: str) -> TaskItem:
-    """One synthetic problem as a run item: the tiny model's prompt for ``mode`` and an exact label
-    (arithmetic: the value; Countdown: the numbers and target as JSON, as reward_svc expects)."""
-    from zoo import tiny
-    from zoo.tiny.traces import stream_sentences
+    """One synthetic problem as a run item: the tiny model's prompt in ``mode``'s format (its
+    ``BUILTIN_FORMAT``, zoo.tiny.traces.posed) and an exact label (arithmetic: the value; Countdown:
+    the numbers and target as JSON, as reward_svc expects)."""
+    from zoo.tiny.traces import posed
 
     kind = BUILTIN_TASK_KIND[problem.kind]
     if problem.kind == "countdown":
         label = json.dumps({"numbers": list(problem.numbers), "target": problem.target})
     else:
         label = problem.gold
-    mode_params: dict[str, Any] = {}
-    if mode == "streaming":
-        # the streaming mode reveals " <sentence><EOS>" itself, exactly as tiny.stream_prompt writes it
-        prompt = tiny.STREAM_HEADER
-        mode_params["sentences"] = stream_sentences(problem)
-    elif mode == "spawn":
-        prompt = tiny.spawn_prompt(problem)
-    else:
-        prompt = tiny.plain_prompt(problem)
+    prompt, mode_params = posed(problem, MODE_PARAMS[mode].BUILTIN_FORMAT)
     return TaskItem(prompt=prompt, label=label, task=kind, mode_params=mode_params)  # type: ignore[arg-type]
 
 

@@ -21,21 +21,19 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-MODES = ("plain", "streaming", "tree", "spawn", "agent")
+from loom.contracts.modes import MODE_PARAMS
+
+MODES = tuple(MODE_PARAMS)  # every mode of the table, posed by the built-in models (its BUILTIN_* lines)
 ESTIMATORS = ("grpo", "dr_grpo", "global_baseline", "hrpo", "treerl", "apr")
 
-# Reward spec per mode: what the tiny model's format makes checkable (reward_svc component names).
-REWARDS: dict[str, list[dict[str, Any]]] = {
-    "plain": [{"name": "accuracy", "weight": 1.0}],
-    "streaming": [
-        {"name": "accuracy", "weight": 1.0},
-        {"name": "format_stream", "weight": 0.0},
-        {"name": "format_deep", "weight": 0.0},
-    ],
-    "tree": [{"name": "accuracy", "weight": 1.0}],
-    "spawn": [{"name": "accuracy", "weight": 1.0}],
-    "agent": [{"name": "accuracy", "weight": 1.0}],
-}
+
+def mode_rewards(mode: str) -> list[dict[str, Any]]:
+    """A mode's reward spec: accuracy, and the components that check its format (its
+    ``FORMAT_REWARDS``, what the tiny model's format makes checkable), logged at weight 0."""
+    checks = MODE_PARAMS[mode].FORMAT_REWARDS
+    return [{"name": "accuracy", "weight": 1.0}, *({"name": name, "weight": 0.0} for name in checks)]
+
+
 TASKS = ("arith", "countdown", "code")
 # --task code: the code model (zoo/code) and the fraction of tests passed (half code_pass, half code_all
 # stayed flat, docs/benchmarks/demo.md); a code task's accuracy is code_all (reward_svc/code.py),
@@ -51,9 +49,6 @@ CODE_REWARD: list[dict[str, Any]] = [
 # reward is three times higher but fell or stayed flat in every run, docs/benchmarks/demo.md)
 CODE_DEFAULTS = {"batch_size": 8, "group_size": 8, "lr": 2e-4, "temperature": 1.3, "warmup": 5}
 TASK_DEFAULTS = {"batch_size": 16, "group_size": 8, "lr": 1e-4, "temperature": 1.3, "warmup": 20}
-# --mode agent: the tool model (zoo/tiny/tool.py) on its arithmetic, the calculator enabled
-AGENT_MODEL = "tool"
-AGENT_DEFAULTS = {"batch_size": 16, "group_size": 8, "lr": 1e-4, "temperature": 1.3, "warmup": 20}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -120,11 +115,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(list(argv))
     if args.task == "code" and args.mode != "plain":
         p.error("--task code runs in the plain mode")
-    if args.mode == "agent" and args.task != "arith":
-        p.error("--mode agent runs the tool model on arithmetic (--task arith)")
-    defaults = (
-        CODE_DEFAULTS if args.task == "code" else AGENT_DEFAULTS if args.mode == "agent" else TASK_DEFAULTS
-    )
+    own = mode_model(args.mode)
+    if own != "tiny" and args.task != "arith":
+        p.error(f"--mode {args.mode} runs the {own} model on arithmetic (--task arith)")
+    defaults = CODE_DEFAULTS if args.task == "code" else TASK_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -141,7 +135,7 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "temperature": args.temperature,
         },
-        "reward": {"components": CODE_REWARD if args.task == "code" else REWARDS[args.mode]},
+        "reward": {"components": CODE_REWARD if args.task == "code" else mode_rewards(args.mode)},
         "estimator": args.estimator,
         "loss": {
             "lr": args.lr,
@@ -158,8 +152,8 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
         },
     }
-    if args.mode == "agent":
-        fields = agent_fields()
+    fields = model_fields(mode_model(args.mode))
+    if fields:
         body["mode_params"] = fields["mode_params"]
         body["dataset"]["knobs"] = fields["knobs"]
     if args.filter_groups:
@@ -169,9 +163,17 @@ def run_request(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-def agent_fields() -> dict[str, Any]:
-    """A ``--mode agent`` run's dataset knobs and mode params: the tool model's own (zoo/tiny/tool.py),
-    its arithmetic with multi-digit multiplication, the calculator enabled, the function parser."""
+def mode_model(mode: str) -> str:
+    """The built-in model trained for ``mode`` (its ``BUILTIN_MODEL``; ``tiny``: the demo's own)."""
+    return MODE_PARAMS[mode].BUILTIN_MODEL
+
+
+def model_fields(model: str) -> dict[str, Any]:
+    """What a run on the built-in model ``model`` sets beyond the tiny model's: the tool model's mode
+    params and dataset knobs (zoo/tiny/tool.py: its arithmetic with multi-digit multiplication, the
+    calculator enabled, the function parser); none for the tiny model."""
+    if model != "tool":
+        return {}
     from zoo.tiny import tool
 
     return {
@@ -335,8 +337,8 @@ def main(argv: Sequence[str] = ()) -> int:
 
     # A fresh data dir per demo: its own embedded broker, run state and policy store. The stack runs
     # every service, the sandbox among them, which the code reward runs the programs in.
-    own = CODE_MODEL if args.task == "code" else AGENT_MODEL if args.mode == "agent" else None
-    model = {"model": own} if own and "LOOM_MODEL" not in os.environ else {}
+    own = CODE_MODEL if args.task == "code" else mode_model(args.mode)
+    model = {"model": own} if own != "tiny" and "LOOM_MODEL" not in os.environ else {}
     settings = Settings(data_dir=out / "state", **model)  # type: ignore[arg-type]
     if args.task == "code":
         from sandbox_svc.runner import bwrap_path

@@ -32,6 +32,8 @@ from celery import states
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from loom.closing import Closing
+
 log = logging.getLogger("loom.results")
 
 MetaMap = dict[str, dict[str, Any]]
@@ -52,7 +54,7 @@ def stored_metas(app: Any, ids: Iterable[str]) -> MetaMap:
     return {t: m for t, m in metas.items() if m.get("status", states.PENDING) != states.PENDING}
 
 
-class ResultWaiter:
+class ResultWaiter(Closing):
     def __init__(self, app: Any, poll: float = 0.02, tick: float = 0.001, max_quiet: float = 0.25) -> None:
         self.app = app
         self.backend = app.backend
@@ -178,12 +180,6 @@ class ResultWaiter:
 
     def close(self) -> None:
         self._close_pubsub()
-
-    def __enter__(self) -> ResultWaiter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class ResultHub:

@@ -250,10 +250,7 @@ def judge(tests: CodeTests, results: list[RunResult]) -> CodeVerdict:
 
 
 def code_verdicts(ctx: GroupContext) -> list[CodeVerdict]:
-    verdicts = ctx.cache.get("code")
-    if verdicts is None:
-        raise ValueError("this component needs the code verdicts")
-    return list(verdicts)
+    return ctx.verdicts("code", "the code verdicts")
 
 
 @reads("code")

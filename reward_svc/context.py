@@ -31,6 +31,18 @@ class GroupContext:
             raise ValueError("this component needs the accuracy verdicts")
         return self.correct
 
+    def verdicts(self, kind: Verdict, what: str) -> list[Any]:
+        """The ``kind`` verdicts of the group (a component that reads them declared so: :func:`reads`);
+        ``what`` names them in the error when they were not computed."""
+        got = self.cache.get(kind)
+        if got is None:
+            raise ValueError(f"this component needs {what}")
+        return list(got)
+
+    def scores(self, kind: Verdict, what: str) -> list[float]:
+        """The ``kind`` verdicts' scores, 0 where one could not be had (its status says why)."""
+        return [v.score if v.status == "ok" else 0.0 for v in self.verdicts(kind, what)]
+
 
 ComponentFn = Callable[[GroupContext, dict[str, Any]], list[float]]
 

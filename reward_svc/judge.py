@@ -126,7 +126,4 @@ def verdict_of(reply: JudgeReply, mode: str) -> JudgeVerdict:
 def judge(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     """The judge's score in [0, 1]; 0 when it could not be had (the status says why)."""
     JudgeParams.model_validate(params)
-    verdicts = ctx.cache.get("judge")
-    if verdicts is None:
-        raise ValueError("this component needs the judge verdicts")
-    return [v.score if v.status == "ok" else 0.0 for v in verdicts]
+    return ctx.scores("judge", "the judge verdicts")

@@ -55,6 +55,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
+from loom.closing import Closing
 from reward_svc.mathverify import MathItem, Verdict
 from reward_svc.verifier import NONE_TAKEN, warm_up, worker_main, write_mark
 
@@ -235,7 +236,7 @@ class _Workers:
                 self.kill(w)
 
 
-class VerifierPool:
+class VerifierPool(Closing):
     """``workers`` forked verifiers (and up to ``spare_workers`` more while some are slow) shared by
     requests in turn. Thread-safe; use ``check_many`` (blocking) or ``acheck_many`` (asyncio)."""
 
@@ -344,12 +345,6 @@ class VerifierPool:
         self._thread.join(timeout=10)
         os.close(self._wake_r)
         os.close(self._wake_w)
-
-    def __enter__(self) -> VerifierPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _wake(self) -> None:
         try:

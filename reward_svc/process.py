@@ -232,7 +232,4 @@ def verdict_of(steps: Sequence[Step], replies: Sequence[JudgeReply], how: str) -
 def process(ctx: GroupContext, params: dict[str, Any]) -> list[float]:
     """The aggregated step scores in [0, 1]; 0 when they could not be had (the status says why)."""
     ProcessParams.model_validate(params)
-    verdicts = ctx.cache.get("process")
-    if verdicts is None:
-        raise ValueError("this component needs the PRM's step scores")
-    return [v.score if v.status == "ok" else 0.0 for v in verdicts]
+    return ctx.scores("process", "the PRM's step scores")

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from loom.closing import Closing
 from loom.contracts.sandbox import Limits, RunRequest, RunResult
 from sandbox_svc.cgroups import sweep_stale
 from sandbox_svc.reaper import adopt_orphans, reap_orphans, release_orphans
@@ -33,6 +34,20 @@ log = logging.getLogger("sandbox_svc.pool")
 
 # every slot of this process, of every pool, gets an index of its own: its uid is the base plus it
 _SLOT_INDEX = itertools.count()
+
+
+def default_ceiling() -> Limits:
+    """The largest limits a request may ask for, where the caller gives none (the service's own are
+    its settings': sandbox_svc/config.py)."""
+    return Limits(
+        cpu_s=60,
+        wall_s=120,
+        memory_mb=4096,
+        processes=256,
+        open_files=1024,
+        output_bytes=16 << 20,
+        tmp_mb=512,
+    )
 
 
 class Busy(Exception):
@@ -93,7 +108,7 @@ class _Runner:
             self.slot.close()
 
 
-class SandboxPool:
+class SandboxPool(Closing):
     """Thread-safe. ``submit`` / ``run_batch`` (blocking) / ``arun_batch`` (asyncio)."""
 
     def __init__(
@@ -112,15 +127,7 @@ class SandboxPool:
     ) -> None:
         self.n_slots = max(1, slots)
         self.capacity = self.n_slots + max(0, queue_size)
-        self.max_limits = max_limits or Limits(
-            cpu_s=60,
-            wall_s=120,
-            memory_mb=4096,
-            processes=256,
-            open_files=1024,
-            output_bytes=16 << 20,
-            tmp_mb=512,
-        )
+        self.max_limits = max_limits or default_ceiling()
         self.grace_s = grace_s
         self.bwrap = bwrap_path(bwrap)
         self.python = python
@@ -235,12 +242,6 @@ class SandboxPool:
             if job is not None and not job.future.done():
                 job.future.set_result(RunResult(status="killed", detail="sandbox pool closed"))
         release_orphans()
-
-    def __enter__(self) -> SandboxPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------------- internals
 

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.closing import Closing
 from loom.contracts.sandbox import (
     CallResult,
     CallStatus,
@@ -43,7 +44,7 @@ from loom.contracts.sandbox import (
     SessionOpen,
 )
 from sandbox_svc.cgroups import sweep_stale
-from sandbox_svc.pool import _SLOT_INDEX, Busy
+from sandbox_svc.pool import _SLOT_INDEX, Busy, default_ceiling
 from sandbox_svc.reaper import adopt_orphans, reap_orphans, release_orphans
 from sandbox_svc.runner import (
     _MEMORY_MARKERS,
@@ -447,7 +448,7 @@ class SessionStats:
     ended: dict[str, int] = field(default_factory=dict)
 
 
-class SessionManager:
+class SessionManager(Closing):
     """The process's sessions: at most ``max_sessions`` live (``Busy`` beyond), each on a slot of its
     own (uid, cgroup, stub ``/etc``: never a one-shot pool's); ended ones are remembered (the last
     ``remember``) so a late call answers ``session_lost`` with the reason, not an unknown id. A reaper
@@ -467,15 +468,7 @@ class SessionManager:
         reap_every_s: float = 0.5,
     ) -> None:
         self.max_sessions = max(1, max_sessions)
-        self.max_limits = max_limits or Limits(
-            cpu_s=60,
-            wall_s=120,
-            memory_mb=4096,
-            processes=256,
-            open_files=1024,
-            output_bytes=16 << 20,
-            tmp_mb=512,
-        )
+        self.max_limits = max_limits or default_ceiling()
         self.max_session = max_session or SessionLimits(
             cpu_budget_s=600, wall_budget_s=3600, idle_ttl_s=3600, max_calls=10_000
         )
@@ -616,12 +609,6 @@ class SessionManager:
             self._forget(s)
         self._reaper.join(timeout=5)
         release_orphans()
-
-    def __enter__(self) -> SessionManager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _forget(self, s: Session) -> None:
         """Move an ended session to the remembered ones (counted once by its reason)."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 import httpx
+
+from loom.closing import Closing
 
 
 class LoomHTTPError(RuntimeError):
@@ -40,19 +42,6 @@ class EventLines:
             self.kind, self.event_id = "message", None
             return event
         return None
-
-
-class Closing:
-    """``with client:`` closes the client at the end."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class ServiceClient(Closing):

@@ -16,12 +16,13 @@ route a session's calls to one (its id is in the path).
 from __future__ import annotations
 
 import time
-from typing import Any, Self
+from typing import Any
 
 import httpx
 
 from loom.clients.base import LoomHTTPError, ServiceClient
 from loom.clients.sandbox import default_url
+from loom.closing import Closing
 from loom.contracts.sandbox import CallResult, Limits, SessionCall, SessionInfo, SessionLimits, SessionOpen
 
 
@@ -89,7 +90,7 @@ class SandboxSessionClient(ServiceClient):
         return ToolSession(self, self.open(limits, session))
 
 
-class ToolSession:
+class ToolSession(Closing):
     """One open session bound to its client: ``run`` cells, ``close`` (or leave the ``with``)."""
 
     def __init__(self, client: SandboxSessionClient, info: SessionInfo) -> None:
@@ -102,9 +103,3 @@ class ToolSession:
 
     def close(self) -> None:
         self.client.end(self.info)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -107,6 +107,12 @@ class ModeParams(BaseModel):
 
     NULL_REFUSED: ClassVar[frozenset[str]] = frozenset()
     REFUSED: ClassVar[dict[str, str]] = {}  # keys refused with a reason of their own
+    # how the built-in tasks are posed in this mode (gateway/datasets.py, ``loom demo``): the tiny
+    # model's prompt format (``zoo.tiny.traces.FORMATS``), the built-in model trained for the mode
+    # (zoo/registry.py), and the reward components that check the format (logged beside accuracy)
+    BUILTIN_FORMAT: ClassVar[str] = "plain"
+    BUILTIN_MODEL: ClassVar[str] = "tiny"
+    FORMAT_REWARDS: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -144,6 +150,8 @@ class StreamingParams(ModeParams):
     NULL_REFUSED: ClassVar[frozenset[str]] = frozenset(
         {"sentences", "context"}
     )  # sentences: refused; context: ""
+    BUILTIN_FORMAT: ClassVar[str] = "stream"
+    FORMAT_REWARDS: ClassVar[tuple[str, ...]] = ("format_stream", "format_deep")
 
     sentences: list[str]
     context: str | None = None
@@ -240,6 +248,8 @@ class SpawnParams(ModeParams):
     """spawn (docs/algorithms.md §2.4; APR): the spawn/join syntax (defaults: ``loom.formats.DEFAULT_SPAWN``,
     APR's Countdown syntax), the child prompt template and the limits."""
 
+    BUILTIN_FORMAT: ClassVar[str] = "spawn"
+
     spawn_open: str = DEFAULT_SPAWN.spawn_open
     spawn_child: str = DEFAULT_SPAWN.spawn_child
     spawn_close: str = DEFAULT_SPAWN.spawn_close
@@ -315,6 +325,8 @@ class AgentParams(ModeParams):
     enabled names of the built-in registry (a request never supplies code or URLs). A turn's budget is
     the request's ``sampling.max_tokens``; ``max_total_tokens`` bounds policy and observation tokens
     together; ``deadline_s`` the episode's wall time, ``tool_timeout_s`` one tool call's."""
+
+    BUILTIN_MODEL: ClassVar[str] = "tool"  # the tiny model fine-tuned to call the calculator
 
     max_turns: int = Field(8, ge=1, le=64)
     max_total_tokens: int = Field(8192, ge=1, le=MAX_TOKENS)

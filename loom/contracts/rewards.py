@@ -84,6 +84,13 @@ class CodeParams(Params):
     output_bytes: int = Field(default=1 << 20, ge=1024, le=16 << 20)
 
 
+def builtin_or_with(template: str, builtins: tuple[str, ...], field: str) -> str:
+    """``template`` if it names a built-in template or holds the ``{field}`` placeholder."""
+    if template not in builtins and f"{{{field}}}" not in template:
+        raise ValueError(f"a built-in template ({', '.join(builtins)}) or one with {{{field}}}")
+    return template
+
+
 # ``judge`` (docs/interop-reward.md "Judge rewards"): a model-based reward from an operator's judge.
 class JudgeParams(Params):
     judge: str = Field(
@@ -109,9 +116,7 @@ class JudgeParams(Params):
     @field_validator("template")
     @classmethod
     def _template(cls, v: str) -> str:
-        if v not in JUDGE_TEMPLATES and "{answer}" not in v:
-            raise ValueError(f"a built-in template ({', '.join(JUDGE_TEMPLATES)}) or one with {{answer}}")
-        return v
+        return builtin_or_with(v, JUDGE_TEMPLATES, "answer")
 
 
 # ``process`` (docs/interop-reward.md "Process rewards"): a PRM's P(yes) per step prefix.
@@ -147,9 +152,7 @@ class ProcessParams(Params):
     @field_validator("template")
     @classmethod
     def _template(cls, v: str) -> str:
-        if v not in PROCESS_TEMPLATES and "{steps}" not in v:
-            raise ValueError(f"a built-in template ({', '.join(PROCESS_TEMPLATES)}) or one with {{steps}}")
-        return v
+        return builtin_or_with(v, PROCESS_TEMPLATES, "steps")
 
     @model_validator(mode="after")
     def _separator(self) -> ProcessParams:

@@ -51,16 +51,21 @@ class RunRequest(Contract):
     limits: Limits = Field(default_factory=Limits)
 
 
-class RunResult(Contract):
-    status: RunStatus
-    exit_code: int | None = Field(default=None, description="the program's exit status; None if killed")
-    signal: int | None = Field(default=None, description="the signal that ended it, if one did")
+class Output(Contract):
+    """What a program or a cell wrote and what it took (a run's and a session call's)."""
+
     stdout: str = ""
     stderr: str = ""
     truncated: bool = Field(default=False, description="stdout/stderr were cut at output_bytes")
     wall_s: float = 0.0
     cpu_s: float = 0.0
     detail: str | None = None
+
+
+class RunResult(Output):
+    status: RunStatus
+    exit_code: int | None = Field(default=None, description="the program's exit status; None if killed")
+    signal: int | None = Field(default=None, description="the signal that ended it, if one did")
 
 
 class BatchRequest(Contract):
@@ -122,14 +127,8 @@ class SessionCall(Contract):
     code: str = Field(max_length=MAX_CODE_CHARS)
 
 
-class CallResult(Contract):
+class CallResult(Output):
     status: CallStatus
-    stdout: str = ""
-    stderr: str = ""
-    truncated: bool = Field(default=False, description="stdout/stderr were cut at output_bytes")
-    wall_s: float = 0.0
-    cpu_s: float = 0.0
-    detail: str | None = None
     session: SessionInfo = Field(description="the session after this call (``alive`` false: it ended)")
 
 

@@ -159,16 +159,13 @@ def add_publish_routes(app: FastAPI, guard: Any, base_dir: Path | None = None) -
     def writer() -> LocalPolicyWriter:
         return LocalPolicyWriter.from_settings(app.state.settings, base_dir=base_dir)
 
-    @app.post(f"{prefix}/uploads", tags=["store"], dependencies=[guard], responses=answers, status_code=201)
+    common: dict[str, Any] = {"tags": ["store"], "dependencies": [guard], "responses": answers}
+
+    @app.post(f"{prefix}/uploads", status_code=201, **common)
     async def declare(namespace: str, body: UploadRequest) -> UploadTicket:
         return await answer(writer().declare(namespace, body))
 
-    @app.put(
-        f"{prefix}/uploads/{{upload_id}}/files/{{path:path}}",
-        tags=["store"],
-        dependencies=[guard],
-        responses=answers,
-    )
+    @app.put(f"{prefix}/uploads/{{upload_id}}/files/{{path:path}}", **common)
     async def put(
         namespace: str, upload_id: str, path: str, request: Request, offset: int = 0
     ) -> dict[str, int]:
@@ -180,41 +177,23 @@ def add_publish_routes(app: FastAPI, guard: Any, base_dir: Path | None = None) -
             log.info("upload %s: %s cut off at the client's end", upload_id, path)
             return {"received": 0}
 
-    @app.delete(
-        f"{prefix}/uploads/{{upload_id}}",
-        tags=["store"],
-        dependencies=[guard],
-        responses=answers,
-        status_code=204,
-    )
+    @app.delete(f"{prefix}/uploads/{{upload_id}}", status_code=204, **common)
     async def abort(namespace: str, upload_id: str) -> None:
         await answer(writer().abort(namespace, upload_id))
 
-    @app.post(
-        f"{prefix}/v/{{version}}/delete",
-        tags=["store"],
-        dependencies=[guard],
-        responses=answers,
-        status_code=204,
-    )
+    @app.post(f"{prefix}/v/{{version}}/delete", status_code=204, **common)
     async def delete(namespace: str, version: int, body: Pins) -> None:
         await answer(writer().delete(namespace, version, set(body.pinned)))
 
-    @app.post(
-        f"{prefix}/uploads/{{upload_id}}/commit",
-        tags=["store"],
-        dependencies=[guard],
-        responses=answers,
-        status_code=201,
-    )
+    @app.post(f"{prefix}/uploads/{{upload_id}}/commit", status_code=201, **common)
     async def commit(namespace: str, upload_id: str) -> PolicyRef:
         return await answer(writer().commit(namespace, upload_id))
 
-    @app.post(f"{prefix}/register", tags=["store"], dependencies=[guard], responses=answers, status_code=201)
+    @app.post(f"{prefix}/register", status_code=201, **common)
     async def register(namespace: str, body: RegisterRequest) -> PolicyRef:
         return await answer(writer().register(namespace, body))
 
-    @app.get(f"{prefix}/refs", tags=["store"], dependencies=[guard], responses=answers)
+    @app.get(f"{prefix}/refs", **common)
     async def refs(namespace: str) -> list[PolicyRef]:
         return await answer(writer().refs(namespace))
 

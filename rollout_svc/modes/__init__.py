@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from loom.contracts.modes import MODE_PARAMS, ModeError, ModeParams
 from loom.contracts.settings import Settings
-from loom.contracts.wire import Group, Mode, RolloutRequest, Trajectory
+from loom.contracts.wire import Group, Mode, RolloutRequest, Segment, SegmentKind, Trajectory
 from rollout_svc.engines.base import Engine
 
 __all__ = [
     "MODES",
     "Inputs",
     "PROVIDERS",
+    "Tokens",
     "ModeError",
     "group_of",
     "mode_needs",
@@ -140,3 +141,30 @@ def group_of(
         trajectories=trajectories,
         **structure,
     )
+
+
+@dataclass(kw_only=True)
+class Tokens:
+    """A completion being built, in order: its token ids, their log-probs, the loss mask (1: trained)
+    and its segments. A mode's own state (an agent's episode, a spawn call) extends it and numbers
+    its segments (``segment_index``)."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+
+    def segment_index(self) -> int:
+        """The ``index`` of the segment appended next (a turn's, a span's)."""
+        return 0
+
+    def append(
+        self, ids: list[int], logprobs: list[float], trained: int, kind: SegmentKind, meta: dict
+    ) -> None:
+        start = len(self.ids)
+        self.ids += ids
+        self.logprobs += logprobs
+        self.mask += [trained] * len(ids)
+        self.segments.append(
+            Segment(kind=kind, start=start, end=len(self.ids), index=self.segment_index(), meta=meta)
+        )

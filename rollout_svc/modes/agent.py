@@ -46,8 +46,6 @@ from loom.contracts.wire import (
     Group,
     RolloutRequest,
     SamplingParams,
-    Segment,
-    SegmentKind,
     Trajectory,
 )
 from loom.formats import MarkerError, encode_with_markers, ends_with, marker_ids
@@ -65,7 +63,7 @@ from loom.tools import (  # noqa: F401  (calculate: agent mode's names as they w
     unknown_tool,
 )
 from rollout_svc.engines.base import Completion, Engine
-from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
+from rollout_svc.modes import ModeError, Tokens, group_of, sample_seed, trajectory_id
 
 # tools run here, beside the event loop; one that hangs keeps its worker until it returns
 _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="loom-agent-tool")
@@ -105,13 +103,9 @@ Policy = Callable[[list[int], int, int], Awaitable[Completion]]  # (ids, max tok
 
 
 @dataclass
-class Episode:
+class Episode(Tokens):
     """One sample's running completion: policy and observation tokens, in order."""
 
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
     stop: str = "no_tool_call"
@@ -122,16 +116,8 @@ class Episode:
     env_steps: int = 0  # the turns the environment answered (a step per turn, a tool call or not)
     replayed: int = 0  # the steps replayed to reopen it (an agent_tree child's, env_replay.py)
 
-    def append(
-        self, ids: list[int], logprobs: list[float], trained: int, kind: SegmentKind, meta: dict
-    ) -> None:
-        start = len(self.ids)
-        self.ids += ids
-        self.logprobs += logprobs
-        self.mask += [trained] * len(ids)
-        self.segments.append(
-            Segment(kind=kind, start=start, end=len(self.ids), index=self.turns - 1, meta=meta)
-        )
+    def segment_index(self) -> int:
+        return self.turns - 1  # the turn under way
 
     def end(self, stop: str, finish: FinishReason) -> None:
         self.stop, self.finish = stop, finish

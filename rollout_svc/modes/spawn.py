@@ -41,8 +41,6 @@ from loom.contracts.wire import (
     FinishReason,
     Group,
     RolloutRequest,
-    Segment,
-    SegmentKind,
     ThreadLink,
     Trajectory,
 )
@@ -55,7 +53,7 @@ from loom.formats import (
     marker_ids,
 )
 from rollout_svc.engines.base import Completion, Engine
-from rollout_svc.modes import ModeError, group_of, sample_seed, trajectory_id
+from rollout_svc.modes import ModeError, Tokens, group_of, sample_seed, trajectory_id
 
 # ------------------------------------------------------------------------------------------------
 # parsing (pure)
@@ -162,29 +160,19 @@ class _Rollout:
 
 
 @dataclass
-class _Call:
+class _Call(Tokens):
     id: str
     prompt_ids: list[int]
     depth: int
     parent: str | None
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
     sequential: int = 0  # tokens on this call's longest dependent chain (own + slowest child per join)
     spans: int = 0  # generated spans so far (a span ends at a spawn block or at the call's end)
     finish: FinishReason = "stop"
     stop_reason: str | int | None = None
     status: str = "ok"
 
-    def append(
-        self, ids: list[int], logprobs: list[float], trained: int, kind: SegmentKind, meta: dict
-    ) -> None:
-        start = len(self.ids)
-        self.ids += ids
-        self.logprobs += logprobs
-        self.mask += [trained] * len(ids)
-        self.segments.append(Segment(kind=kind, start=start, end=len(self.ids), index=self.spans, meta=meta))
+    def segment_index(self) -> int:
+        return self.spans
 
 
 class _Spawner:

@@ -43,6 +43,14 @@ def test_a_scratch_mode_is_dispatched_with_its_own_params(report: dict) -> None:
     assert report["refusals"]["mode"] == "mode_params.rounds must be in [1, 4], got 9"
 
 
+def test_the_built_in_dataset_and_the_demo_pose_a_scratch_mode_from_its_table_line(report: dict) -> None:
+    posed = report["posed"]
+    assert len(posed["dataset_prompts"]) == 2
+    assert all(p.startswith("[plain] ") for p in posed["dataset_prompts"])  # the default format
+    assert posed["dataset_mode_params"] == [{}, {}]
+    assert posed["demo_lists_it"] and posed["demo_run"] == {"mode": "scratch", "reward": ["accuracy"]}
+
+
 def test_a_scratch_component_is_scored_with_the_verdicts_it_declared(report: dict) -> None:
     # the spec names the scratch component alone: its ``reads("accuracy")`` made the verifier run
     assert report["rewards"] and all(abs(r) == 2.0 for r in report["rewards"])  # +-bonus, bonus=2

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.tool_model import agent_request, episodes
-from launch.demo import AGENT_MODEL, parse_args, run_request
+from launch.demo import mode_model, parse_args, run_request
 from loom.contracts.modes import parse_mode_params
 from loom.runtime import configure_process
 from rollout_svc.engines.base import Completion
@@ -84,7 +84,7 @@ def test_agent_mode_on_the_tool_model_calls_the_calculator_and_answers(tool_engi
 def test_the_agent_demo_runs_the_tool_model_with_the_calculator() -> None:
     args = parse_args(["--mode", "agent"])
     body = run_request(args)
-    assert body["mode"] == "agent" and AGENT_MODEL == "tool"
+    assert body["mode"] == "agent" and mode_model("agent") == "tool"
     assert body["mode_params"] == {"parser": "function", "tools": ["calculator"], "max_turns": tool.MAX_TURNS}
     assert body["dataset"]["knobs"]["ops"] == ["+", "-", "*"]
     with pytest.raises(SystemExit):

@@ -33,6 +33,7 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from loom.answers import last_boxed
 from loom.formats import DEFAULT_MARKERS, DEFAULT_SPAWN, FORCED_ENDING, Markers, SpawnSyntax
@@ -481,3 +482,14 @@ def build_trace(problem: Problem, fmt: str) -> list[list[Piece]]:
         t = spawn_trace(problem)
         return [t.parent, *t.children]
     raise ValueError(f"unknown format {fmt!r}")
+
+
+def posed(problem: Problem, fmt: str) -> tuple[str, dict[str, Any]]:
+    """``problem`` as a run item in the prompt format ``fmt`` (a mode's ``BUILTIN_FORMAT``): its prompt
+    and the item's own mode params. The stream format's prompt is its header alone, the sentences
+    its params: the streaming mode reveals `` <sentence><EOS>` itself, as :func:`stream_prompt`
+    writes them."""
+    if fmt == "stream":
+        return STREAM_HEADER, {"sentences": stream_sentences(problem)}
+    prompts = {"plain": plain_prompt, "reflect": reflect_prompt, "spawn": spawn_prompt}
+    return prompts[fmt](problem), {}

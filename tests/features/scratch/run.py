@@ -49,6 +49,25 @@ def refusals() -> dict[str, str]:
     return out
 
 
+def posed() -> dict[str, Any]:
+    """The built-in dataset and ``loom demo`` pose the scratch mode from its table line alone: the
+    tiny model's plain prompts (the default ``BUILTIN_FORMAT``), a demo run of it with accuracy as
+    its reward, which the gateway's run model accepts."""
+    from gateway.datasets import builtin_items
+    from gateway.models import DatasetSpec, RunRequest
+    from launch.demo import MODES, parse_args, run_request
+
+    items = builtin_items(DatasetSpec(builtin="arith", size=2, seed=0), "scratch")
+    body = run_request(parse_args(["--mode", "scratch", "--steps", "1"]))
+    run = RunRequest.model_validate(body)
+    return {
+        "dataset_prompts": [item.prompt for item in items],
+        "dataset_mode_params": [item.mode_params for item in items],
+        "demo_lists_it": "scratch" in MODES,
+        "demo_run": {"mode": run.mode, "reward": [c.name for c in run.reward.components]},
+    }
+
+
 async def step(tmp: Path) -> dict[str, Any]:
     from launch.inprocess import InProcessStages
     from learner.config import LearnerSettings
@@ -95,5 +114,5 @@ async def step(tmp: Path) -> dict[str, Any]:
 
 if __name__ == "__main__":
     install()
-    report = {"refusals": refusals(), **asyncio.run(step(Path(sys.argv[1])))}
+    report = {"refusals": refusals(), "posed": posed(), **asyncio.run(step(Path(sys.argv[1])))}
     print(json.dumps(report))
