@@ -97,3 +97,11 @@ def teacher_forced(model: Any, ids: list[int], start: int) -> list[float]:
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
     return [logp[i - 1, ids[i]].item() for i in range(start, len(ids))]
+
+
+def qwen3_chat_template() -> str:
+    """Qwen3's own chat template (tools, system turn, thinking), as TRL ships it
+    (``trl/chat_templates/qwen3.jinja``): a template that renders ``tools=``."""
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()

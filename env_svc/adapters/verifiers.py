@@ -47,9 +47,9 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from env_svc.adapters.common import json_safe, plain_messages, render
+from env_svc.adapters.common import json_safe, message_text, plain_messages, render
 from env_svc.base import Factory
-from loom.contracts.envs import EnvAction, EnvReset, EnvStep, EnvTask
+from loom.contracts.envs import EnvAction, EnvChat, EnvReset, EnvStep, EnvTask
 from loom.contracts.wire import Contract
 
 PREFIX = "verifiers:"
@@ -243,6 +243,34 @@ def response_of(action: EnvAction) -> Any:
     return vf.Response(id=f"loom-{uuid.uuid4().hex}", created=int(time.time()), model=MODEL, message=message)
 
 
+def chat_tool(tool: Any) -> dict[str, Any]:
+    """A ``vf.Tool`` as the OpenAI function tool verifiers' own chat-completions client sends a
+    model (``OpenAIChatCompletionsClient.to_native_tool``: ``strict`` only where the tool sets it)."""
+    function: dict[str, Any] = {
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": json_safe(tool.parameters),
+    }
+    if getattr(tool, "strict", None) is not None:
+        function["strict"] = tool.strict
+    return {"type": "function", "function": function}
+
+
+def chat_of(prompt: list[Any], tools: list[Any] | None) -> EnvChat | None:
+    """The system prompt (the leading system messages of the environment's prompt, joined by a blank
+    line) and the tools of its first model call, which the policy's prompt renders; None where it has
+    neither."""
+    system: list[str] = []
+    for message in prompt:
+        if plain_messages([message])[0]["role"] != "system":
+            break
+        system.append(message_text(message))
+    schemas = [chat_tool(t) for t in tools or []]
+    if not system and not schemas:
+        return None
+    return EnvChat(system="\n\n".join(system) if system else None, tools=schemas)
+
+
 # ------------------------------------------------------------------------------------------------
 # the episode
 
@@ -295,7 +323,8 @@ class VerifiersEnvironment:
                 json_safe(t.model_dump()) if hasattr(t, "model_dump") else json_safe(t) for t in tools or []
             ],
         }
-        return EnvReset(observation=render(added) if added else None, meta=meta)
+        chat = chat_of(prompt[: self._prompt_len], tools)
+        return EnvReset(observation=render(added) if added else None, chat=chat, meta=meta)
 
     def _ended(self, future: concurrent.futures.Future[Any]) -> None:
         if self._turns is None:

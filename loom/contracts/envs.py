@@ -27,6 +27,7 @@ EnvStatus = Literal["ok", "env_error", "timeout", "env_lost", "unknown_env", "no
 
 MAX_ACTION_CHARS = 200_000
 MAX_OBSERVATION_CHARS = 1_000_000
+MAX_TOOLS = 256
 
 
 class EnvTask(Contract):
@@ -57,10 +58,24 @@ class EnvAction(Contract):
     turn: int = Field(ge=0)
 
 
+class EnvChat(Contract):
+    """What a chat environment sends a chat model beside the task's question: its system prompt and
+    its tools' schemas, each an OpenAI chat-completions function tool (``{"type": "function",
+    "function": {"name", "description", "parameters"}}``). The agent mode renders them with the
+    question through the policy's chat template (docs/environments.md, "The policy's prompt")."""
+
+    system: str | None = Field(default=None, max_length=MAX_OBSERVATION_CHARS)
+    tools: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_TOOLS)
+
+
 class EnvReset(Contract):
-    """An opened environment: an optional first observation (appended before the first turn)."""
+    """An opened environment: an optional first observation (appended before the first turn) and,
+    for a chat environment, the system prompt and tools its prompt carries (``chat``)."""
 
     observation: str | None = Field(default=None, max_length=MAX_OBSERVATION_CHARS)
+    chat: EnvChat | None = Field(
+        default=None, description="a chat environment's system prompt and tool schemas; None: none"
+    )
     status: EnvStatus = "ok"
     error: str | None = None
     meta: dict[str, Any] = Field(default_factory=dict)

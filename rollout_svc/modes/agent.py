@@ -19,7 +19,9 @@ steps; a tool's timeout is bounded by what is left of it).
 With ``environment`` (docs/environments.md) every turn is instead a step of that environment on the
 env tier (``loom.clients.env``): its observation is appended the same way, its per-turn reward kept
 in the turn's meta and ``turn_rewards``; ``env_done`` ends the episode when it says done, ``env_lost``
-when its worker is gone.
+when its worker is gone. A chat environment's system prompt and tool schemas (its reset's ``chat``)
+are rendered with the question, the user turn, through the policy's chat template (env_chat.py); that
+prompt is the one the episode is conditioned on and the trajectory's ``prompt_ids``.
 
 Bad tool use is an observation, never an exception: a malformed call (``error: malformed tool
 call``), an unknown or disabled tool, a tool that raises, one that runs past ``tool_timeout_s`` (its
@@ -64,6 +66,7 @@ from loom.tools import (  # noqa: F401  (calculate: agent mode's names as they w
 )
 from rollout_svc.engines.base import Completion, Engine
 from rollout_svc.modes import ModeError, Tokens, group_of, sample_seed, trajectory_id
+from rollout_svc.modes.env_chat import ChatError, render_chat
 
 # tools run here, beside the event loop; one that hangs keeps its worker until it returns
 _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="loom-agent-tool")
@@ -115,6 +118,10 @@ class Episode(Tokens):
     env_error: str | None = None  # why the environment ended the episode, when it failed
     env_steps: int = 0  # the turns the environment answered (a step per turn, a tool call or not)
     replayed: int = 0  # the steps replayed to reopen it (an agent_tree child's, env_replay.py)
+    # the prompt it is conditioned on where its environment's system prompt and tools were rendered
+    # with the question (env_chat.py), and how; None: the request's
+    prompt_ids: list[int] | None = None
+    prompt_how: str | None = None
 
     def segment_index(self) -> int:
         return self.turns - 1  # the turn under way
@@ -249,7 +256,7 @@ class Agent:
         if not opened:
             return ep
         try:
-            return await self.episode(prompt_ids, policy, ep)
+            return await self.episode(prompt_ids if ep.prompt_ids is None else ep.prompt_ids, policy, ep)
         finally:
             await ep.env.close()  # type: ignore[union-attr]
 
@@ -284,6 +291,20 @@ class Agent:
             ep.end(reset.status, "abort")
             await ep.env.close()
             return ep, False
+        if reset.chat is not None:  # the env's system prompt and tools: the policy's prompt renders them
+            try:
+                if replay:
+                    raise ChatError(
+                        "a tree's episodes share the request's prompt: an environment with a "
+                        "system prompt or tools cannot be replayed in one"
+                    )
+                rendered = render_chat(self.tokenizer, task.question, reset.chat)
+            except ChatError as exc:
+                ep.env_error = str(exc)[:500]
+                ep.end("env_error", "abort")
+                await ep.env.close()
+                return ep, False
+            ep.prompt_ids, ep.prompt_how = rendered.ids, rendered.how
         if reset.observation:
             ids, obs = self.observation(Observation(reset.observation, "ok"))
             meta = {"env": self.cfg.environment, "status": "ok", "truncated": obs.truncated}
@@ -362,7 +383,7 @@ def trajectory(
     return Trajectory(
         id=trajectory_id(group_id, r),
         group_id=group_id,
-        prompt_ids=list(prompt_ids),
+        prompt_ids=list(prompt_ids if ep.prompt_ids is None else ep.prompt_ids),
         completion_ids=ep.ids,
         logprobs=ep.logprobs,
         logprobs_kind=engine.logprobs_kind,
@@ -381,4 +402,5 @@ def env_meta(ep: Episode) -> dict[str, Any]:
     """An environment's episode's own meta: its per-turn rewards, why it failed, its steps."""
     if ep.env is None and ep.env_error is None:
         return {}
-    return {"turn_rewards": ep.rewards, "env_error": ep.env_error, "env_steps": ep.env_steps}
+    meta = {"turn_rewards": ep.rewards, "env_error": ep.env_error, "env_steps": ep.env_steps}
+    return meta | ({} if ep.prompt_how is None else {"env_prompt": ep.prompt_how})

@@ -10,6 +10,7 @@ scenarios there, once for this module, and prints their answers; each test here 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from rollout_svc.engines.torch import teacher_forced_logprobs
 from tests.env.library_tier import env_worker, episode
 
 SIDE_PYTHON = Path(sys.prefix) / "side-envs" / "bin" / "python"
@@ -82,6 +84,16 @@ def test_tool_env_unknown_tool_is_its_error_message(side: dict[str, Any]) -> Non
     assert answer["done"] is True
 
 
+def test_the_reset_carries_the_system_prompt_and_the_tools_a_chat_client_would_send(
+    side: dict[str, Any],
+) -> None:
+    chat = side["chat_tools"]
+    # the schemas as verifiers' own OpenAI chat-completions client writes them, strict and all
+    assert chat["reset"]["chat"] == {"system": chat["system"], "tools": chat["native_tools"]}
+    assert chat["native_tools"][0]["function"]["name"] == "add"
+    assert side["guess_right"][0]["chat"] == {"system": "You play a guessing game.", "tools": []}
+
+
 def test_multiturn_env_responses_stop_condition_and_reward(side: dict[str, Any]) -> None:
     reset, *steps = side["guess_right"]
     assert [m["role"] for m in reset["meta"]["messages"]] == ["system", "user"]  # the env's system prompt
@@ -118,11 +130,15 @@ def test_unknown_name_and_bad_options_are_refused(side: dict[str, Any]) -> None:
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
-def test_agent_episodes_in_verifiers_envs_on_a_side_env_worker(tmp_path: Path, tiny_engine: Any) -> None:
+def test_agent_episodes_in_verifiers_envs_on_a_side_env_worker(
+    tmp_path: Path, tiny_engine: Any, side: dict[str, Any]
+) -> None:
     """Loom's agent mode, the real torch engine, a ``loom worker env`` started from the side
     interpreter: the ToolEnv runs the call Loom parsed from the turn, its tool message is the
     observation the policy reads, the rubric's reward the last turn's; then the MultiTurnEnv's own
-    responses."""
+    responses. The tiny model's template ignores ``tools=``: the policy's prompt is the documented
+    fallback, the env's system prompt and its tools' schemas in the system message, then the
+    request's prompt (rollout_svc/modes/env_chat.py)."""
     envs = {
         "calc": {"env_id": "tests.env.vf_envs", "env_args": {"kind": "tool"}},
         "guess": {"env_id": "tests.env.vf_envs", "env_args": {"kind": "guess"}},
@@ -140,6 +156,91 @@ def test_agent_episodes_in_verifiers_envs_on_a_side_env_worker(tmp_path: Path, t
     obs = tool.segments[1]
     observed = tiny_engine.tokenizer.decode(tool.completion_ids[obs.start : obs.end])
     assert "<tool_response>\n5\n</tool_response>" in observed
+    tools = side["chat_tools"]["native_tools"]
+    system = "Use the add tool for sums.\n\n# Tools\n<tools>\n" + json.dumps(tools[0]) + "\n</tools>"
+    tok = tiny_engine.tokenizer
+    assert tool.meta["env_prompt"] == "fallback"
+    assert tool.prompt_ids == tok.encode(system + "\nQ: what is 2 + 3?\n", add_special_tokens=False)
+    assert_conditioned_on_its_prompt(tiny_engine.model, tool)
+    assert guess.meta["env_prompt"] == "template"  # a system prompt alone: the template's system line
+    guess_prompt = "You play a guessing game.\nGuess my number.\n"
+    assert guess.prompt_ids == tok.encode(guess_prompt, add_special_tokens=False)
     assert guess.meta["stop"] == "env_done" and guess.meta["turn_rewards"] == [None, 0.5]
     obs = guess.segments[1]
     assert "3 is wrong: go higher." in tiny_engine.tokenizer.decode(guess.completion_ids[obs.start : obs.end])
+
+
+def assert_conditioned_on_its_prompt(model: Any, t: Any) -> None:
+    """The policy's tokens carry the model's log-probs given the trajectory's own prompt_ids (the ids
+    it was conditioned on); observation tokens 0.0 with loss mask 0."""
+    want = teacher_forced_logprobs(model, t.prompt_ids + t.completion_ids, len(t.prompt_ids))
+    assert t.logprobs is not None and len(t.logprobs) == len(t.loss_mask) == len(t.completion_ids)
+    sampled = [i for i, m in enumerate(t.loss_mask) if m]
+    assert sampled and [t.logprobs[i] for i in sampled] == pytest.approx([want[i] for i in sampled], abs=1e-4)
+    assert all(t.logprobs[i] == 0.0 for i, m in enumerate(t.loss_mask) if not m)
+
+
+def test_a_tools_aware_template_renders_the_envs_system_prompt_and_tools(
+    tmp_path: Path, side: dict[str, Any]
+) -> None:
+    """A random-weight Qwen3 with Qwen3's own chat template, sampled by the real torch engine through
+    the rollout path (the request's prompt text, encoded, then the agent mode): the ToolEnv's system
+    prompt and schemas reach the policy as ``apply_chat_template`` renders them with ``tools=``, the
+    request's prompt the user turn; the trajectory's prompt_ids are the ids the engine sampled from."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from loom.contracts.settings import Settings
+    from loom.contracts.wire import RolloutRequest, SamplingParams
+    from loom.runtime import configure_process
+    from rollout_svc.engines.torch import TorchEngine
+    from rollout_svc.rollout import generate_group
+    from tests.qwen3_style import qwen3_chat_template, qwen3_style_tokenizer
+
+    configure_process()
+    tok = qwen3_style_tokenizer()
+    tok.chat_template = qwen3_chat_template()
+    tok.model_max_length = 4096
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    path = tmp_path / "qwen3"
+    Qwen3ForCausalLM(cfg).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    model = Qwen3ForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+
+    request = RolloutRequest(
+        mode="agent",
+        prompt="What is 2 + 3?",
+        label="5",
+        sampling=SamplingParams(max_tokens=8, temperature=0.0, n=1, seed=1),
+        mode_params={"environment": "verifiers:calc", "tool_timeout_s": 30.0},
+    )
+    envs = {"calc": {"env_id": "tests.env.vf_envs", "env_args": {"kind": "tool"}}}
+    engine = TorchEngine(path, cache_entries=8)
+    try:
+        with env_worker(tmp_path, python=str(SIDE_PYTHON), LOOM_ENV_VERIFIERS_ENVS=json.dumps(envs)):
+            group = asyncio.run(generate_group(request, engine, lambda: tok, Settings()))
+    finally:
+        engine.stop_scheduler()
+    (t,) = group.trajectories
+    chat = side["chat_tools"]
+    messages = [{"role": "system", "content": chat["system"]}, {"role": "user", "content": "What is 2 + 3?"}]
+    want = tok.apply_chat_template(messages, tools=chat["native_tools"], add_generation_prompt=True)
+    want_ids = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert t.meta["env_prompt"] == "template" and t.prompt_ids == want_ids
+    text = tok.decode(t.prompt_ids)
+    assert text.startswith("<|im_start|>system\nUse the add tool for sums.\n\n# Tools\n")
+    assert json.dumps(chat["native_tools"][0]) in text  # the schema as the template writes it
+    assert t.meta["stop"] == "env_done" and t.segments[0].kind == "turn"
+    assert_conditioned_on_its_prompt(model, t)

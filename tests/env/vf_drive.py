@@ -66,6 +66,22 @@ def off_main_thread() -> dict[str, str]:
     return out[0]
 
 
+def chat_tools() -> dict[str, Any]:
+    """The ToolEnv's reset beside what verifiers' own OpenAI chat-completions client would send a
+    chat model as its ``tools`` (``to_native_tool`` of each of the env's ``tool_defs``; it reads
+    nothing of its client) and the env's system prompt."""
+    import asyncio
+
+    from verifiers.clients.openai_chat_completions_client import OpenAIChatCompletionsClient
+
+    from env_svc.adapters.verifiers import load, settings
+
+    env = load("calc", settings().envs["calc"])
+    native = [asyncio.run(OpenAIChatCompletionsClient.to_native_tool(None, t)) for t in env.tool_defs]  # type: ignore[arg-type]
+    reset = episode("calc", "What is 2 + 3?", "5", ["It is 5."])[0]
+    return {"reset": reset, "native_tools": json.loads(json.dumps(native)), "system": env.system_prompt}
+
+
 def errors(fn: Callable[[], Any]) -> dict[str, str]:
     try:
         fn()
@@ -89,6 +105,7 @@ SCENARIOS: dict[str, Callable[[], Any]] = {
     "guess_right": lambda: episode("guess", "Guess my number.", "7", ["3", "I say 9", "7"]),
     "guess_out_of_turns": lambda: episode("guess", "Guess my number.", "7", ["1", "2", "3", "4", "5"]),
     "closed_early": closed_early,
+    "chat_tools": chat_tools,
     "after_close": lambda: episode("guess", "Guess my number.", "4", ["4"]),
     "off_main_thread": off_main_thread,
     "unknown_name": lambda: errors(lambda: VerifiersEnvironment("nope")),

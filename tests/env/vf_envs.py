@@ -37,7 +37,13 @@ async def answered(completion: vf.Messages, answer: str) -> float:
 
 def tool_env() -> vf.Environment:
     dataset = Dataset.from_list([{"question": "What is 2 + 3?", "answer": "5"}])
-    return vf.ToolEnv(tools=[add], max_turns=4, dataset=dataset, rubric=vf.Rubric(funcs=[answered]))
+    return vf.ToolEnv(
+        tools=[add],
+        max_turns=4,
+        dataset=dataset,
+        rubric=vf.Rubric(funcs=[answered]),
+        system_prompt="Use the add tool for sums.",
+    )
 
 
 CLEANED: list[str] = []  # each finished rollout's stop condition, in order (its cleanup handler's)
