@@ -11,7 +11,10 @@ the policy's turn: ``reset`` starts the rollout and returns when the environment
 turn; ``step`` answers that ask with the turn (an assistant message: the turn's text, and the tool
 call Loom parsed as its ``tool_calls``, arguments JSON-encoded, as ``ToolEnv`` reads them) and returns
 when the environment asks again (the messages it appended, its ``env_response``, are the observation)
-or when its rollout ends (``done``; any ``final_env_response`` is the observation).
+or when its rollout ends (``done``; any ``final_env_response`` is the observation). The reset also
+carries what the environment's first model call would send a chat model beside the question: its
+system prompt and its tools as OpenAI function tools (``EnvReset.chat``), which the agent mode renders
+through the policy's chat template (docs/environments.md, "The policy's prompt").
 
 Reward: a verifiers rubric scores the whole rollout once, after it ends, so the episode's reward is
 the last step's ``EnvStep.reward`` (the rubric's weighted sum, ``state["reward"]``), with its metrics,
