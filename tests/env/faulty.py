@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from loom.contracts.envs import EnvAction, EnvReset, EnvStep, EnvTask
+from loom.contracts.envs import EnvAction, EnvChat, EnvReset, EnvStep, EnvTask
 
 
 class Base:
@@ -81,3 +81,14 @@ class Drifts(NeverDone):
 
     def step(self, action: EnvAction) -> EnvStep:
         return EnvStep(observation=f"turn {action.turn} of episode {self.episode}", reward=0.5)
+
+
+class ChatReplayable(NeverDone):
+    """A chat environment (a system prompt in its reset's ``chat``) that declares itself replayable:
+    an agent episode's prompt renders the system prompt; an agent_tree, whose children share the
+    request's prompt, cannot replay it."""
+
+    replayable = True
+
+    def reset(self, task: EnvTask) -> EnvReset:
+        return EnvReset(chat=EnvChat(system="Answer briefly."))

@@ -181,3 +181,21 @@ def test_a_non_replayable_environment_is_refused(replay_tier, tiny_engine) -> No
     group = _tree(tiny_engine, _request("tests.env.faulty:NeverDone"))
     assert [t.stop_reason for t in group.trajectories] == ["not_replayable"] * 2
     assert all("not replayable" in t.meta["env_error"] for t in group.trajectories)
+
+
+def test_a_chat_environment_prompts_the_agent_and_no_tree_replays_it(replay_tier, tiny_engine) -> None:
+    """A system prompt in the reset's ``chat`` (docs/environments.md "The policy's prompt"): an agent
+    episode's prompt is the tiny template's system line then the request's prompt; a tree's roots
+    end ``env_error`` before their first turn."""
+    request = RolloutRequest(
+        mode="agent",
+        prompt=PROMPT,
+        sampling=SamplingParams(max_tokens=8, temperature=0.0, seed=5),
+        mode_params={"environment": "tests.env.faulty:ChatReplayable", "max_turns": 1},
+    )
+    (t,) = _tree(tiny_engine, request).trajectories
+    want = tiny_engine.tokenizer.encode("Answer briefly.\n" + PROMPT, add_special_tokens=False)
+    assert t.prompt_ids == want and t.meta["env_prompt"] == "template" and t.stop_reason == "max_turns"
+    group = _tree(tiny_engine, _request("tests.env.faulty:ChatReplayable"))
+    assert [t.stop_reason for t in group.trajectories] == ["env_error"] * 2
+    assert all("cannot be replayed" in t.meta["env_error"] for t in group.trajectories)

@@ -159,8 +159,8 @@ def test_agent_episodes_in_verifiers_envs_on_a_side_env_worker(
     tools = side["chat_tools"]["native_tools"]
     system = "Use the add tool for sums.\n\n# Tools\n<tools>\n" + json.dumps(tools[0]) + "\n</tools>"
     tok = tiny_engine.tokenizer
-    assert tool.meta["env_prompt"] == "fallback"
     assert tool.prompt_ids == tok.encode(system + "\nQ: what is 2 + 3?\n", add_special_tokens=False)
+    assert tool.meta["env_prompt"] == "fallback"
     assert_conditioned_on_its_prompt(tiny_engine.model, tool)
     assert guess.meta["env_prompt"] == "template"  # a system prompt alone: the template's system line
     guess_prompt = "You play a guessing game.\nGuess my number.\n"
@@ -238,7 +238,7 @@ def test_a_tools_aware_template_renders_the_envs_system_prompt_and_tools(
     messages = [{"role": "system", "content": chat["system"]}, {"role": "user", "content": "What is 2 + 3?"}]
     want = tok.apply_chat_template(messages, tools=chat["native_tools"], add_generation_prompt=True)
     want_ids = list(want["input_ids"] if hasattr(want, "keys") else want)
-    assert t.meta["env_prompt"] == "template" and t.prompt_ids == want_ids
+    assert t.prompt_ids == want_ids and t.meta["env_prompt"] == "template"
     text = tok.decode(t.prompt_ids)
     assert text.startswith("<|im_start|>system\nUse the add tool for sums.\n\n# Tools\n")
     assert json.dumps(chat["native_tools"][0]) in text  # the schema as the template writes it
