@@ -8,7 +8,8 @@ rendered is the trajectory's ``env_prompt``:
   with them differs from its text without them);
 - ``fallback``: a template that ignores ``tools=`` (Loom's tiny models): the tools are folded into the
   system message in the Hermes style of the Qwen2.5/Qwen3 templates (``system_text``), and the
-  template renders that system message and the user message;
+  template renders that system message and the user message; a template that drops a system message
+  too gets that system text, a blank line and the question as the user message;
 - ``plain``: a tokenizer without a chat template: that system text, a blank line, the question.
 
 The tools are never dropped, and every rendering is a function of its inputs alone. The ids are the
@@ -70,12 +71,15 @@ def render_chat(tokenizer: Any, question: str, chat: EnvChat) -> Rendered:
     """The policy's prompt: ``chat``'s system prompt and tools, ``question`` the user turn."""
     user = {"role": "user", "content": question}
     system = [{"role": "system", "content": chat.system}] if chat.system else []
-    if getattr(tokenizer, "chat_template", None):
-        how: How = "template"
-        text = _template(tokenizer, [*system, user], chat.tools or None)
-        if chat.tools and text == _template(tokenizer, [*system, user], None):
-            how = "fallback"  # the template ignores tools=: they go into the system message
-            text = _template(tokenizer, [{"role": "system", "content": system_text(chat)}, user], None)
-    else:
-        how, text = "plain", f"{system_text(chat)}\n\n{question}"
+    if not getattr(tokenizer, "chat_template", None):
+        text = f"{system_text(chat)}\n\n{question}"
+        return Rendered(text, list(tokenizer.encode(text, add_special_tokens=False)), "plain")
+    how: How = "template"
+    text = _template(tokenizer, [*system, user], chat.tools or None)
+    if chat.tools and text == _template(tokenizer, [*system, user], None):
+        how = "fallback"  # the template ignores tools=: they go into the system message
+        text = _template(tokenizer, [{"role": "system", "content": system_text(chat)}, user], None)
+    if system and _template(tokenizer, [user], None) == _template(tokenizer, [*system, user], None):
+        how = "fallback"  # nor does it render a system message: all of it opens the user turn
+        text = _template(tokenizer, [{"role": "user", "content": f"{system_text(chat)}\n\n{question}"}], None)
     return Rendered(text, list(tokenizer.encode(text, add_special_tokens=False)), how)

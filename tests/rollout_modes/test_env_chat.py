@@ -83,6 +83,17 @@ def test_a_system_prompt_alone_and_tools_alone(tiny: Any, qwen3: Any) -> None:
     assert r.how == "template" and r.text.startswith("<|im_start|>system\n# Tools\n")
 
 
+def test_a_template_that_drops_the_system_message_gets_it_in_the_user_turn() -> None:
+    tok = qwen3_style_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role != 'system' %}[{{ m.content }}]{% endif %}{% endfor %}"
+    )
+    r = render_chat(tok, QUESTION, CHAT)
+    assert r.how == "fallback" and r.text == f"[{system_text(CHAT)}\n\n{QUESTION}]"
+    alone = render_chat(tok, QUESTION, EnvChat(system="Be brief."))
+    assert alone.how == "fallback" and alone.text == f"[Be brief.\n\n{QUESTION}]"
+
+
 def test_no_template_is_plain_text_and_a_refusing_template_is_an_error() -> None:
     tok = qwen3_style_tokenizer()
     r = render_chat(tok, QUESTION, CHAT)
