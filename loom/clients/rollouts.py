@@ -325,10 +325,10 @@ def _treerl(params: TreerlParams | Mapping[str, Any] | None) -> TreerlParams | N
     )
 
 
-class Rollouts(Closing):
-    """Synchronous rollouts through a gateway (``api_key`` with the ``jobs`` scope); ``treerl``: the
-    trainer's TreeRL parameters (``TreerlParams``: reward key, process weight) for tree groups'
-    advantages."""
+class _RolloutsBase:
+    """What the two clients take alike: a gateway (``api_key`` with the ``jobs`` scope), the tries an
+    event stream gets after a dropped connection (``reconnects``), and ``treerl``, the trainer's
+    TreeRL parameters (``TreerlParams``: reward key, process weight) for tree groups' advantages."""
 
     def __init__(
         self,
@@ -339,10 +339,20 @@ class Rollouts(Closing):
         reconnects: int = 5,
         treerl: TreerlParams | Mapping[str, Any] | None = None,
     ) -> None:
-        self.gateway = GatewayClient(url, api_key=api_key, timeout=timeout)
+        self._connect(url, api_key, timeout)
         self.treerl = _treerl(treerl)
         self.reconnects = reconnects
         self.reconnections = 0  # event streams resumed after a dropped connection
+
+    def _connect(self, url: str, api_key: str | None, timeout: float) -> None:
+        raise NotImplementedError
+
+
+class Rollouts(_RolloutsBase, Closing):
+    """Synchronous rollouts through a gateway (``_RolloutsBase``'s arguments)."""
+
+    def _connect(self, url: str, api_key: str | None, timeout: float) -> None:
+        self.gateway = GatewayClient(url, api_key=api_key, timeout=timeout)
 
     def submit(self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any) -> str:
         """Start one job (``job_body``'s arguments); its id."""
@@ -420,23 +430,12 @@ def _check_end(job_id: str, data: Mapping[str, Any]) -> None:
         raise RolloutJobError(job_id, str(data.get("status")), data.get("error"))
 
 
-class AsyncRollouts:
+class AsyncRollouts(_RolloutsBase):
     """``Rollouts`` over asyncio (httpx.AsyncClient): ``await submit``, ``async for g in stream``."""
 
-    def __init__(
-        self,
-        url: str,
-        api_key: str | None = None,
-        *,
-        timeout: float = 60.0,
-        reconnects: int = 5,
-        treerl: TreerlParams | Mapping[str, Any] | None = None,
-    ) -> None:
+    def _connect(self, url: str, api_key: str | None, timeout: float) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
-        self.treerl = _treerl(treerl)
-        self.reconnects = reconnects
-        self.reconnections = 0
 
     async def submit(self, prompts: Sequence[str | Mapping[str, Any]], **kwargs: Any) -> str:
         body = job_body(prompts, **kwargs)

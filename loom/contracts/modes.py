@@ -20,7 +20,7 @@ import json
 import re
 import string
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -192,16 +192,35 @@ class StreamingParams(ModeParams):
         return self
 
 
-class TreeParams(ModeParams):
-    """tree (docs/algorithms.md §2.3; TreeRL, AttnRL). Defaults from the request: ``initial`` (M') is
+class _Branching(ModeParams):
+    """What the two branching modes (tree, agent_tree) default and bound alike: ``initial`` is
     ``sampling.n`` when n > 1, else 6; ``attention_timeout_s`` is the deployment's bound
-    (``LOOM_ATTENTION_TIMEOUT_S``), which a request may only shorten."""
+    (``LOOM_ATTENTION_TIMEOUT_S``), which a request may only shorten; the attention scorer's URL is
+    the operator's, never a request's."""
 
-    NULL_REFUSED: ClassVar[frozenset[str]] = frozenset({"entropy_stop_words"})
     REFUSED: ClassVar[dict[str, str]] = {
         "attention_url": "mode_params.attention_url is not accepted: a worker never calls a URL from a "
         "request; the attention scorer is the operator's setting LOOM_ATTENTION_URL"
     }
+
+    attention_timeout_s: float
+
+    @classmethod
+    def request_defaults(cls, ctx: _Context) -> dict[str, Any]:
+        n = ctx.sampling.n
+        return {"initial": n if n > 1 else 6, "attention_timeout_s": ctx.limits.max_attention_timeout_s}
+
+    @model_validator(mode="after")
+    def _timeout_bound(self, info: ValidationInfo) -> Self:
+        attention_timeout_bound(self.attention_timeout_s, info)
+        return self
+
+
+class TreeParams(_Branching):
+    """tree (docs/algorithms.md §2.3; TreeRL, AttnRL). Defaults from the request as ``_Branching``
+    says: ``initial`` (M') and ``attention_timeout_s``."""
+
+    NULL_REFUSED: ClassVar[frozenset[str]] = frozenset({"entropy_stop_words"})
 
     initial: int = Field(ge=1, le=256)  # M'
     branches: int = Field(2, ge=0, le=64)  # N
@@ -218,17 +237,6 @@ class TreeParams(ModeParams):
     expansion: Literal["round", "ceil", "all"] = "round"
     fci_running_mean: float | None = None
     train_prefix: bool = True  # a branch's copied prefix is trained (TreeRL trains every leaf path)
-    attention_timeout_s: float
-
-    @classmethod
-    def request_defaults(cls, ctx: _Context) -> dict[str, Any]:
-        n = ctx.sampling.n
-        return {"initial": n if n > 1 else 6, "attention_timeout_s": ctx.limits.max_attention_timeout_s}
-
-    @model_validator(mode="after")
-    def _timeout_bound(self, info: ValidationInfo) -> TreeParams:
-        attention_timeout_bound(self.attention_timeout_s, info)
-        return self
 
 
 def attention_timeout_bound(value: float, info: ValidationInfo) -> None:
@@ -360,7 +368,7 @@ class AgentParams(ModeParams):
         return self
 
 
-class AgentTreeParams(AgentParams):
+class AgentTreeParams(_Branching, AgentParams):
     """agent_tree (docs/algorithms.md §2.6; TreeRL's EPTree over agent episodes): the agent's
     parameters, and where its episodes branch. ``initial`` episodes (default ``sampling.n`` when n > 1,
     else 6) are each branched at ``branches`` points per round (``iterations`` rounds) into
@@ -372,8 +380,6 @@ class AgentTreeParams(AgentParams):
     tree mode's; the operator's scorer, bounded by ``attention_timeout_s``, as tree mode's). An
     environment's state is not in the ids: a child reopens it and replays its parent's actions, so
     only a replayable ``environment`` is accepted (docs/environments.md)."""
-
-    REFUSED: ClassVar[dict[str, str]] = TreeParams.REFUSED  # the scorer is the operator's, never a request's
 
     initial: int = Field(ge=1, le=256)
     branches: int = Field(2, ge=0, le=64)
@@ -387,17 +393,6 @@ class AgentTreeParams(AgentParams):
     separator: str = Field("\n\n", min_length=1)
     fallback_separator: str = Field("\n", min_length=1)
     train_prefix: bool = True
-    attention_timeout_s: float
-
-    @classmethod
-    def request_defaults(cls, ctx: _Context) -> dict[str, Any]:
-        n = ctx.sampling.n
-        return {"initial": n if n > 1 else 6, "attention_timeout_s": ctx.limits.max_attention_timeout_s}
-
-    @model_validator(mode="after")
-    def _timeout_bound(self, info: ValidationInfo) -> AgentTreeParams:
-        attention_timeout_bound(self.attention_timeout_s, info)
-        return self
 
     @model_validator(mode="after")
     def _replayable_environment(self) -> AgentTreeParams:
