@@ -60,6 +60,7 @@ from rollout_svc.modes.scorers import PolicyScorer, Scorer, resolve_scorer
 from rollout_svc.modes.tree import (
     Point,
     attention_ranked,
+    decoded_tokens,
     entropy_mask,
     entropy_ranked,
     spaced_points,
@@ -237,15 +238,6 @@ def _candidates(p: _Path, cfg: AgentTreeParams, texts: list[str]) -> list[tuple[
     return out
 
 
-def token_texts(tokenizer: Any, ids: Sequence[int], cache: dict[int, str]) -> list[str]:
-    out = []
-    for t in ids:
-        if t not in cache:
-            cache[t] = tokenizer.decode([t], skip_special_tokens=False)
-        out.append(cache[t])
-    return out
-
-
 def pick(paths: Sequence[_Path], cfg: AgentTreeParams, texts_of: Any) -> list[tuple[_Path, int]]:
     """One round's branch points of one tree, pooled over its paths (``texts_of(path)``: its tokens'
     texts), ranked by the strategy (most uncertain first; ``attention``: the earliest candidates of
@@ -272,7 +264,7 @@ class _Forest:
     cache: dict[int, str] = field(default_factory=dict)  # token id -> text
 
     def texts(self, p: _Path) -> list[str]:
-        return token_texts(self.walker.agent.tokenizer, p.ep.ids, self.cache)
+        return decoded_tokens(self.walker.agent.tokenizer, p.ep.ids, self.cache)
 
     async def score(self, p: _Path) -> None:
         """FCI of each of ``p``'s steps (once), over the whole episode: the prompt is step 0, the

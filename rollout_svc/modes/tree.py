@@ -269,7 +269,9 @@ async def _call(fn: Any, *args: Any) -> Any:
     return await out if inspect.isawaitable(out) else out
 
 
-def _texts(tokenizer: Any, ids: Sequence[int], cache: dict[int, str]) -> list[str]:
+def decoded_tokens(tokenizer: Any, ids: Sequence[int], cache: dict[int, str]) -> list[str]:
+    """Each id's own text (special tokens kept: stop words are matched on them), decoded once per
+    id through ``cache``."""
     out = []
     for t in ids:
         if t not in cache:
@@ -345,7 +347,7 @@ class _Grower:
     def analysed(self, tid: str, index: int, tree_index: int, c: Completion, **kw: Any) -> _Path:
         """Step 2: a sampled path split into steps, with the end-of-thinking step."""
         cfg = self.cfg
-        texts = _texts(self.tokenizer, c.token_ids, self.cache)
+        texts = decoded_tokens(self.tokenizer, c.token_ids, self.cache)
         end = first_token_containing(texts, cfg.end_marker) if cfg.end_marker else None
         steps = split_steps(texts, cfg.separator, cfg.fallback_separator, end)
         return _Path(tid, index, tree_index, c, texts, steps, zero_from_step(steps, end), **kw)

@@ -1,18 +1,27 @@
 """vLLM with ``--logprobs-mode processed_logprobs``: its log-probs equal the learner's recomputation at
 the sampling temperature, trajectories record the processing, and the learner uses them exactly when
-its own processing is the same (temperature, and no top-p/top-k, which it does not apply)."""
+its own processing is the same (temperature, and no top-p/top-k, which it does not apply).
+
+The server runs without dev mode (vLLM's default; one server start for both): the dev routes do not
+exist (404, as ``loom engine`` answers: tests/rollout/test_control.py), LoRA policies still load (no
+dev route needed), and a full-checkpoint update is a clear error naming ``VLLM_SERVER_DEV_MODE``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from loom.contracts.settings import Settings
-from loom.contracts.wire import LogprobsProcessing
+from loom.contracts.wire import LogprobsProcessing, SamplingParams
+from loom.store import PolicyStore
 from rollout_svc.engines import make_engine
-from tests.vllm_server.conftest import TINY, max_diff, reference_logprobs
+from rollout_svc.engines.base import EngineRequestError
+from rollout_svc.engines.vllm import VLLMEngine
+from tests.rollout.control_cases import DEV_ROUTES
+from tests.vllm_server.conftest import TINY, changed_checkpoint, max_diff, reference_logprobs, write_lora
 from tests.vllm_server.test_logprobs import ATOL, _group, _train_metrics
 
 
@@ -20,7 +29,7 @@ from tests.vllm_server.test_logprobs import ATOL, _group, _train_metrics
 def engine(vllm: Any, arun: Any, tmp_path: Path) -> Any:
     settings = Settings(
         engine="vllm",
-        engine_url=vllm.ensure("processed"),
+        engine_url=vllm.ensure("processed", dev=False),
         engine_logprobs_mode="processed",
         policy_store=tmp_path / "store",
     )
@@ -65,3 +74,35 @@ def test_top_p_or_top_k_logprobs_are_not_the_learners_and_are_not_used(
     assert max(diffs) > 1e-2  # truncation renormalises: temperature alone does not reproduce them
     metrics = _train_metrics(group, 1.3, tmp_path)
     assert metrics["behaviour_logprobs_used"] == 0.0 and metrics["behaviour_logprobs_unmatched"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> PolicyStore:
+    s = PolicyStore(tmp_path_factory.mktemp("nodev-policy"))
+    s.publish(1, lambda d: changed_checkpoint(d, seed=21) and None)
+    s.publish(2, lambda d: write_lora(d, seed=22) and None, kind="lora")
+    return s
+
+
+def test_without_dev_mode_loras_load_and_full_updates_say_what_is_missing(
+    vllm: Any, arun: Any, store: PolicyStore, prompt_ids: list[int]
+) -> None:
+    url = vllm.ensure("processed", dev=False)
+    for method, path in DEV_ROUTES:
+        r = httpx.request(method, f"{url}{path}", timeout=10)
+        assert (r.status_code, r.json()) == (404, {"detail": "Not Found"}), path
+    engine = VLLMEngine(url, policy_store=store.root, logprobs_mode="processed")
+    try:  # temperature 1, no top-p / top-k: processed log-probs are the plain ones
+        outs = arun(engine.generate(prompt_ids, SamplingParams(max_tokens=8, seed=1, temperature=1.0)))
+        assert engine.policy_version == 0  # the served model
+        assert max_diff(outs[0].logprobs, reference_logprobs(TINY, prompt_ids, outs[0].token_ids)) < ATOL
+        lora = store.get(2)
+        assert lora is not None
+        arun(engine.load_policy(lora))
+        assert engine.policy_version == 2 and arun(engine.generate(prompt_ids, SamplingParams(max_tokens=4)))
+        full = store.get(1)
+        assert full is not None
+        with pytest.raises(EngineRequestError, match="VLLM_SERVER_DEV_MODE"):
+            arun(engine.load_policy(full))
+    finally:
+        arun(engine.close())

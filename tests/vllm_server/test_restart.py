@@ -1,11 +1,7 @@
-"""A vLLM server that goes away mid-run, and one started without dev mode.
-
-Restart: the client's requests fail as ``EngineUnavailable`` while it is down (a Celery task retries
-those); the restarted server holds its base weights under vLLM's ``default`` label, and the client,
-which had loaded version 1, notices and loads version 1 again before generating.
-Without dev mode (vLLM's default): the dev routes do not exist (404, as ``loom engine`` answers:
-tests/rollout/test_control.py), LoRA policies still load (no dev route needed), and a full-checkpoint
-update is a clear error naming ``VLLM_SERVER_DEV_MODE``."""
+"""A vLLM server that goes away mid-run: the client's requests fail as ``EngineUnavailable`` while it
+is down (a Celery task retries those); the restarted server holds its base weights under vLLM's
+``default`` label, and the client, which had loaded version 1, notices and loads version 1 again
+before generating. (A server without dev mode: tests/vllm_server/test_logprobs_processed.py.)"""
 
 from __future__ import annotations
 
@@ -16,10 +12,9 @@ import pytest
 
 from loom.contracts.wire import SamplingParams
 from loom.store import PolicyStore
-from rollout_svc.engines.base import EngineRequestError, EngineUnavailable
+from rollout_svc.engines.base import EngineUnavailable
 from rollout_svc.engines.vllm import VLLMEngine
-from tests.rollout.control_cases import DEV_ROUTES
-from tests.vllm_server.conftest import TINY, changed_checkpoint, max_diff, reference_logprobs, write_lora
+from tests.vllm_server.conftest import changed_checkpoint, max_diff, reference_logprobs, write_lora
 
 ATOL = 1e-4
 
@@ -51,29 +46,5 @@ def test_a_restarted_server_is_brought_back_to_the_clients_version(
         assert engine.policy_version == 1
         for c in outs:
             assert max_diff(c.logprobs, reference_logprobs(v1.path, prompt_ids, c.token_ids)) < ATOL
-    finally:
-        arun(engine.close())
-
-
-def test_without_dev_mode_loras_load_and_full_updates_say_what_is_missing(
-    vllm: Any, arun: Any, store: PolicyStore, prompt_ids: list[int]
-) -> None:
-    url = vllm.ensure("raw", dev=False)  # the next test's ensure() starts the server it needs
-    for method, path in DEV_ROUTES:
-        r = httpx.request(method, f"{url}{path}", timeout=10)
-        assert (r.status_code, r.json()) == (404, {"detail": "Not Found"}), path
-    engine = VLLMEngine(url, policy_store=store.root)
-    try:
-        outs = arun(engine.generate(prompt_ids, SamplingParams(max_tokens=8, seed=1)))  # served model
-        assert engine.policy_version == 0
-        assert max_diff(outs[0].logprobs, reference_logprobs(TINY, prompt_ids, outs[0].token_ids)) < ATOL
-        lora = store.get(2)
-        assert lora is not None
-        arun(engine.load_policy(lora))
-        assert engine.policy_version == 2 and arun(engine.generate(prompt_ids, SamplingParams(max_tokens=4)))
-        full = store.get(1)
-        assert full is not None
-        with pytest.raises(EngineRequestError, match="VLLM_SERVER_DEV_MODE"):
-            arun(engine.load_policy(full))
     finally:
         arun(engine.close())
