@@ -16,7 +16,7 @@ engine's ``UnsupportedCapability`` (e.g. the group-position layout on vLLM); the
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -118,6 +118,21 @@ async def run(
 
 def trajectory_id(group_id: str, index: int) -> str:
     return f"{group_id}/{index}"
+
+
+def sampled(engine: Engine, tid: str, group_id: str, prompt_ids: Sequence[int], **fields: Any) -> Trajectory:
+    """A trajectory the engine sampled: its log-prob kind, policy version and name stamped by one
+    place, so that no mode can leave out what the learner checks its log-probs against
+    (docs/algorithms.md, behaviour log-probs)."""
+    return Trajectory(
+        id=tid,
+        group_id=group_id,
+        prompt_ids=list(prompt_ids),
+        logprobs_kind=engine.logprobs_kind,
+        policy_version=engine.policy_version,
+        engine=engine.name,
+        **fields,
+    )
 
 
 def sample_seed(seed: int | None, index: int, round_: int = 0) -> int | None:

@@ -65,7 +65,7 @@ from loom.tools import (  # noqa: F401  (calculate: agent mode's names as they w
     unknown_tool,
 )
 from rollout_svc.engines.base import Completion, Engine
-from rollout_svc.modes import ModeError, Tokens, group_of, sample_seed, trajectory_id
+from rollout_svc.modes import ModeError, Tokens, group_of, sample_seed, sampled, trajectory_id
 from rollout_svc.modes.env_chat import ChatError, render_chat
 
 # tools run here, beside the event loop; one that hangs keeps its worker until it returns
@@ -380,19 +380,17 @@ async def agent(
 def trajectory(
     group_id: str, r: int, prompt_ids: list[int], ep: Episode, engine: Engine, wall: float
 ) -> Trajectory:
-    return Trajectory(
-        id=trajectory_id(group_id, r),
-        group_id=group_id,
-        prompt_ids=list(prompt_ids if ep.prompt_ids is None else ep.prompt_ids),
+    return sampled(
+        engine,
+        trajectory_id(group_id, r),
+        group_id,
+        prompt_ids if ep.prompt_ids is None else ep.prompt_ids,
         completion_ids=ep.ids,
         logprobs=ep.logprobs,
-        logprobs_kind=engine.logprobs_kind,
         loss_mask=ep.mask,
         segments=ep.segments,
         finish_reason=ep.finish,
         stop_reason=ep.stop,
-        policy_version=engine.policy_version,
-        engine=engine.name,
         timing={"generate_s": wall},
         meta={"turns": ep.turns, "tool_calls": ep.tool_calls, "stop": ep.stop} | env_meta(ep),
     )

@@ -54,7 +54,7 @@ from loom.contracts.settings import get_settings
 from loom.contracts.wire import FinishReason, Group, RolloutRequest, Segment, Trajectory, TreeNode
 from loom.formats import ends_with
 from rollout_svc.engines.base import Completion, Engine
-from rollout_svc.modes import ModeError, env_replay, group_of, sample_seed, trajectory_id
+from rollout_svc.modes import ModeError, env_replay, group_of, sample_seed, sampled, trajectory_id
 from rollout_svc.modes.agent import Agent, Episode, env_meta, parse_call, run_tool
 from rollout_svc.modes.scorers import PolicyScorer, Scorer, resolve_scorer
 from rollout_svc.modes.tree import (
@@ -377,19 +377,17 @@ def trajectory_of(
         at = [v for (a, _), v in zip(p.parent.steps or [], p.parent.fci or [], strict=False) if a == p.start]
         if at:  # the FCI of the parent's step this branch starts (AttnRL eq. 6)
             meta["branch_fci"] = at[0]
-    return Trajectory(
-        id=p.tid,
-        group_id=group_id,
-        prompt_ids=list(prompt_ids),
+    return sampled(
+        engine,
+        p.tid,
+        group_id,
+        prompt_ids,
         completion_ids=list(ep.ids),
         logprobs=list(ep.logprobs),
-        logprobs_kind=engine.logprobs_kind,
         loss_mask=mask,
         segments=list(ep.segments),
         finish_reason=ep.finish,
         stop_reason=ep.stop,
-        policy_version=engine.policy_version,
-        engine=engine.name,
         parent_id=None if p.parent is None else p.parent.tid,
         timing={"generate_s": p.seconds},
         meta=meta,

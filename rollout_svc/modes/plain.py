@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from loom.contracts.wire import Group, RolloutRequest, Trajectory
+from loom.contracts.wire import Group, RolloutRequest
 from rollout_svc.engines.base import Engine
-from rollout_svc.modes import group_of, trajectory_id
+from rollout_svc.modes import group_of, sampled, trajectory_id
 
 
 async def plain(request: RolloutRequest, prompt_ids: list[int], group_id: str, engine: Engine) -> Group:
@@ -14,17 +14,15 @@ async def plain(request: RolloutRequest, prompt_ids: list[int], group_id: str, e
     outs = await engine.generate(prompt_ids, request.sampling)
     elapsed = time.perf_counter() - t0
     trajectories = [
-        Trajectory(
-            id=trajectory_id(group_id, i),
-            group_id=group_id,
-            prompt_ids=prompt_ids,
+        sampled(
+            engine,
+            trajectory_id(group_id, i),
+            group_id,
+            prompt_ids,
             completion_ids=c.token_ids,
             logprobs=c.logprobs,
-            logprobs_kind=engine.logprobs_kind,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
-            policy_version=engine.policy_version,
-            engine=engine.name,
             timing={"generate_s": elapsed},
             meta={"top_logprobs": [{str(k): v for k, v in d.items()} for d in c.top_logprobs]}
             if c.top_logprobs is not None

@@ -54,7 +54,7 @@ from typing import Any, Literal
 from loom.contracts.modes import TreeParams
 from loom.contracts.wire import Group, RolloutRequest, SamplingParams, Segment, Trajectory, TreeNode
 from rollout_svc.engines.base import Completion, Engine
-from rollout_svc.modes import group_of, sample_seed, trajectory_id
+from rollout_svc.modes import group_of, sample_seed, sampled, trajectory_id
 from rollout_svc.modes.scorers import PolicyScorer, RewardFn, Scorer, resolve_scorer
 
 Strategy = Literal["attention", "entropy", "random"]
@@ -435,17 +435,15 @@ class _Grower:
 
     def trajectory(self, p: _Path) -> Trajectory:
         cfg, engine = self.cfg, self.engine
-        t = Trajectory(
-            id=p.tid,
-            group_id=self.group_id,
-            prompt_ids=list(self.prompt_ids),
+        t = sampled(
+            engine,
+            p.tid,
+            self.group_id,
+            self.prompt_ids,
             completion_ids=list(p.c.token_ids),
             logprobs=list(p.c.logprobs),
-            logprobs_kind=engine.logprobs_kind,
             finish_reason=p.c.finish_reason,
             stop_reason=p.c.stop_reason,
-            policy_version=engine.policy_version,
-            engine=engine.name,
             timing={"generate_s": p.seconds},
         )
         if p.parent is not None:
