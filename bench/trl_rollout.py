@@ -19,7 +19,7 @@ format before and after, the wall time per step and how many tree leaves each gr
 
     python bench/trl_rollout.py --mode tree|streaming|plain|agent [--steps 60] [--prompts 8] [--group 8]
                                 [--lr 1e-4] [--warmup 20] [--scheduler constant_with_warmup]
-                                [--temperature 1.3] [--weight-decay 0.01] [--loss-type dapo]
+                                [--temperature 1.3|1.0] [--weight-decay 0.01] [--loss-type dapo]
                                 [--beta 0.0] [--epsilon-high 0.28] [--seed 0] [--eval 64] [--native]
                                 [--check-logprobs 10] [--progress FILE.jsonl]
                                 [--out FILE.json] [--plot FILE.png]
@@ -27,7 +27,10 @@ format before and after, the wall time per step and how many tree leaves each gr
 
 Training prompts are the tiny model's arithmetic (+ and -, 2-3 digits: ``tiny_problems``, as ``loom
 demo`` and the held-out set); the defaults are ``loom demo``'s learner settings in TRL's terms.
-``--mode agent``: the built-in tool model (zoo/tiny/tool.py) on its own arithmetic, the calculator enabled.
+``--mode agent``: the built-in tool model (zoo/tiny/tool.py) on its own arithmetic, the calculator enabled,
+sampled at temperature 1.0 unless ``--temperature`` says otherwise: at 1.3 most of its samples break
+their calls (misspelt tool names, torn tags) and TRL's reward did not rise (docs/interop-rollout.md,
+"Measured: agent mode with tools").
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ TREE = {"strategy": "random", "branches": 1, "continuations": 2, "min_distance":
 STREAM = {"segment_cap": 32, "answer_max_tokens": 16}
 # --mode agent: the built-in tool model (zoo/tiny/tool.py) on its arithmetic, the calculator enabled
 AGENT_MODEL = "tool"
+TEMPERATURE = {"agent": 1.0}  # a mode's default sampling temperature where not the demo's 1.3 (docstring)
 
 
 def _agent_params() -> dict[str, Any]:
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from zoo.tiny import load_tokenizer
 
     torch.set_num_threads(1)
+    temperature = args.temperature if args.temperature is not None else TEMPERATURE.get(args.mode, 1.3)
     tmp = Path(tempfile.mkdtemp(prefix="loom-trl-rollout-"))
     # the distribution the tiny model was trained on and is held out from (`loom demo`'s built-in set)
     problems = _problems(args.mode, args.steps * args.prompts, args.seed, "train")
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_generations": args.group,
         "leaves": args.leaves,
         "lr": args.lr,
-        "temperature": args.temperature,
+        "temperature": temperature,
         "heldout_acc_before": acc_before,
     }
     config = GRPOConfig(
@@ -149,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_device_train_batch_size=args.prompts * args.group,
         num_generations=args.group,
         max_completion_length=args.max_tokens,
-        temperature=args.temperature,
+        temperature=temperature,
         learning_rate=args.lr,
         lr_scheduler_type=args.scheduler,
         warmup_steps=args.warmup,
@@ -233,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result = rollout(prompts, trainer)
                 step_s.append(time.perf_counter() - t0)
                 if args.check_logprobs and trainer.state.global_step % args.check_logprobs == 0:
-                    logp_gap.append(_logprob_gap(trainer, result, args.temperature))
+                    logp_gap.append(_logprob_gap(trainer, result, temperature))
                 return result
 
             rollout.rollouts.generate = counted  # type: ignore[method-assign]
@@ -259,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lr": args.lr,
         "warmup": args.warmup,
         "scheduler": args.scheduler,
-        "temperature": args.temperature,
+        "temperature": temperature,
         "weight_decay": args.weight_decay,
         "loss_type": args.loss_type,
         "beta": args.beta,
@@ -391,7 +396,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("mean reward (accuracy)")
     ax.set_ylim(0.0, 1.0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -432,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--scheduler", default="constant_with_warmup", help="lr_scheduler_type (TRL's default: linear decay)"
     )
-    p.add_argument("--temperature", type=float, default=1.3, help="sampling and log-prob temperature")
+    p.add_argument(
+        "--temperature", type=float, help="sampling and log-prob temperature (default 1.3; agent mode 1.0)"
+    )
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--loss-type", default="dapo", help="TRL's loss_type (dapo: token mean, Loom's)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient")
