@@ -10,9 +10,12 @@ failed to fork ("bwrap: Can't fork for pid 1") until PID 1 came round. The sandb
 makes itself a child subreaper and reaps those orphans itself, before every start and from the pool's
 health thread.
 
-Only orphaned namespace inits are reaped: a zombie child whose command is ``bwrap`` and which leads
-its own session. The processes the runner and the sessions start (and ``Popen.wait`` for) never call
-``setsid`` themselves, and any other child of the process is left to whoever started it. The process
+Only orphaned namespace inits are reaped: a zombie child whose command is ``bwrap`` and which is not
+one the runner or a session started and will wait for itself (``started``: they register it while
+holding the lock the reaper takes, and ``waited`` drops it after their wait). An init usually leads its
+own session, but one killed before its ``setsid`` (a run stopped while its sandbox is being set up)
+does not, and it counts against the slot's RLIMIT_NPROC all the same. Any other child of the process
+is left to whoever started it. The process
 adopts orphans only while a pool or a session manager is open in it: a process that embeds the
 sandbox (a test run) hands the orphans of its other children back to PID 1 once the last one closes.
 """
@@ -22,10 +25,30 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 
 _PR_SET_CHILD_SUBREAPER = 36
 _lock = threading.Lock()
 _holders = 0  # the pools and session managers open in this process
+_spawn = threading.RLock()  # held while a bwrap is started and registered, and while reaping
+_started: set[int] = set()  # bwrap processes that their starter waits for
+
+
+class started:
+    """``with started() as own: proc = Popen(...); own(proc.pid)``: the reaper never takes a bwrap
+    its starter is about to wait for, even one that died at once."""
+
+    def __enter__(self) -> Callable[[int], None]:
+        _spawn.acquire()
+        return _started.add
+
+    def __exit__(self, *exc: object) -> None:
+        _spawn.release()
+
+
+def waited(pid: int) -> None:
+    """The starter has waited for ``pid``: it is no longer one to leave alone."""
+    _started.discard(pid)
 
 
 def _subreaper(on: bool) -> bool:
@@ -72,7 +95,9 @@ def _children() -> list[int]:
 
 
 def _orphaned_init(pid: int) -> bool:
-    """A zombie ``bwrap`` that leads its own session (the fields of proc(5)'s ``stat``)."""
+    """A zombie ``bwrap`` child that no starter waits for (the fields of proc(5)'s ``stat``)."""
+    if pid in _started:
+        return False
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
@@ -81,17 +106,18 @@ def _orphaned_init(pid: int) -> bool:
     comm = stat[stat.find("(") + 1 : stat.rfind(")")]
     fields = stat[stat.rfind(")") + 2 :].split()
     # fields: state ppid pgrp session ...
-    return comm == "bwrap" and len(fields) > 3 and fields[0] == "Z" and fields[3] == str(pid)
+    return comm == "bwrap" and len(fields) > 3 and fields[0] == "Z"
 
 
 def reap_orphans() -> int:
     """Wait for every orphaned namespace init that is this process's child now; how many."""
     n = 0
-    for pid in _children():
-        if _orphaned_init(pid):
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    n += 1
-            except ChildProcessError:
-                continue
+    with _spawn:
+        for pid in _children():
+            if _orphaned_init(pid):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        n += 1
+                except ChildProcessError:
+                    continue
     return n

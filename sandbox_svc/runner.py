@@ -36,7 +36,7 @@ from pathlib import Path
 
 from loom.contracts.sandbox import Limits, RunRequest, RunResult, RunStatus
 from sandbox_svc.cgroups import SlotGroup, make_group
-from sandbox_svc.reaper import reap_orphans
+from sandbox_svc.reaper import reap_orphans, started, waited
 
 BWRAP = "/usr/bin/bwrap"
 try:
@@ -314,9 +314,11 @@ class Warm:
         except ProcessLookupError:
             pass
         try:
-            os.waitpid(self.proc.pid, 0)
+            _, status = os.waitpid(self.proc.pid, 0)
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
         except ChildProcessError:
-            pass
+            self.proc.returncode = -signal.SIGKILL
+        waited(self.proc.pid)  # and a returncode: Popen's own clean-up never polls a reused pid
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self.proc.stdout.close()
         self.proc.stderr.close()
@@ -338,16 +340,18 @@ def start(shape: RunRequest, slot: Slot, bwrap: str) -> Warm | RunResult:
     filter_fd = _memfd("seccomp", slot.seccomp) if slot.seccomp is not None else None
     try:
         chain = exec_chain(slot, group, lim)
-        proc = subprocess.Popen(
-            [*(chain or ()), *command(bwrap, shape, slot, code_r, filter_fd)],
-            stdin=stdin_r,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(code_r,) if filter_fd is None else (code_r, filter_fd),
-            preexec_fn=None if chain is not None else _child_setup(slot, group, lim),
-            close_fds=True,
-            env={},  # bwrap's own processes are visible inside: they carry nothing of the service
-        )
+        with started() as own:
+            proc = subprocess.Popen(
+                [*(chain or ()), *command(bwrap, shape, slot, code_r, filter_fd)],
+                stdin=stdin_r,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(code_r,) if filter_fd is None else (code_r, filter_fd),
+                preexec_fn=None if chain is not None else _child_setup(slot, group, lim),
+                close_fds=True,
+                env={},  # bwrap's own processes are visible inside: they carry nothing of the service
+            )
+            own(proc.pid)
     except OSError as exc:
         os.close(code_w)
         os.close(stdin_w)
@@ -415,6 +419,7 @@ def _finish(warm: Warm, req: RunRequest, slot: Slot) -> RunResult:
         out, err, truncated, ended_by = _collect(proc, lim, t0, slot)
         _, wait_status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(wait_status)
+        waited(proc.pid)
     finally:
         slot.pid = None
         assert proc.stdout is not None and proc.stderr is not None

@@ -45,7 +45,7 @@ from loom.contracts.sandbox import (
 )
 from sandbox_svc.cgroups import sweep_stale
 from sandbox_svc.pool import _SLOT_INDEX, Busy, default_ceiling
-from sandbox_svc.reaper import adopt_orphans, reap_orphans, release_orphans
+from sandbox_svc.reaper import adopt_orphans, reap_orphans, release_orphans, started, waited
 from sandbox_svc.runner import (
     _MEMORY_MARKERS,
     Slot,
@@ -97,6 +97,7 @@ class _Proc:
         """Wait for bwrap (killed or ended) and close every pipe; its exit code as ``Popen`` says."""
         self.kill()
         code = self.popen.wait()
+        waited(self.popen.pid)
         if self.writer is not None:  # its pipe broke with the process: it ends before its fd closes
             self.writer.join(5)
         for fd in (self.req_w, self.rep_r):
@@ -133,16 +134,18 @@ def start_process(slot: Slot, limits: Limits, budget: SessionLimits, bwrap: str)
         argv = command(
             bwrap, RunRequest(code="", limits=shape), slot, code_r, filter_fd, (str(req_r), str(rep_w))
         )
-        popen = subprocess.Popen(
-            [*(chain or ()), *argv],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=passed,
-            preexec_fn=None if chain is not None else _child_setup(slot, group, shape),
-            close_fds=True,
-            env={},
-        )
+        with started() as own:
+            popen = subprocess.Popen(
+                [*(chain or ()), *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=passed,
+                preexec_fn=None if chain is not None else _child_setup(slot, group, shape),
+                close_fds=True,
+                env={},
+            )
+            own(popen.pid)
     except OSError as exc:
         for fd in (code_w, req_w, rep_r):
             os.close(fd)
@@ -414,6 +417,7 @@ class Session:
         """The interpreter ended during the call (its reply channel closed): why, from its status."""
         self.proc.kill() if not _wait_exit(self.proc.popen.pid, 2.0) else None
         code = self.proc.popen.wait()
+        waited(self.proc.popen.pid)
         sig = -code if code < 0 else (code - 128 if code > 128 else None)
         tail = _text(x.err[-2000:])
         group = self.slot.group
