@@ -106,6 +106,8 @@ def _text(value: Any) -> str:
 # One run of a Python program over all its stdin tests: a child per test (its own process group, fds
 # 0-2 on files in the run's tmp, RLIMIT_CPU of one test), killed at the test's wall time; one JSON line
 # per test on the driver's stdout as each ends, so the tests before a run-level failure still count.
+# This text runs inside the sandbox run (bubblewrap, the run's limits: docs/sandbox.md), never in the
+# reward process: its exec of the model's program is the run itself.
 _DRIVER = """\
 import json, os, resource, signal, sys, time
 PROGRAM, CASES, CPU, WALL, OUT = json.loads(sys.stdin.read())

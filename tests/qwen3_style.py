@@ -57,27 +57,32 @@ def encode(tok: Any, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
+def tiny_qwen3_config(tok: Any, **over: Any) -> Any:
+    """A 2-layer, 64-wide Qwen3 config over ``tok``'s vocabulary (``over``: fields to change)."""
+    from transformers import Qwen3Config
+
+    fields: dict[str, Any] = {
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    return Qwen3Config(**(fields | over))
+
+
 def fitted_qwen3(tok: Any, sequences: list[list[int]], path: Path, steps: int = 300) -> Any:
     """A tiny Qwen3 trained on ``sequences`` until greedy decoding reproduces them, saved at ``path``
     with ``tok``; returns the float32 eager model (the teacher-forced reference)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(cfg)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(tok, max_position_embeddings=512, tie_word_embeddings=False))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = [torch.tensor([s]) for s in sequences]
     for _ in range(steps):

@@ -188,32 +188,21 @@ def test_a_tools_aware_template_renders_the_envs_system_prompt_and_tools(
     prompt and schemas reach the policy as ``apply_chat_template`` renders them with ``tools=``, the
     request's prompt the user turn; the trajectory's prompt_ids are the ids the engine sampled from."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     from loom.contracts.settings import Settings
     from loom.contracts.wire import RolloutRequest, SamplingParams
     from loom.runtime import configure_process
     from rollout_svc.engines.torch import TorchEngine
     from rollout_svc.rollout import generate_group
-    from tests.qwen3_style import qwen3_chat_template, qwen3_style_tokenizer
+    from tests.qwen3_style import qwen3_chat_template, qwen3_style_tokenizer, tiny_qwen3_config
 
     configure_process()
     tok = qwen3_style_tokenizer()
     tok.chat_template = qwen3_chat_template()
     tok.model_max_length = 4096
     torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    cfg = tiny_qwen3_config(tok, max_position_embeddings=4096)
     path = tmp_path / "qwen3"
     Qwen3ForCausalLM(cfg).save_pretrained(str(path))
     tok.save_pretrained(str(path))

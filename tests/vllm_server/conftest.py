@@ -8,7 +8,8 @@ The whole layer is skipped, with the reason, only when the vLLM environment does
 (``LOOM_VLLM_PYTHON``, else ``.venv-vllm/bin/python``). A test that starts the server waits for its
 ``/health`` (up to ``START_S``), so each test here gets a pytest timeout past that wait.
 
-Helpers: ``store`` (session): a policy store whose versions are changed copies of the tiny model;
+Helpers: ``full_and_lora`` (session): a policy store with a full version 1 (a changed copy of the tiny
+model) and a LoRA version 2;
 ``reference_logprobs(path, prompt, completion, temperature)``: the learner's own recomputation
 (``learner.logprobs.recompute``) with the HF model at ``path``.
 """
@@ -234,6 +235,17 @@ def reference_logprobs(
 def max_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="session")
+def full_and_lora(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A policy store holding a full version 1 (a changed copy of the tiny model) and a LoRA version 2."""
+    from loom.store import PolicyStore
+
+    s = PolicyStore(tmp_path_factory.mktemp("full-and-lora"))
+    s.publish(1, lambda d: changed_checkpoint(d, seed=21) and None)
+    s.publish(2, lambda d: write_lora(d, seed=22) and None, kind="lora")
+    return s
 
 
 @pytest.fixture(scope="session")

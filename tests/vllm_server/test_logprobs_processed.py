@@ -21,7 +21,7 @@ from rollout_svc.engines import make_engine
 from rollout_svc.engines.base import EngineRequestError
 from rollout_svc.engines.vllm import VLLMEngine
 from tests.rollout.control_cases import DEV_ROUTES
-from tests.vllm_server.conftest import TINY, changed_checkpoint, max_diff, reference_logprobs, write_lora
+from tests.vllm_server.conftest import TINY, max_diff, reference_logprobs
 from tests.vllm_server.test_logprobs import ATOL, _group, _train_metrics
 
 
@@ -76,31 +76,23 @@ def test_top_p_or_top_k_logprobs_are_not_the_learners_and_are_not_used(
     assert metrics["behaviour_logprobs_used"] == 0.0 and metrics["behaviour_logprobs_unmatched"] == 1.0
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> PolicyStore:
-    s = PolicyStore(tmp_path_factory.mktemp("nodev-policy"))
-    s.publish(1, lambda d: changed_checkpoint(d, seed=21) and None)
-    s.publish(2, lambda d: write_lora(d, seed=22) and None, kind="lora")
-    return s
-
-
 def test_without_dev_mode_loras_load_and_full_updates_say_what_is_missing(
-    vllm: Any, arun: Any, store: PolicyStore, prompt_ids: list[int]
+    vllm: Any, arun: Any, full_and_lora: PolicyStore, prompt_ids: list[int]
 ) -> None:
     url = vllm.ensure("processed", dev=False)
     for method, path in DEV_ROUTES:
         r = httpx.request(method, f"{url}{path}", timeout=10)
         assert (r.status_code, r.json()) == (404, {"detail": "Not Found"}), path
-    engine = VLLMEngine(url, policy_store=store.root, logprobs_mode="processed")
+    engine = VLLMEngine(url, policy_store=full_and_lora.root, logprobs_mode="processed")
     try:  # temperature 1, no top-p / top-k: processed log-probs are the plain ones
         outs = arun(engine.generate(prompt_ids, SamplingParams(max_tokens=8, seed=1, temperature=1.0)))
         assert engine.policy_version == 0  # the served model
         assert max_diff(outs[0].logprobs, reference_logprobs(TINY, prompt_ids, outs[0].token_ids)) < ATOL
-        lora = store.get(2)
+        lora = full_and_lora.get(2)
         assert lora is not None
         arun(engine.load_policy(lora))
         assert engine.policy_version == 2 and arun(engine.generate(prompt_ids, SamplingParams(max_tokens=4)))
-        full = store.get(1)
+        full = full_and_lora.get(1)
         assert full is not None
         with pytest.raises(EngineRequestError, match="VLLM_SERVER_DEV_MODE"):
             arun(engine.load_policy(full))

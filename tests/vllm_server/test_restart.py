@@ -14,24 +14,16 @@ from loom.contracts.wire import SamplingParams
 from loom.store import PolicyStore
 from rollout_svc.engines.base import EngineUnavailable
 from rollout_svc.engines.vllm import VLLMEngine
-from tests.vllm_server.conftest import changed_checkpoint, max_diff, reference_logprobs, write_lora
+from tests.vllm_server.conftest import max_diff, reference_logprobs
 
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> PolicyStore:
-    s = PolicyStore(tmp_path_factory.mktemp("restart-policy"))
-    s.publish(1, lambda d: changed_checkpoint(d, seed=21) and None)
-    s.publish(2, lambda d: write_lora(d, seed=22) and None, kind="lora")
-    return s
-
-
 def test_a_restarted_server_is_brought_back_to_the_clients_version(
-    vllm: Any, arun: Any, store: PolicyStore, prompt_ids: list[int]
+    vllm: Any, arun: Any, full_and_lora: PolicyStore, prompt_ids: list[int]
 ) -> None:
-    engine = VLLMEngine(vllm.ensure("raw"), policy_store=store.root, retries=1, backoff=0.05)
-    v1 = store.get(1)
+    engine = VLLMEngine(vllm.ensure("raw"), policy_store=full_and_lora.root, retries=1, backoff=0.05)
+    v1 = full_and_lora.get(1)
     assert v1 is not None
     params = SamplingParams(n=2, max_tokens=16, seed=4)
     try:
