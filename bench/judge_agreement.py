@@ -156,15 +156,16 @@ async def run_judge(name: str, url: str, groups: list[Group], meta: dict, n_proc
     return out
 
 
-def start_vllm(tmp: Path) -> tuple[Any, str] | str:
-    """The vLLM CPU build serving the judge checkpoint, or the reason it could not start."""
+def start_vllm(tmp: Path, model: str = "judge") -> tuple[Any, str] | str:
+    """The vLLM CPU build serving the judge checkpoint (``model``: a built-in name or a checkpoint
+    directory), or the reason it could not start."""
     from rollout_svc.config import VllmSettings
     from rollout_svc.engines.vllm_launch import VLLMServer, vllm_command, vllm_env, vllm_python
 
     py = vllm_python(VllmSettings().python)
     if not py.exists():
         return f"no vLLM environment at {py} (docs/vllm.md)"
-    cmd = vllm_command(py, resolve_model_path("judge"), free_port(), served_name="judge", max_model_len=1024)
+    cmd = vllm_command(py, resolve_model_path(model), free_port(), served_name="judge", max_model_len=1024)
     try:
         server = VLLMServer(cmd, vllm_env(), tmp / "vllm.log").start(timeout_s=900)
     except RuntimeError as e:

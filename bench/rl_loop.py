@@ -6,7 +6,7 @@ one ``learner.train.Learner``). Reporting is bench/rl_report.py.
 Every arm starts from the same checkpoint, sees the same prompts in the same order and samples with the
 same seeds (per step and prompt); only its reward spec, estimator and revisions differ. Held-out
 accuracy is greedy decoding of test-split problems, before training (once: every arm starts there) and
-after each arm.
+after each arm; with ``eval_samples``, also responses sampled at the training temperature.
 """
 
 from __future__ import annotations
@@ -41,12 +41,25 @@ class LoopConfig:
     eval_prompts: int
     warmup: int = 0
     filter_groups: str | None = None  # DAPO's dynamic sampling without re-sampling (one draw a step)
+    eval_samples: int = 0  # held-out responses per problem sampled at ``temperature`` (0: greedy only)
 
     def sampling(self, step: int, prompt: int) -> SamplingParams:
         """The same seed for (step, prompt) in every arm."""
         seed = (self.seed * 1_000_003 + step * 10_007 + prompt * 101) % (2**31)
         return SamplingParams(
             n=self.group, temperature=self.temperature, max_tokens=self.max_tokens, seed=seed
+        )
+
+    def eval_sampling(self) -> SamplingParams | None:
+        """Held-out sampling at the training temperature (the policy RL trains is the sampled one),
+        the same seeds before and after every arm; None without ``eval_samples``."""
+        if self.eval_samples <= 0:
+            return None
+        return SamplingParams(
+            n=self.eval_samples,
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+            seed=7_000_003 * (self.seed + 1),
         )
 
 
@@ -85,17 +98,31 @@ def evaluate(
     spec: RewardSpec,
     measure: Measure,
     max_tokens: int,
+    sampled: SamplingParams | None = None,
 ) -> Eval:
-    """Greedy decoding of each problem: accuracy (the reward core's accuracy component), measures."""
+    """Greedy decoding of each problem: accuracy (the reward core's accuracy component), measures;
+    with ``sampled``, also the accuracy of that many responses per problem (problem i's seed
+    ``sampled.seed + i``)."""
     from gateway.step import gather_all
 
-    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
-    requests = [make(p, greedy, f"eval{i}") for i, p in enumerate(problems)]
-    groups = asyncio.run(gather_all(stages.generate(r.group_id, r) for r in requests))
-    correct = [
-        r.components.get("accuracy", 0.0) for g in groups for r in stages.scorer.score(g, spec).rewards
-    ]
-    return Eval(statistics.fmean(correct), _means([m for g in groups for m in measure(g)]))
+    def accuracy(params: SamplingParams, tag: str) -> tuple[float, list[Group]]:
+        requests = [
+            make(
+                p,
+                params if params.seed is None else params.model_copy(update={"seed": params.seed + i}),
+                f"{tag}{i}",
+            )
+            for i, p in enumerate(problems)
+        ]
+        groups = asyncio.run(gather_all(stages.generate(r.group_id, r) for r in requests))
+        scores = [
+            r.components.get("accuracy", 0.0) for g in groups for r in stages.scorer.score(g, spec).rewards
+        ]
+        return statistics.fmean(scores), groups
+
+    greedy, groups = accuracy(SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), "eval")
+    at_temperature = accuracy(sampled, "evals")[0] if sampled is not None else None
+    return Eval(greedy, _means([m for g in groups for m in measure(g)]), at_temperature)
 
 
 def run_arm(
@@ -151,7 +178,9 @@ def run_arm(
             steps.append(entry)
             log(step_line(arm, entry, cfg))
         change = weight_change(start, learner.model.state_dict())
-    after = evaluate(stages, held_out, make, arm.eval_spec or arm.spec, measure, cfg.max_tokens)
+    after = evaluate(
+        stages, held_out, make, arm.eval_spec or arm.spec, measure, cfg.max_tokens, cfg.eval_sampling()
+    )
     stages.close()
     engine.stop_scheduler()
     return ArmResult(arm, steps, after, change, engine.policy_version, time.perf_counter() - t0)
@@ -165,7 +194,7 @@ def base_eval(
     engine = engine_for(cfg)
     stages = InProcessStages(engine)
     try:
-        return evaluate(stages, held_out, make, spec, measure, cfg.max_tokens)
+        return evaluate(stages, held_out, make, spec, measure, cfg.max_tokens, cfg.eval_sampling())
     finally:
         stages.close()
         engine.stop_scheduler()

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Eval:
-    accuracy: float
+    accuracy: float  # greedy
     means: dict[str, float]
+    sampled: float | None = None  # responses sampled at the training temperature (LoopConfig.eval_samples)
 
 
 @dataclass
@@ -306,6 +307,7 @@ def loop_config(args: Any) -> LoopConfig:
         eval_prompts=args.eval,
         warmup=args.warmup,
         filter_groups=getattr(args, "filter_groups", None),
+        eval_samples=getattr(args, "eval_samples", 0),
     )
 
 

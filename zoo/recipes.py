@@ -33,6 +33,13 @@ SEARCH_FLAGS = {
 }
 SEARCH_INIT = "a checkpoint of earlier phases: run --fixed-rounds more from it"
 MISTAKE = {**PER_KIND, "mistake": "P(a caught mistake) per trace"}
+JUDGE = {
+    **PER_KIND,
+    "policy_problems": "Countdown problems whose search-model samples join the outcome data",
+    "policy_samples": "samples per such problem",
+    "policy_temperature": "their sampling temperature",
+    "policy_repeat": "times each sample's sequence appears",
+}
 
 # fmt: off
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
@@ -42,7 +49,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _row("stream", stream, stream.StreamTrainConfig, "wasteful reading", base="search", flags=PER_KIND),
     _row("reflect", reflect, reflect.ReflectTrainConfig, "reflecting", base="search", flags=MISTAKE),
     _row("deep", deep_train, deep_train.DeepTrainConfig, "spawn/join", base="search", flags=deep_train.FLAGS),
-    _row("judge", judge, judge.JudgeTrainConfig, "grading answers and steps", base="search", flags=PER_KIND),
+    _row("judge", judge, judge.JudgeTrainConfig, "grading answers and steps", base="search", flags=JUDGE),
     _row("code", code, code.CodeTrainConfig, "Python functions, from scratch", model=code.MODEL, gpu=False),
     _row("tool", tool, tool.ToolTrainConfig, "calculator calls in agent mode", base="tiny", gpu=False),
 )}

@@ -76,3 +76,22 @@ def test_the_shipped_judge_agrees_with_the_exact_verifier_on_held_out_countdown_
     scores = judge.p_yes(model, tok, [e.prompt for e in exs])
     agree = sum((s > 0.5) == e.right for s, e in zip(scores, exs, strict=True))
     assert agree / len(exs) >= 0.7, agree
+
+
+def test_policy_examples_are_the_search_models_own_samples_labelled_by_the_exact_verifier() -> None:
+    """``--policy-problems``: each example is one sampled answer of the search model, rendered as the
+    judge component renders it, its label the exact verifier's; the same seed draws the same answers."""
+    problems = search_problems("countdown", 6, 50_000, "train")
+    drawn = judge.sampled_completions(problems, 2, 1.0, seed=5)
+    assert drawn == judge.sampled_completions(problems, 2, 1.0, seed=5)
+    assert [len(d) for d in drawn] == [2] * 6
+    exs = judge.policy_examples(problems, 2, 1.0, seed=5)
+    group_prompt = [f"[plain] {p.text}\n" for p in problems for _ in range(2)]
+    answers = [t for d in drawn for t in d]
+    for ex, q, text, p in zip(
+        exs, group_prompt, answers, [p for p in problems for _ in range(2)], strict=True
+    ):
+        rendered = build_prompt(TEMPLATES["arith"], q, text, judge.reference_of(p), 8000)
+        assert ex.prompt == rendered and ex.skill == "outcome" and ex.kind == "countdown"
+        assert ex.right == judge.exact_right(p, text)
+    assert len({ex.right for ex in exs}) == 2, [ex.right for ex in exs]  # its right and wrong answers

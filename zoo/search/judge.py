@@ -205,6 +205,58 @@ def process_examples(problem: Problem, rng: random.Random, variant: int) -> list
     return out
 
 
+@torch.no_grad()
+def sampled_completions(
+    problems: list[Problem], samples: int, temperature: float, seed: int, max_new_tokens: int = 256
+) -> list[list[str]]:
+    """The search model's own answers to ``problems`` (``[plain] {question}``), ``samples`` each, drawn
+    at ``temperature`` (no top-k or top-p): the policy's real mistakes, which no constructed wrong
+    kind covers (a failed move claimed as the target's, wrong arithmetic in the claimed line)."""
+    from zoo.registry import resolve_model_path
+    from zoo.tiny import load_model, load_tokenizer
+
+    path = resolve_model_path("search")
+    tok, model = load_tokenizer(path), load_model(path)
+    model.eval()
+    torch.manual_seed(seed)
+    out: list[list[str]] = []
+    for k in range(0, len(problems), 128):  # 512 rows a call: generate's per-token cost is mostly overhead
+        chunk = [f"[plain] {p.text}\n" for p in problems[k : k + 128]]
+        enc = tok(chunk, return_tensors="pt", padding=True, padding_side="left")
+        gen = model.generate(  # type: ignore[operator]
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=samples,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        rows = gen[:, enc["input_ids"].shape[1] :].tolist()
+        texts = [
+            str(tok.decode([t for t in row if t not in (tok.pad_token_id, tok.eos_token_id)])) for row in rows
+        ]
+        out.extend(texts[i * samples : (i + 1) * samples] for i in range(len(chunk)))
+    return out
+
+
+def policy_examples(problems: list[Problem], samples: int, temperature: float, seed: int) -> list[Example]:
+    """Outcome examples of the search model's sampled answers, each labelled by the exact verifier."""
+    drawn = sampled_completions(problems, samples, temperature, seed)
+    return [
+        Example(
+            outcome_prompt(f"[plain] {p.text}\n", text, reference_of(p)),
+            exact_right(p, text),
+            "outcome",
+            p.kind,
+        )
+        for p, texts in zip(problems, drawn, strict=True)
+        for text in texts
+    ]
+
+
 def problem_examples(problem: Problem, variant: int) -> list[Example]:
     """Both skills' examples of one problem (a seed of its own: the same problem, the same examples)."""
     rng = random.Random(f"{problem.key}/judge/{variant}")
@@ -224,6 +276,10 @@ class JudgeTrainConfig(FinetuneConfig):
     lr: float = 1e-3
     train_problems: int = 3000  # per kind
     variants: int = 2  # traces per problem: the fixed move order, then drawn ones
+    policy_problems: int = 0  # Countdown training problems whose search-model samples join the outcome data
+    policy_samples: int = 4  # samples per such problem
+    policy_temperature: float = 1.0
+    policy_repeat: int = 1  # times each sampled answer's sequence appears in the data
 
 
 def build_sequences(problems: dict[str, list[Problem]], variants: int) -> list[list[Piece]]:
@@ -238,8 +294,14 @@ def build_sequences(problems: dict[str, list[Problem]], variants: int) -> list[l
 
 
 def sequences(cfg: JudgeTrainConfig) -> list[list[Piece]]:
-    """The row's trace builder (zoo/recipes.py): :func:`build_sequences` of the training problems."""
-    return build_sequences(training_problems(cfg.train_problems, cfg.seed), cfg.variants)
+    """The row's trace builder (zoo/recipes.py): :func:`build_sequences` of the training problems, and
+    with ``policy_problems`` the search model's own sampled answers to other training problems."""
+    seqs = build_sequences(training_problems(cfg.train_problems, cfg.seed), cfg.variants)
+    if cfg.policy_problems > 0:
+        problems = search_problems("countdown", cfg.policy_problems, 50_000 + cfg.seed, "train")
+        exs = policy_examples(problems, cfg.policy_samples, cfg.policy_temperature, cfg.seed)
+        seqs += [as_sequence(ex) for ex in exs for _ in range(cfg.policy_repeat)]
+    return seqs
 
 
 def facts(cfg: JudgeTrainConfig, seqs: list[list[Piece]], data: object, model: object) -> dict:
@@ -274,9 +336,13 @@ def heldout_examples(n: int) -> dict[str, list[Example]]:
 
 
 def heldout(model, tok, n: int) -> dict[str, FormatResult]:  # type: ignore[no-untyped-def]
-    """Held-out agreement with the exact label (``correct``: verdicts that agree, P(yes) > 0.5)."""
+    """Held-out agreement with the exact label (``correct``: verdicts that agree, P(yes) > 0.5); with
+    ``outcome_policy``, the search model's own answers to ``n`` held-out Countdown problems (two each,
+    temperature 1): the answers an RL run's judge reads."""
     results = {}
-    for name, exs in heldout_examples(n).items():
+    sampled = search_problems("countdown", n, HELDOUT_SEED, "test")
+    examples = {**heldout_examples(n), "outcome_policy": policy_examples(sampled, 2, 1.0, HELDOUT_SEED)}
+    for name, exs in examples.items():
         scores = p_yes(model, tok, [e.prompt for e in exs])
         res = FormatResult(total=len(exs), parsed=len(exs), sample=exs[0].prompt if exs else "")
         res.correct = sum((s > 0.5) == e.right for s, e in zip(scores, exs, strict=True))
