@@ -75,11 +75,10 @@ def exact_measure(group: Group) -> list[dict[str, float]]:
     return out
 
 
-def arms(names: Sequence[str], estimator: str = "grpo", aggregation: str = "token_mean") -> list[rl_loop.Arm]:
-    loss = {"aggregation": aggregation}
+def arms(names: Sequence[str]) -> list[rl_loop.Arm]:
     all_arms = {
-        "judge": rl_loop.Arm("judge", estimator, judge_spec(), eval_spec=ACCURACY, loss=loss),
-        "accuracy": rl_loop.Arm("accuracy", estimator, ACCURACY, loss=loss),
+        "judge": rl_loop.Arm("judge", "grpo", judge_spec(), eval_spec=ACCURACY),
+        "accuracy": rl_loop.Arm("accuracy", "grpo", ACCURACY),
     }
     return [all_arms[n] for n in names]
 
@@ -89,8 +88,7 @@ def record(
     base: rl_report.Eval,
     results: Sequence[rl_report.ArmResult],
     judge_server: str,
-    estimator: str,
-    judge_model: str = "judge",
+    judge_model: str,
 ) -> dict:
     return {
         "seed": cfg.seed,
@@ -98,8 +96,6 @@ def record(
         "prompts": cfg.prompts,
         "group": cfg.group,
         "lr": cfg.lr,
-        "estimator": estimator,
-        "aggregation": results[0].arm.loss.get("aggregation") if results else None,
         "max_tokens": cfg.max_tokens,
         "eval": cfg.eval_prompts,
         "start": base.accuracy,
@@ -183,16 +179,10 @@ def start_judge(procs: Procs, tmp: Path, server: str, threads: str, model: str =
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     rl_report.add_loop_args(
-        p, steps=40, prompts=16, group=8, lr=3e-5, temperature=1.0, max_tokens=512, eval_n=48, warmup=5
-    )
+        p, steps=40, prompts=16, group=8, lr=3e-5, temperature=1.0, max_tokens=512, eval_n=48, warmup=5,
+        eval_samples=4,
+    )  # fmt: skip
     p.add_argument("--arms", nargs="+", default=["judge", "accuracy"], choices=("judge", "accuracy"))
-    p.add_argument("--estimator", default="grpo", help="the arms' advantage estimator (learner/estimators)")
-    p.add_argument(
-        "--aggregation",
-        default="token_mean",
-        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
-        help="the loss's aggregation (LossSpec.aggregation)",
-    )
     p.add_argument(
         "--judge-model", default="judge", help="the judge checkpoint: a built-in name or a directory"
     )
@@ -202,9 +192,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=("engine", "vllm"),
         default="engine",
         help="what serves the judge checkpoint",
-    )
-    p.add_argument(
-        "--eval-samples", type=int, default=4, help="held-out responses per problem sampled at --temperature"
     )
     rl_report.add_seed_args(p)
     args = p.parse_args(argv)
@@ -233,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"judge-only RL: model {cfg.model}, judge {url}"
                 f" ({args.judge_server}), {cfg.steps} steps x {cfg.prompts} prompts x {cfg.group} responses,"
-                f" lr {cfg.lr}, {args.estimator} ({args.aggregation}),"
+                f" lr {cfg.lr},"
                 f" seed {cfg.seed}",
                 flush=True,
             )
@@ -241,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"start: held-out exact accuracy {shown(base)} ({len(held_out)} problems)", flush=True)
             results = [
                 rl_loop.run_arm(cfg, arm, train, held_out, plain_request, exact_measure)
-                for arm in arms(args.arms, args.estimator, args.aggregation)
+                for arm in arms(args.arms)
             ]
         finally:
             if vllm is not None:
@@ -257,10 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.json is not None:
         args.json.write_text(
-            json.dumps(
-                record(cfg, base, results, args.judge_server, args.estimator, args.judge_model), indent=1
-            )
-            + "\n"
+            json.dumps(record(cfg, base, results, args.judge_server, args.judge_model), indent=1) + "\n"
         )
     return 0
 

@@ -260,6 +260,7 @@ def add_loop_args(
     max_tokens: int,
     eval_n: int,
     warmup: int = 0,
+    eval_samples: int = 0,
 ) -> None:
     """The options every RL bench takes (argparse parser ``p``), with the bench's defaults."""
     p.add_argument("--model", default="search", help="tiny | search | a checkpoint directory")
@@ -272,6 +273,12 @@ def add_loop_args(
     p.add_argument("--temperature", type=float, default=temperature, help="sampling (and loss) temperature")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="response budget")
     p.add_argument("--eval", type=int, default=eval_n, help="held-out problems (greedy), before and after")
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=eval_samples,
+        help="also sample each held-out problem this many times at --temperature (fixed seeds)",
+    )
     p.add_argument(
         "--task",
         choices=("countdown", "arith"),
@@ -307,7 +314,7 @@ def loop_config(args: Any) -> LoopConfig:
         eval_prompts=args.eval,
         warmup=args.warmup,
         filter_groups=getattr(args, "filter_groups", None),
-        eval_samples=getattr(args, "eval_samples", 0),
+        eval_samples=args.eval_samples,
     )
 
 

@@ -214,32 +214,16 @@ def sampled_completions(
     kind covers (a failed move claimed as the target's, wrong arithmetic in the claimed line)."""
     from zoo.registry import resolve_model_path
     from zoo.tiny import load_model, load_tokenizer
+    from zoo.tiny.evaluate import generate_batch
 
     path = resolve_model_path("search")
     tok, model = load_tokenizer(path), load_model(path)
     model.eval()
     torch.manual_seed(seed)
-    out: list[list[str]] = []
-    for k in range(0, len(problems), 128):  # 512 rows a call: generate's per-token cost is mostly overhead
-        chunk = [f"[plain] {p.text}\n" for p in problems[k : k + 128]]
-        enc = tok(chunk, return_tensors="pt", padding=True, padding_side="left")
-        gen = model.generate(  # type: ignore[operator]
-            **enc,
-            max_new_tokens=max_new_tokens,
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            num_return_sequences=samples,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        rows = gen[:, enc["input_ids"].shape[1] :].tolist()
-        texts = [
-            str(tok.decode([t for t in row if t not in (tok.pad_token_id, tok.eos_token_id)])) for row in rows
-        ]
-        out.extend(texts[i * samples : (i + 1) * samples] for i in range(len(chunk)))
-    return out
+    prompts = [f"[plain] {p.text}\n" for p in problems for _ in range(samples)]
+    # 512 rows a call: generate's per-token cost is mostly overhead at this model's size
+    texts = generate_batch(model, tok, prompts, [], max_new_tokens, batch_size=512, temperature=temperature)
+    return [texts[i * samples : (i + 1) * samples] for i in range(len(problems))]
 
 
 def policy_examples(problems: list[Problem], samples: int, temperature: float, seed: int) -> list[Example]:

@@ -22,8 +22,11 @@ def generate_batch(
     stop: list[str],
     max_new_tokens: int,
     batch_size: int = 32,
+    temperature: float = 0.0,
 ) -> list[str]:
-    """Greedy continuations of ``texts`` up to and including the first stop token (eos always stops)."""
+    """Continuations of ``texts`` up to and including the first stop token (eos always stops): greedy,
+    or with ``temperature`` > 0 sampled at it from the whole distribution (no top-k or top-p)."""
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     stop_ids = [tok.convert_tokens_to_ids(s) for s in stop] + [tok.eos_token_id]
     out: list[str] = []
     for k in range(0, len(texts), batch_size):
@@ -32,7 +35,7 @@ def generate_batch(
         gen = model.generate(  # type: ignore[operator]
             **enc,
             max_new_tokens=max_new_tokens,
-            do_sample=False,
+            **(sampling if temperature > 0 else {"do_sample": False}),
             eos_token_id=stop_ids,
             pad_token_id=tok.pad_token_id,
         )
