@@ -3,9 +3,11 @@ the reward core and ``loom.clients.judge``, against the judge server's own throu
 
 One ``loom engine --model tiny`` is the judge. For 1, 8 and 64 groups in flight (8 trajectories a
 group), the same prompts are judged (a) straight: one ``/v1/completions`` POST per prompt, as many in
-flight as the groups' trajectories, and (b) through ``reward_svc.core.ascore_group`` with a
-``JudgeClient`` (its limits wide open, its cache off: every prompt is new to it). Items/s of each and
-the ratio (b)/(a), A/B in alternating rounds so machine noise hits both alike.
+flight as the groups' trajectories, on the client's connection lanes (``loom.clients.judge.Lanes``:
+one httpx pool of hundreds of connections costs more CPU than the requests), and (b) through
+``reward_svc.core.ascore_group`` with a ``JudgeClient`` (its limits wide open, its cache off: every
+prompt is new to it). Items/s of each and the ratio (b)/(a), A/B in alternating rounds so machine
+noise hits both alike.
 
     .venv/bin/python bench/judge.py [--groups 64] [--rounds 2] [--in-flight 1,8,64]
 """
@@ -26,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.rollout import Procs, start_engine_server  # noqa: E402
-from loom.clients.judge import JudgeClient  # noqa: E402
+from loom.clients.judge import JudgeClient, Lanes  # noqa: E402
 from loom.contracts.reward_settings import JudgeServer  # noqa: E402
 from loom.contracts.rewards import JudgeParams  # noqa: E402
 from loom.contracts.wire import Group, RewardComponent, RewardSpec, Trajectory  # noqa: E402
@@ -74,16 +76,19 @@ async def straight(url: str, model: str, gs: list[Group], in_flight: int) -> flo
     params = JudgeParams(judge="j", max_tokens=MAX_TOKENS)
     prompts = [a.prompt for g in gs for a in plan_asks(g, params) if not isinstance(a, JudgeVerdict)]
     sem = asyncio.Semaphore(in_flight * PER_GROUP)
-    async with httpx.AsyncClient(timeout=120) as http:
+    http = Lanes()  # the client's own connection lanes: one pool of hundreds is slow (Lanes)
 
-        async def one(p: str) -> None:
-            async with sem:
-                body = {"model": model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-                (await http.post(f"{url}/v1/completions", json=body)).raise_for_status()
+    async def one(p: str) -> None:
+        async with sem:
+            body = {"model": model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+            (await http.post(f"{url}/v1/completions", body, 120)).raise_for_status()
 
+    try:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(p) for p in prompts))
         return len(prompts) / (time.perf_counter() - t0)
+    finally:
+        await http.aclose()
 
 
 def main() -> None:
@@ -106,7 +111,8 @@ def main() -> None:
             print(f"judge: loom engine --model tiny, {PER_GROUP} items a group, {args.groups} groups a leg")
             print(f"{'in flight':>9} {'straight items/s':>17} {'core items/s':>13} {'ratio':>6}")
             for k in (int(x) for x in args.in_flight.split(",")):
-                a, b = [], []
+                a: list[float] = []
+                b: list[float] = []
                 for r in range(args.rounds):
                     legs = [("s", straight), ("c", through_core)]
                     for tag, leg in legs if r % 2 == 0 else legs[::-1]:

@@ -9,6 +9,7 @@ bounded exponential back-off; a timeout is not (the deadline is the caller's). `
 raises: each ask's reply carries a typed status (``judge_timeout``, ``judge_unavailable``), so one
 unreachable judge fails no reward batch. Successful replies are cached by (judge, prompt, max tokens,
 log-probs): the prompt is the template filled with the inputs, so a repeated item costs no request.
+Connections are spread over ``Lanes`` of a few each (httpcore's pool is quadratic in its size).
 """
 
 from __future__ import annotations
@@ -90,6 +91,38 @@ class _Limits:
 
 
 @dataclass
+class Lanes:
+    """Connection pools of at most ``width`` connections each, a request on the first with room, a
+    new pool only when every one is full. httpcore 1.0's pool, on every request's start and end,
+    checks each idle connection against a count of all of them (``_assign_requests_to_connections``):
+    one pool holding a few hundred in flight spent 4/5 of the client's CPU there (bench/judge.py,
+    docs/benchmarks/judge.md); a lane never queues a request and scans at most ``width``."""
+
+    width: int = 16
+    pools: list[httpx.AsyncClient] = field(default_factory=list)
+    load: list[int] = field(default_factory=list)
+    _tls: Any = None  # one TLS context for every lane (each pool would load the CA bundle again)
+
+    async def post(self, url: str, body: dict[str, Any], timeout: float) -> httpx.Response:
+        i = next((i for i, n in enumerate(self.load) if n < self.width), len(self.load))
+        if i == len(self.load):
+            limits = httpx.Limits(max_connections=self.width, max_keepalive_connections=self.width)
+            if self._tls is None:
+                self._tls = httpx.create_ssl_context()
+            self.pools.append(httpx.AsyncClient(limits=limits, verify=self._tls))
+            self.load.append(0)
+        self.load[i] += 1
+        try:
+            return await self.pools[i].post(url, json=body, timeout=timeout)
+        finally:
+            self.load[i] -= 1
+
+    async def aclose(self) -> None:
+        for pool in self.pools:
+            await pool.aclose()
+
+
+@dataclass
 class JudgeClient:
     servers: Mapping[str, JudgeServer]
     cache_size: int = 65536
@@ -100,7 +133,7 @@ class JudgeClient:
     # the process's batches; only the semaphores and the shared in-flight asks belong to one loop
     _buckets: dict[str, tuple[TokenBucket, TokenBucket]] = field(default_factory=dict)
     _loop: Any = None
-    _http: httpx.AsyncClient | None = None
+    _http: Lanes | None = None
     _pending: dict[tuple[Any, ...], asyncio.Future[JudgeReply]] = field(default_factory=dict)
 
     def _limits_of(self, name: str, server: JudgeServer | None) -> _Limits | None:
@@ -129,16 +162,19 @@ class JudgeClient:
             return []
         self._limits_of("", None)
         if self._http is None:
-            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+            self._http = Lanes()
         http = self._http
         return list(await asyncio.gather(*(self.ask(http, a) for a in asks)))
 
     async def ask_batch_once(self, asks: Sequence[JudgeAsk]) -> list[JudgeReply]:
         """``ask_batch`` on connections of its own, closed after (an ``asyncio.run`` per call)."""
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as http:
+        http = Lanes()
+        try:
             return list(await asyncio.gather(*(self.ask(http, a) for a in asks)))
+        finally:
+            await http.aclose()
 
-    async def ask(self, http: httpx.AsyncClient, ask: JudgeAsk) -> JudgeReply:
+    async def ask(self, http: Lanes, ask: JudgeAsk) -> JudgeReply:
         server = self.servers.get(ask.judge)
         if server is None:
             return JudgeReply("judge_unavailable", detail=f"no judge {ask.judge!r} in LOOM_REWARD_JUDGES")
@@ -170,9 +206,7 @@ class JudgeClient:
                 self.cache.popitem(last=False)
         return reply
 
-    async def _call(
-        self, http: httpx.AsyncClient, server: JudgeServer, lim: _Limits, ask: JudgeAsk
-    ) -> JudgeReply:
+    async def _call(self, http: Lanes, server: JudgeServer, lim: _Limits, ask: JudgeAsk) -> JudgeReply:
         body: dict[str, Any] = {
             "model": server.model,
             "prompt": ask.prompt,
@@ -191,7 +225,7 @@ class JudgeClient:
                 await lim.tpm.take(estimate_tokens(ask))
                 self.sent += 1
                 try:
-                    r = await http.post(url, json=body, timeout=ask.timeout_s)
+                    r = await http.post(url, body, ask.timeout_s)
                 except httpx.TimeoutException:
                     return JudgeReply("judge_timeout", detail=f"no judge answer in {ask.timeout_s:g} s")
                 except httpx.HTTPError as exc:

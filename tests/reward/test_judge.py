@@ -33,6 +33,7 @@ class Judge:
     def __init__(self) -> None:
         self.prompts: list[str] = []
         self.arrivals: list[float] = []
+        self.ports: set[int] = set()  # the client's connections (their source ports)
         self.in_flight = 0
         self.max_in_flight = 0
         self.app = FastAPI()
@@ -43,6 +44,8 @@ class Judge:
         prompt, model = body["prompt"], body["model"]
         self.prompts.append(prompt)
         self.arrivals.append(time.monotonic())
+        if request.client is not None:
+            self.ports.add(request.client.port)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -52,6 +55,10 @@ class Judge:
                 return JSONResponse({"error": "busy"}, status_code=503)
             if model == "slow":
                 await asyncio.sleep(0.05)
+            if model.startswith("gather"):  # held until that many have been in flight (at most 10 s)
+                until = time.monotonic() + 10
+                while self.max_in_flight < int(model[6:]) and time.monotonic() < until:
+                    await asyncio.sleep(0.01)
             a = prompt.index(START) + len(START)
             answer = prompt[a : prompt.rindex(END)]
             if "HANG" in answer:
@@ -204,6 +211,29 @@ def test_concurrency_and_request_rate_held(judge: tuple[Judge, str]) -> None:
     replies = asyncio.run(c.ask_batch(asks))
     assert all(r.status == "ok" for r in replies) and len(j.arrivals) == 122
     assert sum(t - t0 < 0.4 for t in j.arrivals) <= 120  # the 121st waited for its token (0.5 s)
+
+
+def test_connections_spread_over_lanes_and_kept(judge: tuple[Judge, str]) -> None:
+    """100 asks in flight at once: on 7 lanes of at most 16 connections (``Lanes``), every lane kept
+    for the next batch on the same event loop, which opens no new connection."""
+    j, url = judge
+    c = client(url, j={"model": "gather100", "max_concurrency": 100})
+
+    def asks(tag: str) -> list[JudgeAsk]:
+        return [JudgeAsk("j", f"{START}{tag}{i}{END}\nReference answer:\n1\n\n", 4, 10.0) for i in range(100)]
+
+    async def two_batches() -> tuple[list[Any], set[int], list[Any]]:
+        first = await c.ask_batch(asks("a"))
+        ports = set(j.ports)
+        j.max_in_flight = 0
+        return first, ports, await c.ask_batch(asks("b"))
+
+    first, ports, second = asyncio.run(two_batches())
+    assert all(r.status == "ok" for r in first + second), {r.status: r.detail for r in first + second}
+    assert j.max_in_flight == 100
+    lanes = c._http
+    assert lanes is not None and len(lanes.pools) == 7 and lanes.load == [0] * 7
+    assert 100 <= len(ports) <= 7 * 16 and j.ports == ports  # the second batch reused the first's
 
 
 def test_the_request_rate_holds_across_event_loops(judge: tuple[Judge, str]) -> None:
