@@ -121,7 +121,7 @@ def test_every_row_stops_on_its_own_terms(tiny_engine: Any) -> None:
         (child_ids, SamplingParams(max_tokens=200, temperature=0.0)),  # ends at EOS
         (other_spawn, SamplingParams(max_tokens=200, temperature=0.0, stop=["Node #"])),  # stop string
         (short_ids, SamplingParams(max_tokens=7, temperature=0.0)),  # length
-        (child_ids, SamplingParams(max_tokens=60, temperature=1.0, seed=3, n=3, stop=["no"])),  # rows differ
+        (child_ids, SamplingParams(max_tokens=60, temperature=1.0, seed=4, n=3, stop=["no"])),  # rows differ
     ]
     got = together(batched, calls)
     want = alone(serial, calls)

@@ -1,7 +1,9 @@
 """One decode step of the running batch over its static KV cache (``kv.StaticKv``): every row fed its
 sampled token, the next logits of every row.
 
-- ``eager`` (the default, CPU and CUDA): transformers' forward over the used rows and columns.
+- ``eager`` (the default, CPU and CUDA): transformers' forward over the used rows and columns; for
+  the Llama-shaped families the same computation through the model's leaf modules
+  (``lean.LeanStep``: the model forward's Python machinery is most of a small body's step on CPU).
 - ``static``: the same forward with static shapes (rows padded to ``kv.row_bucket``, every column,
   the write column a device tensor): what a CUDA graph can hold. Run uncaptured, it is the CPU
   tests' check of the static-shape arithmetic.
@@ -29,6 +31,7 @@ import torch
 
 from loom.architectures import FULL, SLIDING, Attention
 from rollout_svc.engines.torch.kv import StaticKv, row_bucket
+from rollout_svc.engines.torch.lean import LeanStep, lean_step
 
 log = logging.getLogger("loom.rollout.torch")
 
@@ -55,6 +58,9 @@ class DecodeStep:
         self._ids: torch.Tensor | None = None  # static inputs, (kv.capacity, 1) each
         self._pos: torch.Tensor | None = None
         self._pool: Any = None
+        self.lean = True  # eager steps through ``lean.LeanStep`` where the model allows it
+        self.lean_steps = 0  # eager steps it ran (statistics and tests)
+        self._lean: tuple[Any, LeanStep | None] | None = None  # (model, its lean step or None)
 
     def forget(self) -> None:
         """Drop the captured graphs (a policy load: they hold the old weights' addresses; a reallocated
@@ -81,8 +87,18 @@ class DecodeStep:
         step = kv.step_mask()
         # no row is padded: no mask (transformers' generate skips it too)
         mask = None if min(positions) == kv.end - kv.start else self._mask(model, step, kv.end - kv.start)
+        lean = self._lean_of(model) if self.lean else None
+        if lean is not None:
+            self.lean_steps += 1
+            return lean(x, pos, kv, mask)
         out = model(x, attention_mask=mask, position_ids=pos, past_key_values=kv, use_cache=True)
         return out.logits[:, -1, :].float()
+
+    def _lean_of(self, model: Any) -> LeanStep | None:
+        """The model's lean step, looked up once per model (a policy load brings a new one)."""
+        if self._lean is None or self._lean[0] is not model:
+            self._lean = (model, lean_step(model, self.attention))
+        return self._lean[1]
 
     def _static(self, model: Any, kv: StaticKv, tokens: list[int], positions: list[int]) -> torch.Tensor:
         rows = len(tokens)

@@ -1,7 +1,8 @@
 """Sampling one token per row: vLLM's logits processors (``process_logits``), then temperature /
-min-p / top-k / top-p with the request's seeded generator (``sample``), and the bookkeeping of an
-accepted token: log-probs, top log-probs, stop ids, EOS, stop strings and ``max_tokens``
-(``accept``). Pure functions of tensors and params; the engine supplies its model's EOS ids and
+min-p / top-k / top-p with the request's seeded generator (``sample``; one uniform a row,
+``draw``), and the bookkeeping of an accepted token: log-probs, top log-probs, stop ids, EOS, stop
+strings and ``max_tokens`` (``accept``). Pure functions of tensors and params; the engine supplies
+its model's EOS ids and
 tokenizer."""
 
 from __future__ import annotations
@@ -121,8 +122,7 @@ def sample(
         table = raw if logprobs_mode == "raw" else torch.log_softmax(logits, dim=-1)
     else:
         processed = torch.log_softmax(truncate(logits / params.temperature, params), dim=-1)
-        probs = processed.exp()
-        tokens = (probs / torch.empty_like(probs).exponential_(1, generator=gen)).argmax(dim=-1)
+        tokens = draw(processed.exp(), [(gen, 0, len(logits))])
         table = raw if logprobs_mode == "raw" else processed
     return tokens, table.gather(1, tokens[:, None]).squeeze(1), table
 
@@ -154,24 +154,73 @@ def sample_rows(
     unit: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sample`` for the rows of many plain requests at once (``is_plain``): row r at
-    ``temperature[r]`` (0: greedy). A draw is the exponential race ``argmax(p / E)``, E ~ Exp(1)
-    (what ``torch.multinomial`` does for one sample): every request fills its rows
-    ``draws[i][1]:draws[i][2]`` of E from its own generator, as ``sample`` does, so its tokens are
-    the ones it gets alone; everything else is one tensor operation over all rows. ``unit``: every
-    temperature is 1 or 0, so the tempered distribution is the raw one (dividing by 1 is exact) and
-    its log-softmax is not computed twice."""
+    ``temperature[r]`` (0: greedy). Every request draws its rows ``draws[i][1]:draws[i][2]`` from its
+    own generator (``draw``), as ``sample`` does, so its tokens are the ones it gets alone;
+    everything else is one tensor operation over all rows. ``unit``: every temperature is 1 or 0, so
+    the tempered distribution is the raw one (dividing by 1 is exact) and its log-softmax is not
+    computed twice."""
     raw = torch.log_softmax(logits, dim=-1)
     greedy = temperature == 0.0
     processed = (
         raw if unit else torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
     )
-    probs = processed.exp()
-    race = torch.ones_like(probs)
-    for gen, start, stop in draws:
-        race[start:stop].exponential_(1, generator=gen)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / race).argmax(dim=-1))
+    tokens = draw(processed.exp(), draws)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     table = raw if logprobs_mode == "raw" else processed
     return tokens, table.gather(1, tokens[:, None]).squeeze(1), table
+
+
+DRAW_BLOCK = 1024  # vocabulary entries a block of ``draw``'s two-level search
+
+
+def draw(probs: torch.Tensor, draws: list[tuple[torch.Generator, int, int]]) -> torch.Tensor:
+    """One token per row of ``probs`` by inverse transform: u ~ U[0, 1) from the generator that owns
+    the row (``draws``: (generator, start, stop), rows ``start:stop``, one float64 a row in row
+    order), the token where the row's cumulative probability first passes u x its total. A token of
+    probability 0 has an empty interval and is never drawn (the target stays below each total it is
+    compared with). Two levels past ``DRAW_BLOCK`` entries: the blocks' masses (float32 sums, each
+    as exact as the float32 probabilities it adds), the block found, then a float64 cumulative sum
+    of that block only; so every token's interval is its probability to float32's relative
+    precision, where one float32 cumulative sum over a whole vocabulary would blur a token of
+    probability 1e-9 by the 6e-8 rounding of the running total. One uniform a row, where the
+    exponential race ``argmax(p / E)`` of ``torch.multinomial`` draws one per entry: 19 ns an entry
+    on one core, 23 ms a step for 8 rows of a 152k vocabulary (docs/benchmarks/engine.md). Rows no
+    generator owns (greedy) draw u = 0: the caller takes their argmax."""
+    rows, vocab = probs.shape
+    device = probs.device
+    parts, at = [], 0
+    for gen, start, stop in sorted(draws, key=lambda d: d[1]):
+        if start > at:
+            parts.append(torch.zeros(start - at, dtype=torch.float64, device=device))
+        parts.append(torch.rand(stop - start, dtype=torch.float64, generator=gen, device=device))
+        at = stop
+    if at < rows:
+        parts.append(torch.zeros(rows - at, dtype=torch.float64, device=device))
+    u = torch.cat(parts)[:, None]
+    if vocab <= DRAW_BLOCK:
+        cdf = probs.double().cumsum(dim=1)
+        return _place(cdf, u * cdf[:, -1:]).squeeze(1)
+    full = vocab - vocab % DRAW_BLOCK
+    sums = [probs[:, :full].view(rows, -1, DRAW_BLOCK).sum(-1)]
+    if full < vocab:
+        sums.append(probs[:, full:].sum(-1, keepdim=True))
+    edges = torch.cat(sums, dim=1).double().cumsum(dim=1)  # (rows, blocks): the mass to each block's end
+    target = u * edges[:, -1:]
+    block = _place(edges, target)
+    below = torch.where(block > 0, edges.gather(1, (block - 1).clamp(min=0)), 0.0)
+    first = block * DRAW_BLOCK
+    cols = first + torch.arange(DRAW_BLOCK, device=device)
+    inside = probs.gather(1, cols.clamp(max=vocab - 1)).double().masked_fill_(cols >= vocab, 0.0)
+    return (first + _place(inside.cumsum(dim=1), target - below)).squeeze(1)
+
+
+def _place(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative ``cdf`` (non-decreasing) is above ``target``, the
+    target first held below the row's total; a row of NaNs (a broken model) gets the last index."""
+    total = cdf[:, -1:]
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
 
 
 def generator(params: SamplingParams, device: str) -> torch.Generator:
