@@ -65,6 +65,12 @@ SHAPES = (
         Body(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, family="qwen2"),
         ((8, 32),),
     ),
+    # a real vocabulary (Qwen2's 151,936 entries) on the small body: the sampling's per-entry work
+    Shape(
+        "gqa-256x4-v152k",
+        Body(hidden=256, layers=4, heads=8, kv_heads=2, intermediate=1024, vocab=151936),
+        ((8, 32), (32, 32)),
+    ),
 )
 
 QUICK = (
