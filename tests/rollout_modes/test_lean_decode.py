@@ -17,17 +17,9 @@ from loom.contracts.wire import SamplingParams
 from rollout_svc.engines.torch.decode import DecodeStep
 from rollout_svc.engines.torch.kv import StaticKv
 from rollout_svc.engines.torch.lean import lean_step
+from tests.test_architectures import COMMON as ARCH_COMMON
 
-COMMON = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "vocab_size": 97,
-    "tie_word_embeddings": False,
-}
+COMMON = {**ARCH_COMMON, "vocab_size": 97}
 
 
 def model_of(name: str, dtype: torch.dtype = torch.float32, impl: str = "sdpa") -> Any:
