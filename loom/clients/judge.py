@@ -15,6 +15,7 @@ Connections are spread over ``Lanes`` of a few each (httpcore's pool is quadrati
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -90,26 +91,30 @@ class _Limits:
     tpm: TokenBucket
 
 
+@functools.cache
+def _tls() -> Any:
+    """The process's one TLS context for judge connections: every new pool would load the CA bundle
+    again (~20 ms), and a reward task's ``ask_batch_once`` opens pools of its own each call."""
+    return httpx.create_ssl_context()
+
+
 @dataclass
 class Lanes:
     """Connection pools of at most ``width`` connections each, a request on the first with room, a
     new pool only when every one is full. httpcore 1.0's pool, on every request's start and end,
     checks each idle connection against a count of all of them (``_assign_requests_to_connections``):
     one pool holding a few hundred in flight spent 4/5 of the client's CPU there (bench/judge.py,
-    docs/benchmarks/judge.md); a lane never queues a request and scans at most ``width``."""
+    docs/benchmarks/README.md "judge"); a lane never queues a request and scans at most ``width``."""
 
     width: int = 16
     pools: list[httpx.AsyncClient] = field(default_factory=list)
     load: list[int] = field(default_factory=list)
-    _tls: Any = None  # one TLS context for every lane (each pool would load the CA bundle again)
 
     async def post(self, url: str, body: dict[str, Any], timeout: float) -> httpx.Response:
         i = next((i for i, n in enumerate(self.load) if n < self.width), len(self.load))
         if i == len(self.load):
             limits = httpx.Limits(max_connections=self.width, max_keepalive_connections=self.width)
-            if self._tls is None:
-                self._tls = httpx.create_ssl_context()
-            self.pools.append(httpx.AsyncClient(limits=limits, verify=self._tls))
+            self.pools.append(httpx.AsyncClient(limits=limits, verify=_tls()))
             self.load.append(0)
         self.load[i] += 1
         try:

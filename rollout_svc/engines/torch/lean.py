@@ -1,10 +1,12 @@
 """The decode step of the Llama-shaped families through the model's own leaf modules, without the
-model's ``forward`` machinery around them (docs/benchmarks/engine.md, "Lean decode step").
+model's ``forward`` machinery around them (docs/benchmarks/engine.md, "One uniform a row, and the
+eager step through the model's leaf modules").
 
 On CPU a decode step of a small body is mostly Python: transformers' model forward builds its mask
 mapping, position and cache bookkeeping, output records and keyword plumbing through every decoder
-layer, where the step itself is a few matrix products a layer (measured at 8 rows: 5.1-5.3 ms a step
-through ``model(...)``, 3.8-4.4 ms through the leaf modules, the same logits to the bit). The step
+layer, where the step itself is a few matrix products a layer (one step over the static KV cache of
+a 3.9 M-parameter body at 8 rows: 4.7-5.1 ms through ``model(...)``, 4.1-4.2 ms through the leaf
+modules, the same logits to the bit). The step
 here calls what the decoder layers call, in their order: the embedding, the rotary embedding, each
 layer's norms, projections (Qwen3's per-head q/k norms too), the family's own
 ``apply_rotary_pos_emb``, the configured attention function (transformers' ``sdpa`` or ``eager``
@@ -90,13 +92,13 @@ def lean_step(model: Any, attention: Attention | None) -> LeanStep | None:
     if not hasattr(model, "lm_head"):
         return None
     qk_norm = model_type == "qwen3"
+    mlp_cls = layer_cls.replace("DecoderLayer", "MLP")
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer).__name__ != layer_cls or att is None or mlp is None:
             return None
         if not all(hasattr(att, n) for n in (*_ATTN, "head_dim", "scaling")):
             return None
-        mlp_cls = layer_cls.replace("DecoderLayer", "MLP")
         if not all(hasattr(mlp, n) for n in _MLP) or type(mlp).__name__ != mlp_cls:
             return None
         if qk_norm and not (hasattr(att, "q_norm") and hasattr(att, "k_norm")):

@@ -2,8 +2,7 @@
 min-p / top-k / top-p with the request's seeded generator (``sample``; one uniform a row,
 ``draw``), and the bookkeeping of an accepted token: log-probs, top log-probs, stop ids, EOS, stop
 strings and ``max_tokens`` (``accept``). Pure functions of tensors and params; the engine supplies
-its model's EOS ids and
-tokenizer."""
+its model's EOS ids and tokenizer."""
 
 from __future__ import annotations
 
@@ -165,7 +164,7 @@ def sample_rows(
         raw if unit else torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
     )
     tokens = draw(processed.exp(), draws)
-    if bool(greedy.any()):
+    if sum(stop - start for _, start, stop in draws) < len(logits):  # greedy rows (no device sync)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     table = raw if logprobs_mode == "raw" else processed
     return tokens, table.gather(1, tokens[:, None]).squeeze(1), table
